@@ -1,0 +1,161 @@
+"""Built-in random-weight checkpoints and the one loader every checkpoint goes through.
+
+`tiny` (tests) and `small` (benchmarks) are Qwen3-architecture models with deterministic random
+weights and a byte-level BPE tokenizer. They are written once to a cache folder as an ordinary
+Hugging Face checkpoint (config.json, model.safetensors, tokenizer files with a chat template) and
+then loaded exactly like a downloaded one. Nothing here reaches for the network.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+CACHE_ENV_DEFAULT = Path.home() / ".cache" / "pdserve" / "models"
+FORMAT_VERSION = 1  # bump when a built-in's weights or tokenizer change
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape of a built-in random model."""
+
+    arch: str  # "qwen3" | "llama" | "qwen2" | "mistral"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    init_std: float = 0.02
+    seed: int = 0
+
+
+BUILTIN_MODELS: dict[str, ModelSpec] = {
+    "tiny": ModelSpec("qwen3", 512, 64, 128, 2, 4, 2, 16, 2048),
+    "small": ModelSpec("qwen3", 8192, 512, 1536, 8, 8, 4, 64, 2048),
+}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("PDSERVE_CACHE", CACHE_ENV_DEFAULT))
+
+
+def resolve_model(name_or_path: str) -> Path:
+    """Return a checkpoint folder: a built-in name is written (once) to the cache first."""
+    if name_or_path in BUILTIN_MODELS:
+        folder = cache_dir() / f"{name_or_path}-v{FORMAT_VERSION}"
+        if not (folder / "model.safetensors").exists():
+            write_random_checkpoint(folder, BUILTIN_MODELS[name_or_path])
+        return folder
+    path = Path(name_or_path)
+    if not (path / "config.json").is_file():
+        known = ", ".join(BUILTIN_MODELS)
+        raise ValueError(
+            f"--model {name_or_path!r} is neither a built-in model ({known}) "
+            "nor a folder with a config.json"
+        )
+    return path
+
+
+def hf_config(spec: ModelSpec):
+    """The transformers config object of a spec."""
+    import transformers
+
+    common = dict(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        bos_token_id=spec.vocab_size - 3,  # <|endoftext|>
+        eos_token_id=spec.vocab_size - 1,  # <|im_end|>
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    if spec.arch == "qwen3":
+        return transformers.Qwen3Config(head_dim=spec.head_dim, **common)
+    if spec.arch == "qwen2":
+        return transformers.Qwen2Config(**common)
+    if spec.arch == "llama":
+        return transformers.LlamaConfig(head_dim=spec.head_dim, **common)
+    if spec.arch == "mistral":
+        return transformers.MistralConfig(head_dim=spec.head_dim, sliding_window=None, **common)
+    raise ValueError(f"unknown architecture {spec.arch!r}")
+
+
+def write_random_checkpoint(folder: Path, spec: ModelSpec) -> None:
+    """Write a deterministic random-weight checkpoint with a byte-level tokenizer to `folder`."""
+    import transformers
+
+    folder = Path(folder)
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    config = hf_config(spec)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    gen = torch.Generator().manual_seed(spec.seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
+            else:
+                param.copy_(spec.init_std * torch.randn(param.shape, generator=gen))
+    model.save_pretrained(tmp, safe_serialization=True)
+    _byte_level_tokenizer(spec.vocab_size).save_pretrained(tmp)
+    (tmp / "pdserve_builtin.json").write_text(json.dumps({"spec": spec.__dict__}))
+    if folder.exists():  # another process won the race; keep its copy
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
+    os.replace(tmp, folder)
+
+
+def _byte_level_tokenizer(vocab_size: int):
+    """A byte-level BPE tokenizer: 256 byte tokens, merged pairs of printable ASCII, 3 specials."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_to_char = pre_tokenizers.ByteLevel.alphabet()
+    chars = sorted(byte_to_char)  # the 256 byte-level symbols
+    vocab = {c: i for i, c in enumerate(chars)}
+    printable = [c for c in (chr(b) for b in range(33, 127)) if c in vocab]
+    merges = []
+    for a in printable:
+        for b in printable:
+            if len(vocab) >= vocab_size - len(SPECIAL_TOKENS):
+                break
+            vocab[a + b] = len(vocab)
+            merges.append((a, b))
+    while len(vocab) < vocab_size - len(SPECIAL_TOKENS):
+        vocab[f"<|unused{len(vocab)}|>"] = len(vocab)
+    for tok in SPECIAL_TOKENS:
+        vocab[tok] = len(vocab)
+    bpe = models.BPE(vocab=vocab, merges=merges)
+    tok = Tokenizer(bpe)
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+    )
+    return fast

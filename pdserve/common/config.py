@@ -1,0 +1,111 @@
+"""One frozen config per process. Validation raises ValueError with a message a user can act on."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+DTYPE_CHOICES = ("float32", "bfloat16")
+KV_TRANSPORTS = ("zmq", "shm", "cuda_ipc")
+ROLES = ("colocated", "prefill", "decode")
+
+
+def parse_cores(spec: str) -> tuple[int, ...]:
+    """'0', '0-3' or '0,2,5' -> a tuple of core ids ('' -> no pinning)."""
+    cores: list[int] = []
+    for part in filter(None, spec.split(",")):
+        lo, _, hi = part.partition("-")
+        try:
+            cores.extend(range(int(lo), int(hi or lo) + 1))
+        except ValueError:
+            raise ValueError(f"cannot read CPU core list {spec!r}: use '0', '0-3' or '0,2'") from None
+    return tuple(cores)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "tiny"
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: size the pool from kv_cache_gb
+    kv_cache_gb: float = 0.25
+    cpu_cores: tuple[int, ...] = ()  # pin the process to these cores ((): no pinning)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, not {self.dtype!r}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"--device must be 'cpu' or 'cuda:N', not {self.device!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError("--num-kv-blocks must be at least 1")
+        if self.kv_cache_gb <= 0:
+            raise ValueError("--kv-cache-gb must be positive")
+        if self.cpu_cores and os.cpu_count() and max(self.cpu_cores) >= os.cpu_count():
+            raise ValueError(f"--cpu-cores {self.cpu_cores} names a core this machine lacks ({os.cpu_count()} cores)")
+
+    def num_blocks_for(self, bytes_per_token: int) -> int:
+        if self.num_kv_blocks is not None:
+            return self.num_kv_blocks
+        return max(1, int(self.kv_cache_gb * 2**30) // (bytes_per_token * self.block_size))
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """A colocated, prefill or decode node: where it listens and how it moves KV."""
+
+    role: str
+    engine: EngineConfig
+    listen: str = "tcp://127.0.0.1:0"  # router-facing socket
+    kv_listen: str = "tcp://127.0.0.1:0"  # decode node: where prefill nodes connect to ship KV
+    kv_transport: str = "zmq"
+    kv_lease_s: float = 30.0
+    ready_file: str = ""  # if set, the node writes its bound addresses here once it serves
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}")
+        if self.kv_transport not in KV_TRANSPORTS:
+            raise ValueError(f"--kv-transport must be one of {', '.join(KV_TRANSPORTS)}")
+        if self.kv_transport == "cuda_ipc" and not self.engine.device.startswith("cuda"):
+            raise ValueError("--kv-transport cuda_ipc needs --device cuda:N on both nodes")
+        if self.kv_lease_s <= 0:
+            raise ValueError("--kv-lease-s must be positive")
+        for addr in (self.listen, self.kv_listen):
+            if not addr.startswith(("tcp://", "ipc://")):
+                raise ValueError(f"address {addr!r} must start with tcp:// or ipc://")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    colocated: tuple[str, ...] = ()
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()  # router-facing addresses of decode nodes
+    decode_kv: tuple[str, ...] = ()  # their KV addresses, in the same order
+    served_model_name: str = ""
+    node_timeout_s: float = 10.0
+    connect_timeout_s: float = 120.0
+    max_prompt_tokens: int | None = None
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError("--port must be in 0..65535")
+        if self.colocated and (self.prefill or self.decode):
+            raise ValueError("give either colocated nodes or prefill + decode nodes, not both")
+        if not self.colocated and not (self.prefill and self.decode):
+            raise ValueError("the router needs --colocated nodes, or both --prefill and --decode nodes")
+        if len(self.decode) != len(self.decode_kv):
+            raise ValueError("give one --decode-kv address per --decode node")
+
+    @property
+    def mode(self) -> str:
+        return "colocated" if self.colocated else "disagg"

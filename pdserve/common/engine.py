@@ -1,0 +1,104 @@
+"""The engine: one iteration is schedule() -> run(batch) -> update(batch, logits).
+
+Shared by all three node roles. A prefill-only engine stops each request after its first token
+and parks it in TRANSFERRING, KV held, for the prefill node to ship.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.common.block_allocator import blocks_for
+from pdserve.common.checkpoint import resolve_model
+from pdserve.common.config import EngineConfig
+from pdserve.common.kv_cache import KVPool
+from pdserve.common.model import ModelRunner, kv_layout, load_model, max_model_len
+from pdserve.common.request import Request, Status
+from pdserve.common.sampling import Sampler, finish_reason
+from pdserve.common.scheduler import Batch, Scheduler
+
+
+@dataclass(frozen=True)
+class TokenOutput:
+    request: Request
+    token_id: int
+    finish_reason: str | None
+
+
+def pin_process(cfg: EngineConfig) -> None:
+    """Pin this process to its cores and size torch's thread pool to them."""
+    if cfg.cpu_cores:
+        os.sched_setaffinity(0, cfg.cpu_cores)
+        torch.set_num_threads(len(cfg.cpu_cores))
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig, prefill_only: bool = False, pool_storage=None) -> None:
+        self.cfg = cfg
+        self.prefill_only = prefill_only
+        self.model = load_model(resolve_model(cfg.model), cfg.dtype, cfg.device)
+        self.layout = kv_layout(self.model, cfg.block_size, cfg.dtype)
+        num_blocks = cfg.num_blocks_for(self.layout.bytes_per_token())
+        storage = pool_storage(self.layout, num_blocks) if pool_storage else None
+        self.pool = KVPool(self.layout, num_blocks, cfg.device, data=storage)
+        self.scheduler = Scheduler(self.pool.allocator, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.pool)
+        self.sampler = Sampler()
+        self.max_model_len = max_model_len(self.model.config)
+        self.requests: dict[str, Request] = {}
+
+    # ---- requests -----------------------------------------------------------------------------
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> str:
+        """Why a request can never run here ("" when it can)."""
+        total = num_prompt_tokens + (1 if self.prefill_only else max_tokens)
+        need = blocks_for(min(total, self.max_model_len), self.pool.block_size)
+        if need > self.pool.num_blocks:
+            return f"the request needs {need} KV blocks but the pool has {self.pool.num_blocks}"
+        return ""
+
+    def add(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"duplicate request id {req.request_id}")
+        self.requests[req.request_id] = req
+        self.scheduler.add(req)
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is not None:
+            self.release(req, Status.ABORTED, "abort")
+        return req
+
+    def release(self, req: Request, status: Status, reason: str) -> None:
+        """End a request for good: out of the queues, KV freed."""
+        self.scheduler.finish(req, status, reason)
+        self.requests.pop(req.request_id, None)
+        self.sampler.forget(req.request_id)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- one iteration ------------------------------------------------------------------------
+    def step(self) -> list[TokenOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        logits = self.runner.forward(self.runner.prepare(batch))
+        return self.update(batch, logits)
+
+    def update(self, batch: Batch, logits: torch.Tensor) -> list[TokenOutput]:
+        sampled = [s.request for s in batch.scheduled if s.samples]
+        self.scheduler.advance(batch)
+        outputs = []
+        for req, token in zip(sampled, self.sampler(logits, sampled), strict=True):
+            req.output_token_ids.append(token)
+            reason = finish_reason(req, req.params, self.max_model_len)
+            if reason:
+                self.release(req, Status.FINISHED, reason)
+            elif self.prefill_only:
+                self.scheduler.running.remove(req)
+                req.move_to(Status.TRANSFERRING)
+            outputs.append(TokenOutput(req, token, reason))
+        return outputs

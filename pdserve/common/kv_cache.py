@@ -1,0 +1,96 @@
+"""The paged KV pool: one preallocated tensor, addressed by block ids and token slots.
+
+Layout: `data[layer, slot, kv, head, dim]` with `slot = block * block_size + offset`, i.e.
+[L, num_blocks * block_size, 2, num_kv_heads, head_dim]. One index_select on a layer gathers a
+request's keys and values together; one block of every layer is a strided slice (for block copies
+between pools). The pool can live in shared memory, so that a decode node on the same host copies
+blocks straight out of a prefill node's pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from pdserve.common.block_allocator import BlockAllocator
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What two pools must agree on before KV moves between them."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+    model_fingerprint: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def bytes_per_token(self) -> int:
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * DTYPES[self.dtype].itemsize
+
+    def mismatch(self, other: dict) -> str:
+        """A readable list of the fields that differ from `other`, or "" when they pair."""
+        mine = self.to_dict()
+        diffs = [f"{k}: {mine[k]!r} here, {other.get(k)!r} there" for k in mine if other.get(k) != mine[k]]
+        return "; ".join(diffs)
+
+
+class KVPool:
+    def __init__(
+        self, layout: KVLayout, num_blocks: int, device: str = "cpu", data: torch.Tensor | None = None
+    ) -> None:
+        self.layout = layout
+        self.block_size = layout.block_size
+        self.num_blocks = num_blocks
+        shape = self.shape_for(layout, num_blocks)
+        if data is None:
+            data = torch.zeros(shape, dtype=DTYPES[layout.dtype], device=device)
+        elif tuple(data.shape) != shape:
+            raise ValueError(f"KV pool storage has shape {tuple(data.shape)}, expected {shape}")
+        self.data = data  # [L, NB*bs, 2, nkv, d]
+        self.allocator = BlockAllocator(num_blocks, layout.block_size)
+
+    @staticmethod
+    def shape_for(layout: KVLayout, num_blocks: int) -> tuple[int, ...]:
+        return (layout.num_layers, num_blocks * layout.block_size, 2, layout.num_kv_heads, layout.head_dim)
+
+    def slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
+        """Slot index of every token position in [start, end) of a request owning `block_ids`."""
+        pos = torch.arange(start, end)
+        blocks = torch.tensor(block_ids, dtype=torch.long)[pos // self.block_size]
+        return blocks * self.block_size + pos % self.block_size
+
+    def export(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
+        """One request's KV as a contiguous [L, 2, num_tokens, nkv, d] tensor."""
+        idx = self.slots(block_ids, 0, num_tokens).to(self.data.device)
+        return self.data.index_select(1, idx).transpose(1, 2).contiguous()
+
+    def import_(self, block_ids: list[int], kv: torch.Tensor) -> None:
+        """Write an exported [L, 2, n, nkv, d] tensor into the blocks `block_ids`."""
+        n = kv.shape[2]
+        idx = self.slots(block_ids, 0, n).to(self.data.device)
+        self.data.index_copy_(1, idx, kv.to(self.data.device).transpose(1, 2))
+
+    def copy_blocks_from(self, src: torch.Tensor, src_blocks: list[int], dst_blocks: list[int]) -> None:
+        """Copy whole blocks out of another pool's storage `src` (same layout), one slice per run."""
+        bs = self.block_size
+        for s, d, n in _runs(src_blocks, dst_blocks):
+            self.data[:, d * bs : (d + n) * bs].copy_(src[:, s * bs : (s + n) * bs])
+
+
+def _runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    """Merge (src, dst) block pairs into runs that are consecutive on both sides."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst, strict=True):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs

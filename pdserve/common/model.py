@@ -1,0 +1,210 @@
+"""Selective-batching forward over a Hugging Face causal LM's own modules.
+
+One forward runs one iteration: the new tokens of every scheduled request (prompt chunks and
+single decode tokens alike) are flattened to `[T, H]`. Embedding, norms, projections, MLP and the
+LM head run on those flattened tokens (the LM head only where a token is sampled); attention runs
+per request span against that request's own KV in the paged pool.
+
+Supported families: Qwen3 (q/k norms), Qwen2 (qkv bias), Llama, Mistral — all share the layer
+shape input_layernorm -> self_attn -> post_attention_layernorm -> mlp.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.common.kv_cache import DTYPES, KVLayout, KVPool
+from pdserve.common.scheduler import Batch
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
+
+
+@dataclass
+class Span:
+    """One request's slice of the flattened batch."""
+
+    start: int  # first index in [T]
+    length: int  # new tokens this iteration
+    past: int  # tokens already in the KV before this iteration
+    ctx_slots: torch.Tensor | None  # [past + length] slots, None when past == 0
+    mask: torch.Tensor | None  # [length, past + length] bool, for a chunk after a past
+
+
+@dataclass
+class ForwardInputs:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slot_mapping: torch.Tensor  # [T]
+    spans: list[Span]
+    sample_index: torch.Tensor  # [S] positions in [T] whose logits are sampled
+
+
+def load_model(path: Path, dtype: str, device: str = "cpu"):
+    """Load a checkpoint folder through transformers (no network)."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model type {config.model_type!r} is not supported ({', '.join(SUPPORTED_MODEL_TYPES)})")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=DTYPES[dtype], local_files_only=True, attn_implementation="sdpa"
+    )
+    return model.to(device).eval()
+
+
+def fingerprint(model) -> str:
+    """A short hash of the config and a sample of the weights: two nodes must load the same model."""
+    h = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
+    with torch.no_grad():
+        for _, p in sorted(model.named_parameters())[:: max(1, len(list(model.parameters())) // 8)]:
+            h.update(p.detach().flatten()[:64].float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def kv_layout(model, block_size: int, dtype: str) -> KVLayout:
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return KVLayout(
+        num_layers=cfg.num_hidden_layers,
+        num_kv_heads=cfg.num_key_value_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        model_fingerprint=fingerprint(model),
+    )
+
+
+def max_model_len(config) -> int:
+    """The longest sequence the model attends over exactly (a sliding window caps it)."""
+    limit = config.max_position_embeddings
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True):
+        limit = min(limit, window)
+    return limit
+
+
+class ModelRunner:
+    def __init__(self, model, pool: KVPool) -> None:
+        self.model = model
+        self.pool = pool
+        self.device = next(model.parameters()).device
+        inner = model.model
+        self.embed = inner.embed_tokens
+        self.layers = list(inner.layers)
+        self.norm = inner.norm
+        self.rotary = inner.rotary_emb
+        self.lm_head = model.lm_head
+        attn = self.layers[0].self_attn
+        self.apply_rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        self.head_dim = pool.layout.head_dim
+        self.num_kv_heads = pool.layout.num_kv_heads
+        self.group = model.config.num_attention_heads // self.num_kv_heads
+        self.scale = attn.scaling
+
+    # ---- inputs ----------------------------------------------------------------------------------
+    def prepare(self, batch: Batch) -> ForwardInputs:
+        ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
+        spans: list[Span] = []
+        sample: list[int] = []
+        for s in batch.scheduled:
+            req, past, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
+            all_ids = req.all_token_ids
+            ids.extend(all_ids[past : past + n])
+            positions.append(torch.arange(past, past + n))
+            ctx = self.pool.slots(req.block_ids, 0, past + n)  # [past + n]
+            slots.append(ctx[past:])
+            spans.append(Span(len(ids) - n, n, past, ctx if past else None, _chunk_mask(past, n)))
+            if s.samples:
+                sample.append(len(ids) - 1)
+        dev = self.device
+        return ForwardInputs(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            positions=torch.cat(positions).to(dev),
+            slot_mapping=torch.cat(slots).to(dev),
+            spans=[_span_to(sp, dev) for sp in spans],
+            sample_index=torch.tensor(sample, dtype=torch.long, device=dev),
+        )
+
+    # ---- forward ---------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, inp: ForwardInputs) -> torch.Tensor:
+        """Run one iteration; return the logits of the sampled positions, [S, V] in float32."""
+        h = self.embed(inp.input_ids)  # [T, H]
+        cos, sin = self.rotary(h, inp.positions[None])  # [1, T, d]
+        rope = (cos[0], sin[0])  # [T, d]
+        for i, layer in enumerate(self.layers):
+            h = h + self._attention(layer.self_attn, layer.input_layernorm(h), rope, i, inp)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = self.norm(h[inp.sample_index])  # [S, H]
+        return self.lm_head(h).float()  # [S, V]
+
+    def _attention(self, attn, x: torch.Tensor, rope, layer_idx: int, inp: ForwardInputs) -> torch.Tensor:
+        T, d = x.shape[0], self.head_dim
+        q = attn.q_proj(x).view(T, -1, d)  # [T, nh, d]
+        k = attn.k_proj(x).view(T, -1, d)  # [T, nkv, d]
+        v = attn.v_proj(x).view(T, -1, d)  # [T, nkv, d]
+        if hasattr(attn, "q_norm"):
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = self.apply_rope(q, k, *rope, unsqueeze_dim=1)
+        kv_pool = self.pool.data[layer_idx]  # [NB*bs, 2, nkv, d]
+        kv_pool.index_copy_(0, inp.slot_mapping, torch.stack((k, v), dim=1))
+        out = torch.empty_like(q)  # [T, nh, d]
+        for sp in inp.spans:
+            out[sp.start : sp.start + sp.length] = self._span_attention(q, k, v, kv_pool, sp)
+        return attn.o_proj(out.view(T, -1))  # [T, H]
+
+    def _span_attention(self, q, k, v, kv_pool, sp: Span) -> torch.Tensor:
+        """Attention of one request's new tokens: [length, nh, d]."""
+        end = sp.start + sp.length
+        qs = q[sp.start : end]  # [Lq, nh, d]
+        if sp.ctx_slots is None:  # a prompt's first chunk: its own keys, causal
+            ks, vs = k[sp.start : end], v[sp.start : end]  # [Lq, nkv, d]
+        else:
+            kv = kv_pool.index_select(0, sp.ctx_slots)  # [Lk, 2, nkv, d]
+            ks, vs = kv[:, 0], kv[:, 1]
+        if sp.length == 1:
+            return self._decode_attention(qs, ks, vs)
+        o = F.scaled_dot_product_attention(
+            qs.transpose(0, 1)[None],  # [1, nh, Lq, d]
+            ks.transpose(0, 1)[None],  # [1, nkv, Lk, d]
+            vs.transpose(0, 1)[None],
+            attn_mask=sp.mask,
+            is_causal=sp.mask is None,
+            scale=self.scale,
+            enable_gqa=True,
+        )  # [1, nh, Lq, d]
+        return o[0].transpose(0, 1)
+
+    def _decode_attention(self, q, k, v) -> torch.Tensor:
+        """One query token against its context with two matmuls: [1, nh, d]."""
+        qg = q.view(self.num_kv_heads, self.group, self.head_dim)  # [nkv, G, d]
+        scores = torch.matmul(qg, k.permute(1, 2, 0)) * self.scale  # [nkv, G, Lk]
+        probs = scores.float().softmax(-1).to(v.dtype)
+        return torch.matmul(probs, v.transpose(0, 1)).view(1, -1, self.head_dim)  # [1, nh, d]
+
+
+def _chunk_mask(past: int, n: int) -> torch.Tensor | None:
+    """Causal mask of a chunk of n new tokens after `past` cached ones: [n, past + n] bool."""
+    if past == 0 or n == 1:
+        return None
+    return torch.arange(past + n)[None, :] <= (past + torch.arange(n))[:, None]
+
+
+def _span_to(sp: Span, device) -> Span:
+    if device.type == "cpu":
+        return sp
+    return Span(
+        sp.start,
+        sp.length,
+        sp.past,
+        None if sp.ctx_slots is None else sp.ctx_slots.to(device),
+        None if sp.mask is None else sp.mask.to(device),
+    )

@@ -1,0 +1,71 @@
+"""A request's state on a node, and the legal moves between states.
+
+1. WAITING: queued; owns no KV, or (decode node) owns KV imported from a prefill node.
+2. RUNNING: scheduled each iteration; a prompt is caught up chunk by chunk, then one token a step.
+3. TRANSFERRING (prefill node only): first token sampled; KV held until the decode node acknowledges.
+4. FINISHED / ABORTED: terminal; its KV blocks are already back in the pool.
+A preempted request goes RUNNING -> WAITING and recomputes its KV later.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from pdserve.common.protocol import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    TRANSFERRING = "transferring"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+_LEGAL = {
+    Status.WAITING: {Status.RUNNING, Status.ABORTED},
+    Status.RUNNING: {Status.WAITING, Status.TRANSFERRING, Status.FINISHED, Status.ABORTED},
+    Status.TRANSFERRING: {Status.FINISHED, Status.ABORTED},
+    Status.FINISHED: set(),
+    Status.ABORTED: set(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    arrival: float = 0.0
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in (Status.FINISHED, Status.ABORTED)
+
+    def move_to(self, status: Status) -> None:
+        if status not in _LEGAL[self.status]:
+            raise IllegalTransition(f"request {self.request_id}: {self.status.value} -> {status.value}")
+        self.status = status
+
+    def token_at(self, pos: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[pos] if pos < n else self.output_token_ids[pos - n]

@@ -1,0 +1,125 @@
+"""Iteration-level scheduler (Orca) with chunked prefill. Pure Python: budgets in, a batch out.
+
+One path for every request: each iteration, a scheduled request catches its `num_computed_tokens`
+up towards `num_tokens` by as many tokens as the budget allows; a decoding request needs one, a
+prompt needs the rest of its prompt (in chunks). Running requests go first, oldest first, then
+waiting ones FCFS while the token budget, `max_num_seqs` and the KV pool allow. When the pool runs
+dry the newest running request is preempted: its blocks are freed and it recomputes later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdserve.common.block_allocator import BlockAllocator
+from pdserve.common.request import Request, Status
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the request's last token, so a new token is sampled."""
+        r = self.request
+        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+
+
+@dataclass
+class Batch:
+    """What one iteration runs: requests in order, and how many new tokens each."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    def __bool__(self) -> bool:
+        return bool(self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.allocator = allocator
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    # ---- queue --------------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, request: Request, status: Status, reason: str) -> None:
+        """Take a request out of the queues for good and free its KV at once."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.allocator.free(request.block_ids)
+        request.finish_reason = reason
+        request.move_to(status)
+
+    # ---- one iteration ------------------------------------------------------------------------
+    def schedule(self) -> Batch:
+        batch = Batch()
+        budget = self.max_num_batched_tokens
+        for req in list(self.running):
+            if budget == 0:
+                break
+            if req.status is not Status.RUNNING:  # preempted earlier in this loop
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._reserve(req, n, batch):
+                continue
+            batch.scheduled.append(ScheduledRequest(req, n))
+            budget -= n
+        if not batch.preempted:
+            budget = self._admit(batch, budget)
+        return batch
+
+    def _admit(self, batch: Batch, budget: int) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.allocator.grow(req.block_ids, req.num_computed_tokens + n):
+                break  # FCFS: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            req.move_to(Status.RUNNING)
+            self.running.append(req)
+            batch.scheduled.append(ScheduledRequest(req, n))
+            budget -= n
+        return budget
+
+    def _reserve(self, req: Request, n: int, batch: Batch) -> bool:
+        """Grow `req`'s blocks for `n` more tokens, preempting the newest running requests if needed."""
+        while not self.allocator.grow(req.block_ids, req.num_computed_tokens + n):
+            victim = self.running[-1]
+            self._preempt(victim, batch)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request, batch: Batch) -> None:
+        self.running.remove(req)
+        self.allocator.free(req.block_ids)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.move_to(Status.WAITING)
+        self.waiting.appendleft(req)
+        batch.preempted.append(req)
+        batch.scheduled = [s for s in batch.scheduled if s.request is not req]
+
+    # ---- after the forward --------------------------------------------------------------------
+    def advance(self, batch: Batch) -> None:
+        """Count the computed tokens of every scheduled request."""
+        for s in batch.scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens

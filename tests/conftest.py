@@ -1,0 +1,34 @@
+"""Tiny random checkpoints for the tests, built once per session through the built-in writer."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from pdserve.common.checkpoint import ModelSpec, write_random_checkpoint
+
+TINY_SPECS = {
+    "qwen3": ModelSpec("qwen3", 512, 64, 128, 2, 4, 2, 16, 1024, seed=1),
+    "llama": ModelSpec("llama", 512, 64, 128, 2, 4, 2, 16, 1024, seed=2),
+    "qwen2": ModelSpec("qwen2", 512, 64, 128, 2, 4, 2, 16, 1024, seed=3),
+}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _model_cache(tmp_path_factory) -> Path:
+    """Built-in models go to a per-session cache unless PDSERVE_CACHE is set already."""
+    if "PDSERVE_CACHE" not in os.environ:
+        os.environ["PDSERVE_CACHE"] = str(tmp_path_factory.mktemp("pdserve-cache"))
+    return Path(os.environ["PDSERVE_CACHE"])
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny-models")
+    paths = {}
+    for arch, spec in TINY_SPECS.items():
+        write_random_checkpoint(root / arch, spec)
+        paths[arch] = root / arch
+    return paths
