@@ -75,7 +75,6 @@ class Engine:
         """End a request for good: out of the queues, KV freed."""
         self.scheduler.finish(req, status, reason)
         self.requests.pop(req.request_id, None)
-        self.sampler.forget(req.request_id)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()

@@ -1,8 +1,8 @@
 """Token sampling and stop conditions.
 
-Greedy rows are one argmax over the batch. Other rows sample with temperature, top-k and top-p,
-each with its own generator: a request with a seed draws the same tokens whatever it is batched
-with.
+Greedy rows are one argmax over the batch. Other rows sample with temperature, top-k and top-p.
+A seeded request draws its i-th token from a generator seeded by (seed, i) alone, so it samples the
+same tokens whatever it is batched with, after a preemption, and on whichever node draws it.
 """
 
 from __future__ import annotations
@@ -14,12 +14,6 @@ from pdserve.common.request import Request
 
 
 class Sampler:
-    def __init__(self) -> None:
-        self._generators: dict[str, torch.Generator] = {}
-
-    def forget(self, request_id: str) -> None:
-        self._generators.pop(request_id, None)
-
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
         """logits: [num_requests, V] -> one token id per request."""
         tokens = logits.argmax(dim=-1).tolist()
@@ -28,15 +22,13 @@ class Sampler:
                 tokens[i] = self._sample(logits[i], req)
         return tokens
 
-    def _generator(self, req: Request) -> torch.Generator:
-        gen = self._generators.get(req.request_id)
-        if gen is None:
-            gen = torch.Generator()
-            if req.params.seed is None:
-                gen.seed()
-            else:
-                gen.manual_seed(req.params.seed)
-            self._generators[req.request_id] = gen
+    @staticmethod
+    def _generator(req: Request) -> torch.Generator:
+        gen = torch.Generator()
+        if req.params.seed is None:
+            gen.seed()
+        else:  # the token index makes each draw independent of every earlier one
+            gen.manual_seed((req.params.seed * 1_000_003 + len(req.output_token_ids)) % 2**63)
         return gen
 
     def _sample(self, logits: torch.Tensor, req: Request) -> int:

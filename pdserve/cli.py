@@ -1,0 +1,133 @@
+"""The `pdserve` command: `up` starts a whole local stack; the other verbs run one role each."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from pdserve.common.config import EngineConfig, NodeConfig, RouterConfig, parse_cores
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default="tiny", help="checkpoint folder, or a built-in: tiny, small")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    g.add_argument("--max-num-seqs", type=int, default=16)
+    g.add_argument("--max-num-batched-tokens", type=int, default=512)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--kv-cache-gb", type=float, default=0.25)
+    g.add_argument("--kv-transport", default="zmq", choices=["zmq", "shm", "cuda_ipc"])
+    g.add_argument("--kv-lease-s", type=float, default=30.0)
+
+
+def engine_config(a: argparse.Namespace, device: str, cores: str) -> EngineConfig:
+    return EngineConfig(
+        model=a.model, dtype=a.dtype, device=device, max_num_seqs=a.max_num_seqs,
+        max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
+        num_kv_blocks=a.num_kv_blocks, kv_cache_gb=a.kv_cache_gb, cpu_cores=parse_cores(cores),
+    )  # fmt: skip
+
+
+def engine_argv(a: argparse.Namespace) -> list[str]:
+    """The engine flags of `a` again, to pass on to a child node."""
+    argv = ["--model", a.model, "--dtype", a.dtype, "--max-num-seqs", str(a.max_num_seqs),
+            "--max-num-batched-tokens", str(a.max_num_batched_tokens), "--block-size", str(a.block_size),
+            "--kv-cache-gb", str(a.kv_cache_gb), "--kv-transport", a.kv_transport,
+            "--kv-lease-s", str(a.kv_lease_s)]  # fmt: skip
+    if a.num_kv_blocks is not None:
+        argv += ["--num-kv-blocks", str(a.num_kv_blocks)]
+    return argv
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    p.add_argument("--log-level", default="INFO")
+    sub = p.add_subparsers(dest="verb", required=True)
+
+    up = sub.add_parser("up", help="start router + nodes as child processes")
+    add_engine_args(up)
+    up.add_argument("--mode", default="disagg", choices=["disagg", "colocated"])
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=8000)
+    up.add_argument("--device", default="cpu")
+    up.add_argument("--prefill-device", default=None)
+    up.add_argument("--decode-device", default=None)
+    up.add_argument("--num-prefill", type=int, default=1)
+    up.add_argument("--num-decode", type=int, default=1)
+    up.add_argument("--cpu-cores", default=None, help="colocated node's cores (default: all)")
+    up.add_argument("--prefill-cores", default=None, help="cores of each prefill node (default: one core each)")
+    up.add_argument("--decode-cores", default=None, help="cores of each decode node (default: one core each)")
+    up.add_argument("--no-pin", action="store_true", help="do not pin nodes to cores")
+
+    for role in ("colocated", "prefill", "decode"):
+        r = sub.add_parser(role, help=f"run one {role} node")
+        add_engine_args(r)
+        r.add_argument("--device", default="cpu")
+        r.add_argument("--cpu-cores", default="", help="pin to these cores, e.g. 0 or 0-1")
+        r.add_argument("--listen", default="tcp://127.0.0.1:0", help="router-facing address")
+        r.add_argument("--ready-file", default="")
+        if role == "decode":
+            r.add_argument("--kv-listen", default="tcp://127.0.0.1:0", help="where prefill nodes ship KV")
+
+    rt = sub.add_parser("router", help="run the HTTP router")
+    rt.add_argument("--model", default="tiny")
+    rt.add_argument("--host", default="127.0.0.1")
+    rt.add_argument("--port", type=int, default=8000)
+    rt.add_argument("--colocated", nargs="*", default=[])
+    rt.add_argument("--prefill", nargs="*", default=[])
+    rt.add_argument("--decode", nargs="*", default=[])
+    rt.add_argument("--decode-kv", nargs="*", default=[])
+    rt.add_argument("--served-model-name", default="")
+    rt.add_argument("--node-timeout-s", type=float, default=10.0)
+    return p
+
+
+def run_node(a: argparse.Namespace) -> None:
+    cfg = NodeConfig(
+        role=a.verb, engine=engine_config(a, a.device, a.cpu_cores), listen=a.listen,
+        kv_listen=getattr(a, "kv_listen", "tcp://127.0.0.1:0"), kv_transport=a.kv_transport,
+        kv_lease_s=a.kv_lease_s, ready_file=a.ready_file,
+    )  # fmt: skip
+    if a.verb == "colocated":
+        from pdserve.colocated_node import ColocatedNode as Node
+    elif a.verb == "prefill":
+        from pdserve.prefill_node import PrefillNode as Node
+    else:
+        from pdserve.decode_node import DecodeNode as Node
+    Node(cfg).run()
+
+
+def run_router(a: argparse.Namespace) -> None:
+    import uvicorn
+
+    from pdserve.router.api import create_app
+
+    cfg = RouterConfig(
+        model=a.model, host=a.host, port=a.port, colocated=tuple(a.colocated), prefill=tuple(a.prefill),
+        decode=tuple(a.decode), decode_kv=tuple(a.decode_kv), served_model_name=a.served_model_name,
+        node_timeout_s=a.node_timeout_s,
+    )  # fmt: skip
+    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="warning")
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = build_parser().parse_args(argv)
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        if a.verb == "up":
+            from pdserve.launcher import launch
+
+            sys.exit(launch(a))
+        elif a.verb == "router":
+            run_router(a)
+        else:
+            run_node(a)
+    except ValueError as e:  # a config error: say it plainly, no traceback
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

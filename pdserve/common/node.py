@@ -1,0 +1,159 @@
+"""What every node process shares: the router-facing socket, the loop, stats and shutdown.
+
+The loop: drain every socket that has messages, run one engine step, emit its tokens, then the
+periodic chores (stats heartbeat, leases). It blocks in poll only when the engine is idle.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import time
+
+import zmq
+
+from pdserve.common import protocol as P
+from pdserve.common import transport
+from pdserve.common.config import NodeConfig
+from pdserve.common.engine import Engine, TokenOutput, pin_process
+from pdserve.common.request import Request
+
+log = logging.getLogger("pdserve.node")
+STATS_INTERVAL_S = 0.5
+
+
+class NodeBase:
+    role = "node"
+
+    def __init__(self, cfg: NodeConfig) -> None:
+        pin_process(cfg.engine)
+        self.cfg = cfg
+        self.engine = self.make_engine()
+        self.ctx = zmq.Context()
+        self.front = self.ctx.socket(zmq.ROUTER)
+        transport.configure(self.front)
+        self.front_addr = transport.bind(self.front, cfg.listen)
+        self.poller = zmq.Poller()
+        self.poller.register(self.front, zmq.POLLIN)
+        self.handlers = {self.front: self.handle_front}
+        self.router_id: bytes | None = None
+        self.counters = {"requests": 0, "tokens_out": 0, "steps": 0, "step_time_s": 0.0}
+        self._next_stats = 0.0
+        self._stop = False
+
+    def make_engine(self) -> Engine:
+        return Engine(self.cfg.engine)
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    def run(self) -> None:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        self.write_ready()
+        try:
+            while not self._stop:
+                self.loop_once()
+        finally:
+            self.close()
+
+    def loop_once(self) -> None:
+        idle = not (self.engine.has_work() or self.busy())
+        for sock, _ in self.poller.poll(50 if idle else 0):
+            self.drain(sock)
+        t0 = time.perf_counter()
+        outputs = self.engine.step()
+        if outputs:
+            self.counters["steps"] += 1
+            self.counters["step_time_s"] += time.perf_counter() - t0
+            self.on_outputs(outputs)
+        self.tick()
+
+    def busy(self) -> bool:
+        """Work outside the engine that should keep the loop from sleeping."""
+        return False
+
+    def _on_signal(self, *_: object) -> None:
+        self._stop = True
+
+    def ready_info(self) -> dict:
+        return {"role": self.role, "pid": os.getpid(), "listen": self.front_addr}
+
+    def write_ready(self) -> None:
+        if self.cfg.ready_file:
+            tmp = self.cfg.ready_file + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(self.ready_info(), f)
+            os.replace(tmp, self.cfg.ready_file)
+        log.info("%s node ready: %s", self.role, self.ready_info())
+
+    def close(self) -> None:
+        self.ctx.destroy(linger=0)
+
+    # ---- messages -----------------------------------------------------------------------------
+    def drain(self, sock: zmq.Socket) -> None:
+        handler = self.handlers[sock]
+        while sock.poll(0):
+            parts = sock.recv_multipart(copy=False)
+            try:
+                identity, msg, frames = transport.split(parts, routed=sock.type == zmq.ROUTER)
+            except P.ProtocolError as e:
+                log.warning("dropped a malformed message: %s", e)
+                continue
+            handler(identity, msg, frames)
+
+    def handle_front(self, identity: bytes, msg, frames: list) -> None:
+        if isinstance(msg, P.Hello):
+            self.on_hello(identity, msg)
+        elif isinstance(msg, P.Generate):
+            self.on_generate(msg)
+        elif isinstance(msg, P.Abort):
+            self.on_abort(msg.request_id)
+        elif isinstance(msg, P.StatsRequest):
+            self.send_stats()
+        else:
+            log.warning("unexpected %s on the router socket", type(msg).__name__)
+
+    def on_hello(self, identity: bytes, msg: P.Hello) -> None:
+        ok = msg.protocol_version == P.PROTOCOL_VERSION
+        reason = "" if ok else f"protocol {msg.protocol_version} here is {P.PROTOCOL_VERSION}"
+        if ok:
+            self.router_id = identity
+        info = {"layout": self.engine.layout.to_dict(), "max_model_len": self.engine.max_model_len}
+        transport.send(self.front, P.HelloAck(ok, self.role, info, reason), identity=identity)
+        self.send_stats()
+
+    def on_generate(self, msg: P.Generate) -> None:
+        why = self.engine.check_fits(len(msg.prompt_token_ids), msg.params.max_tokens)
+        if why:
+            self.emit([P.TokenEvent(msg.request_id, [], "error", why)])
+            return
+        self.counters["requests"] += 1
+        self.engine.add(Request(msg.request_id, list(msg.prompt_token_ids), msg.params, arrival=time.time()))
+
+    def on_abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    def on_outputs(self, outputs: list[TokenOutput]) -> None:
+        self.counters["tokens_out"] += len(outputs)
+        self.emit([P.TokenEvent(o.request.request_id, [o.token_id], o.finish_reason) for o in outputs])
+
+    def emit(self, events: list[P.TokenEvent]) -> None:
+        if self.router_id is not None and events:
+            transport.send(self.front, P.TokenEvents(events), identity=self.router_id)
+
+    # ---- chores -------------------------------------------------------------------------------
+    def tick(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_stats:
+            self._next_stats = now + STATS_INTERVAL_S
+            self.send_stats()
+
+    def stats(self) -> P.Stats:
+        sched, alloc = self.engine.scheduler, self.engine.pool.allocator
+        return P.Stats(self.role, len(sched.running), len(sched.waiting), alloc.num_used, alloc.num_free,
+                       dict(self.counters))  # fmt: skip
+
+    def send_stats(self) -> None:
+        if self.router_id is not None:
+            transport.send(self.front, self.stats(), identity=self.router_id)

@@ -1,0 +1,1 @@
+from pdserve.common.node import NodeBase as DecodeNode  # placeholder until written

@@ -1,0 +1,241 @@
+"""The router's state: its connections to the nodes, and every request in flight.
+
+Everything here runs on the router's one event loop, so one task at a time owns the state: HTTP
+handlers call `submit` / `abort` and read events from the request's queue; one reader task per node
+feeds those queues; one watchdog marks silent or disconnected nodes down and fails their requests.
+
+A request's life in the router:
+1. submit: pick the least loaded live node of each role it needs; send Generate (the prefill node
+   also learns the decode node's KV address).
+2. events: the colocated or prefill node sends the first token, the decode node the rest.
+3. end: a final event (stop, length, error), an abort from the client side (disconnect or stop
+   string: Abort goes to every node the request touched), or a dead node (an error event).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import recv_monitor_message
+
+from pdserve.common import protocol as P
+from pdserve.common import transport
+from pdserve.common.config import RouterConfig
+
+log = logging.getLogger("pdserve.router")
+
+
+class NoNodeAvailable(RuntimeError):
+    pass
+
+
+@dataclass
+class NodeConn:
+    role: str
+    addr: str
+    kv_addr: str = ""
+    sock: zmq.asyncio.Socket | None = None
+    up: bool = False
+    last_seen: float = 0.0
+    stats: P.Stats | None = None
+    info: dict = field(default_factory=dict)
+    requests: set[str] = field(default_factory=set)
+    ever_up: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}@{self.addr}"
+
+
+@dataclass
+class Flight:
+    """One request in flight."""
+
+    request_id: str
+    queue: asyncio.Queue
+    nodes: list[NodeConn]
+    start: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    num_tokens: int = 0
+
+
+class RouterCore:
+    def __init__(self, cfg: RouterConfig) -> None:
+        self.cfg = cfg
+        self.ctx = zmq.asyncio.Context()
+        self.nodes: list[NodeConn] = [NodeConn("colocated", a) for a in cfg.colocated]
+        self.nodes += [NodeConn("prefill", a) for a in cfg.prefill]
+        self.nodes += [NodeConn("decode", a, kv) for a, kv in zip(cfg.decode, cfg.decode_kv, strict=True)]
+        self.flights: dict[str, Flight] = {}
+        self.metrics = {"ttft_sum": 0.0, "ttft_count": 0, "tpot_sum": 0.0, "tpot_count": 0,
+                        "requests_total": 0, "requests_failed": 0}  # fmt: skip
+        self._tasks: list[asyncio.Task] = []
+        self._ids = itertools.count()
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    async def start(self) -> None:
+        for node in self.nodes:
+            node.sock = self.ctx.socket(zmq.DEALER)
+            transport.configure(node.sock)
+            node.sock.setsockopt(zmq.RECONNECT_IVL, 100)
+            mon = node.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            node.sock.connect(node.addr)
+            self._tasks += [asyncio.create_task(self._reader(node)), asyncio.create_task(self._monitor(node, mon))]
+        self._tasks.append(asyncio.create_task(self._watchdog()))
+        try:
+            await asyncio.wait_for(
+                asyncio.gather(*(n.ever_up.wait() for n in self.nodes)), self.cfg.connect_timeout_s
+            )
+        except TimeoutError:
+            down = ", ".join(n.name for n in self.nodes if not n.up)
+            raise RuntimeError(f"nodes did not answer within {self.cfg.connect_timeout_s}s: {down}") from None
+        self._check_pairing()
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.ctx.destroy(linger=0)
+
+    def _check_pairing(self) -> None:
+        """Every node must serve the same model layout, or outputs would be garbage."""
+        layouts = {n.name: n.info.get("layout", {}) for n in self.nodes}
+        first_name, first = next(iter(layouts.items()))
+        for name, layout in layouts.items():
+            if layout.get("model_fingerprint") != first.get("model_fingerprint"):
+                raise RuntimeError(f"{name} serves a different model than {first_name}")
+
+    # ---- node I/O -----------------------------------------------------------------------------
+    def _hello(self, node: NodeConn) -> None:
+        node.sock.send(P.encode(P.Hello(P.PROTOCOL_VERSION, "router")))
+
+    async def _reader(self, node: NodeConn) -> None:
+        while True:
+            parts = await node.sock.recv_multipart(copy=False)
+            try:
+                _, msg, _ = transport.split(parts, routed=False)
+            except P.ProtocolError as e:
+                log.warning("%s sent a malformed message: %s", node.name, e)
+                continue
+            node.last_seen = time.monotonic()
+            if isinstance(msg, P.TokenEvents):
+                for ev in msg.events:
+                    self._deliver(ev, node)
+            elif isinstance(msg, P.Stats):
+                node.stats = msg
+            elif isinstance(msg, P.HelloAck):
+                self._on_hello_ack(node, msg)
+
+    def _on_hello_ack(self, node: NodeConn, msg: P.HelloAck) -> None:
+        if not msg.ok or msg.role != node.role:
+            log.error("%s refused the router: %s (role %s)", node.name, msg.reason, msg.role)
+            return
+        node.info = msg.info
+        node.up = True
+        node.ever_up.set()
+        log.info("%s is up", node.name)
+
+    async def _monitor(self, node: NodeConn, mon: zmq.asyncio.Socket) -> None:
+        while True:
+            event = (await recv_monitor_message(mon))["event"]
+            if event == zmq.EVENT_CONNECTED:
+                node.last_seen = time.monotonic()
+                self._hello(node)
+            elif event == zmq.EVENT_DISCONNECTED:
+                self._node_down(node, "disconnected")
+
+    async def _watchdog(self) -> None:
+        while True:
+            await asyncio.sleep(0.25)
+            now = time.monotonic()
+            for node in self.nodes:
+                if node.up and now - node.last_seen > self.cfg.node_timeout_s:
+                    self._node_down(node, f"silent for {self.cfg.node_timeout_s}s")
+
+    def _node_down(self, node: NodeConn, why: str) -> None:
+        if node.up:
+            log.error("%s is down (%s); failing its %d requests", node.name, why, len(node.requests))
+        node.up = False
+        for rid in list(node.requests):
+            self._deliver(P.TokenEvent(rid, [], "error", f"{node.role} node {node.addr} failed ({why})"))
+
+    # ---- requests -----------------------------------------------------------------------------
+    def _pick(self, role: str) -> NodeConn:
+        live = [n for n in self.nodes if n.role == role and n.up]
+        if not live:
+            raise NoNodeAvailable(f"no {role} node is up")
+        return min(live, key=lambda n: (len(n.requests), n.stats.kv_blocks_used if n.stats else 0))
+
+    def submit(self, prompt_token_ids: list[int], params: P.SamplingParams) -> Flight:
+        rid = f"{uuid.uuid4().hex[:12]}-{next(self._ids)}"
+        if self.cfg.mode == "colocated":
+            nodes = [self._pick("colocated")]
+            msg = P.Generate(rid, prompt_token_ids, params)
+        else:
+            prefill, decode = self._pick("prefill"), self._pick("decode")
+            nodes = [prefill, decode]
+            msg = P.Generate(rid, prompt_token_ids, params, decode_addr=decode.kv_addr)
+        flight = Flight(rid, asyncio.Queue(), nodes)
+        self.flights[rid] = flight
+        for n in nodes:
+            n.requests.add(rid)
+        nodes[0].sock.send(P.encode(msg))
+        self.metrics["requests_total"] += 1
+        return flight
+
+    def _deliver(self, ev: P.TokenEvent, source: NodeConn | None = None) -> None:
+        flight = self.flights.get(ev.request_id)
+        if flight is None:
+            return  # already ended (aborted, or failed by a dead node)
+        if source is not None and source.role == "decode":  # the KV has left the prefill node
+            for n in flight.nodes:
+                if n.role == "prefill":
+                    n.requests.discard(ev.request_id)
+        now = time.perf_counter()
+        if ev.token_ids and flight.first_token_at is None:
+            flight.first_token_at = now
+            self.metrics["ttft_sum"] += now - flight.start
+            self.metrics["ttft_count"] += 1
+        flight.num_tokens += len(ev.token_ids)
+        if ev.finish_reason is not None:
+            self._end(flight, failed=ev.finish_reason == "error")
+        flight.queue.put_nowait(ev)
+
+    def _end(self, flight: Flight, failed: bool = False) -> None:
+        self.flights.pop(flight.request_id, None)
+        for n in flight.nodes:
+            n.requests.discard(flight.request_id)
+        if failed:
+            self.metrics["requests_failed"] += 1
+        elif flight.first_token_at is not None and flight.num_tokens > 1:
+            self.metrics["tpot_sum"] += (time.perf_counter() - flight.first_token_at) / (flight.num_tokens - 1)
+            self.metrics["tpot_count"] += 1
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request everywhere it lives; its nodes free its KV."""
+        flight = self.flights.get(request_id)
+        if flight is None:
+            return
+        for n in flight.nodes:
+            if n.up:
+                n.sock.send(P.encode(P.Abort(request_id)))
+        self._end(flight)
+
+    # ---- views --------------------------------------------------------------------------------
+    def health(self) -> dict:
+        return {
+            "status": "ok" if self._serving() else "degraded",
+            "mode": self.cfg.mode,
+            "nodes": [{"role": n.role, "addr": n.addr, "up": n.up, "in_flight": len(n.requests)} for n in self.nodes],
+        }
+
+    def _serving(self) -> bool:
+        roles = ("colocated",) if self.cfg.mode == "colocated" else ("prefill", "decode")
+        return all(any(n.up for n in self.nodes if n.role == r) for r in roles)
