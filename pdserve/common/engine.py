@@ -42,7 +42,7 @@ class Engine:
         self.model = load_model(resolve_model(cfg.model), cfg.dtype, cfg.device)
         self.layout = kv_layout(self.model, cfg.block_size, cfg.dtype)
         num_blocks = cfg.num_blocks_for(self.layout.bytes_per_token())
-        storage = pool_storage(self.layout, num_blocks) if pool_storage else None
+        storage = pool_storage(self.layout, num_blocks, cfg.device) if pool_storage else None
         self.pool = KVPool(self.layout, num_blocks, cfg.device, data=storage)
         self.scheduler = Scheduler(self.pool.allocator, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.pool)
@@ -88,8 +88,8 @@ class Engine:
         return self.update(batch, logits)
 
     def update(self, batch: Batch, logits: torch.Tensor) -> list[TokenOutput]:
-        sampled = [s.request for s in batch.scheduled if s.samples]
         self.scheduler.advance(batch)
+        sampled = [s.request for s in batch.scheduled if s.samples]
         outputs = []
         for req, token in zip(sampled, self.sampler(logits, sampled), strict=True):
             req.output_token_ids.append(token)

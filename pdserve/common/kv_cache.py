@@ -74,9 +74,13 @@ class KVPool:
 
     def import_(self, block_ids: list[int], kv: torch.Tensor) -> None:
         """Write an exported [L, 2, n, nkv, d] tensor into the blocks `block_ids`."""
-        n = kv.shape[2]
-        idx = self.slots(block_ids, 0, n).to(self.data.device)
-        self.data.index_copy_(1, idx, kv.to(self.data.device).transpose(1, 2))
+        self.import_layers(block_ids, list(kv))
+
+    def import_layers(self, block_ids: list[int], layers: list[torch.Tensor]) -> None:
+        """Write one [2, n, nkv, d] tensor per layer into the blocks `block_ids`."""
+        idx = self.slots(block_ids, 0, layers[0].shape[1]).to(self.data.device)
+        for data, kv in zip(self.data, layers, strict=True):
+            data.index_copy_(0, idx, kv.to(self.data.device).transpose(0, 1))  # [n, 2, nkv, d]
 
     def copy_blocks_from(self, src: torch.Tensor, src_blocks: list[int], dst_blocks: list[int]) -> None:
         """Copy whole blocks out of another pool's storage `src` (same layout), one slice per run."""

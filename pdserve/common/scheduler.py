@@ -20,12 +20,11 @@ from pdserve.common.request import Request, Status
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
+    samples: bool  # this chunk reaches the request's last token, so a new token is sampled
 
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the request's last token, so a new token is sampled."""
-        r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+    @classmethod
+    def of(cls, req: Request, n: int) -> ScheduledRequest:
+        return cls(req, n, req.num_computed_tokens + n == req.num_tokens)
 
 
 @dataclass
@@ -80,7 +79,7 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self._reserve(req, n, batch):
                 continue
-            batch.scheduled.append(ScheduledRequest(req, n))
+            batch.scheduled.append(ScheduledRequest.of(req, n))
             budget -= n
         if not batch.preempted:
             budget = self._admit(batch, budget)
@@ -95,7 +94,7 @@ class Scheduler:
             self.waiting.popleft()
             req.move_to(Status.RUNNING)
             self.running.append(req)
-            batch.scheduled.append(ScheduledRequest(req, n))
+            batch.scheduled.append(ScheduledRequest.of(req, n))
             budget -= n
         return budget
 

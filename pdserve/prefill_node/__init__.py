@@ -1,1 +1,205 @@
-from pdserve.common.node import NodeBase as PrefillNode  # placeholder until written
+"""The prefill node: computes prompts, samples the first token, ships the KV to a decode node.
+
+A request's life here:
+1. Generate arrives from the router with the address of the decode node the router picked.
+2. WAITING, then RUNNING: its prompt is computed in chunks, flattened with other requests' chunks
+   under the token budget.
+3. The first token is sampled and streamed to the router. If it already ends the request (EOS,
+   stop token, max_tokens=1), the KV is freed and nothing is shipped.
+4. TRANSFERRING: a KvOffer goes to the decode node (after the pairing handshake). The decode node
+   reserves blocks and pulls; the KV goes out by the chosen backend; its KvAck frees our copy.
+   If no ack comes within --kv-lease-s, or the decode node disconnects or refuses, the KV is
+   freed and the router is told the request failed. No block is ever stranded.
+5. An Abort from the router at any point frees the KV and cancels the transfer on the decode node.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from pdserve.common import protocol as P
+from pdserve.common import transport
+from pdserve.common.config import NodeConfig
+from pdserve.common.engine import Engine, TokenOutput
+from pdserve.common.kv_transfer import TransferState, make_backend
+from pdserve.common.node import NodeBase
+from pdserve.common.request import Request, Status
+
+log = logging.getLogger("pdserve.prefill")
+
+
+@dataclass
+class DecodePeer:
+    addr: str
+    sock: zmq.Socket
+    monitor: zmq.Socket
+    paired: bool = False
+    refused: str = ""
+    queued: list[str] = field(default_factory=list)  # offers waiting for the handshake
+
+
+@dataclass
+class Transfer:
+    request: Request
+    peer: DecodePeer
+    state: TransferState = TransferState.PENDING
+    started: float = field(default_factory=time.monotonic)
+    pulled_at: float = 0.0
+
+
+class PrefillNode(NodeBase):
+    role = "prefill"
+
+    def __init__(self, cfg: NodeConfig) -> None:
+        self.backend = make_backend(cfg.kv_transport)
+        super().__init__(cfg)
+        self.peers: dict[str, DecodePeer] = {}
+        self.transfers: dict[str, Transfer] = {}
+        self.decode_addr: dict[str, str] = {}
+        self.counters.update(kv_transfers=0, kv_transfer_bytes=0, kv_transfer_time_s=0.0, kv_transfer_failures=0)
+
+    def make_engine(self) -> Engine:
+        return Engine(self.cfg.engine, prefill_only=True, pool_storage=self.backend.storage)
+
+    def busy(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        super().close()
+        self.backend.close()
+
+    # ---- from the router ----------------------------------------------------------------------
+    def on_generate(self, msg: P.Generate) -> None:
+        if not msg.decode_addr.startswith(("tcp://", "ipc://")):
+            self.emit([P.TokenEvent(msg.request_id, [], "error", "no decode node address")])
+            return
+        self.decode_addr[msg.request_id] = msg.decode_addr
+        super().on_generate(msg)
+
+    def on_abort(self, request_id: str) -> None:
+        t = self.transfers.get(request_id)
+        if t is not None:
+            transport.send(t.peer.sock, P.KvCancel(request_id))
+            self._end_transfer(t, ok=False, why="")
+        else:
+            self.engine.abort(request_id)
+        self.decode_addr.pop(request_id, None)
+
+    # ---- after a step: first tokens ------------------------------------------------------------
+    def on_outputs(self, outputs: list[TokenOutput]) -> None:
+        super().on_outputs(outputs)
+        for o in outputs:
+            addr = self.decode_addr.pop(o.request.request_id, "")
+            if o.finish_reason is None:
+                self._offer(o.request, self._peer(addr))
+
+    def _peer(self, addr: str) -> DecodePeer:
+        peer = self.peers.get(addr)
+        if peer is None:
+            sock = self.ctx.socket(zmq.DEALER)
+            transport.configure(sock)
+            sock.setsockopt(zmq.RECONNECT_IVL, 100)
+            mon = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            sock.connect(addr)
+            peer = DecodePeer(addr, sock, mon)
+            self.peers[addr] = peer
+            self.poller.register(sock, zmq.POLLIN)
+            self.poller.register(mon, zmq.POLLIN)
+            self.handlers[sock] = lambda _id, msg, frames, p=peer: self.handle_kv(p, msg, frames)
+            self.handlers[mon] = None  # drained in tick()
+        return peer
+
+    def _offer(self, req: Request, peer: DecodePeer) -> None:
+        self.transfers[req.request_id] = Transfer(req, peer)
+        if peer.refused:
+            self._fail(req.request_id, f"decode node {peer.addr} refused to pair: {peer.refused}")
+        elif peer.paired:
+            self._send_offer(req, peer)
+        else:
+            peer.queued.append(req.request_id)
+
+    def _send_offer(self, req: Request, peer: DecodePeer) -> None:
+        offer = P.KvOffer(req.request_id, req.prompt_token_ids, req.output_token_ids[0], req.params,
+                          len(req.prompt_token_ids))  # fmt: skip
+        transport.send(peer.sock, offer)
+
+    # ---- from decode nodes ---------------------------------------------------------------------
+    def drain(self, sock: zmq.Socket) -> None:
+        if self.handlers.get(sock, 0) is None:
+            return  # a monitor socket: tick() reads it
+        super().drain(sock)
+
+    def handle_kv(self, peer: DecodePeer, msg, frames: list) -> None:
+        if isinstance(msg, P.HelloAck):
+            self._on_pairing(peer, msg)
+        elif isinstance(msg, P.KvPull):
+            self._on_pull(msg.request_id)
+        elif isinstance(msg, P.KvAck):
+            t = self.transfers.get(msg.request_id)
+            if t is not None:
+                self._end_transfer(t, msg.ok, msg.reason)
+
+    def _on_pairing(self, peer: DecodePeer, msg: P.HelloAck) -> None:
+        if not msg.ok:
+            peer.refused = msg.reason
+            log.error("decode node %s refused to pair: %s", peer.addr, msg.reason)
+            for rid in peer.queued:
+                self._fail(rid, f"decode node {peer.addr} refused to pair: {msg.reason}")
+        else:
+            peer.paired, peer.refused = True, ""
+            for rid in peer.queued:
+                if rid in self.transfers:
+                    self._send_offer(self.transfers[rid].request, peer)
+        peer.queued.clear()
+
+    def _on_pull(self, request_id: str) -> None:
+        t = self.transfers.get(request_id)
+        if t is None:  # aborted meanwhile; the decode node got a KvCancel
+            return
+        req = t.request
+        t.state, t.pulled_at = TransferState.TRANSFERRING, time.perf_counter()
+        header, frames = self.backend.pack(self.engine.pool, request_id, req.block_ids, len(req.prompt_token_ids))
+        transport.send(t.peer.sock, header, frames)
+
+    def _end_transfer(self, t: Transfer, ok: bool, why: str) -> None:
+        rid = t.request.request_id
+        self.transfers.pop(rid, None)
+        t.state = TransferState.DONE if ok else TransferState.FAILED
+        if ok and t.pulled_at:
+            self.counters["kv_transfers"] += 1
+            self.counters["kv_transfer_bytes"] += len(t.request.prompt_token_ids) * self.engine.layout.bytes_per_token()
+            self.counters["kv_transfer_time_s"] += time.perf_counter() - t.pulled_at
+        self.engine.release(t.request, Status.FINISHED if ok else Status.ABORTED, "transferred" if ok else "abort")
+        if not ok and why:
+            self.counters["kv_transfer_failures"] += 1
+            self.emit([P.TokenEvent(rid, [], "error", why)])
+
+    def _fail(self, request_id: str, why: str) -> None:
+        t = self.transfers.get(request_id)
+        if t is not None:
+            self._end_transfer(t, ok=False, why=why)
+
+    # ---- chores --------------------------------------------------------------------------------
+    def tick(self) -> None:
+        super().tick()
+        for peer in self.peers.values():
+            for event in transport.monitor_events(peer.monitor):
+                self._on_peer_event(peer, event)
+        now = time.monotonic()
+        for t in [t for t in self.transfers.values() if now - t.started > self.cfg.kv_lease_s]:
+            self._end_transfer(t, ok=False, why=f"KV transfer lease of {self.cfg.kv_lease_s}s ran out")
+
+    def _on_peer_event(self, peer: DecodePeer, event: int) -> None:
+        if event == zmq.EVENT_CONNECTED:
+            hello = P.KvHello(P.PROTOCOL_VERSION, self.engine.layout.to_dict(), self.backend.name,
+                              self.backend.handle())  # fmt: skip
+            transport.send(peer.sock, hello)
+        elif event == zmq.EVENT_DISCONNECTED:
+            peer.paired = False
+            for t in [t for t in self.transfers.values() if t.peer is peer]:
+                if t.request.request_id not in peer.queued:
+                    self._end_transfer(t, ok=False, why=f"decode node {peer.addr} disconnected")

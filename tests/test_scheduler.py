@@ -1,0 +1,95 @@
+"""Budget tests of the iteration-level scheduler, without a model."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.common.block_allocator import BlockAllocator
+from pdserve.common.protocol import SamplingParams
+from pdserve.common.request import IllegalTransition, Request, Status
+from pdserve.common.scheduler import Scheduler
+
+
+def req(rid: str, prompt_len: int, max_tokens: int = 8) -> Request:
+    return Request(rid, list(range(prompt_len)), SamplingParams(max_tokens=max_tokens, temperature=0))
+
+
+def sched(blocks: int = 64, block_size: int = 4, seqs: int = 8, budget: int = 16) -> Scheduler:
+    return Scheduler(BlockAllocator(blocks, block_size), seqs, budget)
+
+
+def run(s: Scheduler):
+    """One iteration without a model: schedule, then count tokens and 'sample' one token per finished chunk."""
+    batch = s.schedule()
+    sampled = [x.request for x in batch.scheduled if x.samples]
+    s.advance(batch)
+    for r in sampled:
+        r.output_token_ids.append(0)
+    return batch
+
+
+def test_token_budget_chunks_a_long_prompt():
+    s = sched(budget=16)
+    r = req("a", 40)
+    s.add(r)
+    sizes = [run(s).num_tokens for _ in range(3)]
+    assert sizes == [16, 16, 8]
+    assert r.num_computed_tokens == 40 and r.output_token_ids == [0]
+
+
+def test_decodes_go_first_and_prompts_fill_the_rest():
+    s = sched(budget=16)
+    a, b = req("a", 4), req("b", 30)
+    s.add(a)
+    run(s)  # a's prompt
+    s.add(b)
+    batch = run(s)
+    assert [(x.request.request_id, x.num_new_tokens) for x in batch.scheduled] == [("a", 1), ("b", 15)]
+    batch = run(s)
+    assert [(x.request.request_id, x.num_new_tokens) for x in batch.scheduled] == [("a", 1), ("b", 15)]
+    assert batch.scheduled[1].samples  # b's prompt is complete after this chunk
+
+
+def test_max_num_seqs_caps_the_running_batch():
+    s = sched(seqs=2, budget=100)
+    for i in range(3):
+        s.add(req(str(i), 5))
+    batch = run(s)
+    assert len(batch.scheduled) == 2 and len(s.waiting) == 1
+    s.finish(s.running[0], Status.FINISHED, "stop")
+    batch = run(s)
+    assert {x.request.request_id for x in batch.scheduled} == {"1", "2"}
+
+
+def test_fcfs_head_of_queue_is_not_overtaken():
+    s = sched(blocks=4, block_size=4, budget=64)
+    s.add(req("big", 20))  # needs 5 blocks: never fits the 4-block pool while anything else holds any
+    s.add(req("small", 2))
+    batch = run(s)
+    assert batch.num_tokens == 0 and len(s.waiting) == 2
+
+
+def test_newest_request_is_preempted_when_the_pool_runs_dry():
+    s = sched(blocks=4, block_size=4, budget=64)
+    a, b = req("a", 7), req("b", 7)
+    s.add(a)
+    s.add(b)
+    run(s)  # both prompts: 2 blocks each, pool full
+    assert s.allocator.num_free == 0
+    run(s)  # a's decode token 8 fits block 2; b's too
+    batch = run(s)  # a needs a 3rd block: b (newest) is preempted
+    assert batch.preempted == [b] and b.status is Status.WAITING and b.num_computed_tokens == 0
+    assert b.block_ids == [] and s.waiting[0] is b
+    assert [x.request for x in batch.scheduled] == [a]
+
+
+def test_finish_frees_blocks_and_refuses_illegal_moves():
+    s = sched()
+    r = req("a", 9)
+    s.add(r)
+    run(s)
+    assert s.allocator.num_used == 3
+    s.finish(r, Status.ABORTED, "abort")
+    assert s.allocator.num_free == 64 and not s.has_work()
+    with pytest.raises(IllegalTransition):
+        r.move_to(Status.RUNNING)
