@@ -64,6 +64,7 @@ class Flight:
     start: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     num_tokens: int = 0
+    early: list[P.TokenEvent] = field(default_factory=list)  # decode tokens that beat the first token
 
 
 class RouterCore:
@@ -198,6 +199,17 @@ class RouterCore:
             for n in flight.nodes:
                 if n.role == "prefill":
                     n.requests.discard(ev.request_id)
+            if flight.first_token_at is None and ev.finish_reason != "error":
+                flight.early.append(ev)  # two sockets: keep the prefill node's first token first
+                return
+        self._put(flight, ev)
+        if source is not None and source.role == "prefill" and flight.early:
+            early, flight.early = flight.early, []
+            for e in early:
+                if e.request_id in self.flights:
+                    self._put(flight, e)
+
+    def _put(self, flight: Flight, ev: P.TokenEvent) -> None:
         now = time.perf_counter()
         if ev.token_ids and flight.first_token_at is None:
             flight.first_token_at = now

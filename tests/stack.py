@@ -1,0 +1,142 @@
+"""A local pdserve stack for tests: node and router processes on 127.0.0.1 and free ports, stopped by PID."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+START_TIMEOUT_S = 120
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Stack:
+    def __init__(self, tmp: Path, model: str, mode: str = "colocated", transport: str = "zmq",
+                 num_prefill: int = 1, num_decode: int = 1, engine_args: tuple[str, ...] = (),
+                 decode_args: tuple[str, ...] = ()) -> None:  # fmt: skip
+        self.tmp, self.model, self.mode, self.transport = tmp, model, mode, transport
+        self.num_prefill, self.num_decode = num_prefill, num_decode
+        self.engine_args, self.decode_args = list(engine_args), list(decode_args)
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.infos: dict[str, dict] = {}
+        self.url = ""
+
+    # ---- processes --------------------------------------------------------------------------------
+    def start_node(self, name: str, role: str, extra: list[str] = ()) -> dict:
+        ready = self.tmp / f"{name}.json"
+        ready.unlink(missing_ok=True)
+        argv = [sys.executable, "-m", "pdserve", "--log-level", "WARNING", role, "--model", self.model,
+                "--kv-transport", self.transport, "--ready-file", str(ready), *self.engine_args, *extra]  # fmt: skip
+        proc = subprocess.Popen(argv, env=os.environ.copy())
+        self.procs[name] = proc
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not ready.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{name} did not start (exit code {proc.returncode})")
+            time.sleep(0.05)
+        self.infos[name] = json.loads(ready.read_text())
+        return self.infos[name]
+
+    def start(self) -> Stack:
+        try:
+            return self._start()
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self) -> Stack:
+        if self.mode == "colocated":
+            self.start_node("colocated0", "colocated")
+        else:
+            for i in range(self.num_prefill):
+                self.start_node(f"prefill{i}", "prefill")
+            for i in range(self.num_decode):
+                ports = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+                self.start_node(f"decode{i}", "decode", ["--listen", ports[0], "--kv-listen", ports[1], *self.decode_args])
+        port = free_port()
+        argv = [sys.executable, "-m", "pdserve", "--log-level", "WARNING", "router", "--model", self.model,
+                "--port", str(port), "--node-timeout-s", "3"]  # fmt: skip
+        for role in ("colocated", "prefill", "decode"):
+            addrs = [i["listen"] for n, i in self.infos.items() if n.startswith(role)]
+            if addrs:
+                argv += [f"--{role}", *addrs]
+        kv = [i["kv_listen"] for n, i in self.infos.items() if n.startswith("decode")]
+        if kv:
+            argv += ["--decode-kv", *kv]
+        self.procs["router"] = subprocess.Popen(argv, env=os.environ.copy())
+        self.url = f"http://127.0.0.1:{port}"
+        self.wait_healthy()
+        return self
+
+    def wait_healthy(self, timeout: float = START_TIMEOUT_S) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.procs["router"].poll() is not None:
+                raise RuntimeError("the router exited")
+            try:
+                r = httpx.get(self.url + "/health", timeout=1)
+                if r.status_code == 200:
+                    return r.json()
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError("the stack did not become healthy")
+
+    def kill(self, name: str) -> None:
+        proc = self.procs[name]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+    def restart_node(self, name: str, role: str) -> None:
+        info = self.infos[name]
+        extra = ["--listen", info["listen"]]
+        if role == "decode":
+            extra += ["--kv-listen", info["kv_listen"], *self.decode_args]
+        self.start_node(name, role, extra)
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    # ---- observations ------------------------------------------------------------------------------
+    def kv_used(self) -> dict[str, int]:
+        """kv_blocks_used per node, from /metrics."""
+        text = httpx.get(self.url + "/metrics", timeout=5).text
+        used = {}
+        for line in text.splitlines():
+            if line.startswith("pdserve_kv_blocks_used{"):
+                used[line.split('node="')[1].split('"')[0]] = int(line.rsplit(" ", 1)[1])
+        return used
+
+    def wait_kv_free(self, timeout: float = 10.0) -> dict[str, int]:
+        """Poll until every node reports zero KV blocks in use (stats arrive every 0.5 s)."""
+        deadline = time.monotonic() + timeout
+        used = self.kv_used()
+        while time.monotonic() < deadline:
+            used = self.kv_used()
+            if used and not any(used.values()):
+                time.sleep(0.6)  # one more stats period, to be sure the zero is current
+                used = self.kv_used()
+                if not any(used.values()):
+                    return used
+            time.sleep(0.2)
+        return used
