@@ -1,0 +1,103 @@
+"""Aborts, a refused pairing, and a dead decode node."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from stack import Stack
+
+
+def _stream_some(url: str, n_chunks: int, max_tokens: int = 400) -> int:
+    """Start a long streamed completion, read `n_chunks` chunks, then hang up."""
+    body = {"model": "tiny", "prompt": list(range(1, 200)), "max_tokens": max_tokens, "ignore_eos": True,
+            "temperature": 0, "stream": True}  # fmt: skip
+    seen = 0
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                seen += 1
+                if seen >= n_chunks:
+                    break
+    return seen
+
+
+@pytest.mark.parametrize("mode,transport", [("colocated", "zmq"), ("disagg", "zmq"), ("disagg", "shm")])
+def test_client_disconnect_frees_kv_everywhere(tmp_path, mode, transport):
+    with_stack = Stack(tmp_path, "tiny", mode=mode, transport=transport).start()
+    try:
+        threads = [threading.Thread(target=_stream_some, args=(with_stack.url, 3)) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        used = with_stack.wait_kv_free()
+        assert used and not any(used.values()), f"KV still held after the clients hung up: {used}"
+        # the nodes still serve
+        r = httpx.post(with_stack.url + "/v1/completions", json={"model": "tiny", "prompt": "a", "max_tokens": 3},
+                       timeout=30)  # fmt: skip
+        assert r.status_code == 200
+    finally:
+        with_stack.close()
+
+
+def test_mismatched_pairing_is_refused(tmp_path):
+    stack = Stack(tmp_path, "tiny", mode="disagg", decode_args=("--block-size", "32")).start()
+    try:
+        r = httpx.post(stack.url + "/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 4},
+                       timeout=30)  # fmt: skip
+        assert r.status_code >= 500
+        msg = r.json()["error"]["message"]
+        assert "refused to pair" in msg and "block_size" in msg
+        used = stack.wait_kv_free()
+        assert not any(used.values()), used
+    finally:
+        stack.close()
+
+
+def test_dead_decode_node_fails_fast_and_recovers(tmp_path):
+    stack = Stack(tmp_path, "tiny", mode="disagg").start()
+    results: list[tuple[int, float]] = []
+
+    def long_request():
+        body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 1500, "ignore_eos": True, "temperature": 0}
+        try:
+            r = httpx.post(stack.url + "/v1/completions", json=body, timeout=60)
+            results.append((r.status_code, time.monotonic()))
+        except httpx.HTTPError:
+            results.append((-1, time.monotonic()))
+
+    try:
+        threads = [threading.Thread(target=long_request) for _ in range(3)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # wait until the decode node is generating for them
+            if sum(stack.kv_used().values()) > 0 and all(n["in_flight"] for n in _decode_nodes(stack)):
+                break
+            time.sleep(0.1)
+        killed_at = time.monotonic()
+        stack.kill("decode0")
+        for t in threads:
+            t.join(timeout=30)
+        assert len(results) == 3
+        assert all(code == 503 for code, _ in results), results
+        assert max(at for _, at in results) - killed_at < 5.0, "in-flight requests must fail within 5 s"
+        h = httpx.get(stack.url + "/health", timeout=10)
+        assert h.status_code == 503 and not _decode_nodes(stack)[0]["up"]
+        # the router still answers, with a clear error, while no decode node is up
+        r = httpx.post(stack.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 503 and "decode" in r.json()["error"]["message"]
+        stack.restart_node("decode0", "decode")
+        stack.wait_healthy(timeout=30)
+        r = httpx.post(stack.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 4}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    finally:
+        stack.close()
+
+
+def _decode_nodes(stack: Stack) -> list[dict]:
+    return [n for n in httpx.get(stack.url + "/health", timeout=10).json()["nodes"] if n["role"] == "decode"]
