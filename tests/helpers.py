@@ -16,10 +16,15 @@ def hf_greedy(model_path, prompts: list[list[int]], max_new: list[int]) -> list[
         for ids, n in zip(prompts, max_new, strict=True):
             x = torch.tensor([ids])
             y = model.generate(
-                x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
-                do_sample=False, eos_token_id=None, pad_token_id=0,
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
             )
-            outs.append(y[0, len(ids):].tolist())
+            outs.append(y[0, len(ids) :].tolist())
     return outs
 
 

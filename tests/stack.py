@@ -64,7 +64,9 @@ class Stack:
                 self.start_node(f"prefill{i}", "prefill")
             for i in range(self.num_decode):
                 ports = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
-                self.start_node(f"decode{i}", "decode", ["--listen", ports[0], "--kv-listen", ports[1], *self.decode_args])
+                self.start_node(
+                    f"decode{i}", "decode", ["--listen", ports[0], "--kv-listen", ports[1], *self.decode_args]
+                )
         port = free_port()
         argv = [sys.executable, "-m", "pdserve", "--log-level", "WARNING", "router", "--model", self.model,
                 "--port", str(port), "--node-timeout-s", "3"]  # fmt: skip

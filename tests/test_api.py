@@ -5,7 +5,6 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-
 from stack import Stack
 
 

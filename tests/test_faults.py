@@ -7,7 +7,6 @@ import time
 
 import httpx
 import pytest
-
 from stack import Stack
 
 
@@ -89,11 +88,15 @@ def test_dead_decode_node_fails_fast_and_recovers(tmp_path):
         h = httpx.get(stack.url + "/health", timeout=10)
         assert h.status_code == 503 and not _decode_nodes(stack)[0]["up"]
         # the router still answers, with a clear error, while no decode node is up
-        r = httpx.post(stack.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}, timeout=30)
+        r = httpx.post(
+            stack.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}, timeout=30
+        )
         assert r.status_code == 503 and "decode" in r.json()["error"]["message"]
         stack.restart_node("decode0", "decode")
         stack.wait_healthy(timeout=30)
-        r = httpx.post(stack.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 4}, timeout=30)
+        r = httpx.post(
+            stack.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 4}, timeout=30
+        )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     finally:
         stack.close()

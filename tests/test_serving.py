@@ -6,10 +6,10 @@ import asyncio
 
 import httpx
 import pytest
-
 from helpers import hf_greedy, mixed_workload
-from pdserve.common.checkpoint import resolve_model
 from stack import Stack
+
+from pdserve.common.checkpoint import resolve_model
 
 ENGINE_ARGS = ("--max-num-batched-tokens", "128", "--num-kv-blocks", "200")  # chunked prompts, a tight pool
 MODES = {
@@ -36,6 +36,7 @@ def stack(request, tmp_path_factory):
 
 async def _complete_all(url: str, prompts, outs) -> list[list[int]]:
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+
         async def one(p, n):
             body = {"model": "tiny", "prompt": p, "max_tokens": n, "temperature": 0, "ignore_eos": True,
                     "return_token_ids": True}  # fmt: skip

@@ -65,8 +65,7 @@ def resolve_model(name_or_path: str) -> Path:
     if not (path / "config.json").is_file():
         known = ", ".join(BUILTIN_MODELS)
         raise ValueError(
-            f"--model {name_or_path!r} is neither a built-in model ({known}) "
-            "nor a folder with a config.json"
+            f"--model {name_or_path!r} is neither a built-in model ({known}) nor a folder with a config.json"
         )
     return path
 

@@ -68,25 +68,41 @@ class KVPool:
         return blocks * self.block_size + pos % self.block_size
 
     def export(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
-        """One request's KV as a contiguous [L, 2, num_tokens, nkv, d] tensor."""
+        """One request's KV as a contiguous [L, n, 2, nkv, d] tensor."""
+        return torch.stack([self.export_layer(i, block_ids, num_tokens) for i in range(self.layout.num_layers)])
+
+    def export_layer(self, layer: int, block_ids: list[int], num_tokens: int) -> torch.Tensor:
+        """One layer of one request's KV: contiguous [n, 2, nkv, d]."""
         idx = self.slots(block_ids, 0, num_tokens).to(self.data.device)
-        return self.data.index_select(1, idx).transpose(1, 2).contiguous()
+        return self.data[layer].index_select(0, idx)
+
+    def export_blocks(self, layer: int, block_ids: list[int]) -> torch.Tensor:
+        """Whole blocks of one layer, gathered: [n_blocks, bs * 2 * nkv * d]."""
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.data.device)
+        return self.data[layer].view(self.num_blocks, -1).index_select(0, ids)
+
+    def import_blocks(self, layer: int, block_ids: list[int], rows: torch.Tensor) -> None:
+        """Write gathered whole blocks of one layer ([n_blocks, block elements]) into `block_ids`."""
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.data.device)
+        self.data[layer].view(self.num_blocks, -1).index_copy_(0, ids, rows.to(self.data.device))
 
     def import_(self, block_ids: list[int], kv: torch.Tensor) -> None:
-        """Write an exported [L, 2, n, nkv, d] tensor into the blocks `block_ids`."""
-        self.import_layers(block_ids, list(kv))
+        """Write an exported [L, n, 2, nkv, d] tensor into the blocks `block_ids`."""
+        for layer, layer_kv in enumerate(kv):
+            self.import_layer(layer, block_ids, layer_kv)
 
-    def import_layers(self, block_ids: list[int], layers: list[torch.Tensor]) -> None:
-        """Write one [2, n, nkv, d] tensor per layer into the blocks `block_ids`."""
-        idx = self.slots(block_ids, 0, layers[0].shape[1]).to(self.data.device)
-        for data, kv in zip(self.data, layers, strict=True):
-            data.index_copy_(0, idx, kv.to(self.data.device).transpose(0, 1))  # [n, 2, nkv, d]
+    def import_layer(self, layer: int, block_ids: list[int], kv: torch.Tensor) -> None:
+        """Write one layer's [n, 2, nkv, d] KV into the blocks `block_ids`."""
+        idx = self.slots(block_ids, 0, kv.shape[0]).to(self.data.device)
+        self.data[layer].index_copy_(0, idx, kv.to(self.data.device))
 
     def copy_blocks_from(self, src: torch.Tensor, src_blocks: list[int], dst_blocks: list[int]) -> None:
         """Copy whole blocks out of another pool's storage `src` (same layout), one slice per run."""
-        bs = self.block_size
+        L = self.layout.num_layers
+        dst_view = self.data.view(L, self.num_blocks, -1)  # [L, NB, bs*2*nkv*d]: a block is one row
+        src_view = src.view(L, src.shape[1] // self.block_size, -1)
         for s, d, n in _runs(src_blocks, dst_blocks):
-            self.data[:, d * bs : (d + n) * bs].copy_(src[:, s * bs : (s + n) * bs])
+            dst_view[:, d : d + n].copy_(src_view[:, s : s + n])
 
 
 def _runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:

@@ -1,8 +1,8 @@
 """How one request's KV moves from a prefill node's pool into a decode node's pool.
 
 One small interface, three backends:
-- `zmq`: the KV is gathered into one contiguous tensor and sent as raw per-layer frames (copy=False)
-  after a KvData header; works across hosts (tcp://) or on one host (ipc://).
+- `zmq`: per layer, the request's whole blocks are gathered into one tensor and sent as one raw
+  frame (copy=False) after a KvData header; works across hosts (tcp://) or on one host (ipc://).
 - `shm`: the prefill node's whole pool lives in POSIX shared memory; at pairing the decode node maps
   it once, and each transfer is only block ids over ZeroMQ and one block copy on the decode side.
 - `cuda_ipc`: the same as shm for GPU pools: a CUDA IPC handle of the prefill pool crosses once,
@@ -14,10 +14,13 @@ Decode side: `attach(handle)` per prefill peer, then `unpack()` per transfer.
 
 from __future__ import annotations
 
+import _posixshmem
 import enum
+import mmap
+import os
 import uuid
 import warnings
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 
 import torch
 
@@ -37,6 +40,8 @@ class TransferError(ValueError):
 
 
 class ZmqBackend:
+    """One message per layer, so that gathering, the wire and scattering overlap layer by layer."""
+
     name = "zmq"
 
     def storage(self, layout: KVLayout, num_blocks: int, device: str) -> torch.Tensor | None:
@@ -46,32 +51,34 @@ class ZmqBackend:
         return {}
 
     def pack(self, pool: KVPool, request_id: str, block_ids: list[int], num_tokens: int):
-        kv = pool.export(block_ids, num_tokens).cpu()  # [L, 2, n, nkv, d]
-        header = P.KvData(request_id, pool.layout.dtype, list(kv.shape))
-        frames = [kv[layer].view(torch.uint8).numpy() for layer in range(kv.shape[0])]
-        return header, frames
+        """Yield (header, frames) per layer: the request's whole blocks, gathered, sent without a copy."""
+        blocks = block_ids[: -(-num_tokens // pool.block_size)]
+        for layer in range(pool.layout.num_layers):
+            rows = pool.export_blocks(layer, blocks).cpu()  # [n_blocks, bs * 2 * nkv * d]
+            shape = [len(blocks) * pool.block_size, 2, pool.layout.num_kv_heads, pool.layout.head_dim]
+            yield P.KvData(request_id, pool.layout.dtype, shape, layer), [rows.view(torch.uint8).numpy()]
 
     def attach(self, handle: dict, layout: KVLayout, device: str) -> object:
         return None
 
-    def unpack(self, pool: KVPool, dst_blocks: list[int], num_tokens: int, header: P.KvData, frames, source) -> None:
+    def unpack(self, pool: KVPool, dst_blocks: list[int], num_tokens: int, header: P.KvData, frames, source) -> int:
+        """Land one layer; return how many layers it carried."""
         lay = pool.layout
-        expected = [lay.num_layers, 2, num_tokens, lay.num_kv_heads, lay.head_dim]
+        n_blocks = -(-num_tokens // pool.block_size)
+        expected = [n_blocks * pool.block_size, 2, lay.num_kv_heads, lay.head_dim]
         if header.dtype != lay.dtype or list(header.shape) != expected:
             raise TransferError(f"KV of shape {header.shape} {header.dtype}, expected {expected} {lay.dtype}")
-        if len(frames) != lay.num_layers:
-            raise TransferError(f"{len(frames)} KV frames, expected {lay.num_layers}")
-        per_layer = expected[1:]
-        nbytes = DTYPES[lay.dtype].itemsize * 2 * num_tokens * lay.num_kv_heads * lay.head_dim
-        layers = []
+        if not 0 <= header.layer < lay.num_layers or len(frames) != 1:
+            raise TransferError(f"KV message for layer {header.layer} with {len(frames)} frames")
+        nbytes = DTYPES[lay.dtype].itemsize * _numel(expected)
+        buf = frames[0].buffer if hasattr(frames[0], "buffer") else memoryview(frames[0])
+        if buf.nbytes != nbytes:
+            raise TransferError(f"KV frame of {buf.nbytes} bytes, expected {nbytes}")
         with warnings.catch_warnings():  # zmq frames are read-only; we only read them
             warnings.simplefilter("ignore", UserWarning)
-            for f in frames:
-                buf = f.buffer if hasattr(f, "buffer") else memoryview(f)
-                if buf.nbytes != nbytes:
-                    raise TransferError(f"KV frame of {buf.nbytes} bytes, expected {nbytes}")
-                layers.append(torch.frombuffer(buf, dtype=DTYPES[lay.dtype]).view(per_layer))
-        pool.import_layers(dst_blocks, layers)
+            rows = torch.frombuffer(buf, dtype=DTYPES[lay.dtype]).view(n_blocks, -1)
+        pool.import_blocks(header.layer, dst_blocks[:n_blocks], rows)
+        return 1
 
     def close(self) -> None:
         pass
@@ -83,15 +90,17 @@ class _SharedPoolBackend:
     name = "shared"
 
     def pack(self, pool: KVPool, request_id: str, block_ids: list[int], num_tokens: int):
+        """One header naming the source blocks; no frames."""
         n_blocks = -(-num_tokens // pool.block_size)
         self.sync()
-        shape = [pool.layout.num_layers, 2, num_tokens, pool.layout.num_kv_heads, pool.layout.head_dim]
-        return P.KvData(request_id, pool.layout.dtype, shape, list(block_ids[:n_blocks])), []
+        shape = [num_tokens, 2, pool.layout.num_kv_heads, pool.layout.head_dim]
+        yield P.KvData(request_id, pool.layout.dtype, shape, -1, list(block_ids[:n_blocks])), []
 
     def sync(self) -> None:
         pass
 
-    def unpack(self, pool: KVPool, dst_blocks: list[int], num_tokens: int, header: P.KvData, frames, source) -> None:
+    def unpack(self, pool: KVPool, dst_blocks: list[int], num_tokens: int, header: P.KvData, frames, source) -> int:
+        """Copy every layer's blocks out of the mapped prefill pool; return the layers landed."""
         src_blocks = list(header.src_blocks)
         n_blocks = -(-num_tokens // pool.block_size)
         if len(src_blocks) != n_blocks or len(dst_blocks) < n_blocks:
@@ -101,6 +110,7 @@ class _SharedPoolBackend:
         if any(not 0 <= b < source.shape[1] // pool.block_size for b in src_blocks):
             raise TransferError("a source block id is outside the prefill pool")
         pool.copy_blocks_from(source, src_blocks, dst_blocks[:n_blocks])
+        return pool.layout.num_layers
 
 
 class ShmBackend(_SharedPoolBackend):
@@ -108,7 +118,7 @@ class ShmBackend(_SharedPoolBackend):
 
     def __init__(self) -> None:
         self._owned: shared_memory.SharedMemory | None = None
-        self._mapped: list[shared_memory.SharedMemory] = []
+        self._mapped: list[mmap.mmap] = []
 
     def storage(self, layout: KVLayout, num_blocks: int, device: str) -> torch.Tensor:
         if device != "cpu":
@@ -127,14 +137,16 @@ class ShmBackend(_SharedPoolBackend):
         nbytes = DTYPES[layout.dtype].itemsize * _numel(shape)
         if int(handle["nbytes"]) != nbytes:
             raise TransferError("shared pool size does not match its layout")
-        shm = shared_memory.SharedMemory(name=str(handle["name"]))
-        resource_tracker.unregister(shm._name, "shared_memory")  # the owner unlinks it, not us
-        self._mapped.append(shm)
-        return _view(shm, layout.dtype, shape, nbytes)
+        fd = _posixshmem.shm_open("/" + str(handle["name"]), os.O_RDWR, mode=0o600)
+        try:  # mapped directly: a SharedMemory here would let our resource tracker unlink the owner's segment
+            mm = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+        self._mapped.append(mm)
+        return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes).view(DTYPES[layout.dtype]).view(shape)
 
     def close(self) -> None:
-        for shm in self._mapped:
-            shm.close()
+        self._mapped.clear()  # the maps close when the last tensor on them is gone
         if self._owned is not None:
             self._owned.unlink()
             self._owned = None

@@ -151,11 +151,13 @@ class KvPull:
 
 @dataclass(frozen=True)
 class KvData:
-    """Prefill -> decode header. zmq: per-layer frames follow. shm/cuda_ipc: `src_blocks` in the shared pool."""
+    """Prefill -> decode. zmq: one message per layer, its KV as one raw frame after this header.
+    shm/cuda_ipc: one message for all layers (layer = -1), naming the blocks in the shared pool."""
 
     request_id: str
     dtype: str
-    shape: list[int]  # [num_layers, 2, num_tokens, num_kv_heads, head_dim]
+    shape: list[int]  # zmq: [num_tokens, 2, num_kv_heads, head_dim] of one layer
+    layer: int = -1
     src_blocks: list[int] = field(default_factory=list)
 
 
@@ -228,9 +230,7 @@ def decode(data: bytes) -> Any:
     if len(data) > MAX_HEADER_BYTES:
         raise ProtocolError(f"message of {len(data)} bytes exceeds {MAX_HEADER_BYTES}")
     try:
-        body = msgpack.unpackb(
-            data, raw=False, strict_map_key=True, max_array_len=MAX_LIST_LEN, max_map_len=1024
-        )
+        body = msgpack.unpackb(data, raw=False, strict_map_key=True, max_array_len=MAX_LIST_LEN, max_map_len=1024)
     except Exception as e:  # msgpack raises several unrelated types
         raise ProtocolError(f"undecodable message: {e}") from e
     if not isinstance(body, dict) or not isinstance(body.get("t"), str):

@@ -37,6 +37,7 @@ class Incoming:
     identity: bytes
     offer: P.KvOffer
     block_ids: list[int] = field(default_factory=list)
+    layers_landed: int = 0
 
 
 class DecodeNode(NodeBase):
@@ -106,16 +107,20 @@ class DecodeNode(NodeBase):
         self.offers.append(Incoming(identity, offer))
 
     def _on_data(self, identity: bytes, header: P.KvData, frames: list) -> None:
-        inc = self.reserved.pop(header.request_id, None)
-        if inc is None:
-            return  # cancelled after the pull
+        inc = self.reserved.get(header.request_id)
+        if inc is None or inc.identity != identity:
+            return  # cancelled after the pull (or not this peer's)
         try:
-            self.backend.unpack(self.engine.pool, inc.block_ids, inc.offer.num_tokens, header, frames,
-                                self.sources.get(identity))  # fmt: skip
+            inc.layers_landed += self.backend.unpack(self.engine.pool, inc.block_ids, inc.offer.num_tokens, header,
+                                                     frames, self.sources.get(identity))  # fmt: skip
         except TransferError as e:
+            del self.reserved[header.request_id]
             self.engine.pool.allocator.free(inc.block_ids)
             self._refuse(identity, header.request_id, f"bad KV: {e}")
             return
+        if inc.layers_landed < self.engine.layout.num_layers:
+            return
+        del self.reserved[header.request_id]
         o = inc.offer
         req = Request(o.request_id, list(o.prompt_token_ids), o.params, output_token_ids=[o.first_token_id],
                       num_computed_tokens=o.num_tokens, block_ids=inc.block_ids, arrival=time.time())  # fmt: skip

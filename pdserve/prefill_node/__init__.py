@@ -162,8 +162,8 @@ class PrefillNode(NodeBase):
             return
         req = t.request
         t.state, t.pulled_at = TransferState.TRANSFERRING, time.perf_counter()
-        header, frames = self.backend.pack(self.engine.pool, request_id, req.block_ids, len(req.prompt_token_ids))
-        transport.send(t.peer.sock, header, frames)
+        for header, frames in self.backend.pack(self.engine.pool, request_id, req.block_ids, len(req.prompt_token_ids)):
+            transport.send(t.peer.sock, header, frames)
 
     def _end_transfer(self, t: Transfer, ok: bool, why: str) -> None:
         rid = t.request.request_id

@@ -91,9 +91,7 @@ class RouterCore:
             self._tasks += [asyncio.create_task(self._reader(node)), asyncio.create_task(self._monitor(node, mon))]
         self._tasks.append(asyncio.create_task(self._watchdog()))
         try:
-            await asyncio.wait_for(
-                asyncio.gather(*(n.ever_up.wait() for n in self.nodes)), self.cfg.connect_timeout_s
-            )
+            await asyncio.wait_for(asyncio.gather(*(n.ever_up.wait() for n in self.nodes)), self.cfg.connect_timeout_s)
         except TimeoutError:
             down = ", ".join(n.name for n in self.nodes if not n.up)
             raise RuntimeError(f"nodes did not answer within {self.cfg.connect_timeout_s}s: {down}") from None

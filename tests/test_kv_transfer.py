@@ -1,0 +1,93 @@
+"""KV export/import and the transfer backends in-process (CPU): zmq frames and shared memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import zmq
+
+from pdserve.common import protocol as P
+from pdserve.common import transport
+from pdserve.common.kv_cache import KVLayout, KVPool
+from pdserve.common.kv_transfer import TransferError, make_backend
+
+LAYOUT = KVLayout(3, 2, 8, 4, "float32", "fp")
+
+
+def _filled_pool(backend=None, num_blocks: int = 16) -> KVPool:
+    storage = backend.storage(LAYOUT, num_blocks, "cpu") if backend else None
+    pool = KVPool(LAYOUT, num_blocks, data=storage)
+    pool.data.copy_(torch.randn(pool.data.shape))
+    return pool
+
+
+def _request_kv(pool: KVPool, blocks: list[int], n: int) -> torch.Tensor:
+    return pool.export(blocks, n)  # [L, n, 2, nkv, d]
+
+
+def test_export_import_round_trip():
+    src, dst = _filled_pool(), KVPool(LAYOUT, 16)
+    kv = src.export([7, 2, 11], 10)
+    assert kv.shape == (3, 10, 2, 2, 8) and kv.is_contiguous()
+    dst.import_([0, 5, 9], kv)
+    assert torch.equal(dst.export([0, 5, 9], 10), kv)
+
+
+def _through_zmq(header: P.KvData, frames: list):
+    """Send one message over a real inproc socket pair and receive it as the decode node would."""
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    a.bind("inproc://kv")
+    b.connect("inproc://kv")
+    transport.send(a, header, frames)
+    _, msg, got = transport.recv(b)
+    ctx.destroy(linger=0)
+    return msg, got
+
+
+@pytest.mark.parametrize("name", ["zmq", "shm"])
+def test_backend_moves_one_requests_kv(name):
+    sender, receiver = make_backend(name), make_backend(name)
+    src, dst = _filled_pool(sender), KVPool(LAYOUT, 16)
+    try:
+        source = receiver.attach(sender.handle(), LAYOUT, "cpu")
+        landed = 0
+        for header, frames in sender.pack(src, "r", [3, 8, 1], 10):
+            msg, got = _through_zmq(header, frames)
+            landed += receiver.unpack(dst, [4, 5, 12], 10, msg, got, source)
+        assert landed == LAYOUT.num_layers
+        assert torch.equal(dst.export([4, 5, 12], 10), src.export([3, 8, 1], 10))
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def test_zmq_backend_refuses_a_wrong_frame():
+    backend = make_backend("zmq")
+    src, dst = _filled_pool(), KVPool(LAYOUT, 16)
+    header, frames = next(backend.pack(src, "r", [3, 8], 8))
+    with pytest.raises(TransferError):
+        backend.unpack(dst, [0, 1, 2], 12, header, frames, None)  # expects 3 blocks, got 2
+    with pytest.raises(TransferError):
+        backend.unpack(dst, [0, 1], 8, header, [frames[0][:-4]], None)
+
+
+def test_shm_backend_refuses_foreign_block_ids():
+    sender, receiver = make_backend("shm"), make_backend("shm")
+    _filled_pool(sender)
+    dst = KVPool(LAYOUT, 16)
+    try:
+        source = receiver.attach(sender.handle(), LAYOUT, "cpu")
+        bad = P.KvData("r", "float32", [4, 2, 2, 8], -1, [99])
+        with pytest.raises(TransferError):
+            receiver.unpack(dst, [0], 4, bad, [], source)
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def test_layout_mismatch_is_named():
+    other = KVLayout(3, 2, 8, 16, "bfloat16", "fp").to_dict()
+    why = LAYOUT.mismatch(other)
+    assert "block_size" in why and "dtype" in why and "num_layers" not in why
+    assert LAYOUT.mismatch(LAYOUT.to_dict()) == ""

@@ -1,0 +1,72 @@
+"""The wire protocol: round trips, and refusal of what a peer must not send."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from pdserve.common import protocol as P
+
+
+def test_round_trip_of_every_message():
+    params = P.SamplingParams(max_tokens=5, temperature=0.5, top_p=0.9, top_k=3, seed=1, stop_token_ids=(4,))
+    msgs = [
+        P.Hello(P.PROTOCOL_VERSION, "router", {"a": 1}),
+        P.Generate("r1", [1, 2, 3], params, "tcp://127.0.0.1:5"),
+        P.TokenEvents([P.TokenEvent("r1", [7], None), P.TokenEvent("r2", [], "error", "boom")]),
+        P.KvOffer("r1", [1, 2], 9, params, 2),
+        P.KvData("r1", "float32", [16, 2, 4, 64], 3, [5, 6]),
+        P.KvAck("r1", False, "full"),
+    ]
+    for m in msgs:
+        assert P.decode(P.encode(m)) == m
+
+
+def _raw(body: dict) -> bytes:
+    return msgpack.packb(body, use_bin_type=True)
+
+
+@pytest.mark.parametrize(
+    "data,words",
+    [
+        (_raw({"t": "Popen", "args": ["sh"]}), "unknown message type"),
+        (_raw({"t": "Abort", "request_id": "x", "extra": 1}), "unknown fields"),
+        (_raw({"t": "Abort"}), "Abort"),
+        (_raw({"request_id": "x"}), "type tag"),
+        (
+            _raw({"t": "Generate", "request_id": "x", "prompt_token_ids": [1], "params": {"max_tokens": 0}}),
+            "max_tokens",
+        ),
+        (b"\xc1\xc1garbage", "undecodable"),
+        (
+            _raw(
+                {
+                    "t": "KvOffer",
+                    "request_id": "x",
+                    "prompt_token_ids": list(range(10)),
+                    "first_token_id": 1,
+                    "params": {"max_tokens": 1, "evil": True},
+                    "num_tokens": 1,
+                }
+            ),
+            "unknown fields",
+        ),  # fmt: skip
+    ],
+)
+def test_refuses_bad_messages(data, words):
+    with pytest.raises(P.ProtocolError, match=words):
+        P.decode(data)
+
+
+def test_refuses_oversized_messages(monkeypatch):
+    monkeypatch.setattr(P, "MAX_HEADER_BYTES", 100)
+    with pytest.raises(P.ProtocolError, match="exceeds"):
+        P.decode(P.encode(P.Generate("r", list(range(200)), P.SamplingParams())))
+
+
+def test_only_registered_types_encode():
+    class Sneaky:
+        pass
+
+    with pytest.raises(TypeError):
+        P.encode(Sneaky())
