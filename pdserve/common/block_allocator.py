@@ -1,4 +1,10 @@
-"""Pure-Python block bookkeeping of the paged KV pool (no tensors: the scheduler is tested without torch)."""
+"""Pure-Python block bookkeeping of the paged KV pool (no tensors: the scheduler is tested without torch).
+
+Blocks are placed so that a request's blocks are consecutive whenever the pool allows: a new
+request starts at the first free run long enough for the tokens it expects, and a growing one takes
+the block right after its last. Attention then reads a request's KV as one view of the pool
+instead of gathering it. Placement is only a preference: any free block will do when runs are gone.
+"""
 
 from __future__ import annotations
 
@@ -8,39 +14,60 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 
 class BlockAllocator:
-    """A free list of block ids. A request owns a list of block ids that covers its tokens."""
-
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self._free = bytearray(b"\x01") * num_blocks  # 1 = free
+        self._num_free = num_blocks
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._num_free
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self._num_free
 
     def extra_needed(self, block_ids: list[int], num_tokens: int) -> int:
         """How many more blocks `block_ids` needs to hold `num_tokens` tokens."""
         return max(0, blocks_for(num_tokens, self.block_size) - len(block_ids))
 
-    def can_grow(self, block_ids: list[int], num_tokens: int) -> bool:
-        return self.extra_needed(block_ids, num_tokens) <= len(self._free)
+    def grow(self, block_ids: list[int], num_tokens: int, expected_tokens: int = 0) -> bool:
+        """Append blocks to `block_ids` (in place) to cover `num_tokens`; all or nothing.
 
-    def grow(self, block_ids: list[int], num_tokens: int) -> bool:
-        """Append blocks to `block_ids` (in place) to cover `num_tokens`; all or nothing."""
+        `expected_tokens`: how long the request may grow, to leave it room to stay consecutive."""
         need = self.extra_needed(block_ids, num_tokens)
-        if need > len(self._free):
+        if need > self._num_free:
             return False
-        block_ids.extend(self._free.pop() for _ in range(need))
+        expected_blocks = blocks_for(max(expected_tokens, num_tokens), self.block_size)
+        for _ in range(need):
+            block_ids.append(self._take(block_ids, expected_blocks - len(block_ids)))
         return True
+
+    def _take(self, block_ids: list[int], room: int) -> int:
+        nxt = block_ids[-1] + 1 if block_ids else -1
+        if 0 <= nxt < self.num_blocks and self._free[nxt]:
+            block = nxt
+        else:
+            block = self._first_run(max(1, room))
+        self._free[block] = 0
+        self._num_free -= 1
+        return block
+
+    def _first_run(self, length: int) -> int:
+        """Start of the first run of `length` free blocks, or of a shorter one when none is that long."""
+        while length > 1:
+            at = self._free.find(b"\x01" * length)
+            if at != -1:
+                return at
+            length //= 2
+        return self._free.find(1)
 
     def free(self, block_ids: list[int]) -> None:
         """Return every block of `block_ids` to the pool and empty the list."""
-        self._free.extend(reversed(block_ids))
+        for b in block_ids:
+            self._free[b] = 1
+        self._num_free += len(block_ids)
         block_ids.clear()

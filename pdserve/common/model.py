@@ -32,7 +32,7 @@ class Span:
     start: int  # first index in [T]
     length: int  # new tokens this iteration
     past: int  # tokens already in the KV before this iteration
-    ctx_slots: torch.Tensor | None  # [past + length] slots, None when past == 0
+    ctx_slots: torch.Tensor | slice | None  # its past + length slots; a slice when they are contiguous
     mask: torch.Tensor | None  # [length, past + length] bool, for a chunk after a past
 
 
@@ -106,6 +106,7 @@ class ModelRunner:
         self.num_kv_heads = pool.layout.num_kv_heads
         self.group = model.config.num_attention_heads // self.num_kv_heads
         self.scale = attn.scaling
+        self.fused = [_fuse(layer) for layer in self.layers]
 
     # ---- inputs ----------------------------------------------------------------------------------
     def prepare(self, batch: Batch) -> ForwardInputs:
@@ -121,7 +122,8 @@ class ModelRunner:
             positions.append(torch.arange(past, past + n))
             ctx = self.pool.slots(req.block_ids, 0, past + n)  # [past + n]
             slots.append(ctx[past:])
-            spans.append(Span(len(ids) - n, n, past, ctx if past else None, _chunk_mask(past, n)))
+            spans.append(Span(len(ids) - n, n, past, _context(ctx, req.block_ids) if past else None,
+                              _chunk_mask(past, n)))  # fmt: skip
             if s.samples:
                 sample.append(len(ids) - 1)
         dev = self.device
@@ -142,15 +144,16 @@ class ModelRunner:
         rope = (cos[0], sin[0])  # [T, d]
         for i, layer in enumerate(self.layers):
             h = h + self._attention(layer.self_attn, layer.input_layernorm(h), rope, i, inp)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = h + self._mlp(i, layer.post_attention_layernorm(h))
         h = self.norm(h[inp.sample_index])  # [S, H]
         return self.lm_head(h).float()  # [S, V]
 
     def _attention(self, attn, x: torch.Tensor, rope, layer_idx: int, inp: ForwardInputs) -> torch.Tensor:
         T, d = x.shape[0], self.head_dim
-        q = attn.q_proj(x).view(T, -1, d)  # [T, nh, d]
-        k = attn.k_proj(x).view(T, -1, d)  # [T, nkv, d]
-        v = attn.v_proj(x).view(T, -1, d)  # [T, nkv, d]
+        fused = self.fused[layer_idx]
+        qkv = F.linear(x, fused.qkv_weight, fused.qkv_bias)  # [T, (nh + 2 nkv) d]
+        q, k, v = qkv.split(fused.qkv_sizes, dim=-1)
+        q, k, v = q.view(T, -1, d), k.view(T, -1, d), v.view(T, -1, d)  # [T, nh | nkv, d]
         if hasattr(attn, "q_norm"):
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = self.apply_rope(q, k, *rope, unsqueeze_dim=1)
@@ -161,34 +164,76 @@ class ModelRunner:
             out[sp.start : sp.start + sp.length] = self._span_attention(q, k, v, kv_pool, sp)
         return attn.o_proj(out.view(T, -1))  # [T, H]
 
+    def _mlp(self, layer_idx: int, x: torch.Tensor) -> torch.Tensor:
+        fused = self.fused[layer_idx]
+        gate, up = F.linear(x, fused.gate_up_weight, fused.gate_up_bias).chunk(2, dim=-1)  # [T, I] each
+        return fused.down(fused.act(gate) * up)  # [T, H]
+
     def _span_attention(self, q, k, v, kv_pool, sp: Span) -> torch.Tensor:
         """Attention of one request's new tokens: [length, nh, d]."""
         end = sp.start + sp.length
         qs = q[sp.start : end]  # [Lq, nh, d]
         if sp.ctx_slots is None:  # a prompt's first chunk: its own keys, causal
             ks, vs = k[sp.start : end], v[sp.start : end]  # [Lq, nkv, d]
-        else:
-            kv = kv_pool.index_select(0, sp.ctx_slots)  # [Lk, 2, nkv, d]
-            ks, vs = kv[:, 0], kv[:, 1]
-        if sp.length == 1:
-            return self._decode_attention(qs, ks, vs)
+        else:  # a view of the pool when its blocks are consecutive, else a gather
+            kv = kv_pool[sp.ctx_slots] if isinstance(sp.ctx_slots, slice) else kv_pool.index_select(0, sp.ctx_slots)
+            ks, vs = kv[:, 0], kv[:, 1]  # [Lk, nkv, d]
         o = F.scaled_dot_product_attention(
             qs.transpose(0, 1)[None],  # [1, nh, Lq, d]
             ks.transpose(0, 1)[None],  # [1, nkv, Lk, d]
             vs.transpose(0, 1)[None],
             attn_mask=sp.mask,
-            is_causal=sp.mask is None,
+            is_causal=sp.ctx_slots is None,  # a first chunk; later ones carry a mask (none for one token)
             scale=self.scale,
             enable_gqa=True,
         )  # [1, nh, Lq, d]
         return o[0].transpose(0, 1)
 
-    def _decode_attention(self, q, k, v) -> torch.Tensor:
-        """One query token against its context with two matmuls: [1, nh, d]."""
-        qg = q.view(self.num_kv_heads, self.group, self.head_dim)  # [nkv, G, d]
-        scores = torch.matmul(qg, k.permute(1, 2, 0)) * self.scale  # [nkv, G, Lk]
-        probs = scores.float().softmax(-1).to(v.dtype)
-        return torch.matmul(probs, v.transpose(0, 1)).view(1, -1, self.head_dim)  # [1, nh, d]
+@dataclass
+class FusedWeights:
+    """QKV and gate/up projections as single matmuls; the HF modules' weights become views into them."""
+
+    qkv_weight: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    qkv_sizes: list[int]
+    gate_up_weight: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    act: object
+    down: torch.nn.Module
+
+
+def _fuse(layer) -> FusedWeights:
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv_w, qkv_b = _concat([attn.q_proj, attn.k_proj, attn.v_proj])
+    gu_w, gu_b = _concat([mlp.gate_proj, mlp.up_proj])
+    sizes = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
+    return FusedWeights(qkv_w, qkv_b, sizes, gu_w, gu_b, mlp.act_fn, mlp.down_proj)
+
+
+@torch.no_grad()
+def _concat(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for several Linear layers on the same input; theirs become views into it."""
+    weight = torch.cat([m.weight for m in linears])
+    has_bias = [m.bias is not None for m in linears]
+    bias = None
+    if any(has_bias):
+        bias = torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears])
+    start = 0
+    for m in linears:
+        m.weight.data = weight[start : start + m.out_features]
+        if m.bias is not None:
+            m.bias.data = bias[start : start + m.out_features]
+        start += m.out_features
+    return weight, bias
+
+
+def _context(ctx: torch.Tensor, block_ids: list[int]) -> torch.Tensor | slice:
+    """A request's context slots, as a slice when its blocks are consecutive (no gather needed)."""
+    first = block_ids[0]
+    if block_ids == list(range(first, first + len(block_ids))):
+        start = int(ctx[0])
+        return slice(start, start + len(ctx))
+    return ctx
 
 
 def _chunk_mask(past: int, n: int) -> torch.Tensor | None:
@@ -205,6 +250,6 @@ def _span_to(sp: Span, device) -> Span:
         sp.start,
         sp.length,
         sp.past,
-        None if sp.ctx_slots is None else sp.ctx_slots.to(device),
+        sp.ctx_slots if not isinstance(sp.ctx_slots, torch.Tensor) else sp.ctx_slots.to(device),
         None if sp.mask is None else sp.mask.to(device),
     )

@@ -54,6 +54,11 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def max_total_tokens(self) -> int:
+        """The most tokens this request can reach: its prompt plus every token it may generate."""
+        return len(self.prompt_token_ids) + self.params.max_tokens
+
+    @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 

@@ -89,7 +89,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.allocator.grow(req.block_ids, req.num_computed_tokens + n):
+            if not self.allocator.grow(req.block_ids, req.num_computed_tokens + n, req.max_total_tokens):
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
             req.move_to(Status.RUNNING)
@@ -100,7 +100,7 @@ class Scheduler:
 
     def _reserve(self, req: Request, n: int, batch: Batch) -> bool:
         """Grow `req`'s blocks for `n` more tokens, preempting the newest running requests if needed."""
-        while not self.allocator.grow(req.block_ids, req.num_computed_tokens + n):
+        while not self.allocator.grow(req.block_ids, req.num_computed_tokens + n, req.max_total_tokens):
             victim = self.running[-1]
             self._preempt(victim, batch)
             if victim is req:

@@ -153,11 +153,16 @@ class DecodeNode(NodeBase):
                 return True
         return False
 
+    @staticmethod
+    def _reserve(alloc, inc: Incoming) -> bool:
+        o = inc.offer
+        return alloc.grow(inc.block_ids, o.num_tokens, o.num_tokens + o.params.max_tokens)
+
     # ---- chores --------------------------------------------------------------------------------
     def tick(self) -> None:
         super().tick()
         alloc = self.engine.pool.allocator
-        while self.offers and alloc.grow(self.offers[0].block_ids, self.offers[0].offer.num_tokens):
+        while self.offers and self._reserve(alloc, self.offers[0]):
             inc = self.offers.popleft()
             self.reserved[inc.offer.request_id] = inc
             transport.send(self.kv_sock, P.KvPull(inc.offer.request_id), identity=inc.identity)
