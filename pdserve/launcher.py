@@ -33,6 +33,11 @@ def _cores(spec: str | None, index: int, pin: bool) -> str:
 
 def plan(a: argparse.Namespace, tmp: Path) -> list[tuple[str, list[str], Path]]:
     """(role, argv, ready file) of every node to start."""
+    devices = {a.device, a.prefill_device or a.device, a.decode_device or a.device}
+    if a.kv_transport == "cuda_ipc" and any(not d.startswith("cuda") for d in devices):
+        raise ValueError("--kv-transport cuda_ipc needs CUDA devices (--prefill-device / --decode-device cuda:N)")
+    if a.kv_transport == "shm" and any(d != "cpu" for d in devices):
+        raise ValueError("--kv-transport shm is for CPU nodes; use cuda_ipc on GPUs")
     pin = not a.no_pin and a.device == "cpu"
     base = [sys.executable, "-m", "pdserve"]
     nodes = []
