@@ -93,3 +93,23 @@ def test_finish_frees_blocks_and_refuses_illegal_moves():
     assert s.allocator.num_free == 64 and not s.has_work()
     with pytest.raises(IllegalTransition):
         r.move_to(Status.RUNNING)
+
+
+def test_requests_get_consecutive_blocks_while_the_pool_allows():
+    alloc = BlockAllocator(16, 4)
+    a, b = [], []
+    assert alloc.grow(a, 8, expected_tokens=24)  # a expects 6 blocks: promised 0..5
+    assert alloc.grow(b, 8, expected_tokens=16)  # b starts after a's promise
+    assert a == [0, 1] and b == [6, 7]
+    assert alloc.grow(a, 24) and a == [0, 1, 2, 3, 4, 5]
+    c = []
+    assert alloc.grow(c, 20, expected_tokens=20) and c == [10, 11, 12, 13, 14]
+    d = []  # the last open block, then one promised to b: any free block will do when runs are gone
+    assert alloc.grow(d, 8) and d == [15, 8]
+    alloc.free(a)
+    alloc.free(b)
+    alloc.free(c)
+    alloc.free(d)
+    assert alloc.num_free == 16
+    e = []
+    assert alloc.grow(e, 64) and e == list(range(16))

@@ -1,9 +1,10 @@
 """Pure-Python block bookkeeping of the paged KV pool (no tensors: the scheduler is tested without torch).
 
 Blocks are placed so that a request's blocks are consecutive whenever the pool allows: a new
-request starts at the first free run long enough for the tokens it expects, and a growing one takes
-the block right after its last. Attention then reads a request's KV as one view of the pool
-instead of gathering it. Placement is only a preference: any free block will do when runs are gone.
+request starts at the first open run long enough for the tokens it expects and is promised that run
+(other new requests start elsewhere), and a growing one takes the block right after its last.
+Attention then reads a request's KV as one view of the pool instead of gathering it. Placement is
+only a preference: when no open run is left, any free block will do, promised or not.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._free = bytearray(b"\x01") * num_blocks  # 1 = free
+        self._open = bytearray(b"\x01") * num_blocks  # 1 = free and promised to no request
+        self._promises: dict[int, int] = {}  # first block of a request -> end of the run it was promised
         self._num_free = num_blocks
 
     @property
@@ -51,23 +54,34 @@ class BlockAllocator:
         if 0 <= nxt < self.num_blocks and self._free[nxt]:
             block = nxt
         else:
-            block = self._first_run(max(1, room))
+            block, length = self._first_run(max(1, room))
+            if not block_ids:  # a new request: promise it the run
+                self._promises[block] = block + length
+                self._open[block : block + length] = bytes(length)
         self._free[block] = 0
+        self._open[block] = 0
         self._num_free -= 1
         return block
 
-    def _first_run(self, length: int) -> int:
-        """Start of the first run of `length` free blocks, or of a shorter one when none is that long."""
-        while length > 1:
-            at = self._free.find(b"\x01" * length)
+    def _first_run(self, length: int) -> tuple[int, int]:
+        """(start, length) of the first open run of `length` blocks, or of a shorter one, or any free block."""
+        while length >= 1:
+            at = self._open.find(b"\x01" * length)
             if at != -1:
-                return at
+                return at, length
             length //= 2
-        return self._free.find(1)
+        return self._free.find(1), 1
 
     def free(self, block_ids: list[int]) -> None:
         """Return every block of `block_ids` to the pool and empty the list."""
+        if block_ids and block_ids[0] in self._promises:
+            start = block_ids[0]
+            end = self._promises.pop(start)
+            for b in range(start, end):  # the unused rest of its promise opens again
+                if self._free[b]:
+                    self._open[b] = 1
         for b in block_ids:
             self._free[b] = 1
+            self._open[b] = 1
         self._num_free += len(block_ids)
         block_ids.clear()
