@@ -312,10 +312,10 @@ def run_overhead(cfg: BenchConfig, config) -> dict:
 
 
 def run_kv_bandwidth(cfg: BenchConfig) -> dict:
-    """bench/kv_bandwidth.py (the backends beside their floors) for one 512-token prompt's KV, as a child
+    """bench/kv_bandwidth.py (the backends beside their floors) for one 2048-token prompt's KV, as a child
     process with a deadline: it spawns processes of its own, and a hang there must not hang this run."""
     prefix = cfg.out_dir / f"{cfg.name}.kv_bandwidth"
-    tokens, repeats = (64, 3) if cfg.quick else (512, 10)
+    tokens, repeats = (64, 3) if cfg.quick else (2048, 10)
     argv = [sys.executable, "-m", "bench.kv_bandwidth", "--tokens", str(tokens), "--repeats", str(repeats)]
     root = Path(__file__).parent.parent
     pipe = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}

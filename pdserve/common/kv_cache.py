@@ -77,14 +77,21 @@ class KVPool:
         return self.data[layer].index_select(0, idx)
 
     def export_blocks(self, layer: int, block_ids: list[int]) -> torch.Tensor:
-        """Whole blocks of one layer, gathered: [n_blocks, bs * 2 * nkv * d]."""
-        ids = torch.tensor(block_ids, dtype=torch.long, device=self.data.device)
-        return self.data[layer].view(self.num_blocks, -1).index_select(0, ids)
+        """Whole blocks of one layer as [n_blocks, bs * 2 * nkv * d]: a view when they are consecutive
+        (nothing copied), else gathered."""
+        rows = self.data[layer].view(self.num_blocks, -1)
+        if is_run(block_ids):
+            return rows[block_ids[0] : block_ids[0] + len(block_ids)]
+        return rows.index_select(0, torch.tensor(block_ids, dtype=torch.long, device=self.data.device))
 
     def import_blocks(self, layer: int, block_ids: list[int], rows: torch.Tensor) -> None:
-        """Write gathered whole blocks of one layer ([n_blocks, block elements]) into `block_ids`."""
-        ids = torch.tensor(block_ids, dtype=torch.long, device=self.data.device)
-        self.data[layer].view(self.num_blocks, -1).index_copy_(0, ids, rows.to(self.data.device))
+        """Write whole blocks of one layer ([n_blocks, block elements]) into `block_ids`."""
+        dst = self.data[layer].view(self.num_blocks, -1)
+        rows = rows.to(self.data.device)
+        if is_run(block_ids):
+            dst[block_ids[0] : block_ids[0] + len(block_ids)].copy_(rows)
+        else:
+            dst.index_copy_(0, torch.tensor(block_ids, dtype=torch.long, device=self.data.device), rows)
 
     def import_(self, block_ids: list[int], kv: torch.Tensor) -> None:
         """Write an exported [L, n, 2, nkv, d] tensor into the blocks `block_ids`."""
@@ -103,6 +110,13 @@ class KVPool:
         src_view = src.view(L, src.shape[1] // self.block_size, -1)
         for s, d, n in _runs(src_blocks, dst_blocks):
             dst_view[:, d : d + n].copy_(src_view[:, s : s + n])
+
+
+def is_run(block_ids: list[int]) -> bool:
+    """True when the blocks are consecutive ids in order (one slice of the pool)."""
+    return bool(block_ids) and block_ids[-1] - block_ids[0] == len(block_ids) - 1 and all(
+        b - a == 1 for a, b in zip(block_ids, block_ids[1:], strict=False)
+    )
 
 
 def _runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:

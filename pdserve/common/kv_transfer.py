@@ -1,8 +1,9 @@
 """How one request's KV moves from a prefill node's pool into a decode node's pool.
 
 One small interface, three backends:
-- `zmq`: per layer, the request's whole blocks are gathered into one tensor and sent as one raw
-  frame (copy=False) after a KvData header; works across hosts (tcp://) or on one host (ipc://).
+- `zmq`: per layer, the request's whole blocks go as one raw frame (copy=False) after a KvData
+  header: straight out of the pool when the blocks are consecutive (the allocator's aim), gathered
+  first otherwise; works across hosts (tcp://) or on one host (ipc://).
 - `shm`: the prefill node's whole pool lives in POSIX shared memory; at pairing the decode node maps
   it once, and each transfer is only block ids over ZeroMQ and one block copy on the decode side.
 - `cuda_ipc`: the same as shm for GPU pools: a CUDA IPC handle of the prefill pool crosses once,
@@ -51,7 +52,7 @@ class ZmqBackend:
         return {}
 
     def pack(self, pool: KVPool, request_id: str, block_ids: list[int], num_tokens: int):
-        """Yield (header, frames) per layer: the request's whole blocks, gathered, sent without a copy."""
+        """Yield (header, frames) per layer: the request's whole blocks, sent without a copy."""
         blocks = block_ids[: -(-num_tokens // pool.block_size)]
         for layer in range(pool.layout.num_layers):
             rows = pool.export_blocks(layer, blocks).cpu()  # [n_blocks, bs * 2 * nkv * d]

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pdserve.common.kv_cache import DTYPES, KVLayout, KVPool
+from pdserve.common.kv_cache import DTYPES, KVLayout, KVPool, is_run
 from pdserve.common.scheduler import Batch
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
@@ -229,8 +229,7 @@ def _concat(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor 
 
 def _context(ctx: torch.Tensor, block_ids: list[int]) -> torch.Tensor | slice:
     """A request's context slots, as a slice when its blocks are consecutive (no gather needed)."""
-    first = block_ids[0]
-    if block_ids == list(range(first, first + len(block_ids))):
+    if is_run(block_ids):
         start = int(ctx[0])
         return slice(start, start + len(ctx))
     return ctx

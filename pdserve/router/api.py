@@ -173,7 +173,7 @@ async def run_job(core: RouterCore, info: ModelInfo, job: Job) -> AsyncIterator[
             text, stopped = detok.add(ev.token_ids)
             reason = "stop" if stopped else ev.finish_reason
             if reason is not None:
-                text += detok.flush() if not stopped else ""
+                text += "" if stopped else detok.flush()
                 finished = True
             yield Delta(text, list(ev.token_ids), reason)
     finally:

@@ -32,41 +32,60 @@ def load_model_info(model: str) -> ModelInfo:
 class Detokenizer:
     """Turns a growing list of token ids into text deltas, and watches for stop strings.
 
-    Text that ends in an incomplete UTF-8 sequence, or that could be the start of a stop string,
-    is held back until the next tokens settle it.
+    Incremental: each new token decodes only a short window (the tokens since the last settled
+    point, plus the few before it for context), so a long answer costs O(n), not O(n^2). Text that
+    ends in an incomplete UTF-8 sequence, or that could be the start of a stop string, is held back
+    until the next tokens settle it.
     """
 
     def __init__(self, tokenizer, stops: list[str]) -> None:
         self.tokenizer = tokenizer
         self.stops = stops
         self.ids: list[int] = []
-        self.sent = 0  # characters of the decoded text already returned
+        self.text = ""  # settled text so far
+        self.prefix_offset = 0  # ids[prefix_offset:read_offset] give the context of the next decode
+        self.read_offset = 0
+        self.sent = 0  # characters of self.text already returned
 
     def add(self, token_ids: list[int]) -> tuple[str, bool]:
         """Return (new text, stopped). After a stop the text ends before the stop string."""
         self.ids.extend(token_ids)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        self._settle()
         for stop in self.stops:
-            at = text.find(stop, max(0, self.sent - len(stop)))
+            at = self.text.find(stop, max(0, self.sent - len(stop)))
             if at != -1:
-                return self._take(text, min(at, len(text)), force=True), True
-        hold = len(text)
-        if text.endswith("\ufffd"):
-            hold = len(text.rstrip("\ufffd"))
+                return self._take(at), True
+        hold = len(self.text)
         for stop in self.stops:
-            for k in range(min(len(stop) - 1, len(text)), 0, -1):
-                if text.endswith(stop[:k]):
-                    hold = min(hold, len(text) - k)
+            for k in range(min(len(stop) - 1, len(self.text)), 0, -1):
+                if self.text.endswith(stop[:k]):
+                    hold = min(hold, len(self.text) - k)
                     break
-        return self._take(text, hold), False
+        return self._take(hold), False
 
     def flush(self) -> str:
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        return self._take(text, len(text), force=True)
+        """Everything not yet returned, unsettled bytes included (the answer is over)."""
+        tail = self._decode(self.ids[self.prefix_offset :])[len(self._decode(self._window())) :]
+        self.text += tail
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return self._take(len(self.text))
 
-    def _take(self, text: str, upto: int, force: bool = False) -> str:
+    def _settle(self) -> None:
+        before = self._decode(self._window())
+        after = self._decode(self.ids[self.prefix_offset :])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.text += after[len(before) :]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+
+    def _window(self) -> list[int]:
+        return self.ids[self.prefix_offset : self.read_offset]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+
+    def _take(self, upto: int) -> str:
         if upto <= self.sent:
             return ""
-        out = text[self.sent : upto]
+        out = self.text[self.sent : upto]
         self.sent = upto
         return out

@@ -1,0 +1,37 @@
+"""Incremental detokenizing and stop strings, against decoding the whole answer at once."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import transformers
+
+from pdserve.common.checkpoint import resolve_model
+from pdserve.router.text import Detokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return transformers.AutoTokenizer.from_pretrained(resolve_model("tiny"))
+
+
+def test_deltas_add_up_to_the_whole_text(tokenizer):
+    ids = tokenizer.encode("héllo wörld — ünïcode ✓ ok", add_special_tokens=False)
+    ids += [random.Random(0).randrange(500) for _ in range(40)]
+    for step in (1, 3):
+        d = Detokenizer(tokenizer, [])
+        text = "".join(d.add(ids[i : i + step])[0] for i in range(0, len(ids), step)) + d.flush()
+        assert text == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_stop_string_cuts_and_is_never_sent(tokenizer):
+    ids = tokenizer.encode("one two STOP three", add_special_tokens=False)
+    d = Detokenizer(tokenizer, ["STOP"])
+    out, stopped = "", False
+    for t in ids:
+        delta, stopped = d.add([t])
+        out += delta
+        if stopped:
+            break
+    assert stopped and out == "one two "
