@@ -87,9 +87,12 @@ def _wait_http(url: str, proc: subprocess.Popen) -> None:
 
 
 def stop_all(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
+    """SIGTERM every child, the router (started last) first, so it does not see its nodes vanish."""
+    for p in reversed(procs):
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
+            if p is procs[-1]:
+                _wait(p, 5)
     deadline = time.monotonic() + 10
     for p in procs:
         try:
@@ -97,6 +100,13 @@ def stop_all(procs: list[subprocess.Popen]) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+def _wait(p: subprocess.Popen, timeout: float) -> None:
+    try:
+        p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 def launch(a: argparse.Namespace) -> int:

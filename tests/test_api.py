@@ -89,6 +89,18 @@ def test_bad_input_gets_a_4xx_openai_error(stack, body, status, words):
     assert words in err["message"] and err["type"] == "invalid_request_error"
 
 
+def test_request_larger_than_the_kv_pool_is_a_400(tmp_path):
+    stack = Stack(tmp_path, "tiny", mode="colocated", engine_args=("--num-kv-blocks", "8")).start()  # 128 tokens
+    try:
+        body = {"model": "tiny", "prompt": list(range(1, 100)), "max_tokens": 50}
+        r = httpx.post(stack.url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 400 and "KV pool" in r.json()["error"]["message"]
+        body["max_tokens"] = 20
+        assert httpx.post(stack.url + "/v1/completions", json=body, timeout=30).status_code == 200
+    finally:
+        stack.close()
+
+
 def test_malformed_json_and_bad_chat_then_still_serving(stack):
     r = httpx.post(stack.url + "/v1/completions", content=b"{not json", timeout=30,
                    headers={"content-type": "application/json"})  # fmt: skip

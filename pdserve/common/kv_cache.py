@@ -114,8 +114,10 @@ class KVPool:
 
 def is_run(block_ids: list[int]) -> bool:
     """True when the blocks are consecutive ids in order (one slice of the pool)."""
-    return bool(block_ids) and block_ids[-1] - block_ids[0] == len(block_ids) - 1 and all(
-        b - a == 1 for a, b in zip(block_ids, block_ids[1:], strict=False)
+    return (
+        bool(block_ids)
+        and block_ids[-1] - block_ids[0] == len(block_ids) - 1
+        and all(b - a == 1 for a, b in zip(block_ids, block_ids[1:], strict=False))
     )
 
 

@@ -189,6 +189,7 @@ class ModelRunner:
         )  # [1, nh, Lq, d]
         return o[0].transpose(0, 1)
 
+
 @dataclass
 class FusedWeights:
     """QKV and gate/up projections as single matmuls; the HF modules' weights become views into them."""

@@ -119,7 +119,9 @@ class NodeBase:
         reason = "" if ok else f"protocol {msg.protocol_version} here is {P.PROTOCOL_VERSION}"
         if ok:
             self.router_id = identity
-        info = {"layout": self.engine.layout.to_dict(), "max_model_len": self.engine.max_model_len}
+        pool = self.engine.pool
+        info = {"layout": self.engine.layout.to_dict(), "max_model_len": self.engine.max_model_len,
+                "kv_capacity_tokens": pool.num_blocks * pool.block_size}  # fmt: skip
         transport.send(self.front, P.HelloAck(ok, self.role, info, reason), identity=identity)
         self.send_stats()
 

@@ -278,6 +278,11 @@ def create_app(cfg: RouterConfig) -> FastAPI:
     async def serve(request: Request, body: _Common, prompt_ids: list[int], chat: bool):
         st = request.app.state
         job = make_job(body, prompt_ids, st.info, st.served)
+        capacity = st.core.kv_capacity_tokens()
+        if capacity is not None and len(job.prompt_ids) + job.params.max_tokens > capacity:
+            raise ApiError(400, f"prompt ({len(job.prompt_ids)} tokens) + max_tokens ({job.params.max_tokens}) "
+                           f"exceeds the {capacity} tokens a node's KV pool holds (--num-kv-blocks, "
+                           "--kv-cache-gb)", "max_tokens")  # fmt: skip
         if job.stream:
             return StreamingResponse(_stream(st.core, st.info, job, chat), media_type="text/event-stream")
         return await _complete(st.core, st.info, job, chat, request)

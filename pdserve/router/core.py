@@ -238,6 +238,12 @@ class RouterCore:
                 n.sock.send(P.encode(P.Abort(request_id)))
         self._end(flight)
 
+    def kv_capacity_tokens(self) -> int | None:
+        """The most tokens one request can hold on every node that keeps a whole request's KV."""
+        caps = [n.info.get("kv_capacity_tokens") for n in self.nodes if n.role != "prefill" and n.info]
+        caps = [c for c in caps if c]
+        return min(caps) if caps else None
+
     # ---- views --------------------------------------------------------------------------------
     def health(self) -> dict:
         return {
