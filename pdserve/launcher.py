@@ -149,4 +149,6 @@ def launch(a: argparse.Namespace) -> int:
             print(f"pdserve: {e}", file=sys.stderr)
             return 1
         finally:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown short
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
             stop_all(procs)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -94,7 +96,7 @@ def test_request_larger_than_the_kv_pool_is_a_400(tmp_path):
     try:
         body = {"model": "tiny", "prompt": list(range(1, 100)), "max_tokens": 50}
         r = httpx.post(stack.url + "/v1/completions", json=body, timeout=30)
-        assert r.status_code == 400 and "KV pool" in r.json()["error"]["message"]
+        assert r.status_code == 400 and "pool holds" in r.json()["error"]["message"]
         body["max_tokens"] = 20
         assert httpx.post(stack.url + "/v1/completions", json=body, timeout=30).status_code == 200
     finally:
@@ -117,3 +119,34 @@ def test_health_and_metrics(stack):
     text = httpx.get(stack.url + "/metrics", timeout=10).text
     for name in ("pdserve_time_to_first_token_seconds_count", "pdserve_kv_blocks_free", "pdserve_num_waiting"):
         assert name in text
+
+
+@pytest.mark.parametrize(
+    "body,words",
+    [
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": float("nan")}, "top_p"),
+        ({"seed": 2**70}, "seed"),
+        ({"stop_token_ids": [10**9]}, "vocabulary"),
+    ],
+    ids=["nan-temperature", "nan-top-p", "huge-seed", "stop-id"],
+)
+def test_numbers_a_node_cannot_take_are_refused(stack, body, words):
+    payload = json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 2, **body}, allow_nan=True)
+    r = httpx.post(stack.url + "/v1/completions", content=payload, headers={"content-type": "application/json"},
+                   timeout=30)  # fmt: skip
+    assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+    assert httpx.get(stack.url + "/health", timeout=10).status_code == 200
+
+
+def test_tiny_temperature_is_greedy(client):
+    kw = dict(model="tiny", prompt="abc", max_tokens=6)
+    assert (
+        client.completions.create(temperature=1e-30, **kw).choices[0].text
+        == client.completions.create(temperature=0, **kw).choices[0].text
+    )
+
+
+def test_chat_without_max_tokens_runs_to_the_end(client):
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], temperature=0)
+    assert chat.usage.completion_tokens > 16 or chat.choices[0].finish_reason == "stop"

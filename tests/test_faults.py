@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -104,3 +105,26 @@ def test_dead_decode_node_fails_fast_and_recovers(tmp_path):
 
 def _decode_nodes(stack: Stack) -> list[dict]:
     return [n for n in httpx.get(stack.url + "/health", timeout=10).json()["nodes"] if n["role"] == "decode"]
+
+
+def test_offers_wait_for_a_full_decode_node_beyond_the_lease(tmp_path):
+    """A decode pool that holds one request at a time, a 1 s lease, and 8 requests that each decode for a while:
+    the later ones wait on the decode node longer than the lease, and must still complete."""
+    stack = Stack(tmp_path, "tiny", mode="disagg", engine_args=("--kv-lease-s", "1"),
+                  decode_args=("--num-kv-blocks", "8")).start()  # fmt: skip
+    try:
+        body = {"model": "tiny", "prompt": list(range(1, 61)), "max_tokens": 68, "ignore_eos": True}
+
+        async def all_requests():
+            async with httpx.AsyncClient(base_url=stack.url, timeout=120) as client:
+                return await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(8)))
+
+        t0 = time.monotonic()
+        responses = asyncio.run(all_requests())
+        assert [r.status_code for r in responses] == [200] * 8, [r.text for r in responses if r.status_code != 200]
+        assert all(r.json()["usage"]["completion_tokens"] == 68 for r in responses)
+        assert time.monotonic() - t0 > 1.0, "the queue never outlived the lease: the test proves nothing"
+        used = stack.wait_kv_free()
+        assert not any(used.values()), used
+    finally:
+        stack.close()

@@ -9,6 +9,7 @@ missing fields, and bounds what a peer can make us allocate. No pickle anywhere.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,16 +38,17 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
-        if not 0 < self.top_p <= 1:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError("temperature must be a finite number >= 0")
+        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError("top_k must be -1 (disabled) or a positive integer")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        """Temperatures below 1e-5 are greedy too (dividing logits by them would overflow)."""
+        return self.temperature < 1e-5 or self.top_k == 1
 
 
 # ---- router <-> node ---------------------------------------------------------------------------
@@ -171,6 +173,13 @@ class KvAck:
 
 
 @dataclass(frozen=True)
+class KvWaiting:
+    """Decode -> prefill, periodically: these offers are queued here for free blocks; keep their KV."""
+
+    request_ids: list[str]
+
+
+@dataclass(frozen=True)
 class KvCancel:
     """Prefill -> decode: the request was aborted; forget any offer or reservation."""
 
@@ -181,7 +190,7 @@ _REGISTRY: dict[str, type] = {
     cls.__name__: cls
     for cls in (
         Hello, HelloAck, Generate, Abort, TokenEvent, TokenEvents, Stats, StatsRequest,
-        KvHello, KvOffer, KvPull, KvData, KvAck, KvCancel,
+        KvHello, KvOffer, KvPull, KvData, KvAck, KvWaiting, KvCancel,
     )
 }  # fmt: skip
 _NESTED = {"params": SamplingParams}
@@ -211,19 +220,42 @@ def _build(cls: type, body: Any) -> Any:
     unknown = set(body) - names
     if unknown:
         raise ProtocolError(f"{cls.__name__}: unknown fields {sorted(unknown)}")
-    kwargs = {}
-    for name, value in body.items():
-        if name in _NESTED:
-            value = _build(_NESTED[name], value)
-        elif name == "events":
-            value = [_build(TokenEvent, v) for v in value]
-        elif name in ("stop_token_ids", "eos_token_ids"):
-            value = tuple(value)
-        kwargs[name] = value
     try:
-        return cls(**kwargs)
-    except (TypeError, ValueError) as e:
+        kwargs = {}
+        for name, value in body.items():
+            if name in _NESTED:
+                value = _build(_NESTED[name], value)
+            elif name == "events":
+                value = [_build(TokenEvent, v) for v in value]
+            elif name in ("stop_token_ids", "eos_token_ids"):
+                value = tuple(value)
+            kwargs[name] = value
+        msg = cls(**kwargs)
+    except ProtocolError:
+        raise
+    except Exception as e:  # whatever a malformed field makes a constructor raise
         raise ProtocolError(f"{cls.__name__}: {e}") from e
+    _check_types(msg)
+    return msg
+
+
+_INT_LISTS = ("prompt_token_ids", "token_ids", "shape", "src_blocks", "stop_token_ids", "eos_token_ids")
+_INTS = ("first_token_id", "num_tokens", "layer", "protocol_version", "max_tokens", "top_k")
+_STRS = ("request_id", "dtype", "role", "decode_addr", "transport")
+
+
+def _check_types(msg: Any) -> None:
+    """Refuse fields of the wrong type, so that a handler never meets a string where it counts tokens."""
+    for name in _INTS:
+        if hasattr(msg, name) and (type(getattr(msg, name)) is not int or getattr(msg, name) < -1):
+            raise ProtocolError(f"{type(msg).__name__}.{name} must be an integer")
+    for name in _INT_LISTS:
+        value = getattr(msg, name, ())
+        if not isinstance(value, (list, tuple)) or any(type(v) is not int or v < 0 for v in value):
+            raise ProtocolError(f"{type(msg).__name__}.{name} must be a list of non-negative integers")
+    for name in _STRS:
+        if hasattr(msg, name) and not isinstance(getattr(msg, name), str):
+            raise ProtocolError(f"{type(msg).__name__}.{name} must be a string")
 
 
 def decode(data: bytes) -> Any:

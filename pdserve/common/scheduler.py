@@ -89,7 +89,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.allocator.grow(req.block_ids, req.num_computed_tokens + n, req.max_total_tokens):
+            if not self._grow_head(req, n):
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
             req.move_to(Status.RUNNING)
@@ -97,6 +97,23 @@ class Scheduler:
             batch.scheduled.append(ScheduledRequest.of(req, n))
             budget -= n
         return budget
+
+    def _grow_head(self, req: Request, n: int) -> bool:
+        """Blocks for the head of the queue. With nothing running, waiting requests that hold KV (imported
+        from a prefill node, say) give theirs up, newest first, and recompute later: else no one moves."""
+        while not self.allocator.grow(req.block_ids, req.num_computed_tokens + n, req.max_total_tokens):
+            holders = [r for r in self.waiting if r.block_ids and r is not req]
+            if self.running or not holders:
+                return False
+            victim = holders[-1]
+            self.allocator.free(victim.block_ids)
+            victim.num_computed_tokens = 0
+            victim.num_preemptions += 1
+        return True
+
+    def waiting_without_kv(self) -> bool:
+        """True when a waiting request has no KV yet (new or preempted): it goes before new imports."""
+        return any(not r.block_ids for r in self.waiting)
 
     def _reserve(self, req: Request, n: int, batch: Batch) -> bool:
         """Grow `req`'s blocks for `n` more tokens, preempting the newest running requests if needed."""

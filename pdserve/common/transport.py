@@ -58,7 +58,11 @@ def monitor_events(mon: zmq.Socket) -> list[int]:
     return events
 
 
+MAX_MESSAGE_BYTES = 1 << 30  # one frame: a layer of a long prompt's KV is a few MiB
+
+
 def configure(sock: zmq.Socket) -> None:
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)

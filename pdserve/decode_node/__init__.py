@@ -3,7 +3,8 @@
 A request's life here:
 1. Pairing: a prefill node's KvHello is checked (protocol, model fingerprint, dtype, layer and
    head layout, block size, transport); any mismatch is refused with the reason.
-2. KvOffer: queued FCFS until blocks for its KV are free in the pool; never dropped.
+2. KvOffer: queued FCFS until blocks for its KV are free in the pool; never dropped. While it waits,
+   a KvWaiting notice renews the prefill node's lease on that KV every WAITING_NOTICE_S.
 3. Reserved: blocks taken, KvPull sent; the KV lands by the chosen backend; KvAck frees the
    prefill node's copy.
 4. WAITING with its KV in place (num_computed_tokens = prompt length, the first token as output),
@@ -30,6 +31,8 @@ from pdserve.common.request import Request
 
 log = logging.getLogger("pdserve.decode")
 REMEMBER_ABORTS = 4096
+WAITING_NOTICE_S = 0.25
+RESERVATION_TIMEOUT_S = 60.0  # blocks reserved for a pull that no KV answered are freed after this
 
 
 @dataclass
@@ -38,6 +41,7 @@ class Incoming:
     offer: P.KvOffer
     block_ids: list[int] = field(default_factory=list)
     layers_landed: int = 0
+    reserved_at: float = 0.0
 
 
 class DecodeNode(NodeBase):
@@ -56,6 +60,7 @@ class DecodeNode(NodeBase):
         self.reserved: dict[str, Incoming] = {}  # blocks held, KV pulled
         self.aborted: OrderedDict[str, None] = OrderedDict()
         self.counters.update(kv_received=0, kv_refused=0)
+        self._next_notice = 0.0
 
     def ready_info(self) -> dict:
         return {**super().ready_info(), "kv_listen": self.kv_addr}
@@ -101,6 +106,9 @@ class DecodeNode(NodeBase):
 
     def _on_offer(self, identity: bytes, offer: P.KvOffer) -> None:
         why = self.engine.check_fits(offer.num_tokens, offer.params.max_tokens)
+        rid = offer.request_id
+        if rid in self.engine.requests or rid in self.reserved or any(i.offer.request_id == rid for i in self.offers):
+            why = f"request {rid} is already here"
         if offer.request_id in self.aborted or why:
             self._refuse(identity, offer.request_id, why)
             return
@@ -155,14 +163,32 @@ class DecodeNode(NodeBase):
 
     @staticmethod
     def _reserve(alloc, inc: Incoming) -> bool:
+        """Blocks for the prompt's KV and the first token's, so that the request can run once it lands."""
         o = inc.offer
-        return alloc.grow(inc.block_ids, o.num_tokens, o.num_tokens + o.params.max_tokens)
+        return alloc.grow(inc.block_ids, o.num_tokens + 1, o.num_tokens + o.params.max_tokens)
 
     # ---- chores --------------------------------------------------------------------------------
     def tick(self) -> None:
         super().tick()
         alloc = self.engine.pool.allocator
-        while self.offers and self._reserve(alloc, self.offers[0]):
+        now = time.monotonic()
+        # preempted requests recompute first: blocks freed for them must not go to new imports
+        while self.offers and not self.engine.scheduler.waiting_without_kv() and self._reserve(alloc, self.offers[0]):
             inc = self.offers.popleft()
+            inc.reserved_at = now
             self.reserved[inc.offer.request_id] = inc
             transport.send(self.kv_sock, P.KvPull(inc.offer.request_id), identity=inc.identity)
+        for inc in [i for i in self.reserved.values() if now - i.reserved_at > RESERVATION_TIMEOUT_S]:
+            log.warning("no KV arrived for %s in %ss; freeing its blocks", inc.offer.request_id, RESERVATION_TIMEOUT_S)
+            self._forget(inc.offer.request_id)
+        if self.offers and now >= self._next_notice:
+            self._next_notice = now + WAITING_NOTICE_S
+            self._notify_waiting()
+
+    def _notify_waiting(self) -> None:
+        """Tell each prefill node which of its offers still wait here, so its leases do not run out."""
+        waiting: dict[bytes, list[str]] = {}
+        for inc in self.offers:
+            waiting.setdefault(inc.identity, []).append(inc.offer.request_id)
+        for identity, ids in waiting.items():
+            transport.send(self.kv_sock, P.KvWaiting(ids), identity=identity)

@@ -8,8 +8,9 @@ A request's life here:
    stop token, max_tokens=1), the KV is freed and nothing is shipped.
 4. TRANSFERRING: a KvOffer goes to the decode node (after the pairing handshake). The decode node
    reserves blocks and pulls; the KV goes out by the chosen backend; its KvAck frees our copy.
-   If no ack comes within --kv-lease-s, or the decode node disconnects or refuses, the KV is
-   freed and the router is told the request failed. No block is ever stranded.
+   If the decode node goes quiet about it for --kv-lease-s (no pull, no ack, no KvWaiting notice
+   that it is still queued for blocks there), or disconnects or refuses, the KV is freed and the
+   router is told the request failed. No block is ever stranded, and no waiting offer is dropped.
 5. An Abort from the router at any point frees the KV and cancels the transfer on the decode node.
 """
 
@@ -47,7 +48,7 @@ class Transfer:
     request: Request
     peer: DecodePeer
     state: TransferState = TransferState.PENDING
-    started: float = field(default_factory=time.monotonic)
+    started: float = field(default_factory=time.monotonic)  # lease start; renewed by KvWaiting
     pulled_at: float = 0.0
 
 
@@ -83,7 +84,6 @@ class PrefillNode(NodeBase):
     def on_abort(self, request_id: str) -> None:
         t = self.transfers.get(request_id)
         if t is not None:
-            transport.send(t.peer.sock, P.KvCancel(request_id))
             self._end_transfer(t, ok=False, why="")
         else:
             self.engine.abort(request_id)
@@ -142,6 +142,12 @@ class PrefillNode(NodeBase):
             t = self.transfers.get(msg.request_id)
             if t is not None:
                 self._end_transfer(t, msg.ok, msg.reason)
+        elif isinstance(msg, P.KvWaiting):
+            now = time.monotonic()
+            for rid in msg.request_ids:
+                t = self.transfers.get(rid)
+                if t is not None and t.peer is peer:
+                    t.started = now  # still queued there: renew the lease
 
     def _on_pairing(self, peer: DecodePeer, msg: P.HelloAck) -> None:
         if not msg.ok:
@@ -161,7 +167,7 @@ class PrefillNode(NodeBase):
         if t is None:  # aborted meanwhile; the decode node got a KvCancel
             return
         req = t.request
-        t.state, t.pulled_at = TransferState.TRANSFERRING, time.perf_counter()
+        t.state, t.pulled_at, t.started = TransferState.TRANSFERRING, time.perf_counter(), time.monotonic()
         for header, frames in self.backend.pack(self.engine.pool, request_id, req.block_ids, len(req.prompt_token_ids)):
             transport.send(t.peer.sock, header, frames)
 
@@ -174,6 +180,8 @@ class PrefillNode(NodeBase):
             self.counters["kv_transfer_bytes"] += len(t.request.prompt_token_ids) * self.engine.layout.bytes_per_token()
             self.counters["kv_transfer_time_s"] += time.perf_counter() - t.pulled_at
         self.engine.release(t.request, Status.FINISHED if ok else Status.ABORTED, "transferred" if ok else "abort")
+        if not ok and t.peer.paired:  # the decode node may still hold an offer or blocks for it
+            transport.send(t.peer.sock, P.KvCancel(rid))
         if not ok and why:
             self.counters["kv_transfer_failures"] += 1
             self.emit([P.TokenEvent(rid, [], "error", why)])

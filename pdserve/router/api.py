@@ -116,7 +116,14 @@ def _chat_ids(body: ChatBody, info: ModelInfo) -> list[int]:
     return list(ids)
 
 
-def make_job(body: _Common, prompt_ids: list[int], info: ModelInfo, served: set[str]) -> Job:
+def make_job(
+    body: _Common,
+    prompt_ids: list[int],
+    info: ModelInfo,
+    served: set[str],
+    chat_default: bool = False,
+    kv_capacity: int | None = None,
+) -> Job:
     if body.model not in served:
         raise ApiError(404, f"model {body.model!r} does not exist; this server serves {sorted(served)[0]!r}",
                        "model", "model_not_found")  # fmt: skip
@@ -125,8 +132,17 @@ def make_job(body: _Common, prompt_ids: list[int], info: ModelInfo, served: set[
     if body.n != 1:
         raise ApiError(400, "only n=1 is supported", "n")
     max_tokens = body.max_completion_tokens or body.max_tokens
-    if max_tokens is None:
-        max_tokens = max(1, min(16, info.max_model_len - len(prompt_ids)))
+    if max_tokens is None:  # OpenAI: 16 for completions; chat goes on until EOS or the context's end
+        room = min(info.max_model_len, kv_capacity or info.max_model_len) - len(prompt_ids)
+        max_tokens = max(1, room if chat_default else min(16, room))
+    for name, value in (("seed", body.seed), ("top_k", body.top_k), ("max_tokens", max_tokens)):
+        if value is not None and not -(2**63) <= value < 2**63:
+            raise ApiError(400, f"{name} is out of range", name)
+    bad = [t for t in body.stop_token_ids or () if not 0 <= t < info.vocab_size]
+    if bad:
+        raise ApiError(
+            400, f"stop token id {bad[0]} is outside the vocabulary [0, {info.vocab_size})", "stop_token_ids"
+        )
     if len(prompt_ids) >= info.max_model_len:
         raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; this model's context is "
                        f"{info.max_model_len} tokens", "prompt")  # fmt: skip
@@ -157,12 +173,28 @@ class Delta:
     finish_reason: str | None
 
 
-async def run_job(core: RouterCore, info: ModelInfo, job: Job) -> AsyncIterator[Delta]:
-    """Dispatch `job` and yield text deltas; aborts the request everywhere if the consumer leaves."""
+def check_capacity(core: RouterCore, job: Job) -> None:
+    """Refuse a request no node's KV pool could ever hold (the pools are smaller than the context)."""
+    need = {"colocated": len(job.prompt_ids) + job.params.max_tokens, "decode": len(job.prompt_ids) +
+            job.params.max_tokens, "prefill": len(job.prompt_ids) + 1}  # fmt: skip
+    for role, tokens in need.items():
+        capacity = core.kv_capacity_tokens(role)
+        if capacity is not None and tokens > capacity:
+            raise ApiError(400, f"prompt ({len(job.prompt_ids)} tokens) + max_tokens ({job.params.max_tokens}) "
+                           f"needs {tokens} tokens of KV on a {role} node, whose pool holds {capacity} "
+                           "(--num-kv-blocks, --kv-cache-gb)", "max_tokens")  # fmt: skip
+
+
+def submit(core: RouterCore, job: Job):
     try:
-        flight = core.submit(job.prompt_ids, job.params)
+        return core.submit(job.prompt_ids, job.params)
     except NoNodeAvailable as e:
         raise ApiError(503, str(e)) from None
+
+
+async def run_job(core: RouterCore, info: ModelInfo, job: Job, flight=None) -> AsyncIterator[Delta]:
+    """Dispatch `job` (unless `flight` is given) and yield text deltas; aborts it everywhere if the consumer leaves."""
+    flight = flight or submit(core, job)
     detok = Detokenizer(info.tokenizer, job.stops)
     finished = False
     try:
@@ -225,10 +257,10 @@ async def _complete(core, info, job: Job, chat: bool, request: Request) -> dict:
     return body
 
 
-async def _stream(core, info, job: Job, chat: bool) -> AsyncIterator[str]:
+async def _stream(core, info, job: Job, chat: bool, flight) -> AsyncIterator[str]:
     n = 0
     try:
-        async for d in run_job(core, info, job):
+        async for d in run_job(core, info, job, flight):
             n += len(d.token_ids)
             chunk = _envelope(job, chat, stream=True)
             chunk["choices"] = [_choice(job, chat, d.text, d.token_ids, d.finish_reason, stream=True)]
@@ -277,14 +309,12 @@ def create_app(cfg: RouterConfig) -> FastAPI:
 
     async def serve(request: Request, body: _Common, prompt_ids: list[int], chat: bool):
         st = request.app.state
-        job = make_job(body, prompt_ids, st.info, st.served)
-        capacity = st.core.kv_capacity_tokens()
-        if capacity is not None and len(job.prompt_ids) + job.params.max_tokens > capacity:
-            raise ApiError(400, f"prompt ({len(job.prompt_ids)} tokens) + max_tokens ({job.params.max_tokens}) "
-                           f"exceeds the {capacity} tokens a node's KV pool holds (--num-kv-blocks, "
-                           "--kv-cache-gb)", "max_tokens")  # fmt: skip
-        if job.stream:
-            return StreamingResponse(_stream(st.core, st.info, job, chat), media_type="text/event-stream")
+        caps = [c for c in (st.core.kv_capacity_tokens(r) for r in ("colocated", "decode")) if c]
+        job = make_job(body, prompt_ids, st.info, st.served, chat_default=chat, kv_capacity=min(caps, default=None))
+        check_capacity(st.core, job)
+        if job.stream:  # dispatch first, so that a refusal is still an HTTP error, not a 200 stream
+            flight = submit(st.core, job)
+            return StreamingResponse(_stream(st.core, st.info, job, chat, flight), media_type="text/event-stream")
         return await _complete(st.core, st.info, job, chat, request)
 
     @app.post("/v1/completions")

@@ -124,6 +124,8 @@ class RouterCore:
                 log.warning("%s sent a malformed message: %s", node.name, e)
                 continue
             node.last_seen = time.monotonic()
+            if not node.up and isinstance(msg, P.Stats):
+                self._hello(node)  # marked down for silence, yet alive: pair again
             if isinstance(msg, P.TokenEvents):
                 for ev in msg.events:
                     self._deliver(ev, node)
@@ -181,11 +183,12 @@ class RouterCore:
             prefill, decode = self._pick("prefill"), self._pick("decode")
             nodes = [prefill, decode]
             msg = P.Generate(rid, prompt_token_ids, params, decode_addr=decode.kv_addr)
+        data = P.encode(msg)
         flight = Flight(rid, asyncio.Queue(), nodes)
         self.flights[rid] = flight
         for n in nodes:
             n.requests.add(rid)
-        nodes[0].sock.send(P.encode(msg))
+        nodes[0].sock.send(data)
         self.metrics["requests_total"] += 1
         return flight
 
@@ -214,6 +217,8 @@ class RouterCore:
             self.metrics["ttft_sum"] += now - flight.start
             self.metrics["ttft_count"] += 1
         flight.num_tokens += len(ev.token_ids)
+        if ev.finish_reason == "error":
+            self._abort_on_nodes(flight)  # the nodes that still hold it must let it go
         if ev.finish_reason is not None:
             self._end(flight, failed=ev.finish_reason == "error")
         flight.queue.put_nowait(ev)
@@ -233,14 +238,17 @@ class RouterCore:
         flight = self.flights.get(request_id)
         if flight is None:
             return
-        for n in flight.nodes:
-            if n.up:
-                n.sock.send(P.encode(P.Abort(request_id)))
+        self._abort_on_nodes(flight)
         self._end(flight)
 
-    def kv_capacity_tokens(self) -> int | None:
-        """The most tokens one request can hold on every node that keeps a whole request's KV."""
-        caps = [n.info.get("kv_capacity_tokens") for n in self.nodes if n.role != "prefill" and n.info]
+    def _abort_on_nodes(self, flight: Flight) -> None:
+        for n in flight.nodes:
+            if n.up:
+                n.sock.send(P.encode(P.Abort(flight.request_id)))
+
+    def kv_capacity_tokens(self, role: str) -> int | None:
+        """The most tokens one request's KV can take on every node of `role`."""
+        caps = [n.info.get("kv_capacity_tokens") for n in self.nodes if n.role == role and n.info]
         caps = [c for c in caps if c]
         return min(caps) if caps else None
 
