@@ -196,19 +196,24 @@ class RouterCore:
         flight = self.flights.get(ev.request_id)
         if flight is None:
             return  # already ended (aborted, or failed by a dead node)
-        if source is not None and source.role == "decode":  # the KV has left the prefill node
-            for n in flight.nodes:
-                if n.role == "prefill":
-                    n.requests.discard(ev.request_id)
+        if source is not None and source.role == "decode":
             if flight.first_token_at is None and ev.finish_reason != "error":
                 flight.early.append(ev)  # two sockets: keep the prefill node's first token first
                 return
+            self._left_prefill(flight)  # the decode node has it: a prefill failure no longer concerns it
         self._put(flight, ev)
         if source is not None and source.role == "prefill" and flight.early:
             early, flight.early = flight.early, []
+            self._left_prefill(flight)
             for e in early:
                 if e.request_id in self.flights:
                     self._put(flight, e)
+
+    @staticmethod
+    def _left_prefill(flight: Flight) -> None:
+        for n in flight.nodes:
+            if n.role == "prefill":
+                n.requests.discard(flight.request_id)
 
     def _put(self, flight: Flight, ev: P.TokenEvent) -> None:
         now = time.perf_counter()
