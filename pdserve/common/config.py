@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 DTYPE_CHOICES = ("float32", "bfloat16")
 KV_TRANSPORTS = ("zmq", "shm", "cuda_ipc")
@@ -93,8 +93,6 @@ class RouterConfig:
     served_model_name: str = ""
     node_timeout_s: float = 10.0
     connect_timeout_s: float = 120.0
-    max_prompt_tokens: int | None = None
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

@@ -66,9 +66,6 @@ class PrefillNode(NodeBase):
     def make_engine(self) -> Engine:
         return Engine(self.cfg.engine, prefill_only=True, pool_storage=self.backend.storage)
 
-    def busy(self) -> bool:
-        return False
-
     def close(self) -> None:
         super().close()
         self.backend.close()
