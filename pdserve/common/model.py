@@ -104,7 +104,6 @@ class ModelRunner:
         self.apply_rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
         self.head_dim = pool.layout.head_dim
         self.num_kv_heads = pool.layout.num_kv_heads
-        self.group = model.config.num_attention_heads // self.num_kv_heads
         self.scale = attn.scaling
         self.fused = [_fuse(layer) for layer in self.layers]
 
