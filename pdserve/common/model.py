@@ -105,7 +105,6 @@ class ModelRunner:
         self.head_dim = pool.layout.head_dim
         self.num_kv_heads = pool.layout.num_kv_heads
         self.scale = attn.scaling
-        self.fused = [_fuse(layer) for layer in self.layers]
 
     # ---- inputs ----------------------------------------------------------------------------------
     def prepare(self, batch: Batch) -> ForwardInputs:
@@ -143,16 +142,15 @@ class ModelRunner:
         rope = (cos[0], sin[0])  # [T, d]
         for i, layer in enumerate(self.layers):
             h = h + self._attention(layer.self_attn, layer.input_layernorm(h), rope, i, inp)
-            h = h + self._mlp(i, layer.post_attention_layernorm(h))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
         h = self.norm(h[inp.sample_index])  # [S, H]
         return self.lm_head(h).float()  # [S, V]
 
     def _attention(self, attn, x: torch.Tensor, rope, layer_idx: int, inp: ForwardInputs) -> torch.Tensor:
         T, d = x.shape[0], self.head_dim
-        fused = self.fused[layer_idx]
-        qkv = F.linear(x, fused.qkv_weight, fused.qkv_bias)  # [T, (nh + 2 nkv) d]
-        q, k, v = qkv.split(fused.qkv_sizes, dim=-1)
-        q, k, v = q.view(T, -1, d), k.view(T, -1, d), v.view(T, -1, d)  # [T, nh | nkv, d]
+        q = attn.q_proj(x).view(T, -1, d)  # [T, nh, d]
+        k = attn.k_proj(x).view(T, -1, d)  # [T, nkv, d]
+        v = attn.v_proj(x).view(T, -1, d)  # [T, nkv, d]
         if hasattr(attn, "q_norm"):
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = self.apply_rope(q, k, *rope, unsqueeze_dim=1)
@@ -162,11 +160,6 @@ class ModelRunner:
         for sp in inp.spans:
             out[sp.start : sp.start + sp.length] = self._span_attention(q, k, v, kv_pool, sp)
         return attn.o_proj(out.view(T, -1))  # [T, H]
-
-    def _mlp(self, layer_idx: int, x: torch.Tensor) -> torch.Tensor:
-        fused = self.fused[layer_idx]
-        gate, up = F.linear(x, fused.gate_up_weight, fused.gate_up_bias).chunk(2, dim=-1)  # [T, I] each
-        return fused.down(fused.act(gate) * up)  # [T, H]
 
     def _span_attention(self, q, k, v, kv_pool, sp: Span) -> torch.Tensor:
         """Attention of one request's new tokens: [length, nh, d]."""
@@ -187,44 +180,6 @@ class ModelRunner:
             enable_gqa=True,
         )  # [1, nh, Lq, d]
         return o[0].transpose(0, 1)
-
-
-@dataclass
-class FusedWeights:
-    """QKV and gate/up projections as single matmuls; the HF modules' weights become views into them."""
-
-    qkv_weight: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    qkv_sizes: list[int]
-    gate_up_weight: torch.Tensor
-    gate_up_bias: torch.Tensor | None
-    act: object
-    down: torch.nn.Module
-
-
-def _fuse(layer) -> FusedWeights:
-    attn, mlp = layer.self_attn, layer.mlp
-    qkv_w, qkv_b = _concat([attn.q_proj, attn.k_proj, attn.v_proj])
-    gu_w, gu_b = _concat([mlp.gate_proj, mlp.up_proj])
-    sizes = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
-    return FusedWeights(qkv_w, qkv_b, sizes, gu_w, gu_b, mlp.act_fn, mlp.down_proj)
-
-
-@torch.no_grad()
-def _concat(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One weight (and bias) for several Linear layers on the same input; theirs become views into it."""
-    weight = torch.cat([m.weight for m in linears])
-    has_bias = [m.bias is not None for m in linears]
-    bias = None
-    if any(has_bias):
-        bias = torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears])
-    start = 0
-    for m in linears:
-        m.weight.data = weight[start : start + m.out_features]
-        if m.bias is not None:
-            m.bias.data = bias[start : start + m.out_features]
-        start += m.out_features
-    return weight, bias
 
 
 def _context(ctx: torch.Tensor, block_ids: list[int]) -> torch.Tensor | slice:
