@@ -91,3 +91,15 @@ def test_layout_mismatch_is_named():
     why = LAYOUT.mismatch(other)
     assert "block_size" in why and "dtype" in why and "num_layers" not in why
     assert LAYOUT.mismatch(LAYOUT.to_dict()) == ""
+
+
+def test_shm_backend_notices_a_gone_owner():
+    sender, receiver = make_backend("shm"), make_backend("shm")
+    _filled_pool(sender)
+    handle = sender.handle()
+    receiver.attach(handle, LAYOUT, "cpu")
+    assert receiver.alive(handle)
+    sender.close()  # the owner stops and unlinks its segment
+    assert not receiver.alive(handle)
+    receiver.forget(handle)
+    receiver.close()

@@ -62,6 +62,13 @@ class ZmqBackend:
     def attach(self, handle: dict, layout: KVLayout, device: str) -> object:
         return None
 
+    def alive(self, handle: dict) -> bool:
+        """Whether the peer's pool behind `handle` still exists (only shared pools can tell)."""
+        return True
+
+    def forget(self, handle: dict) -> None:
+        """Drop our mapping of a peer's pool."""
+
     def unpack(self, pool: KVPool, dst_blocks: list[int], num_tokens: int, header: P.KvData, frames, source) -> int:
         """Land one layer; return how many layers it carried."""
         lay = pool.layout
@@ -89,6 +96,12 @@ class _SharedPoolBackend:
     """Shared by shm and cuda_ipc: the prefill pool is mapped once, transfers copy blocks."""
 
     name = "shared"
+
+    def alive(self, handle: dict) -> bool:
+        return True
+
+    def forget(self, handle: dict) -> None:
+        pass
 
     def pack(self, pool: KVPool, request_id: str, block_ids: list[int], num_tokens: int):
         """One header naming the source blocks; no frames."""
@@ -119,7 +132,7 @@ class ShmBackend(_SharedPoolBackend):
 
     def __init__(self) -> None:
         self._owned: shared_memory.SharedMemory | None = None
-        self._mapped: list[mmap.mmap] = []
+        self._mapped: dict[str, mmap.mmap] = {}
 
     def storage(self, layout: KVLayout, num_blocks: int, device: str) -> torch.Tensor:
         if device != "cpu":
@@ -143,8 +156,15 @@ class ShmBackend(_SharedPoolBackend):
             mm = mmap.mmap(fd, nbytes)
         finally:
             os.close(fd)
-        self._mapped.append(mm)
+        self._mapped[str(handle["name"])] = mm
         return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes).view(DTYPES[layout.dtype]).view(shape)
+
+    def alive(self, handle: dict) -> bool:
+        """The owner unlinks its segment when it stops (its resource tracker does, if it was killed)."""
+        return os.path.exists(f"/dev/shm/{handle.get('name', '')}")
+
+    def forget(self, handle: dict) -> None:
+        self._mapped.pop(str(handle.get("name", "")), None)  # unmapped once the last tensor on it is gone
 
     def close(self) -> None:
         self._mapped.clear()  # the maps close when the last tensor on them is gone

@@ -56,6 +56,7 @@ class DecodeNode(NodeBase):
         self.poller.register(self.kv_sock, zmq.POLLIN)
         self.handlers[self.kv_sock] = self.handle_kv
         self.sources: dict[bytes, object] = {}  # paired prefill peers -> mapped pool (or None for zmq)
+        self.handles: dict[bytes, dict] = {}  # paired prefill peers -> how their pool was mapped
         self.offers: deque[Incoming] = deque()  # waiting for blocks
         self.reserved: dict[str, Incoming] = {}  # blocks held, KV pulled
         self.aborted: OrderedDict[str, None] = OrderedDict()
@@ -98,6 +99,7 @@ class DecodeNode(NodeBase):
         if not reason:
             try:
                 self.sources[identity] = self.backend.attach(msg.pool_handle, layout, self.cfg.engine.device)
+                self.handles[identity] = msg.pool_handle
             except (OSError, ValueError, RuntimeError) as e:
                 reason = f"cannot map the prefill pool: {e}"
         if reason:
@@ -181,12 +183,23 @@ class DecodeNode(NodeBase):
         for inc in [i for i in self.reserved.values() if now - i.reserved_at > RESERVATION_TIMEOUT_S]:
             log.warning("no KV arrived for %s in %ss; freeing its blocks", inc.offer.request_id, RESERVATION_TIMEOUT_S)
             self._forget(inc.offer.request_id)
-        if self.offers and now >= self._next_notice:
+        if now >= self._next_notice:
             self._next_notice = now + WAITING_NOTICE_S
             self._notify_waiting()
+            self._drop_gone_peers()
+
+    def _drop_gone_peers(self) -> None:
+        """Unmap the pools of prefill nodes that have gone (their shared memory is unlinked)."""
+        for identity, handle in list(self.handles.items()):
+            if not self.backend.alive(handle):
+                log.info("a prefill node's pool is gone; unmapping it")
+                del self.handles[identity], self.sources[identity]
+                self.backend.forget(handle)
 
     def _notify_waiting(self) -> None:
         """Tell each prefill node which of its offers still wait here, so its leases do not run out."""
+        if not self.offers:
+            return
         waiting: dict[bytes, list[str]] = {}
         for inc in self.offers:
             waiting.setdefault(inc.identity, []).append(inc.offer.request_id)
