@@ -105,10 +105,7 @@ class Scheduler:
             holders = [r for r in self.waiting if r.block_ids and r is not req]
             if self.running or not holders:
                 return False
-            victim = holders[-1]
-            self.allocator.free(victim.block_ids)
-            victim.num_computed_tokens = 0
-            victim.num_preemptions += 1
+            self._drop_kv(holders[-1])
         return True
 
     def waiting_without_kv(self) -> bool:
@@ -126,13 +123,17 @@ class Scheduler:
 
     def _preempt(self, req: Request, batch: Batch) -> None:
         self.running.remove(req)
-        self.allocator.free(req.block_ids)
-        req.num_computed_tokens = 0
-        req.num_preemptions += 1
+        self._drop_kv(req)
         req.move_to(Status.WAITING)
         self.waiting.appendleft(req)
         batch.preempted.append(req)
         batch.scheduled = [s for s in batch.scheduled if s.request is not req]
+
+    def _drop_kv(self, req: Request) -> None:
+        """Free a request's KV; it recomputes it when it runs again."""
+        self.allocator.free(req.block_ids)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
 
     # ---- after the forward --------------------------------------------------------------------
     def advance(self, batch: Batch) -> None:

@@ -104,10 +104,8 @@ class PrefillNode(NodeBase):
             sock.connect(addr)
             peer = DecodePeer(addr, sock, mon)
             self.peers[addr] = peer
-            self.poller.register(sock, zmq.POLLIN)
-            self.poller.register(mon, zmq.POLLIN)
+            self.poller.register(sock, zmq.POLLIN)  # the monitor is read in tick(), every loop
             self.handlers[sock] = lambda _id, msg, frames, p=peer: self.handle_kv(p, msg, frames)
-            self.handlers[mon] = None  # drained in tick()
         return peer
 
     def _offer(self, req: Request, peer: DecodePeer) -> None:
@@ -125,11 +123,6 @@ class PrefillNode(NodeBase):
         transport.send(peer.sock, offer)
 
     # ---- from decode nodes ---------------------------------------------------------------------
-    def drain(self, sock: zmq.Socket) -> None:
-        if self.handlers.get(sock, 0) is None:
-            return  # a monitor socket: tick() reads it
-        super().drain(sock)
-
     def handle_kv(self, peer: DecodePeer, msg, frames: list) -> None:
         if isinstance(msg, P.HelloAck):
             self._on_pairing(peer, msg)
