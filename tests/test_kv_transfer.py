@@ -22,13 +22,13 @@ def _filled_pool(backend=None, num_blocks: int = 16) -> KVPool:
 
 
 def _request_kv(pool: KVPool, blocks: list[int], n: int) -> torch.Tensor:
-    return pool.export(blocks, n)  # [L, n, 2, nkv, d]
+    return pool.export(blocks, n)  # [L, 2, nkv, n, d]
 
 
 def test_export_import_round_trip():
     src, dst = _filled_pool(), KVPool(LAYOUT, 16)
     kv = src.export([7, 2, 11], 10)
-    assert kv.shape == (3, 10, 2, 2, 8) and kv.is_contiguous()
+    assert kv.shape == (3, 2, 2, 10, 8) and kv.is_contiguous()
     dst.import_([0, 5, 9], kv)
     assert torch.equal(dst.export([0, 5, 9], 10), kv)
 
@@ -46,17 +46,21 @@ def _through_zmq(header: P.KvData, frames: list):
 
 
 @pytest.mark.parametrize("name", ["zmq", "shm"])
-def test_backend_moves_one_requests_kv(name):
+@pytest.mark.parametrize(("src_blocks", "dst_blocks"), [([3, 8, 1], [4, 5, 12]), ([5, 6, 7], [9, 10, 11])])
+def test_backend_moves_one_requests_kv(name, src_blocks, dst_blocks):
+    """Scattered blocks are gathered and scattered; consecutive ones move as one slice per head."""
     sender, receiver = make_backend(name), make_backend(name)
     src, dst = _filled_pool(sender), KVPool(LAYOUT, 16)
     try:
         source = receiver.attach(sender.handle(), LAYOUT, "cpu")
         landed = 0
-        for header, frames in sender.pack(src, "r", [3, 8, 1], 10):
+        for header, frames in sender.pack(src, "r", src_blocks, 10):
             msg, got = _through_zmq(header, frames)
-            landed += receiver.unpack(dst, [4, 5, 12], 10, msg, got, source)
+            landed += receiver.unpack(dst, dst_blocks, 10, msg, got, source)
         assert landed == LAYOUT.num_layers
-        assert torch.equal(dst.export([4, 5, 12], 10), src.export([3, 8, 1], 10))
+        assert torch.equal(dst.export(dst_blocks, 10), src.export(src_blocks, 10))
+        untouched = [b for b in range(16) if b not in dst_blocks]
+        assert not dst.export(untouched, 4 * len(untouched)).any()  # nothing landed elsewhere
     finally:
         receiver.close()
         sender.close()

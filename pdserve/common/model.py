@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from pdserve.common.kv_cache import DTYPES, KVLayout, KVPool, is_run
 from pdserve.common.scheduler import Batch
@@ -89,6 +90,52 @@ def max_model_len(config) -> int:
     return limit
 
 
+class Linear:
+    """`x @ W.T + b` over one or more HF `nn.Linear`s fused along the output dim (QKV, gate+up).
+
+    On the CPU in float32 the weight is reordered once into oneDNN's blocked layout, which measured
+    1.4-2.5x faster than `F.linear` at decode sizes (M = 1..40 rows, 2 threads) and the same at
+    prefill sizes; elsewhere it is a plain `F.linear`. The HF modules keep their own weights.
+    """
+
+    def __init__(self, *modules: nn.Linear) -> None:
+        weight = torch.cat([m.weight.detach() for m in modules])  # [N, K]
+        biases = [m.bias for m in modules]
+        self.bias = None  # [N] or None
+        if any(b is not None for b in biases):
+            parts = [
+                b.detach() if b is not None else m.weight.new_zeros(m.out_features)
+                for m, b in zip(modules, biases, strict=True)
+            ]
+            self.bias = torch.cat(parts)
+        self.splits = [m.out_features for m in modules]
+        self.packed = (
+            weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+        )
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight) if self.packed else weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer's projections, fused where the HF modules allow it."""
+
+    qkv: Linear
+    o: Linear
+    gate_up: Linear
+    down: Linear
+
+    @classmethod
+    def of(cls, layer) -> LayerWeights:
+        attn, mlp = layer.self_attn, layer.mlp
+        return cls(Linear(attn.q_proj, attn.k_proj, attn.v_proj), Linear(attn.o_proj),
+                   Linear(mlp.gate_proj, mlp.up_proj), Linear(mlp.down_proj))  # fmt: skip
+
+
 class ModelRunner:
     def __init__(self, model, pool: KVPool) -> None:
         self.model = model
@@ -99,7 +146,8 @@ class ModelRunner:
         self.layers = list(inner.layers)
         self.norm = inner.norm
         self.rotary = inner.rotary_emb
-        self.lm_head = model.lm_head
+        self.lm_head = Linear(model.lm_head)
+        self.weights = [LayerWeights.of(layer) for layer in self.layers]
         attn = self.layers[0].self_attn
         self.apply_rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
         self.head_dim = pool.layout.head_dim
@@ -140,40 +188,51 @@ class ModelRunner:
         h = self.embed(inp.input_ids)  # [T, H]
         cos, sin = self.rotary(h, inp.positions[None])  # [1, T, d]
         rope = (cos[0], sin[0])  # [T, d]
-        for i, layer in enumerate(self.layers):
-            h = h + self._attention(layer.self_attn, layer.input_layernorm(h), rope, i, inp)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        for i, (layer, w) in enumerate(zip(self.layers, self.weights, strict=True)):
+            h = h + self._attention(layer.self_attn, w, layer.input_layernorm(h), rope, i, inp)
+            h = h + self._mlp(layer.mlp, w, layer.post_attention_layernorm(h))
         h = self.norm(h[inp.sample_index])  # [S, H]
         return self.lm_head(h).float()  # [S, V]
 
-    def _attention(self, attn, x: torch.Tensor, rope, layer_idx: int, inp: ForwardInputs) -> torch.Tensor:
+    def _mlp(self, mlp, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        gate, up = w.gate_up(x).split(w.gate_up.splits, dim=-1)  # [T, I] each
+        return w.down(mlp.act_fn(gate) * up)  # [T, H]
+
+    def _attention(
+        self, attn, w: LayerWeights, x: torch.Tensor, rope, layer_idx: int, inp: ForwardInputs
+    ) -> torch.Tensor:
         T, d = x.shape[0], self.head_dim
-        q = attn.q_proj(x).view(T, -1, d)  # [T, nh, d]
-        k = attn.k_proj(x).view(T, -1, d)  # [T, nkv, d]
-        v = attn.v_proj(x).view(T, -1, d)  # [T, nkv, d]
+        q, k, v = w.qkv(x).split(w.qkv.splits, dim=-1)
+        q = q.view(T, -1, d)  # [T, nh, d]
+        k = k.view(T, -1, d)  # [T, nkv, d]
+        v = v.view(T, -1, d)  # [T, nkv, d]
         if hasattr(attn, "q_norm"):
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = self.apply_rope(q, k, *rope, unsqueeze_dim=1)
-        kv_pool = self.pool.data[layer_idx]  # [NB*bs, 2, nkv, d]
-        kv_pool.index_copy_(0, inp.slot_mapping, torch.stack((k, v), dim=1))
+        kv_pool = self.pool.data[layer_idx]  # [2, nkv, NB*bs, d]
+        kv_pool.index_copy_(2, inp.slot_mapping, torch.stack((k, v)).transpose(1, 2))  # [2, nkv, T, d]
         out = torch.empty_like(q)  # [T, nh, d]
         for sp in inp.spans:
             out[sp.start : sp.start + sp.length] = self._span_attention(q, k, v, kv_pool, sp)
-        return attn.o_proj(out.view(T, -1))  # [T, H]
+        return w.o(out.view(T, -1))  # [T, H]
 
     def _span_attention(self, q, k, v, kv_pool, sp: Span) -> torch.Tensor:
         """Attention of one request's new tokens: [length, nh, d]."""
         end = sp.start + sp.length
-        qs = q[sp.start : end]  # [Lq, nh, d]
+        qs = q[sp.start : end].transpose(0, 1)  # [nh, Lq, d]
         if sp.ctx_slots is None:  # a prompt's first chunk: its own keys, causal
-            ks, vs = k[sp.start : end], v[sp.start : end]  # [Lq, nkv, d]
+            ks, vs = k[sp.start : end].transpose(0, 1), v[sp.start : end].transpose(0, 1)  # [nkv, Lq, d]
         else:  # a view of the pool when its blocks are consecutive, else a gather
-            kv = kv_pool[sp.ctx_slots] if isinstance(sp.ctx_slots, slice) else kv_pool.index_select(0, sp.ctx_slots)
-            ks, vs = kv[:, 0], kv[:, 1]  # [Lk, nkv, d]
+            kv = (
+                kv_pool[:, :, sp.ctx_slots]
+                if isinstance(sp.ctx_slots, slice)
+                else kv_pool.index_select(2, sp.ctx_slots)
+            )
+            ks, vs = kv[0], kv[1]  # [nkv, Lk, d]
         o = F.scaled_dot_product_attention(
-            qs.transpose(0, 1)[None],  # [1, nh, Lq, d]
-            ks.transpose(0, 1)[None],  # [1, nkv, Lk, d]
-            vs.transpose(0, 1)[None],
+            qs[None],  # [1, nh, Lq, d]
+            ks[None],  # [1, nkv, Lk, d]
+            vs[None],
             attn_mask=sp.mask,
             is_causal=sp.ctx_slots is None,  # a first chunk; later ones carry a mask (none for one token)
             scale=self.scale,

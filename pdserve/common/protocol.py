@@ -15,7 +15,7 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: KV travels head-major, [2, nkv, n, d] per layer
 MAX_HEADER_BYTES = 64 * 1024 * 1024  # one control message; tensor frames are bounded separately
 MAX_LIST_LEN = 4 * 1024 * 1024
 
@@ -158,7 +158,7 @@ class KvData:
 
     request_id: str
     dtype: str
-    shape: list[int]  # zmq: [num_tokens, 2, num_kv_heads, head_dim] of one layer
+    shape: list[int]  # zmq: [2, num_kv_heads, num_block_tokens, head_dim] of one layer
     layer: int = -1
     src_blocks: list[int] = field(default_factory=list)
 
