@@ -34,10 +34,12 @@ def greedy_requests(prompts, outs) -> list[Request]:
     [(512, None), (64, 40)],  # roomy; then prompts split over many iterations and a pool that forces preemption
     ids=["roomy", "chunked-preempting"],
 )
-def test_greedy_equals_transformers(tiny_models, arch, budget, num_blocks):
+@pytest.mark.parametrize("backend", ["kernel", "sdpa"])
+def test_greedy_equals_transformers(tiny_models, arch, budget, num_blocks, backend):
     prompts, outs = mixed_workload(16, 512, seed=11)
     ref = hf_greedy(tiny_models[arch], prompts, outs)
-    cfg = EngineConfig(model=str(tiny_models[arch]), max_num_batched_tokens=budget, num_kv_blocks=num_blocks)
+    cfg = EngineConfig(model=str(tiny_models[arch]), max_num_batched_tokens=budget, num_kv_blocks=num_blocks,
+                       attention_backend=backend)  # fmt: skip
     engine = Engine(cfg)
     reqs = greedy_requests(prompts, outs)
     got = run_engine(engine, reqs)
@@ -47,11 +49,12 @@ def test_greedy_equals_transformers(tiny_models, arch, budget, num_blocks):
         assert sum(r.num_preemptions for r in reqs) > 0, "the small pool should have forced a preemption"
 
 
-def test_swapped_spans_break_equivalence(tiny_models, monkeypatch):
+@pytest.mark.parametrize("backend", ["kernel", "sdpa"])
+def test_swapped_spans_break_equivalence(tiny_models, monkeypatch, backend):
     """The equivalence test can fail: attention against another request's KV changes the tokens."""
     prompts, outs = mixed_workload(4, 512, seed=3, max_prompt=40, max_out=6)
     ref = hf_greedy(tiny_models["qwen3"], prompts, outs)
-    engine = Engine(EngineConfig(model=str(tiny_models["qwen3"])))
+    engine = Engine(EngineConfig(model=str(tiny_models["qwen3"]), attention_backend=backend))
     real_prepare = engine.runner.prepare
 
     def swapped(batch):
@@ -59,6 +62,9 @@ def test_swapped_spans_break_equivalence(tiny_models, monkeypatch):
         if len(inp.spans) >= 2 and inp.spans[0].ctx_slots is not None and inp.spans[1].ctx_slots is not None:
             a, b = inp.spans[0], inp.spans[1]
             a.ctx_slots, b.ctx_slots = b.ctx_slots, a.ctx_slots
+        if inp.decode is not None and len(inp.decode.lens) >= 2:  # the kernel's inputs: block tables
+            dec = inp.decode
+            dec.block_tables[[0, 1]], dec.lens[[0, 1]] = dec.block_tables[[1, 0]], dec.lens[[1, 0]]
         return inp
 
     monkeypatch.setattr(engine.runner, "prepare", swapped)

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.common import kernels
 from pdserve.common.kv_cache import DTYPES, KVLayout, KVPool, is_run
 from pdserve.common.scheduler import Batch
 
@@ -38,12 +39,22 @@ class Span:
 
 
 @dataclass
+class DecodeGroup:
+    """The iteration's single-token decodes, attended in one kernel call per layer."""
+
+    rows: slice | torch.Tensor  # their positions in [T]: a slice when they are adjacent
+    block_tables: torch.Tensor  # [n, max_blocks] int32, padded with 0
+    lens: torch.Tensor  # [n] int32: context length, the new token included
+
+
+@dataclass
 class ForwardInputs:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     slot_mapping: torch.Tensor  # [T]
-    spans: list[Span]
+    spans: list[Span]  # attended by SDPA, one call each
     sample_index: torch.Tensor  # [S] positions in [T] whose logits are sampled
+    decode: DecodeGroup | None = None  # attended by the decode kernel
 
 
 def load_model(path: Path, dtype: str, device: str = "cpu"):
@@ -137,7 +148,7 @@ class LayerWeights:
 
 
 class ModelRunner:
-    def __init__(self, model, pool: KVPool) -> None:
+    def __init__(self, model, pool: KVPool, attention_backend: str = "auto") -> None:
         self.model = model
         self.pool = pool
         self.device = next(model.parameters()).device
@@ -153,6 +164,7 @@ class ModelRunner:
         self.head_dim = pool.layout.head_dim
         self.num_kv_heads = pool.layout.num_kv_heads
         self.scale = attn.scaling
+        self.decode_kernel = _decode_kernel(attention_backend, self.device, pool.data.dtype)
 
     # ---- inputs ----------------------------------------------------------------------------------
     def prepare(self, batch: Batch) -> ForwardInputs:
@@ -160,6 +172,7 @@ class ModelRunner:
         positions: list[torch.Tensor] = []
         slots: list[torch.Tensor] = []
         spans: list[Span] = []
+        decodes: list[tuple[int, list[int], int]] = []  # (row, block ids, context length)
         sample: list[int] = []
         for s in batch.scheduled:
             req, past, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
@@ -168,8 +181,11 @@ class ModelRunner:
             positions.append(torch.arange(past, past + n))
             ctx = self.pool.slots(req.block_ids, 0, past + n)  # [past + n]
             slots.append(ctx[past:])
-            spans.append(Span(len(ids) - n, n, past, _context(ctx, req.block_ids) if past else None,
-                              _chunk_mask(past, n)))  # fmt: skip
+            if self.decode_kernel is not None and n == 1 and past > 0:
+                decodes.append((len(ids) - 1, req.block_ids, past + 1))
+            else:
+                spans.append(Span(len(ids) - n, n, past, _context(ctx, req.block_ids) if past else None,
+                                  _chunk_mask(past, n)))  # fmt: skip
             if s.samples:
                 sample.append(len(ids) - 1)
         dev = self.device
@@ -179,6 +195,22 @@ class ModelRunner:
             slot_mapping=torch.cat(slots).to(dev),
             spans=[_span_to(sp, dev) for sp in spans],
             sample_index=torch.tensor(sample, dtype=torch.long, device=dev),
+            decode=self._decode_group(decodes) if decodes else None,
+        )
+
+    def _decode_group(self, decodes: list[tuple[int, list[int], int]]) -> DecodeGroup:
+        bs = self.pool.block_size
+        width = max(-(-length // bs) for _, _, length in decodes)
+        tables = torch.zeros(len(decodes), width, dtype=torch.int32)  # [n, max_blocks]
+        for i, (_, block_ids, length) in enumerate(decodes):
+            used = block_ids[: -(-length // bs)]
+            tables[i, : len(used)] = torch.tensor(used, dtype=torch.int32)
+        rows = [row for row, _, _ in decodes]
+        adjacent = rows == list(range(rows[0], rows[0] + len(rows)))
+        return DecodeGroup(
+            rows=slice(rows[0], rows[0] + len(rows)) if adjacent else torch.tensor(rows, dtype=torch.long),
+            block_tables=tables,
+            lens=torch.tensor([length for _, _, length in decodes], dtype=torch.int32),
         )
 
     # ---- forward ---------------------------------------------------------------------------------
@@ -214,6 +246,10 @@ class ModelRunner:
         out = torch.empty_like(q)  # [T, nh, d]
         for sp in inp.spans:
             out[sp.start : sp.start + sp.length] = self._span_attention(q, k, v, kv_pool, sp)
+        if inp.decode is not None:
+            dec = inp.decode
+            out[dec.rows] = self.decode_kernel(q[dec.rows], kv_pool, dec.block_tables, dec.lens,
+                                               self.pool.block_size, self.scale)  # fmt: skip
         return w.o(out.view(T, -1))  # [T, H]
 
     def _span_attention(self, q, k, v, kv_pool, sp: Span) -> torch.Tensor:
@@ -239,6 +275,16 @@ class ModelRunner:
             enable_gqa=True,
         )  # [1, nh, Lq, d]
         return o[0].transpose(0, 1)
+
+
+def _decode_kernel(backend: str, device: torch.device, dtype: torch.dtype) -> kernels.DecodeAttention | None:
+    """The decode attention kernel when `backend` asks for it and it applies here, else None (SDPA)."""
+    if backend == "sdpa" or device.type != "cpu" or dtype != torch.float32:
+        return None
+    kernel = kernels.load()
+    if kernel is None and backend == "kernel":
+        raise RuntimeError("--attention-backend kernel: the decode attention kernel could not be built here")
+    return kernel
 
 
 def _context(ctx: torch.Tensor, block_ids: list[int]) -> torch.Tensor | slice:

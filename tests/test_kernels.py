@@ -1,0 +1,64 @@
+"""The decode attention kernel against torch SDPA, on pools with scattered blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdserve.common import kernels
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = kernels.load()
+    assert k is not None, "the decode attention kernel did not build (is a C compiler installed?)"
+    return k
+
+
+def _sdpa_reference(q, kv, block_ids, lens, block_size, scale):
+    out = []
+    for i, (blocks, n) in enumerate(zip(block_ids, lens, strict=True)):
+        slots = (torch.tensor(blocks)[:, None] * block_size + torch.arange(block_size)).flatten()[:n]
+        k, v = kv[0][:, slots], kv[1][:, slots]  # [Hkv, n, d]
+        o = F.scaled_dot_product_attention(q[i][:, None][None], k[None], v[None], scale=scale, enable_gqa=True)
+        out.append(o[0, :, 0])  # [H, d]
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size"), [(8, 4, 64, 16), (4, 4, 20, 4), (8, 1, 32, 8)]
+)
+def test_decode_attention_matches_sdpa(kernel, heads, kv_heads, head_dim, block_size):
+    gen = torch.Generator().manual_seed(0)
+    num_blocks = 64
+    kv = torch.randn(2, kv_heads, num_blocks * block_size, head_dim, generator=gen)
+    lens = [1, block_size, block_size + 1, 5 * block_size - 3, 9]
+    perm = torch.randperm(num_blocks, generator=gen).tolist()  # scattered, out-of-order blocks
+    block_ids, width = [], max(-(-n // block_size) for n in lens)
+    for n in lens:
+        need = -(-n // block_size)
+        block_ids.append([perm.pop() for _ in range(need)])
+    tables = torch.zeros(len(lens), width, dtype=torch.int32)
+    for i, blocks in enumerate(block_ids):
+        tables[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+    q = torch.randn(len(lens), heads, head_dim, generator=gen)
+    scale = head_dim**-0.5
+    got = kernel(q, kv, tables, torch.tensor(lens, dtype=torch.int32), block_size, scale)
+    want = _sdpa_reference(q, kv, block_ids, lens, block_size, scale)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_refuses_mismatched_inputs(kernel):
+    kv = torch.zeros(2, 4, 64, 16)
+    tables, lens = torch.zeros(1, 4, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    with pytest.raises(ValueError):
+        kernel(torch.zeros(1, 6, 16), kv, tables, lens, 16, 1.0)  # 6 heads over 4 kv heads
+    with pytest.raises(ValueError):
+        kernel(torch.zeros(1, 8, 16), kv.double(), tables, lens, 16, 1.0)
+    with pytest.raises(ValueError):
+        kernel(torch.zeros(1, 8, 16), kv, tables.long(), lens, 16, 1.0)
+    with pytest.raises(ValueError):
+        kernel(torch.zeros(1, 8, 16), kv, tables, torch.full((1,), 65, dtype=torch.int32), 16, 1.0)  # > 4 blocks
+    with pytest.raises(ValueError):
+        kernel(torch.zeros(1, 8, 16), kv, torch.full((1, 4), 4, dtype=torch.int32), lens, 16, 1.0)  # pool has 4
