@@ -30,7 +30,7 @@ from pdserve.common.checkpoint import cache_dir
 
 log = logging.getLogger("pdserve.kernels")
 SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+CFLAGS = ["-O3", "-ffast-math", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 _loaded: dict[str, DecodeAttention | None] = {}

@@ -6,57 +6,70 @@
 // Work is split over (sequence, kv head) pairs; each pair serves the num_heads / num_kv_heads query
 // heads that share its kv head, so every key and value row is read from memory once.
 //
-// Per pair: scores s[j][i] = scale * <q_j, k_i> over the context, a max-subtracted softmax, then
-// out_j = sum_i p[j][i] v_i / sum_i p[j][i]. The same arithmetic as SDPA's math path, in another order.
+// Per pair: scores s[j][i] = scale * <q_j, k_i> over the context, a max-subtracted softmax p[j][i],
+// then out_j = sum_i p[j][i] v_i. The same arithmetic as SDPA's math path, in another order.
 
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
-#define LANES 8
+// Built with -O3 -ffast-math: reductions may reassociate (so they vectorise) and expf runs 8 wide.
+// Scores are finite, so -FLT_MAX stands in for minus infinity.
 
-static inline float dot(const float *a, const float *b, int64_t n) {
-    float acc[LANES] = {0};
-    int64_t i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int l = 0; l < LANES; ++l) acc[l] += a[i + l] * b[i + l];
-    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-    for (; i < n; ++i) s += a[i] * b[i];
+static inline float dot(const float *restrict a, const float *restrict b, const int64_t n) {
+    float s = 0.0f;
+    for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
     return s;
 }
 
-static inline void axpy(float *y, float a, const float *x, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
-}
-
 // One (sequence, kv head) pair: g query heads q[g][d] against len context rows; out[g][d].
-static void attend_one(const float *q, const float *k_head, const float *v_head, const int32_t *blocks,
-                       int64_t len, int64_t g, int64_t d, int64_t block_size, float scale, float *scores,
-                       float *out) {
+// `static inline` with a constant d (see attend_one below) lets the compiler unroll over the head dim.
+static inline void attend(const float *restrict q, const float *restrict k_head, const float *restrict v_head,
+                          const int32_t *restrict blocks, const int64_t len, const int64_t g, const int64_t d,
+                          const int64_t block_size, const float scale, float *restrict scores,
+                          float *restrict out) {
     for (int64_t i = 0; i < len; i += block_size) {  // pass 1: scores, block by block
         const int64_t n = len - i < block_size ? len - i : block_size;
         const float *k = k_head + (int64_t)blocks[i / block_size] * block_size * d;
-        for (int64_t t = 0; t < n; ++t)
-            for (int64_t j = 0; j < g; ++j) scores[j * len + i + t] = scale * dot(q + j * d, k + t * d, d);
+        for (int64_t j = 0; j < g; ++j)
+            for (int64_t t = 0; t < n; ++t) scores[j * len + i + t] = scale * dot(q + j * d, k + t * d, d);
     }
-    for (int64_t j = 0; j < g; ++j) {  // pass 2: softmax weights, unnormalised; clear the output
-        float *s = scores + j * len, m = -INFINITY;
+    for (int64_t j = 0; j < g; ++j) {  // pass 2: softmax weights, normalised
+        float *s = scores + j * len, m = -FLT_MAX, sum = 0.0f;
         for (int64_t i = 0; i < len; ++i) m = s[i] > m ? s[i] : m;
-        for (int64_t i = 0; i < len; ++i) s[i] = expf(s[i] - m);
+        for (int64_t i = 0; i < len; ++i) {
+            s[i] = expf(s[i] - m);
+            sum += s[i];
+        }
+        const float inv = 1.0f / sum;
+        for (int64_t i = 0; i < len; ++i) s[i] *= inv;
         for (int64_t e = 0; e < d; ++e) out[j * d + e] = 0.0f;
     }
     for (int64_t i = 0; i < len; i += block_size) {  // pass 3: weighted sum of values
         const int64_t n = len - i < block_size ? len - i : block_size;
         const float *v = v_head + (int64_t)blocks[i / block_size] * block_size * d;
-        for (int64_t t = 0; t < n; ++t)
-            for (int64_t j = 0; j < g; ++j) axpy(out + j * d, scores[j * len + i + t], v + t * d, d);
+        for (int64_t j = 0; j < g; ++j) {
+            float *o = out + j * d;
+            const float *p = scores + j * len + i;
+            for (int64_t t = 0; t < n; ++t)
+                for (int64_t e = 0; e < d; ++e) o[e] += p[t] * v[t * d + e];
+        }
     }
-    for (int64_t j = 0; j < g; ++j) {
-        const float *s = scores + j * len;
-        float sum = 0.0f;
-        for (int64_t i = 0; i < len; ++i) sum += s[i];
-        const float inv = 1.0f / sum;
-        for (int64_t e = 0; e < d; ++e) out[j * d + e] *= inv;
+}
+
+static void attend_one(const float *q, const float *k_head, const float *v_head, const int32_t *blocks,
+                       int64_t len, int64_t g, int64_t d, int64_t block_size, float scale, float *scores,
+                       float *out) {
+    switch (d) {  // the common head dims get their own unrolled copy
+    case 64:
+        attend(q, k_head, v_head, blocks, len, g, 64, block_size, scale, scores, out);
+        break;
+    case 128:
+        attend(q, k_head, v_head, blocks, len, g, 128, block_size, scale, scores, out);
+        break;
+    default:
+        attend(q, k_head, v_head, blocks, len, g, d, block_size, scale, scores, out);
     }
 }
 
