@@ -150,3 +150,17 @@ def test_tiny_temperature_is_greedy(client):
 def test_chat_without_max_tokens_runs_to_the_end(client):
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], temperature=0)
     assert chat.usage.completion_tokens > 16 or chat.choices[0].finish_reason == "stop"
+
+
+def test_bench_load_generator_reads_every_token(stack):
+    """bench/'s own HTTP client: every streamed token is counted, and an HTTP error becomes the record's error."""
+    from bench.http_client import HttpTarget, run_http
+    from bench.workloads import make_workload
+
+    workload = make_workload("short_long_mix", vocab_size=512, max_model_len=2048, quick=True)
+    _, records = run_http(HttpTarget(stack.url), workload, progress=False)
+    assert [r.error for r in records] == [""] * len(records)
+    assert [len(r.output_token_ids) for r in records] == [r.output_len for r in workload.requests]
+    assert all(len(r.token_times) == r.expected_output_len for r in records)
+    _, refused = run_http(HttpTarget(stack.url, model="no-such-model"), workload, progress=False)
+    assert all("HTTP 404" in r.error and "no-such-model" in r.error for r in refused), refused[0].error
