@@ -20,7 +20,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-gb", type=float, default=0.25)
     g.add_argument("--kv-transport", default="zmq", choices=["zmq", "shm", "cuda_ipc"])
     g.add_argument("--kv-lease-s", type=float, default=30.0)
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "kernel", "sdpa"])
+    g.add_argument("--cpu-kernels", default="auto", choices=["auto", "on", "off"])
 
 
 def engine_config(a: argparse.Namespace, device: str, cores: str) -> EngineConfig:
@@ -28,7 +28,7 @@ def engine_config(a: argparse.Namespace, device: str, cores: str) -> EngineConfi
         model=a.model, dtype=a.dtype, device=device, max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
         num_kv_blocks=a.num_kv_blocks, kv_cache_gb=a.kv_cache_gb, cpu_cores=parse_cores(cores),
-        attention_backend=a.attention_backend,
+        cpu_kernels=a.cpu_kernels,
     )  # fmt: skip
 
 
@@ -37,7 +37,7 @@ def engine_argv(a: argparse.Namespace) -> list[str]:
     argv = ["--model", a.model, "--dtype", a.dtype, "--max-num-seqs", str(a.max_num_seqs),
             "--max-num-batched-tokens", str(a.max_num_batched_tokens), "--block-size", str(a.block_size),
             "--kv-cache-gb", str(a.kv_cache_gb), "--kv-transport", a.kv_transport,
-            "--kv-lease-s", str(a.kv_lease_s), "--attention-backend", a.attention_backend]  # fmt: skip
+            "--kv-lease-s", str(a.kv_lease_s), "--cpu-kernels", a.cpu_kernels]  # fmt: skip
     if a.num_kv_blocks is not None:
         argv += ["--num-kv-blocks", str(a.num_kv_blocks)]
     return argv

@@ -34,12 +34,12 @@ def greedy_requests(prompts, outs) -> list[Request]:
     [(512, None), (64, 40)],  # roomy; then prompts split over many iterations and a pool that forces preemption
     ids=["roomy", "chunked-preempting"],
 )
-@pytest.mark.parametrize("backend", ["kernel", "sdpa"])
-def test_greedy_equals_transformers(tiny_models, arch, budget, num_blocks, backend):
+@pytest.mark.parametrize("kernels", ["on", "off"])
+def test_greedy_equals_transformers(tiny_models, arch, budget, num_blocks, kernels):
     prompts, outs = mixed_workload(16, 512, seed=11)
     ref = hf_greedy(tiny_models[arch], prompts, outs)
     cfg = EngineConfig(model=str(tiny_models[arch]), max_num_batched_tokens=budget, num_kv_blocks=num_blocks,
-                       attention_backend=backend)  # fmt: skip
+                       cpu_kernels=kernels)  # fmt: skip
     engine = Engine(cfg)
     reqs = greedy_requests(prompts, outs)
     got = run_engine(engine, reqs)
@@ -49,12 +49,12 @@ def test_greedy_equals_transformers(tiny_models, arch, budget, num_blocks, backe
         assert sum(r.num_preemptions for r in reqs) > 0, "the small pool should have forced a preemption"
 
 
-@pytest.mark.parametrize("backend", ["kernel", "sdpa"])
-def test_swapped_spans_break_equivalence(tiny_models, monkeypatch, backend):
+@pytest.mark.parametrize("kernels", ["on", "off"])
+def test_swapped_spans_break_equivalence(tiny_models, monkeypatch, kernels):
     """The equivalence test can fail: attention against another request's KV changes the tokens."""
     prompts, outs = mixed_workload(4, 512, seed=3, max_prompt=40, max_out=6)
     ref = hf_greedy(tiny_models["qwen3"], prompts, outs)
-    engine = Engine(EngineConfig(model=str(tiny_models["qwen3"]), attention_backend=backend))
+    engine = Engine(EngineConfig(model=str(tiny_models["qwen3"]), cpu_kernels=kernels))
     real_prepare = engine.runner.prepare
 
     def swapped(batch):

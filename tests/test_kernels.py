@@ -1,4 +1,4 @@
-"""The decode attention kernel against torch SDPA, on pools with scattered blocks."""
+"""pdserve's C kernels against torch: decode attention (on pools with scattered blocks), norms, silu*mul."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def test_decode_attention_matches_sdpa(kernel, heads, kv_heads, head_dim, block_
         tables[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
     q = torch.randn(len(lens), heads, head_dim, generator=gen)
     scale = head_dim**-0.5
-    got = kernel(q, kv, tables, torch.tensor(lens, dtype=torch.int32), block_size, scale)
+    got = kernel.decode_attention(q, kv, tables, torch.tensor(lens, dtype=torch.int32), block_size, scale)
     want = _sdpa_reference(q, kv, block_ids, lens, block_size, scale)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -53,12 +53,42 @@ def test_decode_attention_refuses_mismatched_inputs(kernel):
     kv = torch.zeros(2, 4, 64, 16)
     tables, lens = torch.zeros(1, 4, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
     with pytest.raises(ValueError):
-        kernel(torch.zeros(1, 6, 16), kv, tables, lens, 16, 1.0)  # 6 heads over 4 kv heads
+        kernel.decode_attention(torch.zeros(1, 6, 16), kv, tables, lens, 16, 1.0)  # 6 heads over 4 kv heads
     with pytest.raises(ValueError):
-        kernel(torch.zeros(1, 8, 16), kv.double(), tables, lens, 16, 1.0)
+        kernel.decode_attention(torch.zeros(1, 8, 16), kv.double(), tables, lens, 16, 1.0)
     with pytest.raises(ValueError):
-        kernel(torch.zeros(1, 8, 16), kv, tables.long(), lens, 16, 1.0)
+        kernel.decode_attention(torch.zeros(1, 8, 16), kv, tables.long(), lens, 16, 1.0)
     with pytest.raises(ValueError):
-        kernel(torch.zeros(1, 8, 16), kv, tables, torch.full((1,), 65, dtype=torch.int32), 16, 1.0)  # > 4 blocks
+        kernel.decode_attention(
+            torch.zeros(1, 8, 16), kv, tables, torch.full((1,), 65, dtype=torch.int32), 16, 1.0
+        )  # > 4 blocks
     with pytest.raises(ValueError):
-        kernel(torch.zeros(1, 8, 16), kv, torch.full((1, 4), 4, dtype=torch.int32), lens, 16, 1.0)  # pool has 4
+        kernel.decode_attention(
+            torch.zeros(1, 8, 16), kv, torch.full((1, 4), 4, dtype=torch.int32), lens, 16, 1.0
+        )  # pool has 4
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (16, 512), (300, 512), (7, 8, 20)])
+def test_norms_and_silu_mul_match_torch(kernel, shape):
+    gen = torch.Generator().manual_seed(1)
+    x, w = torch.randn(shape, generator=gen), 1 + 0.1 * torch.randn(shape[-1], generator=gen)
+    torch.testing.assert_close(kernel.rms_norm(x, w, 1e-6), F.rms_norm(x, shape[-1:], w, 1e-6), rtol=1e-5, atol=1e-6)
+    h, r = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    want_h = h + r
+    got = kernel.add_rms_norm(h, r, w, 1e-5)
+    assert torch.equal(h, want_h)  # the residual is added in place
+    torch.testing.assert_close(got, F.rms_norm(want_h, shape[-1:], w, 1e-5), rtol=1e-5, atol=1e-6)
+    gate_up = torch.randn(*shape[:-1], 2 * shape[-1], generator=gen)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(kernel.silu_mul(gate_up), F.silu(gate) * up, rtol=1e-5, atol=1e-6)
+
+
+def test_elementwise_kernels_refuse_what_does_not_fit(kernel):
+    with pytest.raises(ValueError):
+        kernel.rms_norm(torch.zeros(4, 8), torch.ones(7), 1e-6)
+    with pytest.raises(ValueError):
+        kernel.rms_norm(torch.zeros(4, 8, dtype=torch.float64), torch.ones(8), 1e-6)
+    with pytest.raises(ValueError):
+        kernel.add_rms_norm(torch.zeros(4, 8), torch.zeros(4, 9), torch.ones(8), 1e-6)
+    with pytest.raises(ValueError):
+        kernel.silu_mul(torch.zeros(4, 7))

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 
 DTYPE_CHOICES = ("float32", "bfloat16")
-ATTENTION_BACKENDS = ("auto", "kernel", "sdpa")
+CPU_KERNELS = ("auto", "on", "off")
 KV_TRANSPORTS = ("zmq", "shm", "cuda_ipc")
 ROLES = ("colocated", "prefill", "decode")
 
@@ -34,17 +34,17 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # None: size the pool from kv_cache_gb
     kv_cache_gb: float = 0.25
     cpu_cores: tuple[int, ...] = ()  # pin the process to these cores ((): no pinning)
-    # decode tokens' attention: "kernel" (pdserve's CPU kernel, float32), "sdpa" (torch SDPA per
-    # request), "auto" (the kernel where it applies and builds, else SDPA)
-    attention_backend: str = "auto"
+    # pdserve's C kernels (paged decode attention, fused norms, silu*mul; CPU, float32): "on",
+    # "off" (torch's ops, SDPA per request), "auto" (on where they apply and build)
+    cpu_kernels: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, not {self.dtype!r}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}")
-        if self.attention_backend == "kernel" and (self.device != "cpu" or self.dtype != "float32"):
-            raise ValueError("--attention-backend kernel runs on the CPU in float32 only; use auto or sdpa")
+        if self.cpu_kernels not in CPU_KERNELS:
+            raise ValueError(f"--cpu-kernels must be one of {', '.join(CPU_KERNELS)}")
+        if self.cpu_kernels == "on" and (self.device != "cpu" or self.dtype != "float32"):
+            raise ValueError("--cpu-kernels on needs --device cpu and --dtype float32; use auto or off")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"--device must be 'cpu' or 'cuda:N', not {self.device!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):

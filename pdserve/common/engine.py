@@ -45,7 +45,7 @@ class Engine:
         storage = pool_storage(self.layout, num_blocks, cfg.device) if pool_storage else None
         self.pool = KVPool(self.layout, num_blocks, cfg.device, data=storage)
         self.scheduler = Scheduler(self.pool.allocator, cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.pool, cfg.attention_backend)
+        self.runner = ModelRunner(self.model, self.pool, cfg.cpu_kernels)
         self.sampler = Sampler()
         self.max_model_len = max_model_len(self.model.config)
         self.requests: dict[str, Request] = {}

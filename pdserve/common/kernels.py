@@ -1,15 +1,18 @@
-"""Our one native kernel: paged decode attention on the CPU (csrc/decode_attention.c).
+"""pdserve's native CPU kernels (csrc/): paged decode attention, and the fused elementwise ops of a layer.
 
-Why: SDPA runs one call per request per layer; for a single query token its CPU kernel streamed the
-KV at ~7 GB/s (of ~28 GB/s this machine reads) plus ~30 us of fixed cost per call, which made
-attention the largest part of a decode step. This kernel serves every decode token of an iteration
-in one call per layer, reads K and V once straight out of the paged pool through the block tables,
-and splits the work over (request, kv head) pairs on torch's OpenMP threads.
+Why, measured on this project's 2-core AVX2 machine, float32:
+- Decode attention. SDPA runs one call per request per layer; for a single query token its CPU kernel
+  streamed the KV at ~7 GB/s (the machine reads ~28 GB/s) plus ~30 us of fixed cost per call, which
+  made attention the largest part of a decode step. `decode_attention` serves every decode token of
+  an iteration in one call per layer, reads K and V once straight out of the paged pool through the
+  block tables, and splits the work over (request, kv head) pairs on torch's OpenMP threads.
+- RMSNorm (with the residual add before it) and the gated MLP's silu(g) * u: torch runs each as
+  several small ops; one pass each is 3-4x faster at decode sizes and far more at prefill sizes.
 
-It is plain C built with the system's C compiler on first use (about a second), cached per source
+They are plain C, built with the system's C compiler on first use (about a second), cached per source
 and CPU under the pdserve cache folder, and loaded with ctypes: no torch headers, no build step at
-install time. Where it cannot be built (no compiler, not Linux), `load()` returns None and the
-runner falls back to SDPA per request, logging why once.
+install time. Where they cannot be built (no compiler, not Linux), `load()` returns None and the
+runner uses torch's ops, logging why once.
 """
 
 from __future__ import annotations
@@ -29,24 +32,54 @@ import torch
 from pdserve.common.checkpoint import cache_dir
 
 log = logging.getLogger("pdserve.kernels")
-SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("decode_attention.c", "elementwise.c")]
 CFLAGS = ["-O3", "-ffast-math", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
-_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+_I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 
-_loaded: dict[str, DecodeAttention | None] = {}
+_loaded: dict[str, CpuKernels | None] = {}
 
 
-class DecodeAttention:
-    """`torch`-facing wrapper of `pd_decode_attention`."""
+class CpuKernels:
+    """`torch`-facing wrappers of the C functions; every input is checked here, the C side trusts them."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        fn = lib.pd_decode_attention
-        fn.restype = ctypes.c_int
-        fn.argtypes = [_PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _PTR,
-                       ctypes.c_int]  # fmt: skip
-        self._fn = fn
+        self._attention = _bind(lib.pd_decode_attention, [_PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64,
+                                                          _I64, _I64, _F32, _PTR, _INT], ctypes.c_int)  # fmt: skip
+        self._rms_norm = _bind(lib.pd_rms_norm, [_PTR, _PTR, _PTR, _I64, _I64, _F32, _INT])
+        self._add_rms_norm = _bind(lib.pd_add_rms_norm, [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT])
+        self._silu_mul = _bind(lib.pd_silu_mul, [_PTR, _PTR, _I64, _I64, _INT])
 
-    def __call__(
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x [..., D] / rms over D * weight [D]."""
+        x = _f32(x)
+        _check_weight(x, weight)
+        out = torch.empty_like(x)
+        self._rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps,
+                       torch.get_num_threads())  # fmt: skip
+        return out
+
+    def add_rms_norm(self, h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """h += x in place (h: a contiguous float32 [..., D]); return rms_norm(h)."""
+        x = _f32(x)
+        if not (h.is_contiguous() and h.dtype == torch.float32 and h.shape == x.shape):
+            raise ValueError("add_rms_norm adds a float32 tensor into a contiguous one of the same shape")
+        _check_weight(h, weight)
+        out = torch.empty_like(h)
+        self._add_rms_norm(h.data_ptr(), x.data_ptr(), weight.data_ptr(), out.data_ptr(), h.numel() // h.shape[-1],
+                           h.shape[-1], eps, torch.get_num_threads())  # fmt: skip
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[..., 2n] (gate then up) -> silu(gate) * up, [..., n]."""
+        gate_up = _f32(gate_up)
+        if gate_up.shape[-1] % 2:
+            raise ValueError("silu_mul takes gate and up side by side: an even last dim")
+        n = gate_up.shape[-1] // 2
+        out = gate_up.new_empty(*gate_up.shape[:-1], n)
+        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * n), n, torch.get_num_threads())
+        return out
+
+    def decode_attention(
         self, q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, lens: torch.Tensor, block_size: int,
         scale: float,
     ) -> torch.Tensor:  # fmt: skip
@@ -56,12 +89,28 @@ class DecodeAttention:
         _check(q, kv, block_tables, lens, block_size)
         B, H, d = q.shape
         out = torch.empty_like(q)
-        rc = self._fn(q.data_ptr(), kv.data_ptr(), kv.shape[2], block_tables.data_ptr(), block_tables.shape[1],
+        rc = self._attention(q.data_ptr(), kv.data_ptr(), kv.shape[2], block_tables.data_ptr(), block_tables.shape[1],
                       lens.data_ptr(), B, H, kv.shape[1], d, block_size, scale, out.data_ptr(),
                       torch.get_num_threads())  # fmt: skip
         if rc != 0:
             raise MemoryError("decode attention could not allocate its scratch buffer")
         return out
+
+
+def _bind(fn, argtypes: list, restype=None):
+    fn.argtypes, fn.restype = argtypes, restype
+    return fn
+
+
+def _f32(x: torch.Tensor) -> torch.Tensor:
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError("the CPU kernels take float32 CPU tensors")
+    return x.contiguous()
+
+
+def _check_weight(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if weight.dtype != torch.float32 or not weight.is_contiguous() or weight.shape != x.shape[-1:]:
+        raise ValueError(f"a norm weight of shape {tuple(weight.shape)} does not fit {tuple(x.shape)}")
 
 
 def _check(q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, lens: torch.Tensor, block_size: int) -> None:
@@ -78,8 +127,8 @@ def _check(q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, lens: 
         raise ValueError("a block id is outside the pool")
 
 
-def load() -> DecodeAttention | None:
-    """The compiled kernel, built on first use; None where it cannot be built here."""
+def load() -> CpuKernels | None:
+    """The compiled kernels, built on first use; None where they cannot be built here."""
     key = _build_key()
     if key not in _loaded:
         _loaded[key] = _build_and_load(key)
@@ -87,7 +136,7 @@ def load() -> DecodeAttention | None:
 
 
 def _build_key() -> str:
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES))
     h.update(" ".join(CFLAGS).encode())
     h.update(platform.machine().encode() + _cpu_flags().encode())
     return h.hexdigest()[:16]
@@ -104,28 +153,28 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _build_and_load(key: str) -> DecodeAttention | None:
+def _build_and_load(key: str) -> CpuKernels | None:
     if not sys.platform.startswith("linux"):
-        log.warning("decode attention kernel: not built on %s; using SDPA per request", sys.platform)
+        log.warning("CPU kernels: not built on %s; using torch's ops", sys.platform)
         return None
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        log.warning("decode attention kernel: no C compiler found; using SDPA per request")
+        log.warning("CPU kernels: no C compiler found; using torch's ops")
         return None
-    lib_path = cache_dir() / "kernels" / f"decode_attention-{key}.so"
+    lib_path = cache_dir() / "kernels" / f"pdserve_cpu-{key}.so"
     try:
         if not lib_path.exists():
             _compile(compiler, lib_path)
-        return DecodeAttention(ctypes.CDLL(str(lib_path)))
+        return CpuKernels(ctypes.CDLL(str(lib_path)))
     except (OSError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
-        log.warning("decode attention kernel: build failed (%s); using SDPA per request", detail.strip()[:500])
+        log.warning("CPU kernels: build failed (%s); using torch's ops", detail.strip()[:500])
         return None
 
 
 def _compile(compiler: str, lib_path: Path) -> None:
     lib_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = lib_path.with_name(f"{lib_path.name}.tmp{os.getpid()}")
-    subprocess.run([compiler, *CFLAGS, str(SOURCE), "-o", str(tmp), "-lm"], check=True, capture_output=True,
+    subprocess.run([compiler, *CFLAGS, *map(str, SOURCES), "-o", str(tmp), "-lm"], check=True, capture_output=True,
                    text=True, timeout=120)  # fmt: skip
     os.replace(tmp, lib_path)  # atomic: a process building the same kernel at once wins or loses whole

@@ -158,7 +158,7 @@ class LayerWeights:
 
 
 class ModelRunner:
-    def __init__(self, model, pool: KVPool, attention_backend: str = "auto") -> None:
+    def __init__(self, model, pool: KVPool, cpu_kernels: str = "auto") -> None:
         self.model = model
         self.pool = pool
         self.device = next(model.parameters()).device
@@ -174,7 +174,8 @@ class ModelRunner:
         self.head_dim = pool.layout.head_dim
         self.num_kv_heads = pool.layout.num_kv_heads
         self.scale = attn.scaling
-        self.decode_kernel = _decode_kernel(attention_backend, self.device, pool.data.dtype)
+        self.kernels = _cpu_kernels(cpu_kernels, self.device, pool.data.dtype)
+        self.silu_gated = getattr(model.config, "hidden_act", None) == "silu"
 
     # ---- inputs ----------------------------------------------------------------------------------
     def prepare(self, batch: Batch) -> ForwardInputs:
@@ -191,7 +192,7 @@ class ModelRunner:
             positions.append(torch.arange(past, past + n))
             ctx = self.pool.slots(req.block_ids, 0, past + n)  # [past + n]
             slots.append(ctx[past:])
-            if self.decode_kernel is not None and n == 1 and past > 0:
+            if self.kernels is not None and n == 1 and past > 0:
                 decodes.append((len(ids) - 1, req.block_ids, past + 1))
             else:
                 spans.append(Span(len(ids) - n, n, past, _context(ctx, req.block_ids) if past else None,
@@ -227,17 +228,37 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inp: ForwardInputs) -> torch.Tensor:
         """Run one iteration; return the logits of the sampled positions, [S, V] in float32."""
-        h = self.embed(inp.input_ids)  # [T, H]
+        h = self.embed(inp.input_ids)  # [T, H]: the residual stream, updated in place
         cos, sin = self.rotary(h, inp.positions[None])  # [1, T, d]
         rope = (cos[0], sin[0])  # [T, d]
+        x = self._norm(self.layers[0].input_layernorm, h)
         for i, (layer, w) in enumerate(zip(self.layers, self.weights, strict=True)):
-            h = h + self._attention(layer.self_attn, w, rms_norm(layer.input_layernorm, h), rope, i, inp)
-            h = h + self._mlp(layer.mlp, w, rms_norm(layer.post_attention_layernorm, h))
-        h = rms_norm(self.norm, h[inp.sample_index])  # [S, H]
+            x = self._add_norm(h, self._attention(layer.self_attn, w, x, rope, i, inp), layer.post_attention_layernorm)
+            out = self._mlp(layer.mlp, w, x)
+            if i + 1 < len(self.layers):
+                x = self._add_norm(h, out, self.layers[i + 1].input_layernorm)
+            else:
+                h += out
+        h = self._norm(self.norm, h[inp.sample_index])  # [S, H]
         return self.lm_head(h).float()  # [S, V]
 
+    def _norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is None:
+            return rms_norm(norm, x)
+        return self.kernels.rms_norm(x, norm.weight, norm.variance_epsilon)
+
+    def _add_norm(self, h: torch.Tensor, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        """h += x (the residual), then the next norm of h."""
+        if self.kernels is None:
+            h += x
+            return rms_norm(norm, h)
+        return self.kernels.add_rms_norm(h, x, norm.weight, norm.variance_epsilon)
+
     def _mlp(self, mlp, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        gate, up = w.gate_up(x).split(w.gate_up.splits, dim=-1)  # [T, I] each
+        gate_up = w.gate_up(x)  # [T, 2I]
+        if self.kernels is not None and self.silu_gated:
+            return w.down(self.kernels.silu_mul(gate_up))  # [T, H]
+        gate, up = gate_up.split(w.gate_up.splits, dim=-1)  # [T, I] each
         return w.down(mlp.act_fn(gate) * up)  # [T, H]
 
     def _attention(
@@ -249,7 +270,7 @@ class ModelRunner:
         k = k.view(T, -1, d)  # [T, nkv, d]
         v = v.view(T, -1, d)  # [T, nkv, d]
         if hasattr(attn, "q_norm"):
-            q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
+            q, k = self._norm(attn.q_norm, q), self._norm(attn.k_norm, k)
         q, k = self.apply_rope(q, k, *rope, unsqueeze_dim=1)
         kv_pool = self.pool.data[layer_idx]  # [2, nkv, NB*bs, d]
         kv_pool.index_copy_(2, inp.slot_mapping, torch.stack((k, v)).transpose(1, 2))  # [2, nkv, T, d]
@@ -258,8 +279,8 @@ class ModelRunner:
             out[sp.start : sp.start + sp.length] = self._span_attention(q, k, v, kv_pool, sp)
         if inp.decode is not None:
             dec = inp.decode
-            out[dec.rows] = self.decode_kernel(q[dec.rows], kv_pool, dec.block_tables, dec.lens,
-                                               self.pool.block_size, self.scale)  # fmt: skip
+            out[dec.rows] = self.kernels.decode_attention(q[dec.rows], kv_pool, dec.block_tables, dec.lens,
+                                                          self.pool.block_size, self.scale)  # fmt: skip
         return w.o(out.view(T, -1))  # [T, H]
 
     def _span_attention(self, q, k, v, kv_pool, sp: Span) -> torch.Tensor:
@@ -287,14 +308,14 @@ class ModelRunner:
         return o[0].transpose(0, 1)
 
 
-def _decode_kernel(backend: str, device: torch.device, dtype: torch.dtype) -> kernels.DecodeAttention | None:
-    """The decode attention kernel when `backend` asks for it and it applies here, else None (SDPA)."""
-    if backend == "sdpa" or device.type != "cpu" or dtype != torch.float32:
+def _cpu_kernels(setting: str, device: torch.device, dtype: torch.dtype) -> kernels.CpuKernels | None:
+    """pdserve's C kernels when `setting` allows them and they apply here, else None (torch's ops)."""
+    if setting == "off" or device.type != "cpu" or dtype != torch.float32:
         return None
-    kernel = kernels.load()
-    if kernel is None and backend == "kernel":
-        raise RuntimeError("--attention-backend kernel: the decode attention kernel could not be built here")
-    return kernel
+    loaded = kernels.load()
+    if loaded is None and setting == "on":
+        raise RuntimeError("--cpu-kernels on: the CPU kernels could not be built here (see the log)")
+    return loaded
 
 
 def _context(ctx: torch.Tensor, block_ids: list[int]) -> torch.Tensor | slice:
