@@ -92,3 +92,25 @@ def test_elementwise_kernels_refuse_what_does_not_fit(kernel):
         kernel.add_rms_norm(torch.zeros(4, 8), torch.zeros(4, 9), torch.ones(8), 1e-6)
     with pytest.raises(ValueError):
         kernel.silu_mul(torch.zeros(4, 7))
+
+
+def test_rope_store_matches_hf_rotary_and_writes_the_pool(kernel):
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+    gen = torch.Generator().manual_seed(2)
+    T, H, Hkv, d, slots_total = 5, 4, 2, 16, 40
+    qkv = torch.randn(T, (H + 2 * Hkv) * d, generator=gen)
+    q, k, v = (t.view(T, -1, d) for t in qkv.split([H * d, Hkv * d, Hkv * d], dim=-1))  # strided views
+    angles = torch.randn(T, d // 2, generator=gen).repeat(1, 2)
+    cos, sin = angles.cos(), angles.sin()
+    kv = torch.zeros(2, Hkv, slots_total, d)
+    slots = torch.tensor([3, 4, 17, 30, 0])
+    got_q = kernel.rope_store(q, k, v, cos, sin, kv, slots)
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+    torch.testing.assert_close(got_q, want_q, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(kv[0][:, slots].transpose(0, 1), want_k, rtol=1e-5, atol=1e-6)
+    assert torch.equal(kv[1][:, slots].transpose(0, 1), v)
+    untouched = [s for s in range(slots_total) if s not in slots.tolist()]
+    assert not kv[:, :, untouched].any()
+    with pytest.raises(ValueError):
+        kernel.rope_store(q, k, v, cos, sin, kv, torch.tensor([0, 1, 2, 3, slots_total]))  # a slot outside

@@ -48,6 +48,38 @@ class CpuKernels:
         self._rms_norm = _bind(lib.pd_rms_norm, [_PTR, _PTR, _PTR, _I64, _I64, _F32, _INT])
         self._add_rms_norm = _bind(lib.pd_add_rms_norm, [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT])
         self._silu_mul = _bind(lib.pd_silu_mul, [_PTR, _PTR, _I64, _I64, _INT])
+        self._rope_store = _bind(lib.pd_rope_store, [_PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR,
+                                                     _I64, _PTR, _I64, _I64, _I64, _I64, _INT])  # fmt: skip
+
+    def rope_store(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        kv: torch.Tensor, slots: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """Rotate q [T, H, d] and k [T, Hkv, d] (cos, sin [T, d]); write k and v into one layer of the pool
+        kv [2, Hkv, S, d] at `slots` [T]; return the rotated q, contiguous."""
+        T, H, d = q.shape
+        for x in (q, k, v):
+            if x.dtype != torch.float32 or x.stride()[1:] != (d, 1):
+                raise ValueError("rope_store takes float32 [T, heads, d] tensors with contiguous heads")
+        if k.shape != v.shape or k.shape[0] != T or kv.shape[1] != k.shape[1] or kv.shape[3] != d:
+            raise ValueError(
+                f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit KV {tuple(kv.shape)}"
+            )
+        cos, sin = _f32(cos), _f32(sin)
+        if cos.shape != (T, d) or sin.shape != (T, d) or not kv.is_contiguous() or kv.dtype != torch.float32:
+            raise ValueError("rope_store takes cos and sin of [T, d] and a contiguous float32 pool layer")
+        if (
+            slots.dtype != torch.int64
+            or slots.shape != (T,)
+            or (T and not 0 <= int(slots.min()) <= int(slots.max()) < kv.shape[2])
+        ):
+            raise ValueError("slots must be T int64 slot indices inside the pool")
+        slots = slots.contiguous()
+        q_out = torch.empty(T, H, d)
+        self._rope_store(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                         cos.data_ptr(), sin.data_ptr(), q_out.data_ptr(), kv.data_ptr(), kv.shape[2],
+                         slots.data_ptr(), T, H, k.shape[1], d, torch.get_num_threads())  # fmt: skip
+        return q_out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x [..., D] / rms over D * weight [D]."""

@@ -34,7 +34,7 @@ class Span:
     start: int  # first index in [T]
     length: int  # new tokens this iteration
     past: int  # tokens already in the KV before this iteration
-    ctx_slots: torch.Tensor | slice | None  # its past + length slots; a slice when they are contiguous
+    ctx_slots: torch.Tensor | slice  # its past + length slots; a slice when they are contiguous
     mask: torch.Tensor | None  # [length, past + length] bool, for a chunk after a past
 
 
@@ -195,8 +195,7 @@ class ModelRunner:
             if self.kernels is not None and n == 1 and past > 0:
                 decodes.append((len(ids) - 1, req.block_ids, past + 1))
             else:
-                spans.append(Span(len(ids) - n, n, past, _context(ctx, req.block_ids) if past else None,
-                                  _chunk_mask(past, n)))  # fmt: skip
+                spans.append(Span(len(ids) - n, n, past, _context(ctx, req.block_ids), _chunk_mask(past, n)))
             if s.samples:
                 sample.append(len(ids) - 1)
         dev = self.device
@@ -271,37 +270,32 @@ class ModelRunner:
         v = v.view(T, -1, d)  # [T, nkv, d]
         if hasattr(attn, "q_norm"):
             q, k = self._norm(attn.q_norm, q), self._norm(attn.k_norm, k)
-        q, k = self.apply_rope(q, k, *rope, unsqueeze_dim=1)
         kv_pool = self.pool.data[layer_idx]  # [2, nkv, NB*bs, d]
-        kv_pool.index_copy_(2, inp.slot_mapping, torch.stack((k, v)).transpose(1, 2))  # [2, nkv, T, d]
+        if self.kernels is not None:  # rotate q and k, store k and v: one pass
+            q = self.kernels.rope_store(q, k, v, *rope, kv_pool, inp.slot_mapping)
+        else:
+            q, k = self.apply_rope(q, k, *rope, unsqueeze_dim=1)
+            kv_pool.index_copy_(2, inp.slot_mapping, torch.stack((k, v)).transpose(1, 2))  # [2, nkv, T, d]
         out = torch.empty_like(q)  # [T, nh, d]
         for sp in inp.spans:
-            out[sp.start : sp.start + sp.length] = self._span_attention(q, k, v, kv_pool, sp)
+            out[sp.start : sp.start + sp.length] = self._span_attention(q, kv_pool, sp)
         if inp.decode is not None:
             dec = inp.decode
             out[dec.rows] = self.kernels.decode_attention(q[dec.rows], kv_pool, dec.block_tables, dec.lens,
                                                           self.pool.block_size, self.scale)  # fmt: skip
         return w.o(out.view(T, -1))  # [T, H]
 
-    def _span_attention(self, q, k, v, kv_pool, sp: Span) -> torch.Tensor:
-        """Attention of one request's new tokens: [length, nh, d]."""
-        end = sp.start + sp.length
-        qs = q[sp.start : end].transpose(0, 1)  # [nh, Lq, d]
-        if sp.ctx_slots is None:  # a prompt's first chunk: its own keys, causal
-            ks, vs = k[sp.start : end].transpose(0, 1), v[sp.start : end].transpose(0, 1)  # [nkv, Lq, d]
-        else:  # a view of the pool when its blocks are consecutive, else a gather
-            kv = (
-                kv_pool[:, :, sp.ctx_slots]
-                if isinstance(sp.ctx_slots, slice)
-                else kv_pool.index_select(2, sp.ctx_slots)
-            )
-            ks, vs = kv[0], kv[1]  # [nkv, Lk, d]
+    def _span_attention(self, q, kv_pool, sp: Span) -> torch.Tensor:
+        """Attention of one request's new tokens against its KV in the pool (theirs included): [length, nh, d]."""
+        qs = q[sp.start : sp.start + sp.length].transpose(0, 1)  # [nh, Lq, d]
+        # a view of the pool when its blocks are consecutive, else a gather
+        kv = kv_pool[:, :, sp.ctx_slots] if isinstance(sp.ctx_slots, slice) else kv_pool.index_select(2, sp.ctx_slots)
         o = F.scaled_dot_product_attention(
             qs[None],  # [1, nh, Lq, d]
-            ks[None],  # [1, nkv, Lk, d]
-            vs[None],
+            kv[0][None],  # [1, nkv, Lk, d]
+            kv[1][None],
             attn_mask=sp.mask,
-            is_causal=sp.ctx_slots is None,  # a first chunk; later ones carry a mask (none for one token)
+            is_causal=sp.past == 0 and sp.length > 1,  # a first chunk; later ones carry a mask (none for one token)
             scale=self.scale,
             enable_gqa=True,
         )  # [1, nh, Lq, d]
