@@ -179,42 +179,48 @@ class ModelRunner:
 
     # ---- inputs ----------------------------------------------------------------------------------
     def prepare(self, batch: Batch) -> ForwardInputs:
+        """The iteration's flat inputs, built in plain Python (one tensor each at the end)."""
+        bs = self.pool.block_size
         ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        slots: list[torch.Tensor] = []
+        positions: list[int] = []
+        slots: list[int] = []
         spans: list[Span] = []
         decodes: list[tuple[int, list[int], int]] = []  # (row, block ids, context length)
         sample: list[int] = []
         for s in batch.scheduled:
             req, past, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
-            all_ids = req.all_token_ids
-            ids.extend(all_ids[past : past + n])
-            positions.append(torch.arange(past, past + n))
-            ctx = self.pool.slots(req.block_ids, 0, past + n)  # [past + n]
-            slots.append(ctx[past:])
+            ids.extend(_token_ids(req, past, past + n))
+            positions.extend(range(past, past + n))
+            blocks = req.block_ids
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(past, past + n))
             if self.kernels is not None and n == 1 and past > 0:
-                decodes.append((len(ids) - 1, req.block_ids, past + 1))
+                decodes.append((len(ids) - 1, blocks, past + 1))
             else:
-                spans.append(Span(len(ids) - n, n, past, _context(ctx, req.block_ids), _chunk_mask(past, n)))
+                spans.append(Span(len(ids) - n, n, past, self._context(blocks, past + n), _chunk_mask(past, n)))
             if s.samples:
                 sample.append(len(ids) - 1)
         dev = self.device
         return ForwardInputs(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=torch.cat(positions).to(dev),
-            slot_mapping=torch.cat(slots).to(dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             spans=[_span_to(sp, dev) for sp in spans],
             sample_index=torch.tensor(sample, dtype=torch.long, device=dev),
             decode=self._decode_group(decodes) if decodes else None,
         )
 
+    def _context(self, block_ids: list[int], length: int) -> torch.Tensor | slice:
+        """A request's first `length` slots: a slice when its blocks are consecutive (no gather needed)."""
+        if is_run(block_ids):
+            first = block_ids[0] * self.pool.block_size
+            return slice(first, first + length)
+        return self.pool.slots(block_ids, 0, length)
+
     def _decode_group(self, decodes: list[tuple[int, list[int], int]]) -> DecodeGroup:
         bs = self.pool.block_size
         width = max(-(-length // bs) for _, _, length in decodes)
-        tables = torch.zeros(len(decodes), width, dtype=torch.int32)  # [n, max_blocks]
-        for i, (_, block_ids, length) in enumerate(decodes):
-            used = block_ids[: -(-length // bs)]
-            tables[i, : len(used)] = torch.tensor(used, dtype=torch.int32)
+        padded = [block_ids[: -(-length // bs)] for _, block_ids, length in decodes]
+        tables = torch.tensor([b + [0] * (width - len(b)) for b in padded], dtype=torch.int32)  # [n, max_blocks]
         rows = [row for row, _, _ in decodes]
         adjacent = rows == list(range(rows[0], rows[0] + len(rows)))
         return DecodeGroup(
@@ -312,12 +318,14 @@ def _cpu_kernels(setting: str, device: torch.device, dtype: torch.dtype) -> kern
     return loaded
 
 
-def _context(ctx: torch.Tensor, block_ids: list[int]) -> torch.Tensor | slice:
-    """A request's context slots, as a slice when its blocks are consecutive (no gather needed)."""
-    if is_run(block_ids):
-        start = int(ctx[0])
-        return slice(start, start + len(ctx))
-    return ctx
+def _token_ids(req, start: int, end: int) -> list[int]:
+    """Token ids [start, end) of prompt + output, without joining the two lists."""
+    prompt, n = req.prompt_token_ids, len(req.prompt_token_ids)
+    if end <= n:
+        return prompt[start:end]
+    if start >= n:
+        return req.output_token_ids[start - n : end - n]
+    return prompt[start:] + req.output_token_ids[: end - n]
 
 
 def _chunk_mask(past: int, n: int) -> torch.Tensor | None:
