@@ -3,7 +3,9 @@
 One forward runs one iteration: the new tokens of every scheduled request (prompt chunks and
 single decode tokens alike) are flattened to `[T, H]`. Embedding, norms, projections, MLP and the
 LM head run on those flattened tokens (the LM head only where a token is sampled); attention runs
-per request span against that request's own KV in the paged pool.
+per request against that request's own KV in the paged pool: SDPA for each prompt chunk, and on
+the CPU one kernel call per layer for all single-token decodes (`kernels.py`), each still reading
+only its own request's blocks.
 
 Supported families: Qwen3 (q/k norms), Qwen2 (qkv bias), Llama, Mistral — all share the layer
 shape input_layernorm -> self_attn -> post_attention_layernorm -> mlp.
