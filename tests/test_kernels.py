@@ -114,3 +114,27 @@ def test_rope_store_matches_hf_rotary_and_writes_the_pool(kernel):
     assert not kv[:, :, untouched].any()
     with pytest.raises(ValueError):
         kernel.rope_store(q, k, v, cos, sin, kv, torch.tensor([0, 1, 2, 3, slots_total]))  # a slot outside
+
+
+def test_decode_attention_refuses_what_it_would_read_out_of_bounds(kernel):
+    kv = torch.zeros(2, 4, 64, 16)
+    q, tables = torch.zeros(2, 8, 16), torch.zeros(2, 4, dtype=torch.int32)
+    lens = torch.ones(2, dtype=torch.int32)
+    with pytest.raises(ValueError):
+        kernel.decode_attention(q, kv, tables, torch.ones(2, 2, dtype=torch.int32)[:, 0], 16, 1.0)  # strided lens
+    with pytest.raises(ValueError):
+        kernel.decode_attention(q, kv, tables[:1], lens, 16, 1.0)  # one table row for two queries
+    with pytest.raises(ValueError):
+        kernel.decode_attention(q, kv[:1].contiguous(), tables, lens, 16, 1.0)  # no V half
+    with pytest.raises(ValueError):
+        kernel.rope_store(q, q[:, :4], q[:, :4], torch.ones(2, 16), torch.ones(2, 16), kv[:1].contiguous(),
+                          torch.zeros(2, dtype=torch.long))  # fmt: skip
+
+
+def test_silu_mul_survives_large_negative_gates_and_the_process_keeps_denormals(kernel):
+    gate_up = torch.tensor([[-1000.0, -100.0, -89.0, 50.0, 1.0, 1.0, 1.0, 1.0]])
+    got = kernel.silu_mul(gate_up)
+    torch.testing.assert_close(got, F.silu(gate_up[:, :4]) * gate_up[:, 4:], rtol=1e-5, atol=1e-30)
+    assert torch.isfinite(got).all()
+    tiny = torch.tensor([1e-38]) / 100  # a denormal: flushed to 0 if the library had switched on flush-to-zero
+    assert tiny.item() > 0

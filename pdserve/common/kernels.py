@@ -33,7 +33,10 @@ from pdserve.common.checkpoint import cache_dir
 
 log = logging.getLogger("pdserve.kernels")
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("decode_attention.c", "elementwise.c")]
-CFLAGS = ["-O3", "-ffast-math", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+# Compiled with -ffast-math, linked without it: linking a shared object with -ffast-math pulls in
+# crtfastmath.o, which would switch the whole process (torch included) to flush-to-zero on load.
+CFLAGS = ["-O3", "-ffast-math", "-march=native", "-fopenmp", "-fPIC", "-std=c11"]
+LDFLAGS = ["-shared", "-fopenmp"]
 _I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 
 _loaded: dict[str, CpuKernels | None] = {}
@@ -57,23 +60,22 @@ class CpuKernels:
     ) -> torch.Tensor:  # fmt: skip
         """Rotate q [T, H, d] and k [T, Hkv, d] (cos, sin [T, d]); write k and v into one layer of the pool
         kv [2, Hkv, S, d] at `slots` [T]; return the rotated q, contiguous."""
-        T, H, d = q.shape
+        _check_pool_layer(kv)
         for x in (q, k, v):
-            if x.dtype != torch.float32 or x.stride()[1:] != (d, 1):
-                raise ValueError("rope_store takes float32 [T, heads, d] tensors with contiguous heads")
-        if k.shape != v.shape or k.shape[0] != T or kv.shape[1] != k.shape[1] or kv.shape[3] != d:
+            if x.dim() != 3 or x.dtype != torch.float32 or x.device.type != "cpu" or x.stride()[1:] != (kv.shape[3], 1):
+                raise ValueError("rope_store takes float32 CPU [T, heads, d] tensors with contiguous heads")
+        T, H, d = q.shape
+        if k.shape != v.shape or k.shape != (T, kv.shape[1], d):
             raise ValueError(
                 f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit KV {tuple(kv.shape)}"
             )
         cos, sin = _f32(cos), _f32(sin)
-        if cos.shape != (T, d) or sin.shape != (T, d) or not kv.is_contiguous() or kv.dtype != torch.float32:
-            raise ValueError("rope_store takes cos and sin of [T, d] and a contiguous float32 pool layer")
-        if (
-            slots.dtype != torch.int64
-            or slots.shape != (T,)
-            or (T and not 0 <= int(slots.min()) <= int(slots.max()) < kv.shape[2])
-        ):
-            raise ValueError("slots must be T int64 slot indices inside the pool")
+        if cos.shape != (T, d) or sin.shape != (T, d):
+            raise ValueError(f"rope_store takes cos and sin of [T, d] = {(T, d)}, not {tuple(cos.shape)}")
+        if slots.dtype != torch.int64 or slots.device.type != "cpu" or slots.shape != (T,):
+            raise ValueError("slots must be T int64 CPU slot indices")
+        if T and not 0 <= int(slots.min()) <= int(slots.max()) < kv.shape[2]:
+            raise ValueError("a slot is outside the pool")
         slots = slots.contiguous()
         q_out = torch.empty(T, H, d)
         self._rope_store(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
@@ -93,7 +95,7 @@ class CpuKernels:
     def add_rms_norm(self, h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """h += x in place (h: a contiguous float32 [..., D]); return rms_norm(h)."""
         x = _f32(x)
-        if not (h.is_contiguous() and h.dtype == torch.float32 and h.shape == x.shape):
+        if not (h.is_contiguous() and h.dtype == torch.float32 and h.device.type == "cpu" and h.shape == x.shape):
             raise ValueError("add_rms_norm adds a float32 tensor into a contiguous one of the same shape")
         _check_weight(h, weight)
         out = torch.empty_like(h)
@@ -117,8 +119,8 @@ class CpuKernels:
     ) -> torch.Tensor:  # fmt: skip
         """q [B, H, d] float32; kv one layer [2, Hkv, S, d]; block_tables [B, max_blocks] int32; lens [B]
         int32 (context length, the new token included) -> [B, H, d]."""
-        q = q.contiguous()
-        _check(q, kv, block_tables, lens, block_size)
+        q = _f32(q)
+        _check_decode(q, kv, block_tables, lens, block_size)
         B, H, d = q.shape
         out = torch.empty_like(q)
         rc = self._attention(q.data_ptr(), kv.data_ptr(), kv.shape[2], block_tables.data_ptr(), block_tables.shape[1],
@@ -141,21 +143,32 @@ def _f32(x: torch.Tensor) -> torch.Tensor:
 
 
 def _check_weight(x: torch.Tensor, weight: torch.Tensor) -> None:
-    if weight.dtype != torch.float32 or not weight.is_contiguous() or weight.shape != x.shape[-1:]:
+    if (weight.dtype != torch.float32 or weight.device.type != "cpu" or not weight.is_contiguous()
+            or weight.shape != x.shape[-1:]):  # fmt: skip
         raise ValueError(f"a norm weight of shape {tuple(weight.shape)} does not fit {tuple(x.shape)}")
 
 
-def _check(q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, lens: torch.Tensor, block_size: int) -> None:
-    """The C side trusts its arguments; this is where they are checked."""
-    if q.dtype != torch.float32 or kv.dtype != torch.float32 or not kv.is_contiguous() or kv.device.type != "cpu":
-        raise ValueError("decode attention takes contiguous float32 CPU tensors")
-    if block_tables.dtype != torch.int32 or lens.dtype != torch.int32 or not block_tables.is_contiguous():
-        raise ValueError("block tables and lengths must be contiguous int32")
-    if q.shape[1] % kv.shape[1] or q.shape[2] != kv.shape[3] or len(lens) != q.shape[0]:
+def _check_pool_layer(kv: torch.Tensor) -> None:
+    """One layer of the pool: a contiguous float32 CPU [2, Hkv, S, d] with Hkv, S, d >= 1."""
+    if kv.dim() != 4 or kv.shape[0] != 2 or min(kv.shape) < 1:
+        raise ValueError(f"a pool layer is [2, kv heads, slots, head dim], not {tuple(kv.shape)}")
+    if kv.dtype != torch.float32 or kv.device.type != "cpu" or not kv.is_contiguous():
+        raise ValueError("a pool layer must be a contiguous float32 CPU tensor")
+
+
+def _check_decode(q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, block_size: int) -> None:
+    """The C side trusts its arguments; this is where they are checked (q is already float32, contiguous)."""
+    _check_pool_layer(kv)
+    if q.dim() != 3 or q.shape[1] < 1 or q.shape[1] % kv.shape[1] or q.shape[2] != kv.shape[3]:
         raise ValueError(f"query {tuple(q.shape)} does not fit KV {tuple(kv.shape)}")
-    if len(lens) and (int(lens.max()) > block_tables.shape[1] * block_size or int(lens.min()) < 1):
+    for x in (tables, lens):
+        if x.dtype != torch.int32 or x.device.type != "cpu" or not x.is_contiguous():
+            raise ValueError("block tables and lengths must be contiguous int32 CPU tensors")
+    if tables.dim() != 2 or lens.shape != (q.shape[0],) or tables.shape[0] != q.shape[0] or block_size < 1:
+        raise ValueError(f"block tables {tuple(tables.shape)} and lengths {tuple(lens.shape)} for {q.shape[0]} rows")
+    if len(lens) and (int(lens.max()) > tables.shape[1] * block_size or int(lens.min()) < 1):
         raise ValueError("a context length is outside what its block table covers")
-    if block_tables.numel() and not 0 <= int(block_tables.min()) <= int(block_tables.max()) < kv.shape[2] // block_size:
+    if tables.numel() and not 0 <= int(tables.min()) <= int(tables.max()) < kv.shape[2] // block_size:
         raise ValueError("a block id is outside the pool")
 
 
@@ -169,7 +182,7 @@ def load() -> CpuKernels | None:
 
 def _build_key() -> str:
     h = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES))
-    h.update(" ".join(CFLAGS).encode())
+    h.update(" ".join(CFLAGS + LDFLAGS).encode())
     h.update(platform.machine().encode() + _cpu_flags().encode())
     return h.hexdigest()[:16]
 
@@ -207,6 +220,16 @@ def _build_and_load(key: str) -> CpuKernels | None:
 def _compile(compiler: str, lib_path: Path) -> None:
     lib_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = lib_path.with_name(f"{lib_path.name}.tmp{os.getpid()}")
-    subprocess.run([compiler, *CFLAGS, *map(str, SOURCES), "-o", str(tmp), "-lm"], check=True, capture_output=True,
-                   text=True, timeout=120)  # fmt: skip
+    objects = [tmp.with_name(f"{tmp.name}.{src.stem}.o") for src in SOURCES]
+    try:
+        for src, obj in zip(SOURCES, objects, strict=True):
+            _run([compiler, *CFLAGS, "-c", str(src), "-o", str(obj)])
+        _run([compiler, *LDFLAGS, *map(str, objects), "-o", str(tmp), "-lm"])
+    finally:
+        for obj in objects:
+            obj.unlink(missing_ok=True)
     os.replace(tmp, lib_path)  # atomic: a process building the same kernel at once wins or loses whole
+
+
+def _run(argv: list[str]) -> None:
+    subprocess.run(argv, check=True, capture_output=True, text=True, timeout=120)

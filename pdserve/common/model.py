@@ -176,6 +176,8 @@ class ModelRunner:
         self.norm = inner.norm
         self.rotary = inner.rotary_emb
         self.lm_head = Linear(model.lm_head)
+        if model.lm_head.weight is not self.embed.weight and self.lm_head.weight is not model.lm_head.weight:
+            model.lm_head.weight = None  # held once, as the reordered copy (a tied one is the embedding's)
         self.weights = [LayerWeights.of(layer) for layer in self.layers]
         attn = self.layers[0].self_attn
         self.apply_rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
@@ -204,7 +206,8 @@ class ModelRunner:
             if self.kernels is not None and n == 1 and past > 0:
                 decodes.append((len(ids) - 1, blocks, past + 1))
             else:
-                spans.append(Span(len(ids) - n, n, past, self._context(blocks, past + n), _chunk_mask(past, n)))
+                ctx = self._context(blocks[: -(-(past + n) // bs)], past + n)
+                spans.append(Span(len(ids) - n, n, past, ctx, _chunk_mask(past, n)))
             if s.samples:
                 sample.append(len(ids) - 1)
         dev = self.device

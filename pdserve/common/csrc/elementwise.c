@@ -41,7 +41,8 @@ void pd_silu_mul(const float *gu, float *out, int64_t rows, int64_t n, int num_t
     for (int64_t r = 0; r < rows; ++r) {
         const float *g = gu + r * 2 * n, *u = g + n;
         float *o = out + r * n;
-        for (int64_t i = 0; i < n; ++i) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        // exp's argument is capped: exp(89) overflows to inf, and the fast reciprocal turns g / inf into NaN
+        for (int64_t i = 0; i < n; ++i) o[i] = g[i] / (1.0f + expf(fminf(-g[i], 80.0f))) * u[i];
     }
 }
 
