@@ -11,7 +11,7 @@ import pytest
 from stack import Stack
 
 
-def _stream_some(url: str, n_chunks: int, max_tokens: int = 400) -> int:
+def _stream_some(url: str, n_chunks: int, max_tokens: int = 1500) -> int:
     """Start a long streamed completion, read `n_chunks` chunks, then hang up."""
     body = {"model": "tiny", "prompt": list(range(1, 200)), "max_tokens": max_tokens, "ignore_eos": True,
             "temperature": 0, "stream": True}  # fmt: skip
@@ -63,7 +63,7 @@ def test_dead_decode_node_fails_fast_and_recovers(tmp_path):
     results: list[tuple[int, float]] = []
 
     def long_request():
-        body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 1500, "ignore_eos": True, "temperature": 0}
+        body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2000, "ignore_eos": True, "temperature": 0}
         try:
             r = httpx.post(stack.url + "/v1/completions", json=body, timeout=60)
             results.append((r.status_code, time.monotonic()))
