@@ -182,7 +182,6 @@ class ModelRunner:
         attn = self.layers[0].self_attn
         self.apply_rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
         self.head_dim = pool.layout.head_dim
-        self.num_kv_heads = pool.layout.num_kv_heads
         self.scale = attn.scaling
         self.kernels = _cpu_kernels(cpu_kernels, self.device, pool.data.dtype)
         self.silu_gated = getattr(model.config, "hidden_act", None) == "silu"
