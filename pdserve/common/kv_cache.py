@@ -74,6 +74,14 @@ class KVPool:
         blocks = torch.tensor(block_ids, dtype=torch.long)[pos // self.block_size]
         return blocks * self.block_size + pos % self.block_size
 
+    def context_slots(self, block_ids: list[int], length: int) -> slice | torch.Tensor:
+        """The first `length` slots of a request owning `block_ids`: a slice when its blocks are
+        consecutive (a view of the pool, no gather), else a slot index tensor."""
+        if is_run(block_ids):
+            first = block_ids[0] * self.block_size
+            return slice(first, first + length)
+        return self.slots(block_ids, 0, length).to(self.data.device)
+
     def export(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
         """One request's first `num_tokens` tokens of KV as a contiguous [L, 2, nkv, n, d] tensor."""
         idx = self.slots(block_ids, 0, num_tokens).to(self.data.device)
@@ -87,29 +95,24 @@ class KVPool:
     def export_blocks(self, layer: int, block_ids: list[int]) -> torch.Tensor:
         """Whole blocks of one layer as a contiguous [2, nkv, n_blocks * bs, d] tensor."""
         src = self.data[layer]  # [2, nkv, S, d]
-        if is_run(block_ids):
-            first = block_ids[0] * self.block_size
-            return src[:, :, first : first + len(block_ids) * self.block_size].contiguous()
-        return src.index_select(2, self._block_slots(block_ids))
+        idx = self.context_slots(block_ids, len(block_ids) * self.block_size)
+        return src[:, :, idx].contiguous() if isinstance(idx, slice) else src.index_select(2, idx)
 
     def import_blocks(self, layer: int, block_ids: list[int], kv: torch.Tensor) -> None:
         """Write whole blocks of one layer ([2, nkv, n_blocks * bs, d]) into `block_ids`."""
         dst = self.data[layer]  # [2, nkv, S, d]
         kv = kv.to(self.data.device)
-        if is_run(block_ids):
-            first = block_ids[0] * self.block_size
-            dst[:, :, first : first + len(block_ids) * self.block_size].copy_(kv)
+        idx = self.context_slots(block_ids, len(block_ids) * self.block_size)
+        if isinstance(idx, slice):
+            dst[:, :, idx].copy_(kv)
         else:
-            dst.index_copy_(2, self._block_slots(block_ids), kv)
+            dst.index_copy_(2, idx, kv)
 
     def copy_blocks_from(self, src: torch.Tensor, src_blocks: list[int], dst_blocks: list[int]) -> None:
         """Copy whole blocks out of another pool's storage `src` (same layout), one slice per run."""
         bs = self.block_size
         for s, d, n in _runs(src_blocks, dst_blocks):
             self.data[..., d * bs : (d + n) * bs, :].copy_(src[..., s * bs : (s + n) * bs, :])
-
-    def _block_slots(self, block_ids: list[int]) -> torch.Tensor:
-        return self.slots(block_ids, 0, len(block_ids) * self.block_size).to(self.data.device)
 
 
 def is_run(block_ids: list[int]) -> bool:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.common import kernels
-from pdserve.common.kv_cache import DTYPES, KVLayout, KVPool, is_run
+from pdserve.common.kv_cache import DTYPES, KVLayout, KVPool
 from pdserve.common.scheduler import Batch
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
@@ -205,7 +205,7 @@ class ModelRunner:
             if self.kernels is not None and n == 1 and past > 0:
                 decodes.append((len(ids) - 1, blocks, past + 1))
             else:
-                ctx = self._context(blocks[: -(-(past + n) // bs)], past + n)
+                ctx = self.pool.context_slots(blocks[: -(-(past + n) // bs)], past + n)
                 spans.append(Span(len(ids) - n, n, past, ctx, _chunk_mask(past, n)))
             if s.samples:
                 sample.append(len(ids) - 1)
@@ -218,13 +218,6 @@ class ModelRunner:
             sample_index=torch.tensor(sample, dtype=torch.long, device=dev),
             decode=self._decode_group(decodes) if decodes else None,
         )
-
-    def _context(self, block_ids: list[int], length: int) -> torch.Tensor | slice:
-        """A request's first `length` slots: a slice when its blocks are consecutive (no gather needed)."""
-        if is_run(block_ids):
-            first = block_ids[0] * self.pool.block_size
-            return slice(first, first + length)
-        return self.pool.slots(block_ids, 0, length)
 
     def _decode_group(self, decodes: list[tuple[int, list[int], int]]) -> DecodeGroup:
         bs = self.pool.block_size
