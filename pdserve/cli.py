@@ -6,13 +6,21 @@ import argparse
 import logging
 import sys
 
-from pdserve.common.config import EngineConfig, NodeConfig, RouterConfig, parse_cores
+from pdserve.common.config import (
+    ATTENTION_BACKENDS,
+    CPU_KERNELS,
+    DTYPE_CHOICES,
+    EngineConfig,
+    NodeConfig,
+    RouterConfig,
+    parse_cores,
+)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default="tiny", help="checkpoint folder, or a built-in: tiny, small")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    g.add_argument("--dtype", default="float32", choices=list(DTYPE_CHOICES))
     g.add_argument("--max-num-seqs", type=int, default=16)
     g.add_argument("--max-num-batched-tokens", type=int, default=512)
     g.add_argument("--block-size", type=int, default=16)
@@ -20,7 +28,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-gb", type=float, default=0.25)
     g.add_argument("--kv-transport", default="zmq", choices=["zmq", "shm", "cuda_ipc"])
     g.add_argument("--kv-lease-s", type=float, default=30.0)
-    g.add_argument("--cpu-kernels", default="auto", choices=["auto", "on", "off"])
+    g.add_argument("--cpu-kernels", default="auto", choices=list(CPU_KERNELS))
+    g.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS),
+                   help="auto: Triton kernels on CUDA, pdserve's C kernels on the CPU; torch: SDPA per request")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
 
 
 def engine_config(a: argparse.Namespace, device: str, cores: str) -> EngineConfig:
@@ -28,7 +39,7 @@ def engine_config(a: argparse.Namespace, device: str, cores: str) -> EngineConfi
         model=a.model, dtype=a.dtype, device=device, max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
         num_kv_blocks=a.num_kv_blocks, kv_cache_gb=a.kv_cache_gb, cpu_cores=parse_cores(cores),
-        cpu_kernels=a.cpu_kernels,
+        cpu_kernels=a.cpu_kernels, attention_backend=a.attention_backend, enforce_eager=a.enforce_eager,
     )  # fmt: skip
 
 
@@ -37,7 +48,10 @@ def engine_argv(a: argparse.Namespace) -> list[str]:
     argv = ["--model", a.model, "--dtype", a.dtype, "--max-num-seqs", str(a.max_num_seqs),
             "--max-num-batched-tokens", str(a.max_num_batched_tokens), "--block-size", str(a.block_size),
             "--kv-cache-gb", str(a.kv_cache_gb), "--kv-transport", a.kv_transport,
-            "--kv-lease-s", str(a.kv_lease_s), "--cpu-kernels", a.cpu_kernels]  # fmt: skip
+            "--kv-lease-s", str(a.kv_lease_s), "--cpu-kernels", a.cpu_kernels,
+            "--attention-backend", a.attention_backend]  # fmt: skip
+    if a.enforce_eager:
+        argv.append("--enforce-eager")
     if a.num_kv_blocks is not None:
         argv += ["--num-kv-blocks", str(a.num_kv_blocks)]
     return argv

@@ -5,6 +5,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import torch
+
+if not torch.cuda.is_available():  # the Triton kernels run on the CPU by Triton's interpreter (before triton loads)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 
 from pdserve.common.checkpoint import ModelSpec, write_random_checkpoint

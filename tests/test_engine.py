@@ -23,6 +23,15 @@ def run_engine(engine: Engine, requests: list[Request]) -> dict[str, list[int]]:
     return out
 
 
+def backend_args(kernels: str) -> dict:
+    """EngineConfig fields for "on" / "off" (the CPU kernels, or torch) and "triton" (the GPU kernels, run here
+    by Triton's interpreter)."""
+    if kernels == "triton":
+        pytest.importorskip("triton")
+        return {"attention_backend": "triton"}
+    return {"cpu_kernels": kernels}
+
+
 def greedy_requests(prompts, outs) -> list[Request]:
     return [Request(str(i), p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
             for i, (p, n) in enumerate(zip(prompts, outs, strict=True))]  # fmt: skip
@@ -39,7 +48,7 @@ def test_greedy_equals_transformers(tiny_models, arch, budget, num_blocks, kerne
     prompts, outs = mixed_workload(16, 512, seed=11)
     ref = hf_greedy(tiny_models[arch], prompts, outs)
     cfg = EngineConfig(model=str(tiny_models[arch]), max_num_batched_tokens=budget, num_kv_blocks=num_blocks,
-                       cpu_kernels=kernels)  # fmt: skip
+                       **backend_args(kernels))  # fmt: skip
     engine = Engine(cfg)
     reqs = greedy_requests(prompts, outs)
     got = run_engine(engine, reqs)
@@ -49,21 +58,47 @@ def test_greedy_equals_transformers(tiny_models, arch, budget, num_blocks, kerne
         assert sum(r.num_preemptions for r in reqs) > 0, "the small pool should have forced a preemption"
 
 
-@pytest.mark.parametrize("kernels", ["on", "off"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("budget,num_blocks", [(512, None), (32, 14)], ids=["roomy", "chunked-preempting"])
+def test_triton_greedy_equals_transformers(tiny_models, arch, budget, num_blocks):
+    """The GPU path (packed inputs, Triton KV store and paged attention) on the CPU, by Triton's interpreter:
+    smaller than the test above, as the interpreter runs each kernel program in Python."""
+    prompts, outs = mixed_workload(8, 512, seed=5, max_prompt=100, max_out=16)
+    ref = hf_greedy(tiny_models[arch], prompts, outs)
+    cfg = EngineConfig(model=str(tiny_models[arch]), max_num_batched_tokens=budget, num_kv_blocks=num_blocks,
+                       **backend_args("triton"))  # fmt: skip
+    engine = Engine(cfg)
+    assert engine.runner.backend.name == "triton"
+    reqs = greedy_requests(prompts, outs)
+    got = run_engine(engine, reqs)
+    assert [got[str(i)] for i in range(8)] == ref
+    assert engine.pool.allocator.num_free == engine.pool.num_blocks
+    if num_blocks is not None:
+        assert sum(r.num_preemptions for r in reqs) > 0, "the small pool should have forced a preemption"
+
+
+@pytest.mark.parametrize("kernels", ["on", "off", "triton"])
 def test_swapped_spans_break_equivalence(tiny_models, monkeypatch, kernels):
     """The equivalence test can fail: attention against another request's KV changes the tokens."""
     prompts, outs = mixed_workload(4, 512, seed=3, max_prompt=40, max_out=6)
     ref = hf_greedy(tiny_models["qwen3"], prompts, outs)
-    engine = Engine(EngineConfig(model=str(tiny_models["qwen3"]), cpu_kernels=kernels))
+    engine = Engine(EngineConfig(model=str(tiny_models["qwen3"]), **backend_args(kernels)))
     real_prepare = engine.runner.prepare
 
     def swapped(batch):
         inp = real_prepare(batch)
-        if len(inp.spans) >= 2 and all(sp.length == 1 and sp.past for sp in inp.spans[:2]):  # two decodes
-            a, b = inp.spans[0], inp.spans[1]
+        meta = inp.attn
+        if kernels == "triton":  # the Triton kernels' inputs: block tables and lengths of two decodes
+            if int((meta.q_len == 1).sum()) >= 2:
+                rows = (meta.q_len == 1).nonzero()[:2, 0].tolist()
+                swap = rows[::-1]
+                meta.block_tables[rows], meta.ctx_len[rows] = meta.block_tables[swap], meta.ctx_len[swap]
+            return inp
+        if len(meta.spans) >= 2 and all(sp.length == 1 and sp.past for sp in meta.spans[:2]):  # two decodes
+            a, b = meta.spans[0], meta.spans[1]
             a.ctx_slots, b.ctx_slots = b.ctx_slots, a.ctx_slots
-        if inp.decode is not None and len(inp.decode.lens) >= 2:  # the kernel's inputs: block tables
-            dec = inp.decode
+        if meta.decode is not None and len(meta.decode.lens) >= 2:  # the kernel's inputs: block tables
+            dec = meta.decode
             dec.block_tables[[0, 1]], dec.lens[[0, 1]] = dec.block_tables[[1, 0]], dec.lens[[1, 0]]
         return inp
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-DTYPE_CHOICES = ("float32", "bfloat16")
+DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 CPU_KERNELS = ("auto", "on", "off")
+ATTENTION_BACKENDS = ("auto", "triton", "torch")
 KV_TRANSPORTS = ("zmq", "shm", "cuda_ipc")
 ROLES = ("colocated", "prefill", "decode")
 
@@ -37,6 +38,9 @@ class EngineConfig:
     # pdserve's C kernels (paged decode attention, fused norms, silu*mul; CPU, float32): "on",
     # "off" (torch's ops, SDPA per request), "auto" (on where they apply and build)
     cpu_kernels: str = "auto"
+    # attention: "triton" (paged kernels; auto's choice on CUDA), "torch" (SDPA per request), "auto"
+    attention_backend: str = "auto"
+    enforce_eager: bool = False  # no CUDA graphs for decode steps
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -45,6 +49,10 @@ class EngineConfig:
             raise ValueError(f"--cpu-kernels must be one of {', '.join(CPU_KERNELS)}")
         if self.cpu_kernels == "on" and (self.device != "cpu" or self.dtype != "float32"):
             raise ValueError("--cpu-kernels on needs --device cpu and --dtype float32; use auto or off")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}")
+        if self.cpu_kernels == "on" and self.attention_backend != "auto":
+            raise ValueError("--cpu-kernels on uses pdserve's CPU attention; leave --attention-backend at auto")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"--device must be 'cpu' or 'cuda:N', not {self.device!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):

@@ -1,11 +1,14 @@
 """The engine: one iteration is schedule() -> run(batch) -> update(batch, logits).
 
 Shared by all three node roles. A prefill-only engine stops each request after its first token
-and parks it in TRANSFERRING, KV held, for the prefill node to ship.
+and parks it in TRANSFERRING, KV held, for the prefill node to ship. A step that raises (a kernel
+error, a bad input that slipped through) fails the requests of that step with the error and frees
+their KV; the engine, and the node around it, keep serving.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -20,12 +23,15 @@ from pdserve.common.request import Request, Status
 from pdserve.common.sampling import Sampler, finish_reason
 from pdserve.common.scheduler import Batch, Scheduler
 
+log = logging.getLogger("pdserve.engine")
+
 
 @dataclass(frozen=True)
 class TokenOutput:
     request: Request
-    token_id: int
-    finish_reason: str | None
+    token_id: int | None  # None when the step failed
+    finish_reason: str | None  # "stop", "length", "error" (then `error` says why), or None to go on
+    error: str = ""
 
 
 def pin_process(cfg: EngineConfig) -> None:
@@ -45,7 +51,8 @@ class Engine:
         storage = pool_storage(self.layout, num_blocks, cfg.device) if pool_storage else None
         self.pool = KVPool(self.layout, num_blocks, cfg.device, data=storage)
         self.scheduler = Scheduler(self.pool.allocator, cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.pool, cfg.cpu_kernels)
+        self.runner = ModelRunner(self.model, self.pool, cfg.attention_backend, cfg.cpu_kernels,
+                                  graphs=not (cfg.enforce_eager or prefill_only), max_batch=cfg.max_num_seqs)
         self.sampler = Sampler()
         self.max_model_len = max_model_len(self.model.config)
         self.requests: dict[str, Request] = {}
@@ -84,14 +91,26 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        logits = self.runner.forward(self.runner.prepare(batch))
-        return self.update(batch, logits)
+        sampled = [s.request for s in batch.scheduled if s.samples]
+        try:
+            tokens = self.sampler(self.runner.run(batch), sampled)
+        except Exception as e:  # noqa: BLE001 - one bad step must not take the node down
+            log.exception("a step of %d requests failed", len(batch.scheduled))
+            return self.fail(batch, f"the engine failed while running this request: {type(e).__name__}: {e}")
+        return self.update(batch, tokens)
 
-    def update(self, batch: Batch, logits: torch.Tensor) -> list[TokenOutput]:
+    def fail(self, batch: Batch, why: str) -> list[TokenOutput]:
+        """End every request of a failed step with an error; their KV is freed."""
+        for s in batch.scheduled:
+            self.release(s.request, Status.ABORTED, "error")
+        return [TokenOutput(s.request, None, "error", why) for s in batch.scheduled]
+
+    def update(self, batch: Batch, tokens: list[int]) -> list[TokenOutput]:
+        """Count the step's computed tokens and take in its sampled ones (one per sampled request)."""
         self.scheduler.advance(batch)
         sampled = [s.request for s in batch.scheduled if s.samples]
         outputs = []
-        for req, token in zip(sampled, self.sampler(logits, sampled), strict=True):
+        for req, token in zip(sampled, tokens, strict=True):
             req.output_token_ids.append(token)
             reason = finish_reason(req, req.params, self.max_model_len)
             if reason:

@@ -138,7 +138,8 @@ class NodeBase:
 
     def on_outputs(self, outputs: list[TokenOutput]) -> None:
         self.counters["tokens_out"] += len(outputs)
-        self.emit([P.TokenEvent(o.request.request_id, [o.token_id], o.finish_reason) for o in outputs])
+        self.emit([P.TokenEvent(o.request.request_id, [] if o.token_id is None else [o.token_id], o.finish_reason,
+                                o.error) for o in outputs])  # fmt: skip
 
     def emit(self, events: list[P.TokenEvent]) -> None:
         if self.router_id is not None and events:

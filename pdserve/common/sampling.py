@@ -1,49 +1,109 @@
-"""Token sampling and stop conditions.
+"""Token sampling and stop conditions, batched on the logits' device.
 
-Greedy rows are one argmax over the batch. Other rows sample with temperature, top-k and top-p.
-A seeded request draws its i-th token from a generator seeded by (seed, i) alone, so it samples the
-same tokens whatever it is batched with, after a preemption, and on whichever node draws it.
+Greedy rows are one argmax over the batch. The rows that sample (temperature, top-k, top-p) are
+drawn together: temperature scaling, top-k and top-p masks in one sort, then the Gumbel-max trick
+(`argmax(log p - log E)` with `E` exponential noise), which draws exactly from the masked
+distribution. The noise comes from a counter-based hash of (request key, token index, vocabulary
+id), computed on the device: a seeded request draws its i-th token from (seed, i) alone, so it
+samples the same tokens whatever it is batched with, after a preemption, on whichever node and
+device draws it, and no per-request generator or host round trip is needed. An unseeded request's
+key is its id hashed with a per-process random salt.
+
+The sampled ids are the step's only device-to-host copy (`tolist()`).
 """
 
 from __future__ import annotations
+
+import random
+import struct
 
 import torch
 
 from pdserve.common.protocol import SamplingParams
 from pdserve.common.request import Request
 
+_M32 = 0xFFFFFFFF
+_M64 = 0xFFFFFFFFFFFFFFFF
+# odd multipliers below 2**31, so that a 32-bit value times one stays below 2**63 in int64 arithmetic
+_K1, _K2 = 0x7FEB352D, 0x2C1B3C6D
+
 
 class Sampler:
+    def __init__(self) -> None:
+        self._salt = random.SystemRandom().getrandbits(64)
+        self._vocab_hash: dict[tuple[int, torch.device], torch.Tensor] = {}
+
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
         """logits: [num_requests, V] -> one token id per request."""
-        tokens = logits.argmax(dim=-1).tolist()
-        for i, req in enumerate(requests):
-            if not req.params.greedy:
-                tokens[i] = self._sample(logits[i], req)
-        return tokens
+        tokens = logits.argmax(dim=-1)  # [R]
+        rows = [i for i, req in enumerate(requests) if not req.params.greedy]
+        if rows:
+            idx = torch.tensor(rows, device=logits.device)
+            drawn = self.sample(logits.index_select(0, idx), [self.row_params(requests[i]) for i in rows])
+            tokens = tokens.index_copy(0, idx, drawn)
+        return tokens.tolist()
 
-    @staticmethod
-    def _generator(req: Request) -> torch.Generator:
-        gen = torch.Generator()
-        if req.params.seed is None:
-            gen.seed()
-        else:  # the token index makes each draw independent of every earlier one
-            gen.manual_seed((req.params.seed * 1_000_003 + len(req.output_token_ids)) % 2**63)
-        return gen
-
-    def _sample(self, logits: torch.Tensor, req: Request) -> int:
+    def row_params(self, req: Request) -> tuple[float, int, float, int]:
+        """(temperature, top_k, top_p, noise key) of a request's next draw."""
         p = req.params
-        scores = logits.float() / p.temperature  # [V]
-        if p.top_k > 0 and p.top_k < scores.numel():
-            kth = torch.topk(scores, p.top_k).values[-1]
-            scores = scores.masked_fill(scores < kth, float("-inf"))
-        if p.top_p < 1.0:
-            sorted_scores, order = torch.sort(scores, descending=True)
-            probs = sorted_scores.softmax(-1)
-            drop = probs.cumsum(-1) - probs > p.top_p  # keep the smallest prefix reaching top_p
-            scores = scores.scatter(0, order[drop], float("-inf"))
-        probs = scores.softmax(-1)
-        return int(torch.multinomial(probs, 1, generator=self._generator(req)).item())
+        step = len(req.output_token_ids)
+        base = p.seed if p.seed is not None else (hash(req.request_id) ^ self._salt)
+        return p.temperature, p.top_k, p.top_p, draw_key(base, step)
+
+    def sample(self, logits: torch.Tensor, params: list[tuple[float, int, float, int]]) -> torch.Tensor:
+        """logits [R, V], one (temperature, top_k, top_p, key) per row -> token ids [R] (on the device)."""
+        R, V = logits.shape
+        packed = torch.tensor([[_f32_bits(t), k if k > 0 else V, _f32_bits(p), key] for t, k, p, key in params],
+                              dtype=torch.int64).to(logits.device, non_blocking=True)  # [R, 4]: one copy
+        as_f32 = packed.to(torch.int32).view(torch.float32)  # temperature and top_p travelled as their bits
+        temperature, top_p = as_f32[:, 0], as_f32[:, 2]
+        top_k, keys = packed[:, 1], packed[:, 3]
+        scores = logits.float() / temperature[:, None]  # [R, V]
+        noise = self.log_exponential(keys, V, logits.device)  # [R, V]: log E
+        # argmax(log p - log E): log p is the scores less a per-row constant, which the argmax ignores
+        if not any(0 < k < V or p < 1.0 for _, k, p, _ in params):
+            return (scores - noise).argmax(-1)
+        ranked, order = scores.sort(dim=-1, descending=True)  # [R, V]
+        rank = torch.arange(V, device=logits.device)
+        ranked = ranked.masked_fill(rank[None, :] >= top_k[:, None], float("-inf"))  # top-k
+        probs = ranked.softmax(-1)
+        ranked = ranked.masked_fill(probs.cumsum(-1) - probs > top_p[:, None], float("-inf"))  # top-p
+        pick = (ranked - noise.gather(1, order)).argmax(-1)  # [R], in ranked order
+        return order.gather(1, pick[:, None])[:, 0]
+
+    def log_exponential(self, keys: torch.Tensor, V: int, device: torch.device) -> torch.Tensor:
+        """log E for E ~ Exp(1), one per (row key, vocabulary id): [R, V] float32."""
+        vh = self._vocab_hash.get((V, device))
+        if vh is None:
+            vh = self._vocab_hash[(V, device)] = _mix32(torch.arange(V, dtype=torch.int64, device=device) + _K2)
+        h = _mix32(keys[:, None] ^ vh[None, :])  # [R, V] in [0, 2**32)
+        u = ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))  # uniform in (0, 1), never 0 or 1
+        return torch.log(-torch.log(u))
+
+
+def draw_key(base: int, step: int) -> int:
+    """A 32-bit key for the `step`-th draw of a request keyed `base` (any int): splitmix64 of both."""
+    return _splitmix64((base & _M64) ^ _splitmix64(step)) & _M32
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash of int64 tensors holding values in [0, 2**32): no product exceeds 2**63."""
+    x = x & _M32
+    x = ((x ^ (x >> 16)) * _K1) & _M32
+    x = ((x ^ (x >> 15)) * _K2) & _M32
+    return x ^ (x >> 16)
+
+
+def _f32_bits(x: float) -> int:
+    """A float32's bit pattern as a signed 32-bit int (so that int64 -> int32 keeps it exactly)."""
+    return struct.unpack("<i", struct.pack("<f", x))[0]
 
 
 def finish_reason(req: Request, params: SamplingParams, max_model_len: int) -> str | None:

@@ -1,0 +1,366 @@
+"""The per-device parts of a forward: how inputs reach the device, the layer's small ops, and attention.
+
+The runner (`model.py`) is one forward for every device; what differs is chosen once, per device,
+as one of these backends:
+- `TorchBackend`: torch's ops and one SDPA call per request over a view (or gather) of the pool.
+  The reference path; it runs anywhere.
+- `CpuKernelBackend`: pdserve's C kernels on the CPU in float32 (`kernels.py`): fused residual add +
+  RMSNorm, silu*mul, rotary + KV store in one pass, and every decode token of the iteration in one
+  paged-attention call per layer. Prompt chunks keep SDPA.
+- `TritonBackend`: the GPU path (`triton_attention.py`): the iteration's integer inputs packed into
+  one pinned host buffer and copied to the device at once, the KV store and paged attention as Triton
+  kernels straight from the block tables, one launch for the decode tokens and one for the prompt
+  chunks. Its inputs can be written into fixed device buffers, which CUDA graphs replay
+  (`cuda_graphs.py`). Under `TRITON_INTERPRET=1` it runs on the CPU, which is how the tests run it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.common import kernels
+from pdserve.common.kv_cache import KVPool
+
+DECODE_TILE_M = 16  # query rows of a decode tile: the query heads of one KV head (tl.dot needs >= 16)
+PREFILL_TILE_M = 64  # query rows of a prompt-chunk tile: (token, query head) pairs
+
+
+@dataclass
+class Chunk:
+    """One request's slice of the iteration's flattened tokens."""
+
+    start: int  # first row in [T]
+    length: int  # new tokens this iteration
+    past: int  # tokens already in the KV before this iteration
+    block_ids: list[int]  # its KV blocks (at least those covering past + length)
+
+
+@dataclass
+class ForwardInputs:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slot_mapping: torch.Tensor  # [T]: where each token's K and V go in the pool
+    sample_index: torch.Tensor | None  # [S] rows of [T] whose logits are sampled; None: every row
+    attn: object  # the backend's attention metadata
+
+
+def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """An HF RMSNorm module applied as one `F.rms_norm` call in float32: bitwise the module's output
+    (it runs the same ops in the same order), about 1.5-2x faster at decode sizes. Other dtypes, where
+    the module upcasts, and norms of another shape run the module itself."""
+    eps = getattr(norm, "variance_epsilon", None)
+    if x.dtype != torch.float32 or eps is None:
+        return norm(x)
+    return F.rms_norm(x, norm.weight.shape, norm.weight, eps)
+
+
+# ---- torch: the reference path ----------------------------------------------------------------------
+
+
+@dataclass
+class Span:
+    """One request's chunk, attended by SDPA."""
+
+    start: int
+    length: int
+    past: int
+    ctx_slots: torch.Tensor | slice  # its past + length slots; a slice when they are contiguous
+    mask: torch.Tensor | None  # [length, past + length] bool, for a chunk after a past
+
+
+@dataclass
+class SpanMeta:
+    spans: list[Span]
+    decode: DecodeGroup | None = None  # CpuKernelBackend only
+
+
+class TorchBackend:
+    name = "torch"
+
+    def __init__(self, pool: KVPool, scale: float, apply_rope, device: torch.device) -> None:
+        self.pool, self.scale, self.apply_rope, self.device = pool, scale, apply_rope, device
+
+    # ---- inputs ---------------------------------------------------------------------------------
+    def inputs(self, ids: list[int], positions: list[int], slots: list[int], sample: list[int],
+               chunks: list[Chunk]) -> ForwardInputs:  # fmt: skip
+        dev = self.device
+        return ForwardInputs(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            sample_index=torch.tensor(sample, dtype=torch.long, device=dev),
+            attn=SpanMeta([self._span(c) for c in chunks]),
+        )
+
+    def _span(self, c: Chunk) -> Span:
+        bs, total = self.pool.block_size, c.past + c.length
+        ctx = self.pool.context_slots(c.block_ids[: -(-total // bs)], total)
+        mask = _chunk_mask(c.past, c.length)
+        return Span(c.start, c.length, c.past, ctx, None if mask is None else mask.to(self.device))
+
+    # ---- the layer's small ops ------------------------------------------------------------------
+    def norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(norm, x)
+
+    def add_norm(self, h: torch.Tensor, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        """h += x (the residual), then the next norm of h."""
+        h += x
+        return rms_norm(norm, h)
+
+    def act(self, mlp: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+        """[T, 2I] (gate then up) -> act(gate) * up, [T, I]."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return mlp.act_fn(gate) * up
+
+    # ---- attention ------------------------------------------------------------------------------
+    def attend(self, q, k, v, rope, kv_pool: torch.Tensor, inp: ForwardInputs) -> torch.Tensor:
+        """Rotate q and k [T, heads, d], store k and v in kv_pool [2, nkv, S, d], attend: [T, nh, d]."""
+        q, k = self.apply_rope(q, k, *rope, unsqueeze_dim=1)
+        kv_pool.index_copy_(2, inp.slot_mapping, torch.stack((k, v)).transpose(1, 2))  # [2, nkv, T, d]
+        return self.attend_spans(q, kv_pool, inp.attn.spans)
+
+    def attend_spans(self, q: torch.Tensor, kv_pool: torch.Tensor, spans: list[Span]) -> torch.Tensor:
+        out = torch.empty_like(q)  # [T, nh, d]
+        for sp in spans:
+            out[sp.start : sp.start + sp.length] = self._span_attention(q, kv_pool, sp)
+        return out
+
+    def _span_attention(self, q: torch.Tensor, kv_pool: torch.Tensor, sp: Span) -> torch.Tensor:
+        """Attention of one request's new tokens against its KV in the pool (theirs included): [length, nh, d]."""
+        qs = q[sp.start : sp.start + sp.length].transpose(0, 1)  # [nh, Lq, d]
+        # a view of the pool when its blocks are consecutive, else a gather
+        kv = kv_pool[:, :, sp.ctx_slots] if isinstance(sp.ctx_slots, slice) else kv_pool.index_select(2, sp.ctx_slots)
+        o = F.scaled_dot_product_attention(
+            qs[None],  # [1, nh, Lq, d]
+            kv[0][None],  # [1, nkv, Lk, d]
+            kv[1][None],
+            attn_mask=sp.mask,
+            is_causal=sp.past == 0 and sp.length > 1,  # a first chunk; later ones carry a mask (none for one token)
+            scale=self.scale,
+            enable_gqa=True,
+        )  # [1, nh, Lq, d]
+        return o[0].transpose(0, 1)
+
+
+def _chunk_mask(past: int, n: int) -> torch.Tensor | None:
+    """Causal mask of a chunk of n new tokens after `past` cached ones: [n, past + n] bool."""
+    if past == 0 or n == 1:
+        return None
+    return torch.arange(past + n)[None, :] <= (past + torch.arange(n))[:, None]
+
+
+# ---- CPU: pdserve's C kernels -----------------------------------------------------------------------
+
+
+@dataclass
+class DecodeGroup:
+    """The iteration's single-token decodes, attended in one kernel call per layer."""
+
+    rows: slice | torch.Tensor  # their positions in [T]: a slice when they are adjacent
+    block_tables: torch.Tensor  # [n, max_blocks] int32, padded with 0
+    lens: torch.Tensor  # [n] int32: context length, the new token included
+
+
+class CpuKernelBackend(TorchBackend):
+    name = "cpu"
+
+    def __init__(self, pool: KVPool, scale: float, apply_rope, device: torch.device, ops: kernels.CpuKernels,
+                 silu_gated: bool) -> None:  # fmt: skip
+        super().__init__(pool, scale, apply_rope, device)
+        self.k, self.silu_gated = ops, silu_gated
+
+    def inputs(self, ids, positions, slots, sample, chunks) -> ForwardInputs:
+        decodes = [c for c in chunks if c.length == 1 and c.past > 0]
+        spans = [self._span(c) for c in chunks if not (c.length == 1 and c.past > 0)]
+        inp = super().inputs(ids, positions, slots, sample, [])
+        inp.attn = SpanMeta(spans, self._decode_group(decodes) if decodes else None)
+        return inp
+
+    def _decode_group(self, decodes: list[Chunk]) -> DecodeGroup:
+        bs = self.pool.block_size
+        lens = [c.past + 1 for c in decodes]
+        width = max(-(-n // bs) for n in lens)
+        padded = [c.block_ids[: -(-n // bs)] for c, n in zip(decodes, lens, strict=True)]
+        tables = torch.tensor([b + [0] * (width - len(b)) for b in padded], dtype=torch.int32)  # [n, max_blocks]
+        rows = [c.start for c in decodes]
+        adjacent = rows == list(range(rows[0], rows[0] + len(rows)))
+        return DecodeGroup(
+            rows=slice(rows[0], rows[0] + len(rows)) if adjacent else torch.tensor(rows, dtype=torch.long),
+            block_tables=tables,
+            lens=torch.tensor(lens, dtype=torch.int32),
+        )
+
+    def norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return self.k.rms_norm(x, norm.weight, norm.variance_epsilon)
+
+    def add_norm(self, h: torch.Tensor, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        return self.k.add_rms_norm(h, x, norm.weight, norm.variance_epsilon)
+
+    def act(self, mlp: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.k.silu_mul(gate_up) if self.silu_gated else super().act(mlp, gate_up)
+
+    def attend(self, q, k, v, rope, kv_pool: torch.Tensor, inp: ForwardInputs) -> torch.Tensor:
+        q = self.k.rope_store(q, k, v, *rope, kv_pool, inp.slot_mapping)  # rotate q and k, store k and v
+        out = self.attend_spans(q, kv_pool, inp.attn.spans)
+        dec = inp.attn.decode
+        if dec is not None:
+            out[dec.rows] = self.k.decode_attention(q[dec.rows], kv_pool, dec.block_tables, dec.lens,
+                                                    self.pool.block_size, self.scale)  # fmt: skip
+        return out
+
+
+# ---- GPU: Triton ------------------------------------------------------------------------------------
+
+
+@dataclass
+class PagedMeta:
+    """Per request r (padding requests have q_len 0): its rows, context and blocks; and the work lists."""
+
+    q_start: torch.Tensor  # [R] int32
+    q_len: torch.Tensor  # [R] int32
+    ctx_len: torch.Tensor  # [R] int32, the new tokens included
+    block_tables: torch.Tensor  # [R, W] int32
+    decode_work: torch.Tensor  # [nd] int32: requests with one new token
+    prefill_work: torch.Tensor  # [np, 2] int32: (request, query tile) of the prompt chunks
+
+
+@dataclass(frozen=True)
+class PackLayout:
+    """Sizes of one iteration's packed int32 inputs; equal layouts give equal offsets."""
+
+    rows: int  # T (padded)
+    samples: int  # S; 0 when every row is sampled
+    requests: int  # R (padded)
+    width: int  # W, block table columns
+    decodes: int
+    prefill_tiles: int
+
+    def segments(self) -> list[tuple[str, tuple[int, ...]]]:
+        T, R = self.rows, self.requests
+        return [("ids", (T,)), ("positions", (T,)), ("slots", (T,)), ("sample", (self.samples,)),
+                ("q_start", (R,)), ("q_len", (R,)), ("ctx_len", (R,)), ("decode_work", (self.decodes,)),
+                ("prefill_work", (self.prefill_tiles, 2)), ("block_tables", (R, self.width))]  # fmt: skip
+
+    def size(self) -> int:
+        return sum(int(np.prod(shape)) for _, shape in self.segments())
+
+
+class TritonBackend(TorchBackend):
+    name = "triton"
+
+    def __init__(self, pool: KVPool, scale: float, apply_rope, device: torch.device, num_heads: int) -> None:
+        super().__init__(pool, scale, apply_rope, device)
+        from pdserve.common import triton_attention
+
+        self.ta = triton_attention
+        self.group = num_heads // pool.layout.num_kv_heads  # query heads per KV head
+        self.decode_tile = max(DECODE_TILE_M, 1 << (self.group - 1).bit_length())
+        self._staging = torch.empty(0, dtype=torch.int32)
+
+    # ---- inputs: one host buffer, one copy ------------------------------------------------------
+    def layout(self, rows: int, samples: int, chunks: list[Chunk], pad_requests: int = 0,
+               width: int = 0) -> PackLayout:  # fmt: skip
+        bs = self.pool.block_size
+        width = width or max((-(-(c.past + c.length) // bs) for c in chunks), default=1)
+        decodes = sum(c.length == 1 for c in chunks)
+        tiles = sum(-(-c.length * self.group // PREFILL_TILE_M) for c in chunks if c.length > 1)
+        return PackLayout(rows, samples, max(len(chunks), pad_requests), width, max(decodes, pad_requests), tiles)
+
+    def pack(self, lay: PackLayout, ids, positions, slots, sample, chunks: list[Chunk]) -> torch.Tensor:
+        """The iteration's inputs in one int32 host buffer (pinned on a GPU host), laid out as `lay`.
+        Padding rows store nothing (slot -1); padding requests have no rows (q_len 0)."""
+        buf = self._staging_of(lay.size())
+        seg = _views(buf.numpy(), lay)
+        bs, n, T = self.pool.block_size, len(chunks), len(ids)
+        for name, values, pad in (("ids", ids, 0), ("positions", positions, 0), ("slots", slots, -1)):
+            seg[name][:T], seg[name][T:] = values, pad
+        seg["sample"][:] = sample
+        seg["q_start"][:n], seg["q_start"][n:] = [c.start for c in chunks], 0
+        seg["q_len"][:n], seg["q_len"][n:] = [c.length for c in chunks], 0
+        seg["ctx_len"][:n], seg["ctx_len"][n:] = [c.past + c.length for c in chunks], 0
+        decode = [r for r, c in enumerate(chunks) if c.length == 1]
+        seg["decode_work"][: len(decode)], seg["decode_work"][len(decode) :] = decode, range(n, lay.decodes)
+        seg["prefill_work"][:] = [(r, m) for r, c in enumerate(chunks) if c.length > 1
+                                  for m in range(-(-c.length * self.group // PREFILL_TILE_M))] or 0  # fmt: skip
+        tables = seg["block_tables"]
+        for r, c in enumerate(chunks):
+            used = -(-(c.past + c.length) // bs)
+            tables[r, :used] = c.block_ids[:used]
+        return buf[: lay.size()]
+
+    def _staging_of(self, size: int) -> torch.Tensor:
+        """A reusable host buffer: the previous step's copy out of it has finished (its tokens were read)."""
+        if self._staging.numel() < size:
+            pin = self.device.type == "cuda"
+            self._staging = torch.empty(max(size, 2 * self._staging.numel()), dtype=torch.int32, pin_memory=pin)
+        return self._staging
+
+    def views(self, dev: torch.Tensor, lay: PackLayout) -> ForwardInputs:
+        """ForwardInputs reading the packed buffer `dev` (on the device) in place."""
+        seg = _views(dev, lay)
+        meta = PagedMeta(seg["q_start"], seg["q_len"], seg["ctx_len"], seg["block_tables"], seg["decode_work"],
+                         seg["prefill_work"])  # fmt: skip
+        sample = seg["sample"] if lay.samples else None
+        return ForwardInputs(seg["ids"], seg["positions"], seg["slots"], sample, meta)
+
+    def inputs(self, ids, positions, slots, sample, chunks) -> ForwardInputs:
+        lay = self.layout(len(ids), len(sample), chunks)
+        host = self.pack(lay, ids, positions, slots, sample, chunks)
+        return self.views(host.to(self.device, non_blocking=True), lay)
+
+    # ---- attention ------------------------------------------------------------------------------
+    def attend(self, q, k, v, rope, kv_pool: torch.Tensor, inp: ForwardInputs) -> torch.Tensor:
+        q, k = self.apply_rope(q, k, *rope, unsqueeze_dim=1)  # [T, nh, d], [T, nkv, d]
+        self.ta.store_kv(k, v, kv_pool, inp.slot_mapping)
+        m = inp.attn
+        out = torch.empty_like(q)
+        for work, tile in ((m.decode_work, self.decode_tile), (m.prefill_work, PREFILL_TILE_M)):
+            self.ta.paged_attention(q, out, kv_pool, m.q_start, m.q_len, m.ctx_len, m.block_tables, work,
+                                    self.pool.block_size, self.scale, tile)  # fmt: skip
+        return out
+
+
+def _views(buf, lay: PackLayout) -> dict:
+    """Named views into a packed buffer (a numpy array or a tensor) of layout `lay`."""
+    out, off = {}, 0
+    for name, shape in lay.segments():
+        n = int(np.prod(shape))
+        out[name] = buf[off : off + n].reshape(shape)
+        off += n
+    return out
+
+
+# ---- choosing one --------------------------------------------------------------------------------
+
+
+def triton_available(device: torch.device) -> bool:
+    """Triton kernels run on CUDA devices, and on the CPU only under its interpreter (the tests)."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def make_backend(setting: str, cpu_kernels: str, pool: KVPool, model_config, scale: float, apply_rope,
+                 device: torch.device) -> TorchBackend:  # fmt: skip
+    """The backend `--attention-backend` asks for: auto picks Triton on CUDA, the C kernels on the CPU
+    (as `--cpu-kernels` allows), else torch."""
+    dtype = pool.data.dtype
+    if setting == "triton" or (setting == "auto" and device.type == "cuda" and triton_available(device)):
+        if not triton_available(device):
+            raise RuntimeError("--attention-backend triton: Triton is not installed, or not usable on this device")
+        return TritonBackend(pool, scale, apply_rope, device, model_config.num_attention_heads)
+    if setting == "auto" and cpu_kernels != "off" and device.type == "cpu" and dtype == torch.float32:
+        ops = kernels.load()
+        if ops is None and cpu_kernels == "on":
+            raise RuntimeError("--cpu-kernels on: the CPU kernels could not be built here (see the log)")
+        if ops is not None:
+            silu = getattr(model_config, "hidden_act", None) == "silu"
+            return CpuKernelBackend(pool, scale, apply_rope, device, ops, silu)
+    return TorchBackend(pool, scale, apply_rope, device)

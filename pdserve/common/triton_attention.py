@@ -1,0 +1,145 @@
+"""Triton kernels for the GPU: paged attention over the block tables, and the KV store.
+
+`paged_attention` serves every new token of an iteration straight from the paged pool, in one
+launch per kind of work (decode tokens, prompt chunks), with no gather into contiguous copies:
+- one program per (work item, KV head); a work item is a request and a tile of its query rows;
+- a tile's rows are (token, query head of the group) pairs, so the query heads that share a KV
+  head (grouped-query attention) read each key once;
+- keys are read in tiles of BLOCK_N tokens through the block table, with an online softmax in
+  float32 (flash attention), causal within the chunk and open to the request's cached past.
+
+The same code runs on the CPU under `TRITON_INTERPRET=1`, where the tests compare it with a torch
+reference. Import this module only where Triton is installed (`available()` tells).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, pool_ptr, slots_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_pool_kv, stride_pool_h, stride_pool_s,
+    D: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Program (token t, KV head h): k[t, h], v[t, h] -> pool[0 / 1, h, slots[t]]; a negative slot is padding."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    if slot >= 0:
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < D
+        k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=dmask)
+        v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=dmask)
+        dst = pool_ptr + h * stride_pool_h + slot * stride_pool_s + d
+        tl.store(dst, k, mask=dmask)
+        tl.store(dst + stride_pool_kv, v, mask=dmask)
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, o_ptr, pool_ptr, q_start_ptr, q_len_ptr, ctx_len_ptr, tables_ptr, work_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_pool_kv, stride_pool_h, stride_pool_s, stride_table,
+    scale,
+    WORK_STRIDE: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """Program (work item w, KV head h). work[w] = (request r, query tile m) (m = 0 when WORK_STRIDE is 1).
+
+    Rows of the tile: i = m * BLOCK_M + arange(BLOCK_M); token t = i // G, query head h * G + i % G.
+    """
+    w = tl.program_id(0)
+    kvh = tl.program_id(1)
+    r = tl.load(work_ptr + w * WORK_STRIDE)
+    m = 0
+    if WORK_STRIDE == 2:
+        m = tl.load(work_ptr + w * WORK_STRIDE + 1)
+    q_len = tl.load(q_len_ptr + r)
+    ctx_len = tl.load(ctx_len_ptr + r)
+    q_start = tl.load(q_start_ptr + r)
+    past = ctx_len - q_len
+
+    rows = m * BLOCK_M + tl.arange(0, BLOCK_M)  # [M]
+    tok = rows // G
+    head = kvh * G + rows % G
+    row_ok = tok < q_len
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    q_off = (q_start + tok).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & dmask[None, :], other=0.0)  # [M, D]
+    q_pos = tl.where(row_ok, past + tok, ctx_len - 1)  # padding rows attend like the last token (never stored)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    k_base = pool_ptr + kvh * stride_pool_h
+    v_base = k_base + stride_pool_kv
+    last_tok = tl.minimum(m * BLOCK_M + BLOCK_M - 1, q_len * G - 1) // G
+    end = tl.minimum(ctx_len, past + last_tok + 1)  # causal: no key after the tile's last token
+    for start in range(0, end, BLOCK_N):
+        j = start + tl.arange(0, BLOCK_N)  # [N] key positions
+        j_ok = j < end
+        block = tl.load(tables_ptr + r.to(tl.int64) * stride_table + j // BLOCK_SIZE, mask=j_ok, other=0)
+        slot = block.to(tl.int64) * BLOCK_SIZE + j % BLOCK_SIZE
+        kv_off = slot[:, None] * stride_pool_s + d[None, :]
+        k = tl.load(k_base + kv_off, mask=j_ok[:, None] & dmask[None, :], other=0.0)  # [N, D]
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [M, N]
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * scale
+        s = tl.where((j[None, :] <= q_pos[:, None]) & j_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + kv_off, mask=j_ok[:, None] & dmask[None, :], other=0.0)  # [N, D]
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    out = acc / l_i[:, None]
+    o_off = (q_start + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+    tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & dmask[None, :])
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, pool_layer: torch.Tensor, slots: torch.Tensor) -> None:
+    """k, v [T, nkv, d] -> pool_layer [2, nkv, S, d] at slots [T] (int32; negative: skip)."""
+    T, nkv, d = k.shape
+    if T == 0:
+        return
+    _store_kv_kernel[(T, nkv)](
+        k, v, pool_layer, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        pool_layer.stride(0), pool_layer.stride(1), pool_layer.stride(2), D=d, BLOCK_D=triton.next_power_of_2(d),
+    )  # fmt: skip
+
+
+def paged_attention(
+    q: torch.Tensor, out: torch.Tensor, pool_layer: torch.Tensor, q_start: torch.Tensor, q_len: torch.Tensor,
+    ctx_len: torch.Tensor, block_tables: torch.Tensor, work: torch.Tensor, block_size: int, scale: float,
+    block_m: int,
+) -> None:  # fmt: skip
+    """Attention of the new tokens q [T, nh, d] into out [T, nh, d], for the work items `work`.
+
+    Per request r: its rows are q[q_start[r] : q_start[r] + q_len[r]], its context (those rows' own
+    keys included, already stored) is ctx_len[r] tokens in the blocks block_tables[r]. `work` is [n]
+    (request ids, one tile each: decode tokens) or [n, 2] (request id, query tile: prompt chunks).
+    """
+    n = work.shape[0]
+    if n == 0:
+        return
+    nh, d = q.shape[1], q.shape[2]
+    nkv = pool_layer.shape[1]
+    _paged_attention_kernel[(n, nkv)](
+        q, out, pool_layer, q_start, q_len, ctx_len, block_tables, work,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        pool_layer.stride(0), pool_layer.stride(1), pool_layer.stride(2), block_tables.stride(0),
+        scale,
+        WORK_STRIDE=1 if work.dim() == 1 else 2, G=nh // nkv, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
+        BLOCK_M=block_m, BLOCK_N=64 if d <= 64 else 32, BLOCK_SIZE=block_size, IEEE=q.dtype == torch.float32,
+    )  # fmt: skip
