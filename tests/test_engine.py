@@ -152,3 +152,28 @@ def test_sampling_keeps_top_k_support(tiny_models):
     for seed in range(8):  # top_k=1 is greedy whatever the temperature and seed
         p = SamplingParams(max_tokens=1, temperature=2.0, top_k=1, seed=seed)
         assert run_engine(engine, [Request(f"k{seed}", prompt, p)])[f"k{seed}"] == greedy
+
+
+def test_a_failed_step_fails_its_requests_and_the_engine_serves_on(tiny_models, monkeypatch):
+    engine = Engine(EngineConfig(model=str(tiny_models["qwen3"]), num_kv_blocks=64))
+    real_run = engine.runner.run
+    calls = {"n": 0}
+
+    def flaky(batch):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("device-side assert")
+        return real_run(batch)
+
+    monkeypatch.setattr(engine.runner, "run", flaky)
+    prompts, outs = mixed_workload(3, 512, seed=8, max_prompt=20, max_out=6)
+    outputs = []
+    for r in greedy_requests(prompts, outs):
+        engine.add(r)
+    while engine.has_work():
+        outputs += engine.step()
+    failed = [o for o in outputs if o.finish_reason == "error"]
+    assert failed and all(o.token_id is None and "device-side assert" in o.error for o in failed)
+    assert engine.pool.allocator.num_free == 64 and not engine.requests
+    ref = hf_greedy(tiny_models["qwen3"], prompts[:1], outs[:1])
+    assert run_engine(engine, greedy_requests(prompts[:1], outs[:1]))["0"] == ref[0]  # still serving, exactly

@@ -290,6 +290,7 @@ class TritonBackend(TorchBackend):
         seg["prefill_work"][:] = [(r, m) for r, c in enumerate(chunks) if c.length > 1
                                   for m in range(-(-c.length * self.group // PREFILL_TILE_M))] or 0  # fmt: skip
         tables = seg["block_tables"]
+        tables[:] = 0  # a stale block id must never be in reach of a kernel
         for r, c in enumerate(chunks):
             used = -(-(c.past + c.length) // bs)
             tables[r, :used] = c.block_ids[:used]
