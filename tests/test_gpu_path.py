@@ -136,8 +136,10 @@ def test_packed_inputs_padded_for_a_graph(tiny_models):
     chunks = [Chunk(0, 1, 20, [3, 7]), Chunk(1, 1, 3, [5])]
     lay = backend.layout(4, 0, [], pad_requests=4, width=6)
     host = backend.pack(lay, [11, 12], [20, 3], [7 * 16 + 4, 5 * 16 + 3], [], chunks)
-    assert host.numel() == lay.size()
-    inp = backend.views(host.clone(), lay)
+    assert host.numel() == lay.size() - (6 - 2) * 4  # only the 2 block-table columns in use travel
+    dev = torch.full((lay.size(),), 77, dtype=torch.int32)  # a graph's buffer, stale past the copied prefix
+    dev[: host.numel()] = host
+    inp = backend.views(dev, lay)
     assert inp.input_ids.tolist() == [11, 12, 0, 0] and inp.positions.tolist() == [20, 3, 0, 0]
     assert inp.slot_mapping.tolist() == [116, 83, -1, -1]
     m = inp.attn
@@ -217,3 +219,41 @@ def test_step_draws_differ_and_repeat():
     draws = [sampler(logits, [_req("a", p, outputs=i)])[0] for i in range(8)]
     assert len(set(draws)) > 4  # each token index draws anew
     assert draws == [sampler(logits, [_req("b", p, outputs=i)])[0] for i in range(8)]  # the seed decides
+
+
+class _EagerReplay:
+    """Stands in for a captured CUDA graph on the CPU: a replay runs the forward on the static inputs."""
+
+    replays = 0
+
+    def __init__(self, runner, inp, logits) -> None:
+        self.runner, self.inp, self.logits = runner, inp, logits
+
+    def replay(self) -> None:
+        _EagerReplay.replays += 1
+        self.logits.copy_(self.runner.forward(self.inp))
+
+
+def test_graph_replay_path_equals_transformers(tiny_models):
+    """Decode steps through DecodeGraphs (bucketing, packing into a bucket's fixed buffer, padding rows and
+    requests, reading the first n rows of logits), with each graph replay standing in as an eager forward
+    over the static inputs: token for token the transformers output."""
+    from helpers import hf_greedy, mixed_workload
+    from test_engine import greedy_requests, run_engine
+
+    from pdserve.common.config import EngineConfig
+    from pdserve.common.cuda_graphs import Captured, DecodeGraphs
+    from pdserve.common.engine import Engine
+
+    engine = Engine(EngineConfig(model=str(tiny_models["qwen3"]), attention_backend="triton", max_num_seqs=6))
+    runner = engine.runner
+    graphs = DecodeGraphs(runner, max_batch=6, max_blocks=12)
+    for b in graphs.sizes:
+        lay, buffer, inp = graphs.static_inputs(b)
+        logits = torch.empty(b, runner.model.config.vocab_size)
+        graphs.captured[b] = Captured(_EagerReplay(runner, inp, logits), lay, buffer, logits)
+    runner.graphs = graphs
+    prompts, outs = mixed_workload(6, 512, seed=2, max_prompt=60, max_out=10)
+    got = run_engine(engine, greedy_requests(prompts, outs))
+    assert [got[str(i)] for i in range(6)] == hf_greedy(tiny_models["qwen3"], prompts, outs)
+    assert graphs.sizes == [1, 2, 4, 6] and _EagerReplay.replays > 5

@@ -226,14 +226,19 @@ class PagedMeta:
     q_start: torch.Tensor  # [R] int32
     q_len: torch.Tensor  # [R] int32
     ctx_len: torch.Tensor  # [R] int32, the new tokens included
-    block_tables: torch.Tensor  # [R, W] int32
+    block_tables: torch.Tensor  # [R, W] int32, a view of a column-major [W, R] buffer
     decode_work: torch.Tensor  # [nd] int32: requests with one new token
     prefill_work: torch.Tensor  # [np, 2] int32: (request, query tile) of the prompt chunks
 
 
 @dataclass(frozen=True)
 class PackLayout:
-    """Sizes of one iteration's packed int32 inputs; equal layouts give equal offsets."""
+    """Sizes of one iteration's packed int32 inputs; equal layouts give equal offsets.
+
+    The block tables come last and column-major ([W, R]): the columns a step uses are a prefix of the
+    buffer, so only that prefix is copied, however wide a graph's tables are (as wide as the longest
+    request can be); columns past a request's length are never read.
+    """
 
     rows: int  # T (padded)
     samples: int  # S; 0 when every row is sampled
@@ -246,7 +251,7 @@ class PackLayout:
         T, R = self.rows, self.requests
         return [("ids", (T,)), ("positions", (T,)), ("slots", (T,)), ("sample", (self.samples,)),
                 ("q_start", (R,)), ("q_len", (R,)), ("ctx_len", (R,)), ("decode_work", (self.decodes,)),
-                ("prefill_work", (self.prefill_tiles, 2)), ("block_tables", (R, self.width))]  # fmt: skip
+                ("prefill_work", (self.prefill_tiles, 2)), ("block_tables", (self.width, R))]  # fmt: skip
 
     def size(self) -> int:
         return sum(int(np.prod(shape)) for _, shape in self.segments())
@@ -289,12 +294,13 @@ class TritonBackend(TorchBackend):
         seg["decode_work"][: len(decode)], seg["decode_work"][len(decode) :] = decode, range(n, lay.decodes)
         seg["prefill_work"][:] = [(r, m) for r, c in enumerate(chunks) if c.length > 1
                                   for m in range(-(-c.length * self.group // PREFILL_TILE_M))] or 0  # fmt: skip
-        tables = seg["block_tables"]
-        tables[:] = 0  # a stale block id must never be in reach of a kernel
-        for r, c in enumerate(chunks):
-            used = -(-(c.past + c.length) // bs)
-            tables[r, :used] = c.block_ids[:used]
-        return buf[: lay.size()]
+        used = [-(-(c.past + c.length) // bs) for c in chunks]
+        width = max(used, default=1)
+        tables = seg["block_tables"]  # [W, R]
+        tables[:width] = 0  # a stale block id must never be in reach of a kernel
+        for r, (c, n_blocks) in enumerate(zip(chunks, used, strict=True)):
+            tables[:n_blocks, r] = c.block_ids[:n_blocks]
+        return buf[: lay.size() - (lay.width - width) * lay.requests]  # the used columns only
 
     def _staging_of(self, size: int) -> torch.Tensor:
         """A reusable host buffer: the previous step's copy out of it has finished (its tokens were read)."""
@@ -306,7 +312,7 @@ class TritonBackend(TorchBackend):
     def views(self, dev: torch.Tensor, lay: PackLayout) -> ForwardInputs:
         """ForwardInputs reading the packed buffer `dev` (on the device) in place."""
         seg = _views(dev, lay)
-        meta = PagedMeta(seg["q_start"], seg["q_len"], seg["ctx_len"], seg["block_tables"], seg["decode_work"],
+        meta = PagedMeta(seg["q_start"], seg["q_len"], seg["ctx_len"], seg["block_tables"].t(), seg["decode_work"],
                          seg["prefill_work"])  # fmt: skip
         sample = seg["sample"] if lay.samples else None
         return ForwardInputs(seg["ids"], seg["positions"], seg["slots"], sample, meta)

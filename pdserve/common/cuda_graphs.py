@@ -4,7 +4,8 @@ A decode step of a small model on a GPU is bound by kernel launches and Python, 
 replayed graph launches the whole forward at once. At start-up, for each bucket size B (1, 2, 4, 8,
 then multiples of 16 up to --max-num-seqs), the forward of B single-token requests is captured
 over fixed device buffers: one packed int32 buffer of inputs (the Triton backend's layout, with
-every block table as wide as the longest request can be) and the logits it writes. A step with n
+every block table as wide as the longest request can be, of which a step copies only the columns it
+uses) and the logits it writes. A step with n
 decode requests packs its inputs for the smallest bucket B >= n (padding rows store no KV and
 padding requests attend to nothing), copies them into that bucket's buffer in one host-to-device
 copy, replays the graph and reads the first n rows of logits. Anything else (prompt chunks, more
@@ -58,14 +59,20 @@ class DecodeGraphs:
     def layout(self, b: int) -> PackLayout:
         return self.backend.layout(b, 0, [], pad_requests=b, width=self.width)
 
+    def static_inputs(self, b: int) -> tuple[PackLayout, torch.Tensor, ForwardInputs]:
+        """Bucket b's layout, its device buffer (all padding: nothing stored, nothing attended), and the
+        ForwardInputs that read it in place."""
+        lay = self.layout(b)
+        buffer = torch.zeros(lay.size(), dtype=torch.int32, device=self.runner.device)
+        host = self.backend.pack(lay, [], [], [], [], [])
+        buffer[: host.numel()].copy_(host)
+        return lay, buffer, self.backend.views(buffer, lay)
+
     def capture(self) -> None:
         """Capture every bucket, largest first, sharing one memory pool."""
         pool = torch.cuda.graph_pool_handle()
         for b in reversed(self.sizes):
-            lay = self.layout(b)
-            host = self.backend.pack(lay, [], [], [], [], [])  # all padding: nothing stored, nothing attended
-            buffer = host.to(self.runner.device)
-            inp = self.backend.views(buffer, lay)
+            lay, buffer, inp = self.static_inputs(b)
             self._warm_up(inp)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
@@ -89,7 +96,7 @@ class DecodeGraphs:
         if b is None:
             return None
         cap = self.captured[b]
-        host = self.backend.pack(cap.layout, ids, positions, slots, [], chunks)
-        cap.buffer.copy_(host, non_blocking=True)
+        host = self.backend.pack(cap.layout, ids, positions, slots, [], chunks)  # a prefix of the layout
+        cap.buffer[: host.numel()].copy_(host, non_blocking=True)
         cap.graph.replay()
         return cap.logits[: len(chunks)]

@@ -153,7 +153,8 @@ class ModelRunner:
         if graphs and self.device.type == "cuda" and self.backend.name == "triton":
             from pdserve.common.cuda_graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self, max_batch, max_blocks=pool.num_blocks)
+            longest = -(-max_model_len(model.config) // pool.block_size)  # blocks of the longest request
+            self.graphs = DecodeGraphs(self, max_batch, max_blocks=min(pool.num_blocks, longest))
             self.graphs.capture()
 
     # ---- inputs ----------------------------------------------------------------------------------

@@ -42,7 +42,7 @@ def _store_kv_kernel(
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, o_ptr, pool_ptr, q_start_ptr, q_len_ptr, ctx_len_ptr, tables_ptr, work_ptr,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_pool_kv, stride_pool_h, stride_pool_s, stride_table,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_pool_kv, stride_pool_h, stride_pool_s, stride_tr, stride_tc,
     scale,
     WORK_STRIDE: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr,
@@ -82,7 +82,7 @@ def _paged_attention_kernel(
     for start in range(0, end, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)  # [N] key positions
         j_ok = j < end
-        block = tl.load(tables_ptr + r.to(tl.int64) * stride_table + j // BLOCK_SIZE, mask=j_ok, other=0)
+        block = tl.load(tables_ptr + r.to(tl.int64) * stride_tr + (j // BLOCK_SIZE) * stride_tc, mask=j_ok, other=0)
         slot = block.to(tl.int64) * BLOCK_SIZE + j % BLOCK_SIZE
         kv_off = slot[:, None] * stride_pool_s + d[None, :]
         k = tl.load(k_base + kv_off, mask=j_ok[:, None] & dmask[None, :], other=0.0)  # [N, D]
@@ -103,7 +103,7 @@ def _paged_attention_kernel(
             pv = tl.dot(p.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-    out = acc / l_i[:, None]
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # padding rows saw no key
     o_off = (q_start + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
     tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & dmask[None, :])
 
@@ -127,7 +127,7 @@ def paged_attention(
     """Attention of the new tokens q [T, nh, d] into out [T, nh, d], for the work items `work`.
 
     Per request r: its rows are q[q_start[r] : q_start[r] + q_len[r]], its context (those rows' own
-    keys included, already stored) is ctx_len[r] tokens in the blocks block_tables[r]. `work` is [n]
+    keys included, already stored) is ctx_len[r] tokens in the blocks block_tables[r] (any strides). `work` is [n]
     (request ids, one tile each: decode tokens) or [n, 2] (request id, query tile: prompt chunks).
     """
     n = work.shape[0]
@@ -138,8 +138,8 @@ def paged_attention(
     _paged_attention_kernel[(n, nkv)](
         q, out, pool_layer, q_start, q_len, ctx_len, block_tables, work,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        pool_layer.stride(0), pool_layer.stride(1), pool_layer.stride(2), block_tables.stride(0),
-        scale,
+        pool_layer.stride(0), pool_layer.stride(1), pool_layer.stride(2), *block_tables.stride(), scale,
         WORK_STRIDE=1 if work.dim() == 1 else 2, G=nh // nkv, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
-        BLOCK_M=block_m, BLOCK_N=64 if d <= 64 else 32, BLOCK_SIZE=block_size, IEEE=q.dtype == torch.float32,
+        BLOCK_M=block_m, BLOCK_N=32 if d > 64 and q.dtype == torch.float32 else 64, BLOCK_SIZE=block_size,
+        IEEE=q.dtype == torch.float32,
     )  # fmt: skip
