@@ -96,7 +96,7 @@ class Engine:
             tokens = self.sampler(self.runner.run(batch), sampled)
         except Exception as e:  # noqa: BLE001 - one bad step must not take the node down
             log.exception("a step of %d requests failed", len(batch.scheduled))
-            return self.fail(batch, f"the engine failed while running this request: {type(e).__name__}: {e}")
+            return self.fail(batch, f"the engine raised an error while running this request: {type(e).__name__}: {e}")
         return self.update(batch, tokens)
 
     def fail(self, batch: Batch, why: str) -> list[TokenOutput]:
