@@ -139,7 +139,7 @@ def test_cuda_ipc_pool_owner_is_alive_while_its_process_runs():
     out, _ = child.communicate(timeout=60)
     assert not backend.alive({"owner": {**me, "pid": int(out)}}), "an ended process owns nothing"
     assert backend.alive({"owner": {**me, "pid_ns": "pid:[0]"}}), "another pid namespace: cannot tell, so alive"
-    assert backend.alive({}) and backend.alive({"owner": None})
+    assert backend.alive({}) and backend.alive({"owner": None}) and backend.alive({"owner": [1]})
 
 
 def _cuda_ipc_owner(conn, layout: KVLayout, num_blocks: int) -> None:

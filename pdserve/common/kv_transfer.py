@@ -216,7 +216,8 @@ class CudaIpcBackend(_SharedPoolBackend):
 
     def alive(self, handle: dict) -> bool:
         """The pool lives as long as the prefill process that allocated it."""
-        return owner_alive(handle.get("owner") or {})
+        owner = handle.get("owner")
+        return owner_alive(owner if isinstance(owner, dict) else {})
 
     def forget(self, handle: dict) -> None:
         """Nothing to do: the mapping closes when the decode node drops the last tensor on it."""
