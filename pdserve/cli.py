@@ -10,6 +10,7 @@ from pdserve.common.config import (
     ATTENTION_BACKENDS,
     CPU_KERNELS,
     DTYPE_CHOICES,
+    KV_TRANSPORTS,
     EngineConfig,
     NodeConfig,
     RouterConfig,
@@ -20,16 +21,16 @@ from pdserve.common.config import (
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default="tiny", help="checkpoint folder, or a built-in: tiny, small")
-    g.add_argument("--dtype", default="float32", choices=list(DTYPE_CHOICES))
+    g.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES)
     g.add_argument("--max-num-seqs", type=int, default=16)
     g.add_argument("--max-num-batched-tokens", type=int, default=512)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, default=None)
     g.add_argument("--kv-cache-gb", type=float, default=0.25)
-    g.add_argument("--kv-transport", default="zmq", choices=["zmq", "shm", "cuda_ipc"])
+    g.add_argument("--kv-transport", default="zmq", choices=KV_TRANSPORTS)
     g.add_argument("--kv-lease-s", type=float, default=30.0)
-    g.add_argument("--cpu-kernels", default="auto", choices=list(CPU_KERNELS))
-    g.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS),
+    g.add_argument("--cpu-kernels", default="auto", choices=CPU_KERNELS)
+    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                    help="auto: Triton kernels on CUDA, pdserve's C kernels on the CPU; torch: SDPA per request")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
 
@@ -100,12 +101,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def run_node(a: argparse.Namespace) -> None:
-    cfg = NodeConfig(
+def node_config(a: argparse.Namespace) -> NodeConfig:
+    """The config of the node that `pdserve colocated|prefill|decode ...` runs."""
+    return NodeConfig(
         role=a.verb, engine=engine_config(a, a.device, a.cpu_cores), listen=a.listen,
         kv_listen=getattr(a, "kv_listen", "tcp://127.0.0.1:0"), kv_transport=a.kv_transport,
         kv_lease_s=a.kv_lease_s, ready_file=a.ready_file,
     )  # fmt: skip
+
+
+def run_node(a: argparse.Namespace) -> None:
+    cfg = node_config(a)
     if a.verb == "colocated":
         from pdserve.colocated_node import ColocatedNode as Node
     elif a.verb == "prefill":

@@ -31,30 +31,49 @@ def _cores(spec: str | None, index: int, pin: bool) -> str:
     return str(index % (os.cpu_count() or 1))
 
 
+def role_devices(a: argparse.Namespace) -> dict[str, str]:
+    """The device each kind of node gets: prefill and decode nodes their own flag, else --device."""
+    if a.mode == "colocated":
+        return {"colocated": a.device}
+    return {"prefill": a.prefill_device or a.device, "decode": a.decode_device or a.device}
+
+
+def check_devices(a: argparse.Namespace, devices: dict[str, str]) -> None:
+    """Refuse a KV transport that cannot run between the devices the nodes actually get."""
+    for role, dev in devices.items():
+        if not (dev == "cpu" or dev.startswith("cuda")):
+            raise ValueError(f"the {role} nodes' device must be 'cpu' or 'cuda:N', not {dev!r}")
+    if a.mode == "colocated":
+        return  # one process: no KV moves between nodes
+    off_gpu = [f"{role} on {dev}" for role, dev in devices.items() if not dev.startswith("cuda")]
+    if a.kv_transport == "cuda_ipc" and off_gpu:
+        raise ValueError(f"--kv-transport cuda_ipc needs every node on a GPU, not {', '.join(off_gpu)}: give "
+                         "--prefill-device and --decode-device (or --device) as cuda:N")  # fmt: skip
+    on_gpu = [f"{role} on {dev}" for role, dev in devices.items() if dev != "cpu"]
+    if a.kv_transport == "shm" and on_gpu:
+        raise ValueError(f"--kv-transport shm is for CPU nodes, not {', '.join(on_gpu)}; use cuda_ipc on GPUs")
+
+
 def plan(a: argparse.Namespace, tmp: Path) -> list[tuple[str, list[str], Path]]:
-    """(role, argv, ready file) of every node to start."""
-    devices = {a.device, a.prefill_device or a.device, a.decode_device or a.device}
-    if a.kv_transport == "cuda_ipc" and any(not d.startswith("cuda") for d in devices):
-        raise ValueError("--kv-transport cuda_ipc needs CUDA devices (--prefill-device / --decode-device cuda:N)")
-    if a.kv_transport == "shm" and any(d != "cpu" for d in devices):
-        raise ValueError("--kv-transport shm is for CPU nodes; use cuda_ipc on GPUs")
-    pin = not a.no_pin and a.device == "cpu"
+    """(role, argv, ready file) of every node to start. Nodes on the CPU are pinned to cores."""
+    devices = role_devices(a)
+    check_devices(a, devices)
+    pin = {role: not a.no_pin and dev == "cpu" for role, dev in devices.items()}
     base = [sys.executable, "-m", "pdserve"]
     nodes = []
     if a.mode == "colocated":
-        cores = a.cpu_cores if a.cpu_cores is not None else (f"0-{(os.cpu_count() or 1) - 1}" if pin else "")
-        nodes.append(("colocated", [*base, "colocated", *engine_argv(a), "--device", a.device,
-                                    "--cpu-cores", cores if pin else ""], tmp / "colocated0.json"))  # fmt: skip
+        all_cores = f"0-{(os.cpu_count() or 1) - 1}"
+        cores = (a.cpu_cores if a.cpu_cores is not None else all_cores) if pin["colocated"] else ""
+        nodes.append(("colocated", [*base, "colocated", *engine_argv(a), "--device", devices["colocated"],
+                                    "--cpu-cores", cores], tmp / "colocated0.json"))  # fmt: skip
         return nodes
     for i in range(a.num_prefill):
-        dev = a.prefill_device or a.device
-        cores = _cores(a.prefill_cores, i, pin)
-        argv = [*base, "prefill", *engine_argv(a), "--device", dev, "--cpu-cores", cores]
+        cores = _cores(a.prefill_cores, i, pin["prefill"])
+        argv = [*base, "prefill", *engine_argv(a), "--device", devices["prefill"], "--cpu-cores", cores]
         nodes.append(("prefill", argv, tmp / f"prefill{i}.json"))
     for i in range(a.num_decode):
-        dev = a.decode_device or a.device
-        cores = _cores(a.decode_cores, a.num_prefill + i, pin)
-        argv = [*base, "decode", *engine_argv(a), "--device", dev, "--cpu-cores", cores]
+        cores = _cores(a.decode_cores, a.num_prefill + i, pin["decode"])
+        argv = [*base, "decode", *engine_argv(a), "--device", devices["decode"], "--cpu-cores", cores]
         nodes.append(("decode", argv, tmp / f"decode{i}.json"))
     return nodes
 

@@ -1,6 +1,11 @@
-"""KV export/import and the transfer backends in-process (CPU): zmq frames and shared memory."""
+"""KV export/import and the transfer backends in-process (CPU): zmq frames and shared memory; cuda_ipc's
+GPU naming and owner liveness on the CPU, its transfer between two processes on a GPU."""
 
 from __future__ import annotations
+
+import multiprocessing
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -9,7 +14,7 @@ import zmq
 from pdserve.common import protocol as P
 from pdserve.common import transport
 from pdserve.common.kv_cache import KVLayout, KVPool
-from pdserve.common.kv_transfer import TransferError, make_backend
+from pdserve.common.kv_transfer import TransferError, local_device_index, make_backend, process_owner
 
 LAYOUT = KVLayout(3, 2, 8, 4, "float32", "fp")
 
@@ -107,3 +112,67 @@ def test_shm_backend_notices_a_gone_owner():
     assert not receiver.alive(handle)
     receiver.forget(handle)
     receiver.close()
+
+
+UUIDS = ["6bd2ab7e-1a2b-4c3d-9e8f-000000000000", "GPU-0F1E2D3C-4B5A-6978-8796-A5B4C3D2E1F0"]
+
+
+def test_local_device_index_maps_a_uuid_to_this_process_index():
+    assert local_device_index("6bd2ab7e-1a2b-4c3d-9e8f-000000000000", UUIDS) == 0
+    assert local_device_index("0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0", UUIDS) == 1  # "GPU-" and case ignored
+    assert local_device_index("GPU-6BD2AB7E-1A2B-4C3D-9E8F-000000000000", list(reversed(UUIDS))) == 1
+
+
+@pytest.mark.parametrize("local", [UUIDS[1:], []])
+def test_local_device_index_refuses_a_gpu_this_process_does_not_see(local):
+    with pytest.raises(TransferError, match="CUDA_VISIBLE_DEVICES") as e:
+        local_device_index(UUIDS[0], local)
+    assert UUIDS[0] in str(e.value)
+
+
+def test_cuda_ipc_pool_owner_is_alive_while_its_process_runs():
+    backend = make_backend("cuda_ipc")
+    me = process_owner()
+    assert backend.alive({"owner": me})
+    assert not backend.alive({"owner": {**me, "start": str(int(me["start"]) + 1)}}), "a reused pid is not the owner"
+    child = subprocess.Popen([sys.executable, "-c", "import os; print(os.getpid())"], stdout=subprocess.PIPE)
+    out, _ = child.communicate(timeout=60)
+    assert not backend.alive({"owner": {**me, "pid": int(out)}}), "an ended process owns nothing"
+    assert backend.alive({"owner": {**me, "pid_ns": "pid:[0]"}}), "another pid namespace: cannot tell, so alive"
+    assert backend.alive({}) and backend.alive({"owner": None}) and backend.alive({"owner": [1]})
+
+
+def _cuda_ipc_owner(conn, layout: KVLayout, num_blocks: int) -> None:
+    """A prefill-like process: a cuda_ipc pool filled with known values, its handle sent to the parent."""
+    backend = make_backend("cuda_ipc")
+    pool = KVPool(layout, num_blocks, data=backend.storage(layout, num_blocks, "cuda:0"))
+    pool.data.copy_(torch.arange(pool.data.numel(), dtype=torch.float32).view(pool.data.shape))
+    backend.sync(pool)
+    conn.send(backend.handle())
+    conn.recv()  # keep the pool until the parent is done with it
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_ipc_moves_blocks_between_processes():
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    owner = ctx.Process(target=_cuda_ipc_owner, args=(child, LAYOUT, 16))
+    owner.start()
+    try:
+        assert parent.poll(120), "the owner process sent no handle"
+        handle = parent.recv()
+        receiver = make_backend("cuda_ipc")
+        source = receiver.attach(handle, LAYOUT, "cuda:0")
+        assert receiver.alive(handle)
+        dst = KVPool(LAYOUT, 16, device="cuda:0")
+        header = P.KvData("r", "float32", [2, 2, 10, 8], -1, [3, 8, 1])
+        assert receiver.unpack(dst, [4, 5, 12], 10, header, [], source) == LAYOUT.num_layers
+        receiver.wait_landed(dst)
+        expected = KVPool(LAYOUT, 16, data=torch.arange(dst.data.numel(), dtype=torch.float32).view(dst.data.shape))
+        assert torch.equal(dst.export([4, 5, 12], 10).cpu(), expected.export([3, 8, 1], 10))
+        del source
+    finally:
+        parent.send("done")
+        owner.join(timeout=60)
+    assert not receiver.alive(handle)

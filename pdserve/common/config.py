@@ -10,6 +10,7 @@ CPU_KERNELS = ("auto", "on", "off")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
 KV_TRANSPORTS = ("zmq", "shm", "cuda_ipc")
 ROLES = ("colocated", "prefill", "decode")
+KV_ROLES = ("prefill", "decode")  # the roles that move KV between nodes
 
 
 def parse_cores(spec: str) -> tuple[int, ...]:
@@ -88,8 +89,9 @@ class NodeConfig:
             raise ValueError(f"role must be one of {', '.join(ROLES)}")
         if self.kv_transport not in KV_TRANSPORTS:
             raise ValueError(f"--kv-transport must be one of {', '.join(KV_TRANSPORTS)}")
-        if self.kv_transport == "cuda_ipc" and not self.engine.device.startswith("cuda"):
-            raise ValueError("--kv-transport cuda_ipc needs --device cuda:N on both nodes")
+        if self.role in KV_ROLES and self.kv_transport == "cuda_ipc" and not self.engine.device.startswith("cuda"):
+            raise ValueError(f"--kv-transport cuda_ipc moves KV between GPUs: this {self.role} node needs "
+                             f"--device cuda:N, not {self.engine.device!r}")  # fmt: skip
         if self.kv_lease_s <= 0:
             raise ValueError("--kv-lease-s must be positive")
         for addr in (self.listen, self.kv_listen):

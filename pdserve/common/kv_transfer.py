@@ -7,10 +7,14 @@ One small interface, three backends:
 - `shm`: the prefill node's whole pool lives in POSIX shared memory; at pairing the decode node maps
   it once, and each transfer is only block ids over ZeroMQ and one block copy on the decode side.
 - `cuda_ipc`: the same as shm for GPU pools: a CUDA IPC handle of the prefill pool crosses once,
-  then the decode node copies blocks device to device.
+  then the decode node copies blocks device to device. The handle names the GPU by its UUID, so
+  the two processes may see different `CUDA_VISIBLE_DEVICES`, and names the owning process, so the
+  decode node can tell when a restarted prefill node's old pool is gone and unmap it.
 
 Prefill side: `storage()` (where the pool lives), `handle()` (sent in KvHello), `pack()`.
-Decode side: `attach(handle)` per prefill peer, then `unpack()` per transfer.
+Decode side: `attach(handle)` per prefill peer, then `unpack()` per transfer and `wait_landed()`
+before the KvAck (after it the prefill node reuses its blocks); `alive(handle)` / `forget(handle)`
+to unmap a peer's pool once it is gone.
 """
 
 from __future__ import annotations
@@ -87,6 +91,10 @@ class ZmqBackend:
         pool.import_blocks(header.layer, dst_blocks[:n_blocks], kv)
         return 1
 
+    def wait_landed(self, pool: KVPool) -> None:
+        """Return once the KV that unpack() landed no longer reads the sender's memory (then the ack may
+        go). Here unpack() read our own copy of the frames, and a blocking copy to a GPU has returned."""
+
     def close(self) -> None:
         pass
 
@@ -105,12 +113,12 @@ class _SharedPoolBackend:
     def pack(self, pool: KVPool, request_id: str, block_ids: list[int], num_tokens: int):
         """One header naming the source blocks; no frames."""
         n_blocks = -(-num_tokens // pool.block_size)
-        self.sync()
+        self.sync(pool)
         shape = [2, pool.layout.num_kv_heads, num_tokens, pool.layout.head_dim]
         yield P.KvData(request_id, pool.layout.dtype, shape, -1, list(block_ids[:n_blocks])), []
 
-    def sync(self) -> None:
-        pass
+    def sync(self, pool: KVPool) -> None:
+        """Make the pool's KV visible to another process before naming its blocks."""
 
     def unpack(self, pool: KVPool, dst_blocks: list[int], num_tokens: int, header: P.KvData, frames, source) -> int:
         """Copy every layer's blocks out of the mapped prefill pool; return the layers landed."""
@@ -124,6 +132,9 @@ class _SharedPoolBackend:
             raise TransferError("a source block id is outside the prefill pool")
         pool.copy_blocks_from(source, src_blocks, dst_blocks[:n_blocks])
         return pool.layout.num_layers
+
+    def wait_landed(self, pool: KVPool) -> None:
+        """A copy between CPU pools is done when unpack() returns."""
 
 
 class ShmBackend(_SharedPoolBackend):
@@ -143,7 +154,8 @@ class ShmBackend(_SharedPoolBackend):
         return _view(self._owned, layout.dtype, shape, nbytes)
 
     def handle(self) -> dict:
-        return {"name": self._owned.name, "nbytes": self._nbytes, "num_blocks": self._num_blocks}
+        name = self._owned.name
+        return {"name": name, "nbytes": self._nbytes, "num_blocks": self._num_blocks, "pool_id": name}
 
     def attach(self, handle: dict, layout: KVLayout, device: str) -> torch.Tensor:
         shape = KVPool.shape_for(layout, int(handle["num_blocks"]))
@@ -178,29 +190,106 @@ class CudaIpcBackend(_SharedPoolBackend):
     def storage(self, layout: KVLayout, num_blocks: int, device: str) -> torch.Tensor:
         self._pool = torch.zeros(KVPool.shape_for(layout, num_blocks), dtype=DTYPES[layout.dtype], device=device)
         self._num_blocks = num_blocks
+        self._pool_id = uuid.uuid4().hex
         return self._pool
 
     def handle(self) -> dict:
+        """The pool's IPC handle, its GPU by UUID (indices depend on CUDA_VISIBLE_DEVICES) and its owner."""
         storage = self._pool.untyped_storage()
-        dev, h, size, offset, ref_h, ref_off, ev_h, ev_sync = storage._share_cuda_()
-        return {"device": dev, "handle": h, "size": size, "offset": offset, "ref_handle": ref_h,
-                "ref_offset": ref_off, "event_handle": ev_h, "event_sync": ev_sync,
-                "num_blocks": self._num_blocks}  # fmt: skip
+        _, h, size, offset, ref_h, ref_off, ev_h, ev_sync = storage._share_cuda_()
+        return {"device_uuid": device_uuid(self._pool.device.index), "handle": h, "size": size, "offset": offset,
+                "ref_handle": ref_h, "ref_offset": ref_off, "event_handle": ev_h, "event_sync": ev_sync,
+                "num_blocks": self._num_blocks, "pool_id": self._pool_id, "owner": process_owner()}  # fmt: skip
 
-    def sync(self) -> None:
-        torch.cuda.synchronize()
+    def sync(self, pool: KVPool) -> None:
+        torch.cuda.synchronize(pool.data.device)  # the pool's device, whichever device is current
 
     def attach(self, handle: dict, layout: KVLayout, device: str) -> torch.Tensor:
+        index = local_device_index(str(handle["device_uuid"]), visible_device_uuids())
         storage = torch.UntypedStorage._new_shared_cuda(
-            handle["device"], handle["handle"], handle["size"], handle["offset"], handle["ref_handle"],
+            index, handle["handle"], handle["size"], handle["offset"], handle["ref_handle"],
             handle["ref_offset"], handle["event_handle"], handle["event_sync"],
         )  # fmt: skip
         shape = KVPool.shape_for(layout, int(handle["num_blocks"]))
-        t = torch.empty(0, dtype=DTYPES[layout.dtype], device=f"cuda:{handle['device']}")
+        t = torch.empty(0, dtype=DTYPES[layout.dtype], device=f"cuda:{index}")
         return t.set_(storage, 0, shape, _contiguous_strides(shape))
+
+    def alive(self, handle: dict) -> bool:
+        """The pool lives as long as the prefill process that allocated it."""
+        owner = handle.get("owner")
+        return owner_alive(owner if isinstance(owner, dict) else {})
+
+    def forget(self, handle: dict) -> None:
+        """Nothing to do: the mapping closes when the decode node drops the last tensor on it."""
+
+    def wait_landed(self, pool: KVPool) -> None:
+        """Block until unpack()'s device copies have read the prefill pool. torch runs a copy between two
+        GPUs on the source GPU's current stream and makes the destination's current stream wait for it
+        (on one GPU it runs on that stream), so the destination's current stream covers both cases."""
+        torch.cuda.current_stream(pool.data.device).synchronize()
 
     def close(self) -> None:
         pass
+
+
+def device_uuid(index: int) -> str:
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def visible_device_uuids() -> list[str]:
+    """The UUIDs of the GPUs this process sees, in the order of its device indices."""
+    return [device_uuid(i) for i in range(torch.cuda.device_count())]
+
+
+def local_device_index(uuid_: str, local_uuids: list[str]) -> int:
+    """This process's index of the GPU whose UUID is `uuid_` ("GPU-" prefix and case ignored)."""
+    want = _plain_uuid(uuid_)
+    for index, u in enumerate(local_uuids):
+        if _plain_uuid(u) == want:
+            return index
+    seen = ", ".join(local_uuids) or "none"
+    raise TransferError(f"the prefill pool is on GPU {uuid_}, which this process does not see (it sees: {seen}); "
+                        "give the decode node a CUDA_VISIBLE_DEVICES that includes it")  # fmt: skip
+
+
+def _plain_uuid(u: str) -> str:
+    u = u.strip().lower()
+    return u[4:] if u.startswith("gpu-") else u
+
+
+def process_owner() -> dict:
+    """This process, named so that another process on the host can tell whether it still runs."""
+    pid = os.getpid()
+    return {"pid": pid, "start": _start_time(pid), "pid_ns": _pid_namespace()}
+
+
+def owner_alive(owner: dict) -> bool:
+    """False only when the process `owner` names is known to be gone: no process with its pid, a zombie,
+    or a later process that reuses its pid. True when this process cannot tell (another pid namespace)."""
+    ns = _pid_namespace()
+    if ns is None or owner.get("pid_ns") != ns or not isinstance(owner.get("pid"), int):
+        return True
+    start = _start_time(owner["pid"])
+    return start is not None and start == owner.get("start")
+
+
+def _start_time(pid: int) -> str | None:
+    """When process `pid` started (clock ticks since boot), or None if it is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()  # after "pid (comm)": state is field 3
+    except OSError:
+        return None
+    if len(fields) < 20 or fields[0] in ("Z", "X"):
+        return None
+    return fields[19]  # field 22, starttime
+
+
+def _pid_namespace() -> str | None:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
 
 
 BACKENDS = {"zmq": ZmqBackend, "shm": ShmBackend, "cuda_ipc": CudaIpcBackend}

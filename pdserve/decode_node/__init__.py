@@ -2,11 +2,13 @@
 
 A request's life here:
 1. Pairing: a prefill node's KvHello is checked (protocol, model fingerprint, dtype, layer and
-   head layout, block size, transport); any mismatch is refused with the reason.
+   head layout, block size, transport); any mismatch is refused with the reason. A peer that pairs
+   again (same connection, or its pool over a new one) replaces its old pairing, and a peer whose
+   pool is gone (the prefill process ended) is dropped: its pool unmapped, its offers forgotten.
 2. KvOffer: queued FCFS until blocks for its KV are free in the pool; never dropped. While it waits,
    a KvWaiting notice renews the prefill node's lease on that KV every WAITING_NOTICE_S.
-3. Reserved: blocks taken, KvPull sent; the KV lands by the chosen backend; KvAck frees the
-   prefill node's copy.
+3. Reserved: blocks taken, KvPull sent; the KV lands by the chosen backend; once the copy has
+   finished reading the prefill node's blocks (cuda_ipc copies run asynchronously), KvAck frees them.
 4. WAITING with its KV in place (num_computed_tokens = prompt length, the first token as output),
    admitted at the next iteration; RUNNING: one token an iteration, streamed to the router.
 5. FINISHED or ABORTED (router's Abort, or the prefill node's KvCancel): KV freed at once. An abort
@@ -88,23 +90,31 @@ class DecodeNode(NodeBase):
             self._forget(msg.request_id)
 
     def _on_pairing(self, identity: bytes, msg: P.KvHello) -> None:
-        layout = self.engine.layout
-        reason = ""
-        if msg.protocol_version != P.PROTOCOL_VERSION:
-            reason = f"protocol version {msg.protocol_version} there, {P.PROTOCOL_VERSION} here"
-        elif layout.mismatch(msg.layout):
-            reason = f"KV layout mismatch: {layout.mismatch(msg.layout)}"
-        elif msg.transport != self.backend.name:
-            reason = f"KV transport {msg.transport!r} there, {self.backend.name!r} here"
+        handle = msg.pool_handle if isinstance(msg.pool_handle, dict) else {}
+        self._drop_superseded(identity, handle)
+        reason = self._pairing_mismatch(msg)
         if not reason:
             try:
-                self.sources[identity] = self.backend.attach(msg.pool_handle, layout, self.cfg.engine.device)
-                self.handles[identity] = msg.pool_handle
-            except (OSError, ValueError, RuntimeError) as e:
-                reason = f"cannot map the prefill pool: {e}"
+                self.sources[identity] = self.backend.attach(handle, self.engine.layout, self.cfg.engine.device)
+                self.handles[identity] = handle
+            except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
+                reason = f"cannot map the prefill pool: {e!s}"
         if reason:
             log.error("refused a prefill node: %s", reason)
         transport.send(self.kv_sock, P.HelloAck(not reason, self.role, {}, reason), identity=identity)
+
+    def _pairing_mismatch(self, msg: P.KvHello) -> str:
+        """Why this prefill node cannot pair with us, or "" if it can."""
+        layout = self.engine.layout
+        if msg.protocol_version != P.PROTOCOL_VERSION:
+            return f"protocol version {msg.protocol_version} there, {P.PROTOCOL_VERSION} here"
+        if not isinstance(msg.layout, dict) or not isinstance(msg.pool_handle, dict):
+            return "malformed KvHello (layout and pool handle must be maps)"
+        if layout.mismatch(msg.layout):
+            return f"KV layout mismatch: {layout.mismatch(msg.layout)}"
+        if msg.transport != self.backend.name:
+            return f"KV transport {msg.transport!r} there, {self.backend.name!r} here"
+        return ""
 
     def _on_offer(self, identity: bytes, offer: P.KvOffer) -> None:
         why = self.engine.check_fits(offer.num_tokens, offer.params.max_tokens)
@@ -130,6 +140,7 @@ class DecodeNode(NodeBase):
             return
         if inc.layers_landed < self.engine.layout.num_layers:
             return
+        self.backend.wait_landed(self.engine.pool)  # our ack lets the prefill node reuse the source blocks
         del self.reserved[header.request_id]
         o = inc.offer
         req = Request(o.request_id, list(o.prompt_token_ids), o.params, output_token_ids=[o.first_token_id],
@@ -189,12 +200,28 @@ class DecodeNode(NodeBase):
             self._drop_gone_peers()
 
     def _drop_gone_peers(self) -> None:
-        """Unmap the pools of prefill nodes that have gone (their shared memory is unlinked)."""
+        """Drop the prefill nodes whose pool is gone (shm: unlinked; cuda_ipc: its process ended)."""
         for identity, handle in list(self.handles.items()):
             if not self.backend.alive(handle):
-                log.info("a prefill node's pool is gone; unmapping it")
-                del self.handles[identity], self.sources[identity]
-                self.backend.forget(handle)
+                self._drop_peer(identity, "its pool is gone")
+
+    def _drop_superseded(self, identity: bytes, handle: dict) -> None:
+        """A KvHello replaces the pairing of the same connection, and any older pairing of the same pool
+        (the prefill node reconnected): that side has failed the old pairing's transfers already."""
+        pool_id = handle.get("pool_id")
+        for other, old in list(self.handles.items()):
+            if other == identity or (pool_id and old.get("pool_id") == pool_id):
+                self._drop_peer(other, "it paired again")
+
+    def _drop_peer(self, identity: bytes, why: str) -> None:
+        """Unmap a prefill peer's pool and forget its offers and reservations: their KV will not come."""
+        handle = self.handles.pop(identity)
+        self.sources.pop(identity, None)
+        self.backend.forget(handle)
+        dead = [i.offer.request_id for i in (*self.offers, *self.reserved.values()) if i.identity == identity]
+        for rid in dead:
+            self._forget(rid)
+        log.info("dropped a prefill node's pairing (%s) and %d of its transfers", why, len(dead))
 
     def _notify_waiting(self) -> None:
         """Tell each prefill node which of its offers still wait here, so its leases do not run out."""

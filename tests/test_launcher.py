@@ -1,0 +1,84 @@
+"""`pdserve up`'s plan: which nodes start, on which devices, with which flags (no process is started)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.cli import build_parser, node_config
+from pdserve.launcher import plan
+
+
+def _plan(tmp_path, *flags: str) -> list[tuple[str, list[str]]]:
+    nodes = plan(build_parser().parse_args(["up", *flags]), tmp_path)
+    return [(role, argv) for role, argv, _ in nodes]
+
+
+def _flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def _child_config(argv: list[str]):
+    """The NodeConfig the child process would build from its command line (after `python -m pdserve`)."""
+    return node_config(build_parser().parse_args(argv[3:]))
+
+
+def test_cuda_ipc_with_each_role_on_its_own_gpu(tmp_path):
+    """--device stays at cpu: the devices the prefill and decode nodes get are what counts."""
+    nodes = _plan(tmp_path, "--mode", "disagg", "--kv-transport", "cuda_ipc", "--dtype", "float16",
+                  "--prefill-device", "cuda:0", "--decode-device", "cuda:1")  # fmt: skip
+    assert [role for role, _ in nodes] == ["prefill", "decode"]
+    for (role, argv), dev in zip(nodes, ["cuda:0", "cuda:1"], strict=True):
+        assert argv[3] == role and _flag(argv, "--device") == dev and _flag(argv, "--kv-transport") == "cuda_ipc"
+        assert _flag(argv, "--cpu-cores") == "", "a GPU node must not be pinned to one core"
+        cfg = _child_config(argv)
+        assert (cfg.role, cfg.engine.device, cfg.engine.dtype, cfg.kv_transport) == (role, dev, "float16", "cuda_ipc")
+
+
+def test_cuda_ipc_with_device_for_both_roles(tmp_path):
+    nodes = _plan(tmp_path, "--kv-transport", "cuda_ipc", "--device", "cuda:0", "--num-decode", "2")
+    assert [(role, _flag(argv, "--device")) for role, argv in nodes] == [
+        ("prefill", "cuda:0"), ("decode", "cuda:0"), ("decode", "cuda:0")
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("devices", "on_cpu"),
+    [
+        (("--prefill-device", "cuda:0"), "decode on cpu"),
+        (("--decode-device", "cuda:1"), "prefill on cpu"),
+        (("--device", "cuda:0", "--decode-device", "cpu"), "decode on cpu"),
+        ((), "prefill on cpu, decode on cpu"),
+    ],
+)
+def test_cuda_ipc_refused_when_a_role_is_on_the_cpu(tmp_path, devices, on_cpu):
+    with pytest.raises(ValueError, match="cuda_ipc needs every node on a GPU") as e:
+        _plan(tmp_path, "--kv-transport", "cuda_ipc", *devices)
+    assert f"not {on_cpu}:" in str(e.value)
+
+
+def test_shm_refused_when_a_role_is_on_a_gpu(tmp_path):
+    with pytest.raises(ValueError, match="decode on cuda:0"):
+        _plan(tmp_path, "--kv-transport", "shm", "--decode-device", "cuda:0")
+
+
+def test_cpu_nodes_are_pinned_gpu_nodes_are_not(tmp_path):
+    nodes = _plan(tmp_path, "--kv-transport", "zmq", "--prefill-device", "cuda:0", "--decode-device", "cpu")
+    prefill_cores, decode_cores = (_flag(argv, "--cpu-cores") for _, argv in nodes)
+    assert prefill_cores == "" and decode_cores != ""
+
+
+def test_colocated_ignores_the_kv_transport(tmp_path):
+    """No KV moves between nodes in colocated mode, so no transport can be refused there."""
+    [(role, argv)] = _plan(tmp_path, "--mode", "colocated", "--kv-transport", "cuda_ipc", "--no-pin")
+    assert role == "colocated" and _child_config(argv).engine.device == "cpu"
+
+
+def test_a_node_refuses_cuda_ipc_on_the_cpu():
+    a = build_parser().parse_args(["decode", "--kv-transport", "cuda_ipc", "--device", "cpu"])
+    with pytest.raises(ValueError, match="decode node needs --device cuda:N"):
+        node_config(a)
+
+
+def test_unknown_device_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="'cpu' or 'cuda:N'"):
+        _plan(tmp_path, "--decode-device", "gpu1")
