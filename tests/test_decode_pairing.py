@@ -71,7 +71,7 @@ def _reserve(node: DecodeNode, peer: Peer, request_id: str) -> list[int]:
     peer.offer(request_id)
     node.tick()
     assert isinstance(peer.recv(), P.KvPull)
-    return node.reserved[request_id].block_ids
+    return node.engine.requests[request_id].block_ids
 
 
 def test_a_peer_that_pairs_again_replaces_its_old_pairing(node):
@@ -82,12 +82,12 @@ def test_a_peer_that_pairs_again_replaces_its_old_pairing(node):
         assert peer.pair("shm", first.handle()).ok and _mappings(name) == owners_maps + 1
         _reserve(node, peer, "r1")
         peer.offer("r2")  # still waiting for blocks
-        assert node.engine.pool.allocator.num_used > 0 and len(node.offers) == 1
+        assert node.engine.pool.allocator.num_used > 0 and len(node.engine.waiting_for_kv()) == 1
         # the same connection pairs again, with another pool (the prefill node restarted behind the same identity)
         assert peer.pair("shm", second.handle()).ok
         assert node.handles[b"prefill-0"]["name"] == second.handle()["name"]
         assert _mappings(name) == owners_maps, "the old pool is still mapped"
-        assert not node.reserved and not node.offers and node.engine.pool.allocator.num_used == 0
+        assert not node.incoming and not node.engine.requests and node.engine.pool.allocator.num_used == 0
         # the same pool pairs over a new connection (the prefill node reconnected): the old connection is dead
         again = Peer(node, b"prefill-0-again")
         assert again.pair("shm", second.handle()).ok
@@ -112,7 +112,7 @@ def test_a_gone_prefill_pool_is_unmapped_and_its_transfers_dropped(node):
         assert _mappings(name) == 1
         node._drop_gone_peers()
         assert _mappings(name) == 0, "a gone prefill node's pool is still mapped"
-        assert list(node.handles) == [b"prefill-1"] and list(node.reserved) == ["r2"]
+        assert list(node.handles) == [b"prefill-1"] and list(node.incoming) == ["r2"]
         assert node.engine.pool.allocator.num_used == len(kept)
     finally:
         owner.close()

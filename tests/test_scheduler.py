@@ -113,3 +113,50 @@ def test_requests_get_consecutive_blocks_while_the_pool_allows():
     assert alloc.num_free == 16
     e = []
     assert alloc.grow(e, 64) and e == list(range(16))
+
+
+def remote(rid: str, prompt_len: int, max_tokens: int = 8) -> Request:
+    """A request whose prompt a prefill node computed: its first token is out, its KV on the way."""
+    return Request(rid, list(range(prompt_len)), SamplingParams(max_tokens=max_tokens, temperature=0),
+                   output_token_ids=[7], status=Status.WAITING_FOR_KV)  # fmt: skip
+
+
+def test_remote_requests_get_blocks_fcfs_and_run_once_their_kv_lands():
+    s = sched(blocks=8, block_size=4)
+    a, b, c, d = remote("a", 11), remote("b", 11), remote("c", 11), remote("d", 3)
+    for r in (a, b, c, d):
+        s.add(r)
+    assert not s.has_work()  # nothing to compute until some KV lands
+    got = s.reserve_remote()
+    assert got == [a, b] and len(a.block_ids) == 3 and s.allocator.num_free == 2  # prompt + first token each
+    assert c.status is Status.WAITING_FOR_KV and not c.block_ids
+    assert d.status is Status.WAITING_FOR_KV and not d.block_ids  # FCFS: d would fit, but c came first
+    assert s.reserve_remote() == []
+    s.kv_landed(a)
+    assert a.status is Status.WAITING and a.num_computed_tokens == 11
+    batch = run(s)
+    assert [(x.request, x.num_new_tokens) for x in batch.scheduled] == [(a, 1)]  # the first token, decoded
+    s.finish(b, Status.ABORTED, "abort")  # aborted while its KV was on the way: its blocks come back
+    assert s.reserve_remote() == [c, d] and c.status is Status.RECEIVING_KV
+
+
+def test_remote_kv_waits_behind_requests_that_must_recompute():
+    s = sched(blocks=4, block_size=4, budget=64)
+    p = req("p", 12)
+    s.add(p)
+    run(s)
+    s.add(remote("r", 4))
+    s._preempt(p, s.schedule())  # p lost its blocks: it recomputes before any new import takes them
+    assert s.allocator.num_free == 4 and s.reserve_remote() == []
+    run(s)
+    assert p.status is Status.RUNNING and s.reserve_remote() == []  # the pool is p's now
+
+
+def test_a_request_waiting_for_kv_can_only_be_aborted_or_reserved():
+    s = sched()
+    r = remote("r", 5)
+    s.add(r)
+    with pytest.raises(IllegalTransition):
+        r.move_to(Status.RUNNING)
+    s.finish(r, Status.ABORTED, "abort")
+    assert not s.waiting_for_kv and s.allocator.num_free == 64

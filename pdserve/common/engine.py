@@ -67,10 +67,43 @@ class Engine:
         return ""
 
     def add(self, req: Request) -> None:
+        """A new request, or (status WAITING_FOR_KV, its first token as output) one whose prompt's KV a
+        prefill node will send: the scheduler reserves its blocks (`reserve_remote`), then it lands."""
         if req.request_id in self.requests:
             raise ValueError(f"duplicate request id {req.request_id}")
         self.requests[req.request_id] = req
         self.scheduler.add(req)
+
+    # ---- KV across nodes ----------------------------------------------------------------------
+    def reserve_remote(self) -> list[Request]:
+        """Requests waiting for remote KV that now hold blocks for it: their KV may be pulled."""
+        return self.scheduler.reserve_remote()
+
+    def waiting_for_kv(self) -> list[Request]:
+        """Requests still queued for blocks, oldest first."""
+        return list(self.scheduler.waiting_for_kv)
+
+    def receive_kv(self, req: Request, backend, header, frames, source) -> int:
+        """Land part of a request's KV (RECEIVING_KV) in its blocks; return how many layers it carried."""
+        return backend.unpack(self.pool, req.block_ids, len(req.prompt_token_ids), header, frames, source)
+
+    def kv_landed(self, req: Request, backend) -> None:
+        """Every layer is in: once the copies have read the sender's memory, the request joins the queue."""
+        backend.wait_landed(self.pool)
+        self.scheduler.kv_landed(req)
+
+    def send_kv(self, req: Request, backend):
+        """A held request's KV for shipping: (header, frames) messages from the backend."""
+        return backend.pack(self.pool, req.request_id, req.block_ids, len(req.prompt_token_ids))
+
+    def kv_stats(self) -> tuple[int, int, int]:
+        """(blocks used, blocks free, tokens the pool holds)."""
+        alloc = self.pool.allocator
+        return alloc.num_used, alloc.num_free, self.pool.num_blocks * self.pool.block_size
+
+    def queue_lengths(self) -> tuple[int, int]:
+        """(running, waiting) requests."""
+        return len(self.scheduler.running), len(self.scheduler.waiting) + len(self.scheduler.waiting_for_kv)
 
     def abort(self, request_id: str) -> Request | None:
         req = self.requests.get(request_id)
@@ -116,7 +149,6 @@ class Engine:
             if reason:
                 self.release(req, Status.FINISHED, reason)
             elif self.prefill_only:
-                self.scheduler.running.remove(req)
-                req.move_to(Status.TRANSFERRING)
+                self.scheduler.hold_for_transfer(req)
             outputs.append(TokenOutput(req, token, reason))
         return outputs

@@ -119,9 +119,8 @@ class NodeBase:
         reason = "" if ok else f"protocol {msg.protocol_version} here is {P.PROTOCOL_VERSION}"
         if ok:
             self.router_id = identity
-        pool = self.engine.pool
         info = {"layout": self.engine.layout.to_dict(), "max_model_len": self.engine.max_model_len,
-                "kv_capacity_tokens": pool.num_blocks * pool.block_size}  # fmt: skip
+                "kv_capacity_tokens": self.engine.kv_stats()[2]}  # fmt: skip
         transport.send(self.front, P.HelloAck(ok, self.role, info, reason), identity=identity)
         self.send_stats()
 
@@ -153,9 +152,8 @@ class NodeBase:
             self.send_stats()
 
     def stats(self) -> P.Stats:
-        sched, alloc = self.engine.scheduler, self.engine.pool.allocator
-        return P.Stats(self.role, len(sched.running), len(sched.waiting), alloc.num_used, alloc.num_free,
-                       dict(self.counters))  # fmt: skip
+        (running, waiting), (used, free, _) = self.engine.queue_lengths(), self.engine.kv_stats()
+        return P.Stats(self.role, running, waiting, used, free, dict(self.counters))
 
     def send_stats(self) -> None:
         if self.router_id is not None:

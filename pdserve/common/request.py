@@ -1,5 +1,7 @@
 """A request's state on a node, and the legal moves between states.
 
+0. (decode node) WAITING_FOR_KV: its prompt was computed on a prefill node; queued FCFS for blocks.
+   RECEIVING_KV: blocks reserved by the scheduler, the KV on its way into them; then WAITING.
 1. WAITING: queued; owns no KV, or (decode node) owns KV imported from a prefill node.
 2. RUNNING: scheduled each iteration; a prompt is caught up chunk by chunk, then one token a step.
 3. TRANSFERRING (prefill node only): first token sampled; KV held until the decode node acknowledges.
@@ -16,6 +18,8 @@ from pdserve.common.protocol import SamplingParams
 
 
 class Status(enum.Enum):
+    WAITING_FOR_KV = "waiting_for_kv"
+    RECEIVING_KV = "receiving_kv"
     WAITING = "waiting"
     RUNNING = "running"
     TRANSFERRING = "transferring"
@@ -24,6 +28,8 @@ class Status(enum.Enum):
 
 
 _LEGAL = {
+    Status.WAITING_FOR_KV: {Status.RECEIVING_KV, Status.ABORTED},
+    Status.RECEIVING_KV: {Status.WAITING, Status.ABORTED},
     Status.WAITING: {Status.RUNNING, Status.ABORTED},
     Status.RUNNING: {Status.WAITING, Status.TRANSFERRING, Status.FINISHED, Status.ABORTED},
     Status.TRANSFERRING: {Status.FINISHED, Status.ABORTED},

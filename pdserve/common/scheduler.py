@@ -49,10 +49,16 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.waiting_for_kv: deque[Request] = deque()  # decode node: prompts computed elsewhere, no blocks yet
+        self.receiving_kv: dict[str, Request] = {}  # decode node: blocks reserved, KV on its way
 
     # ---- queue --------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
-        self.waiting.append(request)
+        """A new request (WAITING), or one whose KV a prefill node will send (WAITING_FOR_KV)."""
+        if request.status is Status.WAITING_FOR_KV:
+            self.waiting_for_kv.append(request)
+        else:
+            self.waiting.append(request)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -63,9 +69,41 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        elif request in self.waiting_for_kv:
+            self.waiting_for_kv.remove(request)
+        self.receiving_kv.pop(request.request_id, None)
         self.allocator.free(request.block_ids)
         request.finish_reason = reason
         request.move_to(status)
+
+    # ---- remote KV (decode node) ----------------------------------------------------------------
+    def reserve_remote(self) -> list[Request]:
+        """Blocks for the requests waiting for remote KV, FCFS, while the pool has them: each gets its
+        prompt's blocks and its first token's, so that it can run once its KV lands. Requests here that
+        wait without KV (preempted ones) go first: blocks freed for them must not go to new imports."""
+        reserved = []
+        while self.waiting_for_kv and not self._waiting_without_kv():
+            req = self.waiting_for_kv[0]
+            n = len(req.prompt_token_ids)
+            if not self.allocator.grow(req.block_ids, n + 1, req.max_total_tokens):
+                break
+            self.waiting_for_kv.popleft()
+            req.move_to(Status.RECEIVING_KV)
+            self.receiving_kv[req.request_id] = req
+            reserved.append(req)
+        return reserved
+
+    def kv_landed(self, req: Request) -> None:
+        """A request's KV is in its blocks: it joins the queue with its prompt computed."""
+        del self.receiving_kv[req.request_id]
+        req.num_computed_tokens = len(req.prompt_token_ids)
+        req.move_to(Status.WAITING)
+        self.waiting.append(req)
+
+    def hold_for_transfer(self, req: Request) -> None:
+        """Prefill node: a request whose first token is out leaves the batch, its KV held for shipping."""
+        self.running.remove(req)
+        req.move_to(Status.TRANSFERRING)
 
     # ---- one iteration ------------------------------------------------------------------------
     def schedule(self) -> Batch:
@@ -108,7 +146,7 @@ class Scheduler:
             self._drop_kv(holders[-1])
         return True
 
-    def waiting_without_kv(self) -> bool:
+    def _waiting_without_kv(self) -> bool:
         """True when a waiting request has no KV yet (new or preempted): it goes before new imports."""
         return any(not r.block_ids for r in self.waiting)
 

@@ -1,26 +1,26 @@
 """The decode node: receives prompts' KV from prefill nodes and generates the rest of each answer.
 
-A request's life here:
+A request's life here (the engine owns the request, its queue and its blocks; this node moves messages):
 1. Pairing: a prefill node's KvHello is checked (protocol, model fingerprint, dtype, layer and
-   head layout, block size, transport); any mismatch is refused with the reason. A peer that pairs
-   again (same connection, or its pool over a new one) replaces its old pairing, and a peer whose
-   pool is gone (the prefill process ended) is dropped: its pool unmapped, its offers forgotten.
-2. KvOffer: queued FCFS until blocks for its KV are free in the pool; never dropped. While it waits,
-   a KvWaiting notice renews the prefill node's lease on that KV every WAITING_NOTICE_S.
-3. Reserved: blocks taken, KvPull sent; the KV lands by the chosen backend; once the copy has
-   finished reading the prefill node's blocks (cuda_ipc copies run asynchronously), KvAck frees them.
+   head layout, block size, transport); any mismatch is refused with the reason.
+2. KvOffer: the request joins the engine as WAITING_FOR_KV, queued FCFS until the scheduler reserves
+   blocks for its KV; never dropped. While it waits, a KvWaiting notice renews the prefill node's
+   lease on that KV every WAITING_NOTICE_S.
+3. RECEIVING_KV: blocks reserved (`engine.reserve_remote()`), KvPull sent; the KV lands by the chosen
+   backend (`engine.receive_kv`); once every layer is in, KvAck frees the prefill node's copy.
 4. WAITING with its KV in place (num_computed_tokens = prompt length, the first token as output),
    admitted at the next iteration; RUNNING: one token an iteration, streamed to the router.
-5. FINISHED or ABORTED (router's Abort, or the prefill node's KvCancel): KV freed at once. An abort
-   that arrives before the offer is remembered, so the late offer is refused.
+5. FINISHED or ABORTED (router's Abort, the prefill node's KvCancel, bad KV, a reservation that no KV
+   answered): KV freed at once. An abort that arrives before the offer is remembered, so the late offer
+   is refused.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from collections import OrderedDict
+from dataclasses import dataclass
 
 import zmq
 
@@ -29,7 +29,7 @@ from pdserve.common import transport
 from pdserve.common.config import NodeConfig
 from pdserve.common.kv_transfer import TransferError, make_backend
 from pdserve.common.node import NodeBase
-from pdserve.common.request import Request
+from pdserve.common.request import Request, Status
 
 log = logging.getLogger("pdserve.decode")
 REMEMBER_ABORTS = 4096
@@ -39,9 +39,10 @@ RESERVATION_TIMEOUT_S = 60.0  # blocks reserved for a pull that no KV answered a
 
 @dataclass
 class Incoming:
-    identity: bytes
-    offer: P.KvOffer
-    block_ids: list[int] = field(default_factory=list)
+    """Where an offered request's KV comes from, and how much of it has landed."""
+
+    identity: bytes  # the prefill peer
+    request: Request
     layers_landed: int = 0
     reserved_at: float = 0.0
 
@@ -59,8 +60,7 @@ class DecodeNode(NodeBase):
         self.handlers[self.kv_sock] = self.handle_kv
         self.sources: dict[bytes, object] = {}  # paired prefill peers -> mapped pool (or None for zmq)
         self.handles: dict[bytes, dict] = {}  # paired prefill peers -> how their pool was mapped
-        self.offers: deque[Incoming] = deque()  # waiting for blocks
-        self.reserved: dict[str, Incoming] = {}  # blocks held, KV pulled
+        self.incoming: dict[str, Incoming] = {}  # offered, KV not landed yet (the engine holds the request)
         self.aborted: OrderedDict[str, None] = OrderedDict()
         self.counters.update(kv_received=0, kv_refused=0)
         self._next_notice = 0.0
@@ -69,7 +69,7 @@ class DecodeNode(NodeBase):
         return {**super().ready_info(), "kv_listen": self.kv_addr}
 
     def busy(self) -> bool:
-        return bool(self.offers)
+        return bool(self.incoming)
 
     def close(self) -> None:
         self.backend.close()
@@ -119,35 +119,35 @@ class DecodeNode(NodeBase):
     def _on_offer(self, identity: bytes, offer: P.KvOffer) -> None:
         why = self.engine.check_fits(offer.num_tokens, offer.params.max_tokens)
         rid = offer.request_id
-        if rid in self.engine.requests or rid in self.reserved or any(i.offer.request_id == rid for i in self.offers):
+        if rid in self.engine.requests:
             why = f"request {rid} is already here"
-        if offer.request_id in self.aborted or why:
-            self._refuse(identity, offer.request_id, why)
+        if offer.num_tokens != len(offer.prompt_token_ids):
+            why = f"an offer of {offer.num_tokens} tokens of KV for a prompt of {len(offer.prompt_token_ids)}"
+        if rid in self.aborted or why:
+            self._refuse(identity, rid, why)
             return
-        self.offers.append(Incoming(identity, offer))
+        req = Request(rid, list(offer.prompt_token_ids), offer.params, output_token_ids=[offer.first_token_id],
+                      status=Status.WAITING_FOR_KV, arrival=time.time())  # fmt: skip
+        self.engine.add(req)
+        self.incoming[rid] = Incoming(identity, req)
 
     def _on_data(self, identity: bytes, header: P.KvData, frames: list) -> None:
-        inc = self.reserved.get(header.request_id)
-        if inc is None or inc.identity != identity:
-            return  # cancelled after the pull (or not this peer's)
+        inc = self.incoming.get(header.request_id)
+        if inc is None or inc.identity != identity or inc.request.status is not Status.RECEIVING_KV:
+            return  # cancelled after the pull (or not this peer's, or not pulled)
         try:
-            inc.layers_landed += self.backend.unpack(self.engine.pool, inc.block_ids, inc.offer.num_tokens, header,
-                                                     frames, self.sources.get(identity))  # fmt: skip
+            inc.layers_landed += self.engine.receive_kv(inc.request, self.backend, header, frames,
+                                                        self.sources.get(identity))  # fmt: skip
         except TransferError as e:
-            del self.reserved[header.request_id]
-            self.engine.pool.allocator.free(inc.block_ids)
+            self._forget(header.request_id)
             self._refuse(identity, header.request_id, f"bad KV: {e}")
             return
         if inc.layers_landed < self.engine.layout.num_layers:
             return
-        self.backend.wait_landed(self.engine.pool)  # our ack lets the prefill node reuse the source blocks
-        del self.reserved[header.request_id]
-        o = inc.offer
-        req = Request(o.request_id, list(o.prompt_token_ids), o.params, output_token_ids=[o.first_token_id],
-                      num_computed_tokens=o.num_tokens, block_ids=inc.block_ids, arrival=time.time())  # fmt: skip
-        self.engine.add(req)
+        self.engine.kv_landed(inc.request, self.backend)  # after it, our ack lets the prefill node reuse its blocks
+        del self.incoming[header.request_id]
         self.counters["kv_received"] += 1
-        transport.send(self.kv_sock, P.KvAck(o.request_id, True), identity=identity)
+        transport.send(self.kv_sock, P.KvAck(header.request_id, True), identity=identity)
 
     def _refuse(self, identity: bytes, request_id: str, why: str) -> None:
         self.counters["kv_refused"] += 1
@@ -162,38 +162,22 @@ class DecodeNode(NodeBase):
 
     def _forget(self, request_id: str) -> bool:
         """Drop a request wherever it is here; True if it was here."""
-        if self.engine.abort(request_id) is not None:
-            return True
-        inc = self.reserved.pop(request_id, None)
-        if inc is not None:
-            self.engine.pool.allocator.free(inc.block_ids)
-            return True
-        for inc in self.offers:
-            if inc.offer.request_id == request_id:
-                self.offers.remove(inc)
-                return True
-        return False
-
-    @staticmethod
-    def _reserve(alloc, inc: Incoming) -> bool:
-        """Blocks for the prompt's KV and the first token's, so that the request can run once it lands."""
-        o = inc.offer
-        return alloc.grow(inc.block_ids, o.num_tokens + 1, o.num_tokens + o.params.max_tokens)
+        self.incoming.pop(request_id, None)
+        return self.engine.abort(request_id) is not None
 
     # ---- chores --------------------------------------------------------------------------------
     def tick(self) -> None:
         super().tick()
-        alloc = self.engine.pool.allocator
         now = time.monotonic()
-        # preempted requests recompute first: blocks freed for them must not go to new imports
-        while self.offers and not self.engine.scheduler.waiting_without_kv() and self._reserve(alloc, self.offers[0]):
-            inc = self.offers.popleft()
+        for req in self.engine.reserve_remote():
+            inc = self.incoming[req.request_id]
             inc.reserved_at = now
-            self.reserved[inc.offer.request_id] = inc
-            transport.send(self.kv_sock, P.KvPull(inc.offer.request_id), identity=inc.identity)
-        for inc in [i for i in self.reserved.values() if now - i.reserved_at > RESERVATION_TIMEOUT_S]:
-            log.warning("no KV arrived for %s in %ss; freeing its blocks", inc.offer.request_id, RESERVATION_TIMEOUT_S)
-            self._forget(inc.offer.request_id)
+            transport.send(self.kv_sock, P.KvPull(req.request_id), identity=inc.identity)
+        late = [i for i in self.incoming.values() if i.reserved_at and now - i.reserved_at > RESERVATION_TIMEOUT_S]
+        for inc in late:
+            rid = inc.request.request_id
+            log.warning("no KV arrived for %s in %ss; freeing its blocks", rid, RESERVATION_TIMEOUT_S)
+            self._forget(rid)
         if now >= self._next_notice:
             self._next_notice = now + WAITING_NOTICE_S
             self._notify_waiting()
@@ -218,17 +202,15 @@ class DecodeNode(NodeBase):
         handle = self.handles.pop(identity)
         self.sources.pop(identity, None)
         self.backend.forget(handle)
-        dead = [i.offer.request_id for i in (*self.offers, *self.reserved.values()) if i.identity == identity]
+        dead = [rid for rid, i in self.incoming.items() if i.identity == identity]
         for rid in dead:
             self._forget(rid)
         log.info("dropped a prefill node's pairing (%s) and %d of its transfers", why, len(dead))
 
     def _notify_waiting(self) -> None:
         """Tell each prefill node which of its offers still wait here, so its leases do not run out."""
-        if not self.offers:
-            return
         waiting: dict[bytes, list[str]] = {}
-        for inc in self.offers:
-            waiting.setdefault(inc.identity, []).append(inc.offer.request_id)
+        for req in self.engine.waiting_for_kv():
+            waiting.setdefault(self.incoming[req.request_id].identity, []).append(req.request_id)
         for identity, ids in waiting.items():
             transport.send(self.kv_sock, P.KvWaiting(ids), identity=identity)

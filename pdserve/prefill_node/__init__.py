@@ -158,7 +158,7 @@ class PrefillNode(NodeBase):
             return
         req = t.request
         t.state, t.pulled_at, t.started = TransferState.TRANSFERRING, time.perf_counter(), time.monotonic()
-        for header, frames in self.backend.pack(self.engine.pool, request_id, req.block_ids, len(req.prompt_token_ids)):
+        for header, frames in self.engine.send_kv(req, self.backend):
             transport.send(t.peer.sock, header, frames)
 
     def _end_transfer(self, t: Transfer, ok: bool, why: str) -> None:
