@@ -9,6 +9,8 @@ import openai
 import pytest
 from stack import Stack
 
+import pdserve
+
 
 @pytest.fixture(scope="module", params=["colocated", "disagg"])
 def stack(request, tmp_path_factory):
@@ -164,3 +166,75 @@ def test_bench_load_generator_reads_every_token(stack):
     assert all(len(r.token_times) == r.expected_output_len for r in records)
     _, refused = run_http(HttpTarget(stack.url, model="no-such-model"), workload, progress=False)
     assert all("HTTP 404" in r.error and "no-such-model" in r.error for r in refused), refused[0].error
+
+
+REFUSED = [
+    ("best_of", 3), ("suffix", "tail"), ("echo", True), ("logprobs", 2), ("presence_penalty", 0.5),
+    ("frequency_penalty", -1.0), ("repetition_penalty", 1.2), ("min_p", 0.1), ("logit_bias", {"5": 10}),
+    ("min_tokens", 3), ("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
+    ("tool_choice", "auto"), ("audio", {"voice": "x"}), ("guided_json", {"type": "object"}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name,value", REFUSED, ids=[r[0] for r in REFUSED])
+def test_unsupported_field_is_a_400_naming_it(stack, name, value):
+    r = httpx.post(stack.url + "/v1/completions", json={"model": "tiny", "prompt": "x", name: value}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == name and name in err["message"]
+
+
+def test_harmless_and_neutral_fields_are_accepted(client):
+    extra = {"user": "u1", "metadata": {"k": "v"}, "service_tier": "auto", "store": False, "best_of": 1,
+             "echo": False, "logprobs": None, "presence_penalty": 0, "tool_choice": "none", "unknown_but_null": None}
+    c = client.completions.create(model="tiny", prompt="abc", max_tokens=2, extra_body=extra)
+    assert c.usage.completion_tokens == 2
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                          user="u1", store=False, logprobs=False, tool_choice="none")  # fmt: skip
+    assert chat.usage.completion_tokens == 2
+    r = httpx.post(stack_url(client) + "/chat/completions", timeout=30,
+                   json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "logprobs": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+
+
+def stack_url(client) -> str:
+    return str(client.base_url).rstrip("/")
+
+
+def test_tokenize_detokenize_version(stack):
+    r = httpx.post(stack.url + "/tokenize", json={"model": "tiny", "prompt": "Hello", "return_token_strs": True})
+    body = r.json()
+    assert r.status_code == 200 and body["count"] == len(body["tokens"]) == len(body["token_strs"]) > 0
+    assert body["max_model_len"] == 2048
+    back = httpx.post(stack.url + "/detokenize", json={"model": "tiny", "tokens": body["tokens"]}).json()
+    assert back == {"prompt": "Hello"}
+    chat = httpx.post(stack.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    c = httpx.post(stack.url + "/v1/chat/completions", timeout=30,
+                   json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).json()
+    assert chat["count"] == c["usage"]["prompt_tokens"]  # the same template as the chat endpoint
+    assert httpx.post(stack.url + "/detokenize", json={"tokens": [10**9]}).status_code == 400
+    assert httpx.post(stack.url + "/tokenize", json={"model": "nope", "prompt": "x"}).status_code == 404
+    assert httpx.get(stack.url + "/version").json()["version"] == pdserve.__version__
+
+
+def test_api_key_guards_every_route_but_health(tmp_path):
+    stack = Stack(tmp_path, "tiny", mode="colocated", api_key="s3cret").start()
+    try:
+        routes = [("GET", "/v1/models", None), ("GET", "/metrics", None), ("GET", "/version", None),
+                  ("POST", "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 1}),
+                  ("POST", "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                                                    "max_tokens": 1}),
+                  ("POST", "/tokenize", {"prompt": "x"}), ("POST", "/detokenize", {"tokens": [1]})]  # fmt: skip
+        for method, path, body in routes:
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+                r = httpx.request(method, stack.url + path, json=body, headers=headers, timeout=30)
+                assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, headers)
+            r = httpx.request(method, stack.url + path, json=body, headers=stack.headers, timeout=30)
+            assert r.status_code == 200, (path, r.text)
+        assert httpx.get(stack.url + "/health", timeout=10).status_code == 200
+        good = openai.OpenAI(base_url=stack.url + "/v1", api_key="s3cret", max_retries=0)
+        assert good.completions.create(model="tiny", prompt="x", max_tokens=1).usage.completion_tokens == 1
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=stack.url + "/v1", api_key="nope", max_retries=0).models.list()
+    finally:
+        stack.close()

@@ -18,20 +18,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.common import protocol as P
 from pdserve.common.config import RouterConfig
+from pdserve.router import small_routes
+from pdserve.router.auth import ApiKeyGuard
 from pdserve.router.core import NoNodeAvailable, RouterCore
-from pdserve.router.text import Detokenizer, ModelInfo, load_model_info
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return {"error": {"message": message, "type": kind, "param": param, "code": code or status}}
-
+from pdserve.router.errors import ApiError, error_body
+from pdserve.router.openai_fields import UnsupportedField, check_fields
+from pdserve.router.text import Detokenizer, ModelInfo, chat_prompt_ids, load_model_info
 
 # ---- request bodies ------------------------------------------------------------------------------
 
@@ -56,7 +48,6 @@ class _Common(BaseModel):
 
 class CompletionBody(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False
 
 
 class ChatMessage(BaseModel):
@@ -106,14 +97,10 @@ def _prompt_ids(body: CompletionBody, info: ModelInfo) -> list[int]:
 def _chat_ids(body: ChatBody, info: ModelInfo) -> list[int]:
     if not body.messages:
         raise ApiError(400, "messages must not be empty", "messages")
-    messages = [m.model_dump() for m in body.messages]
     try:
-        ids = info.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    except Exception as e:  # the template raises whatever jinja raises
-        raise ApiError(400, f"cannot apply the chat template: {e}", "messages") from None
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return list(ids)
+        return chat_prompt_ids(info.tokenizer, [m.model_dump() for m in body.messages])
+    except ValueError as e:
+        raise ApiError(400, str(e), "messages") from None
 
 
 def make_job(
@@ -291,10 +278,17 @@ def create_app(cfg: RouterConfig) -> FastAPI:
             await app.state.core.stop()
 
     app = FastAPI(title="pdserve", lifespan=lifespan)
+    app.include_router(small_routes.router)
+    if cfg.api_key:
+        app.add_middleware(ApiKeyGuard, api_key=cfg.api_key)
 
     @app.exception_handler(ApiError)
     async def _api_error(_, e: ApiError):
         return JSONResponse(error_body(e.status, e.message, e.param, e.code), status_code=e.status)
+
+    @app.exception_handler(UnsupportedField)
+    async def _unsupported(_, e: UnsupportedField):
+        return JSONResponse(error_body(400, str(e), e.field), status_code=400)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_, e: RequestValidationError):
@@ -309,6 +303,7 @@ def create_app(cfg: RouterConfig) -> FastAPI:
 
     async def serve(request: Request, body: _Common, prompt_ids: list[int], chat: bool):
         st = request.app.state
+        check_fields(body.model_extra or {}, body.model_dump())
         caps = [c for c in (st.core.kv_capacity_tokens(r) for r in ("colocated", "decode")) if c]
         job = make_job(body, prompt_ids, st.info, st.served, chat_default=chat, kv_capacity=min(caps, default=None))
         check_capacity(st.core, job)
