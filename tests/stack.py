@@ -129,8 +129,8 @@ class Stack:
         text = httpx.get(self.url + "/metrics", headers=self.headers, timeout=5).text
         used = {}
         for line in text.splitlines():
-            if line.startswith("pdserve_kv_blocks_used{"):
-                used[line.split('node="')[1].split('"')[0]] = int(line.rsplit(" ", 1)[1])
+            if line.startswith("pdserve:kv_blocks_used{"):
+                used[line.split('node="')[1].split('"')[0]] = int(float(line.rsplit(" ", 1)[1]))
         return used
 
     def wait_kv_free(self, timeout: float = 10.0) -> dict[str, int]:

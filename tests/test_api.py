@@ -118,9 +118,28 @@ def test_malformed_json_and_bad_chat_then_still_serving(stack):
 def test_health_and_metrics(stack):
     h = httpx.get(stack.url + "/health", timeout=10).json()
     assert h["status"] == "ok" and all(n["up"] for n in h["nodes"])
+    before = scrape(stack)
+    c = httpx.post(stack.url + "/v1/completions", json={"model": "tiny", "prompt": "abc", "max_tokens": 4}, timeout=30)
+    after = scrape(stack)
+    grew = {k: after[k] - before.get(k, 0) for k in after}
+    prompt_len = c.json()["usage"]["prompt_tokens"]
+    assert grew["pdserve:prompt_tokens_total"] == prompt_len and grew["pdserve:generation_tokens_total"] == 4
+    assert grew['pdserve:request_success_total{finished_reason="length"}'] == 1
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_decode_time_seconds",
+                 "request_time_per_output_token_seconds"):
+        assert grew[f"pdserve:{name}_count"] == 1 and grew[f'pdserve:{name}_bucket{{le="+Inf"}}'] == 1, name
+    assert grew["pdserve:inter_token_latency_seconds_count"] == 3
+    assert grew["pdserve:request_handoff_time_seconds_count"] == (stack.mode == "disagg")
+    assert any(k.startswith("pdserve:kv_blocks_free{") for k in after)
+    assert any(k.startswith("pdserve:num_requests_waiting{") for k in after)
+    assert any(k.startswith("pdserve:num_preemptions_total{") for k in after)
+
+
+def scrape(stack) -> dict[str, float]:
+    """Every sample of /metrics, by its name and labels."""
     text = httpx.get(stack.url + "/metrics", timeout=10).text
-    for name in ("pdserve_time_to_first_token_seconds_count", "pdserve_kv_blocks_free", "pdserve_num_waiting"):
-        assert name in text
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}  # fmt: skip
 
 
 @pytest.mark.parametrize(

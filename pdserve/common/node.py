@@ -155,7 +155,7 @@ class NodeBase:
     def stats(self) -> P.Stats:
         sched, alloc = self.engine.scheduler, self.engine.pool.allocator
         return P.Stats(self.role, len(sched.running), len(sched.waiting), alloc.num_used, alloc.num_free,
-                       dict(self.counters))  # fmt: skip
+                       {**self.counters, "preemptions": sched.num_preemptions})  # fmt: skip
 
     def send_stats(self) -> None:
         if self.router_id is not None:

@@ -49,6 +49,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.num_preemptions = 0  # since start, for the node's counters
 
     # ---- queue --------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -127,6 +128,7 @@ class Scheduler:
         req.move_to(Status.WAITING)
         self.waiting.appendleft(req)
         batch.preempted.append(req)
+        self.num_preemptions += 1
         batch.scheduled = [s for s in batch.scheduled if s.request is not req]
 
     def _drop_kv(self, req: Request) -> None:

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -183,7 +184,7 @@ async def run_job(core: RouterCore, info: ModelInfo, job: Job, flight=None) -> A
     """Dispatch `job` (unless `flight` is given) and yield text deltas; aborts it everywhere if the consumer leaves."""
     flight = flight or submit(core, job)
     detok = Detokenizer(info.tokenizer, job.stops)
-    finished = False
+    finished, reason = False, None
     try:
         while not finished:
             ev: P.TokenEvent = await flight.queue.get()
@@ -197,7 +198,7 @@ async def run_job(core: RouterCore, info: ModelInfo, job: Job, flight=None) -> A
             yield Delta(text, list(ev.token_ids), reason)
     finally:
         if not finished or flight.request_id in core.flights:
-            core.abort(flight.request_id)
+            core.abort(flight.request_id, reason or "abort")
 
 
 def _usage(job: Job, n: int) -> dict:
@@ -334,36 +335,6 @@ def create_app(cfg: RouterConfig) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics(request: Request):
-        return PlainTextResponse(render_metrics(request.app.state.core))
+        return Response(request.app.state.core.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
-
-
-def render_metrics(core: RouterCore) -> str:
-    m = core.metrics
-    lines = [
-        "# TYPE pdserve_requests_total counter", f"pdserve_requests_total {m['requests_total']}",
-        "# TYPE pdserve_requests_failed_total counter", f"pdserve_requests_failed_total {m['requests_failed']}",
-        "# TYPE pdserve_requests_in_flight gauge", f"pdserve_requests_in_flight {len(core.flights)}",
-        "# TYPE pdserve_time_to_first_token_seconds summary",
-        f"pdserve_time_to_first_token_seconds_sum {m['ttft_sum']:.6f}",
-        f"pdserve_time_to_first_token_seconds_count {m['ttft_count']}",
-        "# TYPE pdserve_time_per_output_token_seconds summary",
-        f"pdserve_time_per_output_token_seconds_sum {m['tpot_sum']:.6f}",
-        f"pdserve_time_per_output_token_seconds_count {m['tpot_count']}",
-    ]  # fmt: skip
-    gauges = {"num_running": "pdserve_num_running", "num_waiting": "pdserve_num_waiting",
-              "kv_blocks_used": "pdserve_kv_blocks_used", "kv_blocks_free": "pdserve_kv_blocks_free"}  # fmt: skip
-    for field_name, metric in gauges.items():
-        lines.append(f"# TYPE {metric} gauge")
-        for n in core.nodes:
-            if n.stats is not None:
-                lines.append(f'{metric}{{role="{n.role}",node="{n.addr}"}} {getattr(n.stats, field_name)}')
-    counters = sorted({k for n in core.nodes if n.stats for k in n.stats.counters})
-    for key in counters:
-        lines.append(f"# TYPE pdserve_node_{key} counter")
-        for n in core.nodes:
-            if n.stats is not None and key in n.stats.counters:
-                lines.append(f'pdserve_node_{key}{{role="{n.role}",node="{n.addr}"}} {n.stats.counters[key]}')
-    lines.append(f"pdserve_node_up_total {sum(n.up for n in core.nodes)}")
-    return "\n".join(lines) + "\n"
