@@ -79,7 +79,10 @@ BAD = [
     ({"model": "tiny", "prompt": "x", "top_p": 0}, 400, "top_p"),
     ({"model": "tiny", "prompt": "x", "top_p": 1.5}, 400, "top_p"),
     ({"model": "tiny", "prompt": "x", "top_k": 0}, 400, "top_k"),
-    ({"model": "tiny", "prompt": "x", "n": 2}, 400, "n=1"),
+    ({"model": "tiny", "prompt": "x", "n": 17}, 400, "n must be"),
+    ({"model": "tiny", "prompt": "x", "n": 0}, 400, "n must be"),
+    ({"model": "tiny", "prompt": ["ok", ""]}, 400, "empty"),
+    ({"model": "tiny", "prompt": [[1, 2], [3, 99999]]}, 400, "vocabulary"),
     ({"model": "tiny"}, 400, "prompt"),
     ({"model": "tiny", "prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
 ]
@@ -257,3 +260,45 @@ def test_api_key_guards_every_route_but_health(tmp_path):
             openai.OpenAI(base_url=stack.url + "/v1", api_key="nope", max_retries=0).models.list()
     finally:
         stack.close()
+
+
+def test_n_with_a_seed_gives_different_reproducible_choices(client):
+    kw = dict(model="tiny", prompt="seed me", max_tokens=8, temperature=1.0, seed=7)
+    four = client.completions.create(n=4, **kw)
+    texts = [c.text for c in sorted(four.choices, key=lambda c: c.index)]
+    assert [c.index for c in four.choices] == [0, 1, 2, 3] and len(set(texts)) == 4, texts
+    assert [c.text for c in client.completions.create(n=4, **kw).choices] == texts
+    assert client.completions.create(**kw).choices[0].text == texts[0]  # n=1 is sample 0
+    assert four.usage.completion_tokens == 32 and four.usage.prompt_tokens == len("seed me")
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=3,
+                                          max_tokens=6, seed=3)  # fmt: skip
+    assert [c.index for c in chat.choices] == [0, 1, 2] and len({c.message.content for c in chat.choices}) == 3
+
+
+def test_batched_prompts_match_one_at_a_time(client):
+    prompts = ["Hello there", "abc", "a longer prompt than the others"]
+    kw = dict(model="tiny", max_tokens=5, temperature=0)
+    alone = [client.completions.create(prompt=p, **kw).choices[0].text for p in prompts]
+    batch = client.completions.create(prompt=prompts, n=2, **kw)
+    assert [c.index for c in batch.choices] == list(range(6))
+    assert [c.text for c in batch.choices] == [t for t in alone for _ in range(2)]
+    assert batch.usage.prompt_tokens == sum(len(p) for p in prompts) and batch.usage.completion_tokens == 30
+    ids = [[72, 101, 108], [97, 98]]
+    by_ids = client.completions.create(prompt=ids, extra_body={"return_token_ids": True}, **kw)
+    assert [c.token_ids for c in by_ids.choices] == [
+        client.completions.create(prompt=p, extra_body={"return_token_ids": True}, **kw).choices[0].token_ids
+        for p in ids
+    ]
+
+
+def test_streamed_batch_and_n_reassemble_by_index(client):
+    kw = dict(model="tiny", prompt=["one", "two"], n=2, max_tokens=6, temperature=0.9, seed=11)
+    whole = client.completions.create(**kw)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    texts, reasons = {}, {}
+    for c in chunks:
+        for ch in c.choices:
+            texts[ch.index] = texts.get(ch.index, "") + ch.text
+            reasons[ch.index] = ch.finish_reason or reasons.get(ch.index)
+    assert texts == {c.index: c.text for c in whole.choices} and set(reasons.values()) == {"length"}
+    assert chunks[-1].usage.completion_tokens == 24 and len({c.id for c in chunks}) == 1

@@ -7,8 +7,8 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass, field, replace
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -21,6 +21,7 @@ from pdserve.common import protocol as P
 from pdserve.common.config import RouterConfig
 from pdserve.router import small_routes
 from pdserve.router.auth import ApiKeyGuard
+from pdserve.router.choices import derive_seed, gather_all, merge
 from pdserve.router.core import NoNodeAvailable, RouterCore
 from pdserve.router.errors import ApiError, error_body
 from pdserve.router.openai_fields import UnsupportedField, check_fields
@@ -74,25 +75,27 @@ class Job:
     model: str
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
+    index: int = 0  # the choice's index in the response
+    sample: int = 0  # which of its prompt's n samples it is
 
 
 # ---- validation ----------------------------------------------------------------------------------
 
 
-def _prompt_ids(body: CompletionBody, info: ModelInfo) -> list[int]:
+def _prompts(body: CompletionBody, info: ModelInfo) -> list[list[int]]:
+    """The token ids of each prompt of the request: a string, a list of ids, or a batch of either."""
     prompt = body.prompt
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt):
-        raise ApiError(400, "batched prompts are not supported: send one prompt per request", "prompt")
+    batch = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
+    return [_one_prompt(p, info) for p in batch]
+
+
+def _one_prompt(prompt: str | list[int], info: ModelInfo) -> list[int]:
     if isinstance(prompt, str):
-        ids = info.tokenizer.encode(prompt, add_special_tokens=False)
-    else:
-        ids = list(prompt)
-        bad = [t for t in ids if not 0 <= t < info.vocab_size]
-        if bad:
-            raise ApiError(400, f"token id {bad[0]} is outside the vocabulary [0, {info.vocab_size})", "prompt")
-    return ids
+        return info.tokenizer.encode(prompt, add_special_tokens=False)
+    bad = [t for t in prompt if not 0 <= t < info.vocab_size]
+    if bad:
+        raise ApiError(400, f"token id {bad[0]} is outside the vocabulary [0, {info.vocab_size})", "prompt")
+    return list(prompt)
 
 
 def _chat_ids(body: ChatBody, info: ModelInfo) -> list[int]:
@@ -111,14 +114,15 @@ def make_job(
     served: set[str],
     chat_default: bool = False,
     kv_capacity: int | None = None,
+    max_n: int = 1,
 ) -> Job:
     if body.model not in served:
         raise ApiError(404, f"model {body.model!r} does not exist; this server serves {sorted(served)[0]!r}",
                        "model", "model_not_found")  # fmt: skip
     if not prompt_ids:
         raise ApiError(400, "the prompt is empty", "prompt")
-    if body.n != 1:
-        raise ApiError(400, "only n=1 is supported", "n")
+    if not 1 <= body.n <= max_n:
+        raise ApiError(400, f"n must be between 1 and {max_n} (--max-n)", "n")
     max_tokens = body.max_completion_tokens or body.max_tokens
     if max_tokens is None:  # OpenAI: 16 for completions; chat goes on until EOS or the context's end
         room = min(info.max_model_len, kv_capacity or info.max_model_len) - len(prompt_ids)
@@ -161,6 +165,14 @@ class Delta:
     finish_reason: str | None
 
 
+def expand(jobs: list[Job], n: int) -> list[Job]:
+    """One job per choice: prompt i's sample j is choice i * n + j, with its own seed; one id for the response."""
+    first = jobs[0]
+    return [replace(job, id=first.id, created=first.created, index=i * n + j, sample=j,
+                    params=replace(job.params, seed=derive_seed(job.params.seed, j)))
+            for i, job in enumerate(jobs) for j in range(n)]  # fmt: skip
+
+
 def check_capacity(core: RouterCore, job: Job) -> None:
     """Refuse a request no node's KV pool could ever hold (the pools are smaller than the context)."""
     need = {"colocated": len(job.prompt_ids) + job.params.max_tokens, "decode": len(job.prompt_ids) +
@@ -201,16 +213,19 @@ async def run_job(core: RouterCore, info: ModelInfo, job: Job, flight=None) -> A
             core.abort(flight.request_id, reason or "abort")
 
 
-def _usage(job: Job, n: int) -> dict:
-    return {"prompt_tokens": len(job.prompt_ids), "completion_tokens": n, "total_tokens": len(job.prompt_ids) + n}
+def _usage(jobs: list[Job], completion_tokens: int) -> dict:
+    prompt_tokens = sum(len(j.prompt_ids) for j in jobs if j.sample == 0)  # a prompt counts once, whatever n
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
 
 
 def _choice(job: Job, chat: bool, text: str, token_ids: list[int] | None, reason, stream: bool) -> dict:
     if chat:
         key = "delta" if stream else "message"
-        choice = {"index": 0, key: {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": reason}
+        choice = {"index": job.index, key: {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": reason}  # fmt: skip
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        choice = {"index": job.index, "text": text, "logprobs": None, "finish_reason": reason}
     if job.return_token_ids and token_ids is not None:
         choice["token_ids"] = token_ids
     return choice
@@ -222,43 +237,59 @@ def _envelope(job: Job, chat: bool, stream: bool) -> dict:
             "model": job.model}  # fmt: skip
 
 
-async def _complete(core, info, job: Job, chat: bool, request: Request) -> dict:
+async def _collect(core, info, job: Job) -> tuple[str, list[int], str | None]:
     texts, ids, reason = [], [], None
+    async for d in run_job(core, info, job):
+        texts.append(d.text)
+        ids.extend(d.token_ids)
+        reason = d.finish_reason
+    return "".join(texts), ids, reason
 
-    async def collect():
-        nonlocal reason
-        async for d in run_job(core, info, job):
-            texts.append(d.text)
-            ids.extend(d.token_ids)
-            reason = d.finish_reason
 
-    task = asyncio.create_task(collect())
+async def _complete(core, info, jobs: list[Job], chat: bool, request: Request) -> dict:
+    task = asyncio.create_task(gather_all(_collect(core, info, job) for job in jobs))
     while not task.done():
         await asyncio.wait({task}, timeout=0.5)
         if not task.done() and await request.is_disconnected():
-            task.cancel()  # run_job's finally aborts the request on its nodes
+            task.cancel()  # run_job's finally aborts each request on its nodes
     await asyncio.gather(task, return_exceptions=True)
-    task.result()
-    body = _envelope(job, chat, stream=False)
-    body["choices"] = [_choice(job, chat, "".join(texts), ids, reason, stream=False)]
-    body["usage"] = _usage(job, len(ids))
+    results = task.result()
+    body = _envelope(jobs[0], chat, stream=False)
+    body["choices"] = [_choice(job, chat, text, ids, reason, stream=False)
+                       for job, (text, ids, reason) in zip(jobs, results, strict=True)]  # fmt: skip
+    body["usage"] = _usage(jobs, sum(len(ids) for _, ids, _ in results))
     return body
 
 
-async def _stream(core, info, job: Job, chat: bool, flight) -> AsyncIterator[str]:
-    n = 0
+def submit_all(core: RouterCore, jobs: list[Job]) -> list:
+    """Dispatch every job, or none: a refusal aborts those already sent."""
+    flights = []
     try:
-        async for d in run_job(core, info, job, flight):
-            n += len(d.token_ids)
-            chunk = _envelope(job, chat, stream=True)
-            chunk["choices"] = [_choice(job, chat, d.text, d.token_ids, d.finish_reason, stream=True)]
-            yield f"data: {json.dumps(chunk)}\n\n"
+        for job in jobs:
+            flights.append(submit(core, job))
+    except ApiError:
+        for f in flights:
+            core.abort(f.request_id)
+        raise
+    return flights
+
+
+async def _stream(core, info, jobs: list[Job], chat: bool, flights: list) -> AsyncIterator[str]:
+    n = 0
+    deltas = merge([run_job(core, info, j, f) for j, f in zip(jobs, flights, strict=True)])
+    try:
+        async with aclosing(deltas):  # a client that leaves closes it now: every choice is aborted at once
+            async for i, d in deltas:
+                n += len(d.token_ids)
+                chunk = _envelope(jobs[i], chat, stream=True)
+                chunk["choices"] = [_choice(jobs[i], chat, d.text, d.token_ids, d.finish_reason, stream=True)]
+                yield f"data: {json.dumps(chunk)}\n\n"
     except ApiError as e:
         yield f"data: {json.dumps(error_body(e.status, e.message, e.param, e.code))}\n\n"
         return
-    if job.include_usage:
-        chunk = _envelope(job, chat, stream=True)
-        chunk["choices"], chunk["usage"] = [], _usage(job, n)
+    if jobs[0].include_usage:
+        chunk = _envelope(jobs[0], chat, stream=True)
+        chunk["choices"], chunk["usage"] = [], _usage(jobs, n)
         yield f"data: {json.dumps(chunk)}\n\n"
     yield "data: [DONE]\n\n"
 
@@ -302,24 +333,27 @@ def create_app(cfg: RouterConfig) -> FastAPI:
     async def _http(_, e: StarletteHTTPException):
         return JSONResponse(error_body(e.status_code, str(e.detail)), status_code=e.status_code)
 
-    async def serve(request: Request, body: _Common, prompt_ids: list[int], chat: bool):
+    async def serve(request: Request, body: _Common, prompts: list[list[int]], chat: bool):
         st = request.app.state
         check_fields(body.model_extra or {}, body.model_dump())
         caps = [c for c in (st.core.kv_capacity_tokens(r) for r in ("colocated", "decode")) if c]
-        job = make_job(body, prompt_ids, st.info, st.served, chat_default=chat, kv_capacity=min(caps, default=None))
-        check_capacity(st.core, job)
-        if job.stream:  # dispatch first, so that a refusal is still an HTTP error, not a 200 stream
-            flight = submit(st.core, job)
-            return StreamingResponse(_stream(st.core, st.info, job, chat, flight), media_type="text/event-stream")
-        return await _complete(st.core, st.info, job, chat, request)
+        jobs = [make_job(body, ids, st.info, st.served, chat_default=chat, kv_capacity=min(caps, default=None),
+                         max_n=cfg.max_n) for ids in prompts]  # fmt: skip
+        for job in jobs:
+            check_capacity(st.core, job)
+        jobs = expand(jobs, body.n)
+        if body.stream:  # dispatch first, so that a refusal is still an HTTP error, not a 200 stream
+            flights = submit_all(st.core, jobs)
+            return StreamingResponse(_stream(st.core, st.info, jobs, chat, flights), media_type="text/event-stream")
+        return await _complete(st.core, st.info, jobs, chat, request)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request):
-        return await serve(request, body, _prompt_ids(body, request.app.state.info), chat=False)
+        return await serve(request, body, _prompts(body, request.app.state.info), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, request: Request):
-        return await serve(request, body, _chat_ids(body, request.app.state.info), chat=True)
+        return await serve(request, body, [_chat_ids(body, request.app.state.info)], chat=True)
 
     @app.get("/v1/models")
     async def models(request: Request):
