@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from pdserve.common.config import (
@@ -33,6 +34,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                    help="auto: Triton kernels on CUDA, pdserve's C kernels on the CPU; torch: SDPA per request")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+
+
+def add_api_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("HTTP API")
+    g.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY", ""),
+                   help="every route but /health needs 'Authorization: Bearer KEY' (default: $PDSERVE_API_KEY)")
+    g.add_argument("--max-n", type=int, default=16, help="the most choices (n) one request may ask for")
 
 
 def engine_config(a: argparse.Namespace, device: str, cores: str) -> EngineConfig:
@@ -77,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--prefill-cores", default=None, help="cores of each prefill node (default: one core each)")
     up.add_argument("--decode-cores", default=None, help="cores of each decode node (default: one core each)")
     up.add_argument("--no-pin", action="store_true", help="do not pin nodes to cores")
+    add_api_args(up)
 
     for role in ("colocated", "prefill", "decode"):
         r = sub.add_parser(role, help=f"run one {role} node")
@@ -98,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("--decode-kv", nargs="*", default=[])
     rt.add_argument("--served-model-name", default="")
     rt.add_argument("--node-timeout-s", type=float, default=10.0)
+    add_api_args(rt)
     return p
 
 
@@ -129,7 +139,7 @@ def run_router(a: argparse.Namespace) -> None:
     cfg = RouterConfig(
         model=a.model, host=a.host, port=a.port, colocated=tuple(a.colocated), prefill=tuple(a.prefill),
         decode=tuple(a.decode), decode_kv=tuple(a.decode_kv), served_model_name=a.served_model_name,
-        node_timeout_s=a.node_timeout_s,
+        node_timeout_s=a.node_timeout_s, api_key=a.api_key, max_n=a.max_n,
     )  # fmt: skip
     uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="warning")
 

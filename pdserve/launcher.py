@@ -128,6 +128,14 @@ def _wait(p: subprocess.Popen, timeout: float) -> None:
         pass
 
 
+def router_env(a: argparse.Namespace) -> dict[str, str]:
+    """The API key travels in the router's environment, not its argv (which `ps` shows everyone)."""
+    env = os.environ.copy()
+    if a.api_key:
+        env["PDSERVE_API_KEY"] = a.api_key
+    return env
+
+
 def launch(a: argparse.Namespace) -> int:
     procs: list[subprocess.Popen] = []
     stopping = False
@@ -145,7 +153,7 @@ def launch(a: argparse.Namespace) -> int:
                 procs.append(subprocess.Popen([*argv, "--ready-file", str(ready)]))
             infos = _wait_ready(procs, [r for _, _, r in nodes])
             argv = [sys.executable, "-m", "pdserve", "router", "--model", a.model, "--host", a.host,
-                    "--port", str(a.port)]  # fmt: skip
+                    "--port", str(a.port), "--max-n", str(a.max_n)]  # fmt: skip
             for role in ("colocated", "prefill", "decode"):
                 addrs = [i["listen"] for i in infos if i["role"] == role]
                 if addrs:
@@ -153,7 +161,7 @@ def launch(a: argparse.Namespace) -> int:
             kv = [i["kv_listen"] for i in infos if i["role"] == "decode"]
             if kv:
                 argv += ["--decode-kv", *kv]
-            router = subprocess.Popen(argv)
+            router = subprocess.Popen(argv, env=router_env(a))
             procs.append(router)
             url = f"http://{a.host}:{a.port}"
             _wait_http(url, router)

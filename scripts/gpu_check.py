@@ -139,15 +139,15 @@ def main() -> int:
         finally:
             stop_stack(proc)
         gaps = logit_gaps(hf, prompts, outs)
-        nbytes = metric(text, "pdserve_node_kv_transfer_bytes")
-        secs = metric(text, "pdserve_node_kv_transfer_time_s")
+        nbytes = metric(text, "pdserve:node_kv_transfer_bytes_total")
+        secs = metric(text, "pdserve:node_kv_transfer_time_s_total")
         r = {
             "requests": len(outs),
             "tokens": sum(len(o) for o in outs),
             "wall_s": round(wall, 3),
             "max_logit_gap": round(max(gaps), 4),
             "tokens_within_tol": sum(g <= a.logit_tol for g in gaps) / len(gaps),
-            "kv_transfers": metric(text, "pdserve_node_kv_transfers"),
+            "kv_transfers": metric(text, "pdserve:node_kv_transfers_total"),
             "kv_transfer_GBps": round(nbytes / secs / 1e9, 3) if secs else None,
         }
         r["pass"] = r["tokens_within_tol"] == 1.0 and r["kv_transfers"] >= len(outs)

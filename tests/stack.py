@@ -25,10 +25,13 @@ def free_port() -> int:
 class Stack:
     def __init__(self, tmp: Path, model: str, mode: str = "colocated", transport: str = "zmq",
                  num_prefill: int = 1, num_decode: int = 1, engine_args: tuple[str, ...] = (),
-                 decode_args: tuple[str, ...] = ()) -> None:  # fmt: skip
+                 decode_args: tuple[str, ...] = (), router_args: tuple[str, ...] = (),
+                 api_key: str = "") -> None:  # fmt: skip
         self.tmp, self.model, self.mode, self.transport = tmp, model, mode, transport
         self.num_prefill, self.num_decode = num_prefill, num_decode
         self.engine_args, self.decode_args = list(engine_args), list(decode_args)
+        self.router_args, self.api_key = list(router_args), api_key
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.procs: dict[str, subprocess.Popen] = {}
         self.infos: dict[str, dict] = {}
         self.url = ""
@@ -69,7 +72,7 @@ class Stack:
                 )
         port = free_port()
         argv = [sys.executable, "-m", "pdserve", "--log-level", "WARNING", "router", "--model", self.model,
-                "--port", str(port), "--node-timeout-s", "3"]  # fmt: skip
+                "--port", str(port), "--node-timeout-s", "3", *self.router_args]  # fmt: skip
         for role in ("colocated", "prefill", "decode"):
             addrs = [i["listen"] for n, i in self.infos.items() if n.startswith(role)]
             if addrs:
@@ -77,7 +80,8 @@ class Stack:
         kv = [i["kv_listen"] for n, i in self.infos.items() if n.startswith("decode")]
         if kv:
             argv += ["--decode-kv", *kv]
-        self.procs["router"] = subprocess.Popen(argv, env=os.environ.copy())
+        env = {**os.environ, "PDSERVE_API_KEY": self.api_key}
+        self.procs["router"] = subprocess.Popen(argv, env=env)
         self.url = f"http://127.0.0.1:{port}"
         self.wait_healthy()
         return self
@@ -122,11 +126,11 @@ class Stack:
     # ---- observations ------------------------------------------------------------------------------
     def kv_used(self) -> dict[str, int]:
         """kv_blocks_used per node, from /metrics."""
-        text = httpx.get(self.url + "/metrics", timeout=5).text
+        text = httpx.get(self.url + "/metrics", headers=self.headers, timeout=5).text
         used = {}
         for line in text.splitlines():
-            if line.startswith("pdserve_kv_blocks_used{"):
-                used[line.split('node="')[1].split('"')[0]] = int(line.rsplit(" ", 1)[1])
+            if line.startswith("pdserve:kv_blocks_used{"):
+                used[line.split('node="')[1].split('"')[0]] = int(float(line.rsplit(" ", 1)[1]))
         return used
 
     def wait_kv_free(self, timeout: float = 10.0) -> dict[str, int]:

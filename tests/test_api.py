@@ -9,6 +9,8 @@ import openai
 import pytest
 from stack import Stack
 
+import pdserve
+
 
 @pytest.fixture(scope="module", params=["colocated", "disagg"])
 def stack(request, tmp_path_factory):
@@ -77,7 +79,10 @@ BAD = [
     ({"model": "tiny", "prompt": "x", "top_p": 0}, 400, "top_p"),
     ({"model": "tiny", "prompt": "x", "top_p": 1.5}, 400, "top_p"),
     ({"model": "tiny", "prompt": "x", "top_k": 0}, 400, "top_k"),
-    ({"model": "tiny", "prompt": "x", "n": 2}, 400, "n=1"),
+    ({"model": "tiny", "prompt": "x", "n": 17}, 400, "n must be"),
+    ({"model": "tiny", "prompt": "x", "n": 0}, 400, "n must be"),
+    ({"model": "tiny", "prompt": ["ok", ""]}, 400, "empty"),
+    ({"model": "tiny", "prompt": [[1, 2], [3, 99999]]}, 400, "vocabulary"),
     ({"model": "tiny"}, 400, "prompt"),
     ({"model": "tiny", "prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
 ]
@@ -116,9 +121,28 @@ def test_malformed_json_and_bad_chat_then_still_serving(stack):
 def test_health_and_metrics(stack):
     h = httpx.get(stack.url + "/health", timeout=10).json()
     assert h["status"] == "ok" and all(n["up"] for n in h["nodes"])
+    before = scrape(stack)
+    c = httpx.post(stack.url + "/v1/completions", json={"model": "tiny", "prompt": "abc", "max_tokens": 4}, timeout=30)
+    after = scrape(stack)
+    grew = {k: after[k] - before.get(k, 0) for k in after}
+    prompt_len = c.json()["usage"]["prompt_tokens"]
+    assert grew["pdserve:prompt_tokens_total"] == prompt_len and grew["pdserve:generation_tokens_total"] == 4
+    assert grew['pdserve:request_success_total{finished_reason="length"}'] == 1
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_decode_time_seconds",
+                 "request_time_per_output_token_seconds"):
+        assert grew[f"pdserve:{name}_count"] == 1 and grew[f'pdserve:{name}_bucket{{le="+Inf"}}'] == 1, name
+    assert grew["pdserve:inter_token_latency_seconds_count"] == 3
+    assert grew["pdserve:request_handoff_time_seconds_count"] == (stack.mode == "disagg")
+    assert any(k.startswith("pdserve:kv_blocks_free{") for k in after)
+    assert any(k.startswith("pdserve:num_requests_waiting{") for k in after)
+    assert any(k.startswith("pdserve:num_preemptions_total{") for k in after)
+
+
+def scrape(stack) -> dict[str, float]:
+    """Every sample of /metrics, by its name and labels."""
     text = httpx.get(stack.url + "/metrics", timeout=10).text
-    for name in ("pdserve_time_to_first_token_seconds_count", "pdserve_kv_blocks_free", "pdserve_num_waiting"):
-        assert name in text
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -164,3 +188,117 @@ def test_bench_load_generator_reads_every_token(stack):
     assert all(len(r.token_times) == r.expected_output_len for r in records)
     _, refused = run_http(HttpTarget(stack.url, model="no-such-model"), workload, progress=False)
     assert all("HTTP 404" in r.error and "no-such-model" in r.error for r in refused), refused[0].error
+
+
+REFUSED = [
+    ("best_of", 3), ("suffix", "tail"), ("echo", True), ("logprobs", 2), ("presence_penalty", 0.5),
+    ("frequency_penalty", -1.0), ("repetition_penalty", 1.2), ("min_p", 0.1), ("logit_bias", {"5": 10}),
+    ("min_tokens", 3), ("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
+    ("tool_choice", "auto"), ("audio", {"voice": "x"}), ("guided_json", {"type": "object"}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name,value", REFUSED, ids=[r[0] for r in REFUSED])
+def test_unsupported_field_is_a_400_naming_it(stack, name, value):
+    r = httpx.post(stack.url + "/v1/completions", json={"model": "tiny", "prompt": "x", name: value}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == name and name in err["message"]
+
+
+def test_harmless_and_neutral_fields_are_accepted(client):
+    extra = {"user": "u1", "metadata": {"k": "v"}, "service_tier": "auto", "store": False, "best_of": 1,
+             "echo": False, "logprobs": None, "presence_penalty": 0, "tool_choice": "none", "unknown_but_null": None}
+    c = client.completions.create(model="tiny", prompt="abc", max_tokens=2, extra_body=extra)
+    assert c.usage.completion_tokens == 2
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                          user="u1", store=False, logprobs=False, tool_choice="none")  # fmt: skip
+    assert chat.usage.completion_tokens == 2
+    r = httpx.post(stack_url(client) + "/chat/completions", timeout=30,
+                   json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "logprobs": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+
+
+def stack_url(client) -> str:
+    return str(client.base_url).rstrip("/")
+
+
+def test_tokenize_detokenize_version(stack):
+    r = httpx.post(stack.url + "/tokenize", json={"model": "tiny", "prompt": "Hello", "return_token_strs": True})
+    body = r.json()
+    assert r.status_code == 200 and body["count"] == len(body["tokens"]) == len(body["token_strs"]) > 0
+    assert body["max_model_len"] == 2048
+    back = httpx.post(stack.url + "/detokenize", json={"model": "tiny", "tokens": body["tokens"]}).json()
+    assert back == {"prompt": "Hello"}
+    chat = httpx.post(stack.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    c = httpx.post(stack.url + "/v1/chat/completions", timeout=30,
+                   json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).json()
+    assert chat["count"] == c["usage"]["prompt_tokens"]  # the same template as the chat endpoint
+    assert httpx.post(stack.url + "/detokenize", json={"tokens": [10**9]}).status_code == 400
+    assert httpx.post(stack.url + "/tokenize", json={"model": "nope", "prompt": "x"}).status_code == 404
+    assert httpx.get(stack.url + "/version").json()["version"] == pdserve.__version__
+
+
+def test_api_key_guards_every_route_but_health(tmp_path):
+    stack = Stack(tmp_path, "tiny", mode="colocated", api_key="s3cret").start()
+    try:
+        routes = [("GET", "/v1/models", None), ("GET", "/metrics", None), ("GET", "/version", None),
+                  ("POST", "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 1}),
+                  ("POST", "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                                                    "max_tokens": 1}),
+                  ("POST", "/tokenize", {"prompt": "x"}), ("POST", "/detokenize", {"tokens": [1]})]  # fmt: skip
+        for method, path, body in routes:
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+                r = httpx.request(method, stack.url + path, json=body, headers=headers, timeout=30)
+                assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, headers)
+            r = httpx.request(method, stack.url + path, json=body, headers=stack.headers, timeout=30)
+            assert r.status_code == 200, (path, r.text)
+        assert httpx.get(stack.url + "/health", timeout=10).status_code == 200
+        good = openai.OpenAI(base_url=stack.url + "/v1", api_key="s3cret", max_retries=0)
+        assert good.completions.create(model="tiny", prompt="x", max_tokens=1).usage.completion_tokens == 1
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=stack.url + "/v1", api_key="nope", max_retries=0).models.list()
+    finally:
+        stack.close()
+
+
+def test_n_with_a_seed_gives_different_reproducible_choices(client):
+    kw = dict(model="tiny", prompt="seed me", max_tokens=8, temperature=1.0, seed=7)
+    four = client.completions.create(n=4, **kw)
+    texts = [c.text for c in sorted(four.choices, key=lambda c: c.index)]
+    assert [c.index for c in four.choices] == [0, 1, 2, 3] and len(set(texts)) == 4, texts
+    assert [c.text for c in client.completions.create(n=4, **kw).choices] == texts
+    assert client.completions.create(**kw).choices[0].text == texts[0]  # n=1 is sample 0
+    assert four.usage.completion_tokens == 32 and four.usage.prompt_tokens == len("seed me")
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=3,
+                                          max_tokens=6, seed=3)  # fmt: skip
+    assert [c.index for c in chat.choices] == [0, 1, 2] and len({c.message.content for c in chat.choices}) == 3
+
+
+def test_batched_prompts_match_one_at_a_time(client):
+    prompts = ["Hello there", "abc", "a longer prompt than the others"]
+    kw = dict(model="tiny", max_tokens=5, temperature=0)
+    alone = [client.completions.create(prompt=p, **kw).choices[0].text for p in prompts]
+    batch = client.completions.create(prompt=prompts, n=2, **kw)
+    assert [c.index for c in batch.choices] == list(range(6))
+    assert [c.text for c in batch.choices] == [t for t in alone for _ in range(2)]
+    assert batch.usage.prompt_tokens == sum(len(p) for p in prompts) and batch.usage.completion_tokens == 30
+    ids = [[72, 101, 108], [97, 98]]
+    by_ids = client.completions.create(prompt=ids, extra_body={"return_token_ids": True}, **kw)
+    assert [c.token_ids for c in by_ids.choices] == [
+        client.completions.create(prompt=p, extra_body={"return_token_ids": True}, **kw).choices[0].token_ids
+        for p in ids
+    ]
+
+
+def test_streamed_batch_and_n_reassemble_by_index(client):
+    kw = dict(model="tiny", prompt=["one", "two"], n=2, max_tokens=6, temperature=0.9, seed=11)
+    whole = client.completions.create(**kw)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    texts, reasons = {}, {}
+    for c in chunks:
+        for ch in c.choices:
+            texts[ch.index] = texts.get(ch.index, "") + ch.text
+            reasons[ch.index] = ch.finish_reason or reasons.get(ch.index)
+    assert texts == {c.index: c.text for c in whole.choices} and set(reasons.values()) == {"length"}
+    assert chunks[-1].usage.completion_tokens == 24 and len({c.id for c in chunks}) == 1

@@ -11,10 +11,10 @@ import pytest
 from stack import Stack
 
 
-def _stream_some(url: str, n_chunks: int, max_tokens: int = 1500) -> int:
-    """Start a long streamed completion, read `n_chunks` chunks, then hang up."""
+def _stream_some(url: str, n_chunks: int, max_tokens: int = 1500, n: int = 1) -> int:
+    """Start a long streamed completion (of `n` choices), read `n_chunks` chunks, then hang up."""
     body = {"model": "tiny", "prompt": list(range(1, 200)), "max_tokens": max_tokens, "ignore_eos": True,
-            "temperature": 0, "stream": True}  # fmt: skip
+            "temperature": 0, "stream": True, "n": n}  # fmt: skip
     seen = 0
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
         for line in r.iter_lines():
@@ -25,11 +25,11 @@ def _stream_some(url: str, n_chunks: int, max_tokens: int = 1500) -> int:
     return seen
 
 
-@pytest.mark.parametrize("mode,transport", [("colocated", "zmq"), ("disagg", "zmq"), ("disagg", "shm")])
-def test_client_disconnect_frees_kv_everywhere(tmp_path, mode, transport):
+@pytest.mark.parametrize("mode,transport,n", [("colocated", "zmq", 3), ("disagg", "zmq", 1), ("disagg", "shm", 2)])
+def test_client_disconnect_frees_kv_everywhere(tmp_path, mode, transport, n):
     with_stack = Stack(tmp_path, "tiny", mode=mode, transport=transport).start()
     try:
-        threads = [threading.Thread(target=_stream_some, args=(with_stack.url, 3)) for _ in range(4)]
+        threads = [threading.Thread(target=_stream_some, args=(with_stack.url, 3, 1500, n)) for _ in range(4)]
         for t in threads:
             t.start()
         for t in threads:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 CPU_KERNELS = ("auto", "on", "off")
@@ -111,6 +111,8 @@ class RouterConfig:
     served_model_name: str = ""
     node_timeout_s: float = 10.0
     connect_timeout_s: float = 120.0
+    api_key: str = field(default="", repr=False)  # every route but /health then needs it as a Bearer token
+    max_n: int = 16  # the most choices (n) one request may ask for
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -121,6 +123,8 @@ class RouterConfig:
             raise ValueError("the router needs --colocated nodes, or both --prefill and --decode nodes")
         if len(self.decode) != len(self.decode_kv):
             raise ValueError("give one --decode-kv address per --decode node")
+        if self.max_n < 1:
+            raise ValueError("--max-n must be at least 1")
 
     @property
     def mode(self) -> str:

@@ -101,6 +101,10 @@ class Engine:
         alloc = self.pool.allocator
         return alloc.num_used, alloc.num_free, self.pool.num_blocks * self.pool.block_size
 
+    def num_preemptions(self) -> int:
+        """Preemptions since start."""
+        return self.scheduler.num_preemptions
+
     def queue_lengths(self) -> tuple[int, int]:
         """(running, waiting) requests."""
         return len(self.scheduler.running), len(self.scheduler.waiting) + len(self.scheduler.waiting_for_kv)

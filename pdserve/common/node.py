@@ -153,7 +153,8 @@ class NodeBase:
 
     def stats(self) -> P.Stats:
         (running, waiting), (used, free, _) = self.engine.queue_lengths(), self.engine.kv_stats()
-        return P.Stats(self.role, running, waiting, used, free, dict(self.counters))
+        counters = {**self.counters, "preemptions": self.engine.num_preemptions()}
+        return P.Stats(self.role, running, waiting, used, free, counters)
 
     def send_stats(self) -> None:
         if self.router_id is not None:

@@ -51,6 +51,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.waiting_for_kv: deque[Request] = deque()  # decode node: prompts computed elsewhere, no blocks yet
         self.receiving_kv: dict[str, Request] = {}  # decode node: blocks reserved, KV on its way
+        self.num_preemptions = 0  # since start, for the node's counters
 
     # ---- queue --------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -165,6 +166,7 @@ class Scheduler:
         req.move_to(Status.WAITING)
         self.waiting.appendleft(req)
         batch.preempted.append(req)
+        self.num_preemptions += 1
         batch.scheduled = [s for s in batch.scheduled if s.request is not req]
 
     def _drop_kv(self, req: Request) -> None:

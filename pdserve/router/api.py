@@ -7,31 +7,25 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass, field, replace
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.common import protocol as P
 from pdserve.common.config import RouterConfig
+from pdserve.router import small_routes
+from pdserve.router.auth import ApiKeyGuard
+from pdserve.router.choices import derive_seed, gather_all, merge
 from pdserve.router.core import NoNodeAvailable, RouterCore
-from pdserve.router.text import Detokenizer, ModelInfo, load_model_info
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return {"error": {"message": message, "type": kind, "param": param, "code": code or status}}
-
+from pdserve.router.errors import ApiError, error_body
+from pdserve.router.openai_fields import UnsupportedField, check_fields
+from pdserve.router.text import Detokenizer, ModelInfo, chat_prompt_ids, load_model_info
 
 # ---- request bodies ------------------------------------------------------------------------------
 
@@ -56,7 +50,6 @@ class _Common(BaseModel):
 
 class CompletionBody(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False
 
 
 class ChatMessage(BaseModel):
@@ -82,38 +75,36 @@ class Job:
     model: str
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
+    index: int = 0  # the choice's index in the response
+    sample: int = 0  # which of its prompt's n samples it is
 
 
 # ---- validation ----------------------------------------------------------------------------------
 
 
-def _prompt_ids(body: CompletionBody, info: ModelInfo) -> list[int]:
+def _prompts(body: CompletionBody, info: ModelInfo) -> list[list[int]]:
+    """The token ids of each prompt of the request: a string, a list of ids, or a batch of either."""
     prompt = body.prompt
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt):
-        raise ApiError(400, "batched prompts are not supported: send one prompt per request", "prompt")
+    batch = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
+    return [_one_prompt(p, info) for p in batch]
+
+
+def _one_prompt(prompt: str | list[int], info: ModelInfo) -> list[int]:
     if isinstance(prompt, str):
-        ids = info.tokenizer.encode(prompt, add_special_tokens=False)
-    else:
-        ids = list(prompt)
-        bad = [t for t in ids if not 0 <= t < info.vocab_size]
-        if bad:
-            raise ApiError(400, f"token id {bad[0]} is outside the vocabulary [0, {info.vocab_size})", "prompt")
-    return ids
+        return info.tokenizer.encode(prompt, add_special_tokens=False)
+    bad = [t for t in prompt if not 0 <= t < info.vocab_size]
+    if bad:
+        raise ApiError(400, f"token id {bad[0]} is outside the vocabulary [0, {info.vocab_size})", "prompt")
+    return list(prompt)
 
 
 def _chat_ids(body: ChatBody, info: ModelInfo) -> list[int]:
     if not body.messages:
         raise ApiError(400, "messages must not be empty", "messages")
-    messages = [m.model_dump() for m in body.messages]
     try:
-        ids = info.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    except Exception as e:  # the template raises whatever jinja raises
-        raise ApiError(400, f"cannot apply the chat template: {e}", "messages") from None
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return list(ids)
+        return chat_prompt_ids(info.tokenizer, [m.model_dump() for m in body.messages])
+    except ValueError as e:
+        raise ApiError(400, str(e), "messages") from None
 
 
 def make_job(
@@ -123,14 +114,15 @@ def make_job(
     served: set[str],
     chat_default: bool = False,
     kv_capacity: int | None = None,
+    max_n: int = 1,
 ) -> Job:
     if body.model not in served:
         raise ApiError(404, f"model {body.model!r} does not exist; this server serves {sorted(served)[0]!r}",
                        "model", "model_not_found")  # fmt: skip
     if not prompt_ids:
         raise ApiError(400, "the prompt is empty", "prompt")
-    if body.n != 1:
-        raise ApiError(400, "only n=1 is supported", "n")
+    if not 1 <= body.n <= max_n:
+        raise ApiError(400, f"n must be between 1 and {max_n} (--max-n)", "n")
     max_tokens = body.max_completion_tokens or body.max_tokens
     if max_tokens is None:  # OpenAI: 16 for completions; chat goes on until EOS or the context's end
         room = min(info.max_model_len, kv_capacity or info.max_model_len) - len(prompt_ids)
@@ -173,6 +165,14 @@ class Delta:
     finish_reason: str | None
 
 
+def expand(jobs: list[Job], n: int) -> list[Job]:
+    """One job per choice: prompt i's sample j is choice i * n + j, with its own seed; one id for the response."""
+    first = jobs[0]
+    return [replace(job, id=first.id, created=first.created, index=i * n + j, sample=j,
+                    params=replace(job.params, seed=derive_seed(job.params.seed, j)))
+            for i, job in enumerate(jobs) for j in range(n)]  # fmt: skip
+
+
 def check_capacity(core: RouterCore, job: Job) -> None:
     """Refuse a request no node's KV pool could ever hold (the pools are smaller than the context)."""
     need = {"colocated": len(job.prompt_ids) + job.params.max_tokens, "decode": len(job.prompt_ids) +
@@ -196,7 +196,7 @@ async def run_job(core: RouterCore, info: ModelInfo, job: Job, flight=None) -> A
     """Dispatch `job` (unless `flight` is given) and yield text deltas; aborts it everywhere if the consumer leaves."""
     flight = flight or submit(core, job)
     detok = Detokenizer(info.tokenizer, job.stops)
-    finished = False
+    finished, reason = False, None
     try:
         while not finished:
             ev: P.TokenEvent = await flight.queue.get()
@@ -210,19 +210,22 @@ async def run_job(core: RouterCore, info: ModelInfo, job: Job, flight=None) -> A
             yield Delta(text, list(ev.token_ids), reason)
     finally:
         if not finished or flight.request_id in core.flights:
-            core.abort(flight.request_id)
+            core.abort(flight.request_id, reason or "abort")
 
 
-def _usage(job: Job, n: int) -> dict:
-    return {"prompt_tokens": len(job.prompt_ids), "completion_tokens": n, "total_tokens": len(job.prompt_ids) + n}
+def _usage(jobs: list[Job], completion_tokens: int) -> dict:
+    prompt_tokens = sum(len(j.prompt_ids) for j in jobs if j.sample == 0)  # a prompt counts once, whatever n
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
 
 
 def _choice(job: Job, chat: bool, text: str, token_ids: list[int] | None, reason, stream: bool) -> dict:
     if chat:
         key = "delta" if stream else "message"
-        choice = {"index": 0, key: {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": reason}
+        choice = {"index": job.index, key: {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": reason}  # fmt: skip
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        choice = {"index": job.index, "text": text, "logprobs": None, "finish_reason": reason}
     if job.return_token_ids and token_ids is not None:
         choice["token_ids"] = token_ids
     return choice
@@ -234,43 +237,59 @@ def _envelope(job: Job, chat: bool, stream: bool) -> dict:
             "model": job.model}  # fmt: skip
 
 
-async def _complete(core, info, job: Job, chat: bool, request: Request) -> dict:
+async def _collect(core, info, job: Job) -> tuple[str, list[int], str | None]:
     texts, ids, reason = [], [], None
+    async for d in run_job(core, info, job):
+        texts.append(d.text)
+        ids.extend(d.token_ids)
+        reason = d.finish_reason
+    return "".join(texts), ids, reason
 
-    async def collect():
-        nonlocal reason
-        async for d in run_job(core, info, job):
-            texts.append(d.text)
-            ids.extend(d.token_ids)
-            reason = d.finish_reason
 
-    task = asyncio.create_task(collect())
+async def _complete(core, info, jobs: list[Job], chat: bool, request: Request) -> dict:
+    task = asyncio.create_task(gather_all(_collect(core, info, job) for job in jobs))
     while not task.done():
         await asyncio.wait({task}, timeout=0.5)
         if not task.done() and await request.is_disconnected():
-            task.cancel()  # run_job's finally aborts the request on its nodes
+            task.cancel()  # run_job's finally aborts each request on its nodes
     await asyncio.gather(task, return_exceptions=True)
-    task.result()
-    body = _envelope(job, chat, stream=False)
-    body["choices"] = [_choice(job, chat, "".join(texts), ids, reason, stream=False)]
-    body["usage"] = _usage(job, len(ids))
+    results = task.result()
+    body = _envelope(jobs[0], chat, stream=False)
+    body["choices"] = [_choice(job, chat, text, ids, reason, stream=False)
+                       for job, (text, ids, reason) in zip(jobs, results, strict=True)]  # fmt: skip
+    body["usage"] = _usage(jobs, sum(len(ids) for _, ids, _ in results))
     return body
 
 
-async def _stream(core, info, job: Job, chat: bool, flight) -> AsyncIterator[str]:
-    n = 0
+def submit_all(core: RouterCore, jobs: list[Job]) -> list:
+    """Dispatch every job, or none: a refusal aborts those already sent."""
+    flights = []
     try:
-        async for d in run_job(core, info, job, flight):
-            n += len(d.token_ids)
-            chunk = _envelope(job, chat, stream=True)
-            chunk["choices"] = [_choice(job, chat, d.text, d.token_ids, d.finish_reason, stream=True)]
-            yield f"data: {json.dumps(chunk)}\n\n"
+        for job in jobs:
+            flights.append(submit(core, job))
+    except ApiError:
+        for f in flights:
+            core.abort(f.request_id)
+        raise
+    return flights
+
+
+async def _stream(core, info, jobs: list[Job], chat: bool, flights: list) -> AsyncIterator[str]:
+    n = 0
+    deltas = merge([run_job(core, info, j, f) for j, f in zip(jobs, flights, strict=True)])
+    try:
+        async with aclosing(deltas):  # a client that leaves closes it now: every choice is aborted at once
+            async for i, d in deltas:
+                n += len(d.token_ids)
+                chunk = _envelope(jobs[i], chat, stream=True)
+                chunk["choices"] = [_choice(jobs[i], chat, d.text, d.token_ids, d.finish_reason, stream=True)]
+                yield f"data: {json.dumps(chunk)}\n\n"
     except ApiError as e:
         yield f"data: {json.dumps(error_body(e.status, e.message, e.param, e.code))}\n\n"
         return
-    if job.include_usage:
-        chunk = _envelope(job, chat, stream=True)
-        chunk["choices"], chunk["usage"] = [], _usage(job, n)
+    if jobs[0].include_usage:
+        chunk = _envelope(jobs[0], chat, stream=True)
+        chunk["choices"], chunk["usage"] = [], _usage(jobs, n)
         yield f"data: {json.dumps(chunk)}\n\n"
     yield "data: [DONE]\n\n"
 
@@ -291,10 +310,17 @@ def create_app(cfg: RouterConfig) -> FastAPI:
             await app.state.core.stop()
 
     app = FastAPI(title="pdserve", lifespan=lifespan)
+    app.include_router(small_routes.router)
+    if cfg.api_key:
+        app.add_middleware(ApiKeyGuard, api_key=cfg.api_key)
 
     @app.exception_handler(ApiError)
     async def _api_error(_, e: ApiError):
         return JSONResponse(error_body(e.status, e.message, e.param, e.code), status_code=e.status)
+
+    @app.exception_handler(UnsupportedField)
+    async def _unsupported(_, e: UnsupportedField):
+        return JSONResponse(error_body(400, str(e), e.field), status_code=400)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_, e: RequestValidationError):
@@ -307,23 +333,27 @@ def create_app(cfg: RouterConfig) -> FastAPI:
     async def _http(_, e: StarletteHTTPException):
         return JSONResponse(error_body(e.status_code, str(e.detail)), status_code=e.status_code)
 
-    async def serve(request: Request, body: _Common, prompt_ids: list[int], chat: bool):
+    async def serve(request: Request, body: _Common, prompts: list[list[int]], chat: bool):
         st = request.app.state
+        check_fields(body.model_extra or {}, body.model_dump())
         caps = [c for c in (st.core.kv_capacity_tokens(r) for r in ("colocated", "decode")) if c]
-        job = make_job(body, prompt_ids, st.info, st.served, chat_default=chat, kv_capacity=min(caps, default=None))
-        check_capacity(st.core, job)
-        if job.stream:  # dispatch first, so that a refusal is still an HTTP error, not a 200 stream
-            flight = submit(st.core, job)
-            return StreamingResponse(_stream(st.core, st.info, job, chat, flight), media_type="text/event-stream")
-        return await _complete(st.core, st.info, job, chat, request)
+        jobs = [make_job(body, ids, st.info, st.served, chat_default=chat, kv_capacity=min(caps, default=None),
+                         max_n=cfg.max_n) for ids in prompts]  # fmt: skip
+        for job in jobs:
+            check_capacity(st.core, job)
+        jobs = expand(jobs, body.n)
+        if body.stream:  # dispatch first, so that a refusal is still an HTTP error, not a 200 stream
+            flights = submit_all(st.core, jobs)
+            return StreamingResponse(_stream(st.core, st.info, jobs, chat, flights), media_type="text/event-stream")
+        return await _complete(st.core, st.info, jobs, chat, request)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request):
-        return await serve(request, body, _prompt_ids(body, request.app.state.info), chat=False)
+        return await serve(request, body, _prompts(body, request.app.state.info), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, request: Request):
-        return await serve(request, body, _chat_ids(body, request.app.state.info), chat=True)
+        return await serve(request, body, [_chat_ids(body, request.app.state.info)], chat=True)
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -339,36 +369,6 @@ def create_app(cfg: RouterConfig) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics(request: Request):
-        return PlainTextResponse(render_metrics(request.app.state.core))
+        return Response(request.app.state.core.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
-
-
-def render_metrics(core: RouterCore) -> str:
-    m = core.metrics
-    lines = [
-        "# TYPE pdserve_requests_total counter", f"pdserve_requests_total {m['requests_total']}",
-        "# TYPE pdserve_requests_failed_total counter", f"pdserve_requests_failed_total {m['requests_failed']}",
-        "# TYPE pdserve_requests_in_flight gauge", f"pdserve_requests_in_flight {len(core.flights)}",
-        "# TYPE pdserve_time_to_first_token_seconds summary",
-        f"pdserve_time_to_first_token_seconds_sum {m['ttft_sum']:.6f}",
-        f"pdserve_time_to_first_token_seconds_count {m['ttft_count']}",
-        "# TYPE pdserve_time_per_output_token_seconds summary",
-        f"pdserve_time_per_output_token_seconds_sum {m['tpot_sum']:.6f}",
-        f"pdserve_time_per_output_token_seconds_count {m['tpot_count']}",
-    ]  # fmt: skip
-    gauges = {"num_running": "pdserve_num_running", "num_waiting": "pdserve_num_waiting",
-              "kv_blocks_used": "pdserve_kv_blocks_used", "kv_blocks_free": "pdserve_kv_blocks_free"}  # fmt: skip
-    for field_name, metric in gauges.items():
-        lines.append(f"# TYPE {metric} gauge")
-        for n in core.nodes:
-            if n.stats is not None:
-                lines.append(f'{metric}{{role="{n.role}",node="{n.addr}"}} {getattr(n.stats, field_name)}')
-    counters = sorted({k for n in core.nodes if n.stats for k in n.stats.counters})
-    for key in counters:
-        lines.append(f"# TYPE pdserve_node_{key} counter")
-        for n in core.nodes:
-            if n.stats is not None and key in n.stats.counters:
-                lines.append(f'pdserve_node_{key}{{role="{n.role}",node="{n.addr}"}} {n.stats.counters[key]}')
-    lines.append(f"pdserve_node_up_total {sum(n.up for n in core.nodes)}")
-    return "\n".join(lines) + "\n"

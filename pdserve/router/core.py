@@ -28,6 +28,7 @@ from zmq.utils.monitor import recv_monitor_message
 from pdserve.common import protocol as P
 from pdserve.common import transport
 from pdserve.common.config import RouterConfig
+from pdserve.router.metrics import NodeCollector, RouterMetrics
 
 log = logging.getLogger("pdserve.router")
 
@@ -63,6 +64,8 @@ class Flight:
     nodes: list[NodeConn]
     start: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
+    last_token_at: float | None = None
+    decode_started: bool = False  # disaggregated: the decode node has sent a token
     num_tokens: int = 0
     early: list[P.TokenEvent] = field(default_factory=list)  # decode tokens that beat the first token
 
@@ -75,8 +78,9 @@ class RouterCore:
         self.nodes += [NodeConn("prefill", a) for a in cfg.prefill]
         self.nodes += [NodeConn("decode", a, kv) for a, kv in zip(cfg.decode, cfg.decode_kv, strict=True)]
         self.flights: dict[str, Flight] = {}
-        self.metrics = {"ttft_sum": 0.0, "ttft_count": 0, "tpot_sum": 0.0, "tpot_count": 0,
-                        "requests_total": 0, "requests_failed": 0}  # fmt: skip
+        self.metrics = RouterMetrics()
+        self.metrics.registry.register(NodeCollector(self.nodes))
+        self.metrics.in_flight.set_function(lambda: len(self.flights))
         self._tasks: list[asyncio.Task] = []
         self._ids = itertools.count()
 
@@ -189,7 +193,8 @@ class RouterCore:
         for n in nodes:
             n.requests.add(rid)
         nodes[0].sock.send(data)
-        self.metrics["requests_total"] += 1
+        self.metrics.requests.inc()
+        self.metrics.prompt_tokens.inc(len(prompt_token_ids))
         return flight
 
     def _deliver(self, ev: P.TokenEvent, source: NodeConn | None = None) -> None:
@@ -201,13 +206,13 @@ class RouterCore:
                 flight.early.append(ev)  # two sockets: keep the prefill node's first token first
                 return
             self._left_prefill(flight)  # the decode node has it: a prefill failure no longer concerns it
-        self._put(flight, ev)
+        self._put(flight, ev, from_decode=source is not None and source.role == "decode")
         if source is not None and source.role == "prefill" and flight.early:
             early, flight.early = flight.early, []
             self._left_prefill(flight)
             for e in early:
                 if e.request_id in self.flights:
-                    self._put(flight, e)
+                    self._put(flight, e, from_decode=True)
 
     @staticmethod
     def _left_prefill(flight: Flight) -> None:
@@ -215,36 +220,48 @@ class RouterCore:
             if n.role == "prefill":
                 n.requests.discard(flight.request_id)
 
-    def _put(self, flight: Flight, ev: P.TokenEvent) -> None:
-        now = time.perf_counter()
-        if ev.token_ids and flight.first_token_at is None:
-            flight.first_token_at = now
-            self.metrics["ttft_sum"] += now - flight.start
-            self.metrics["ttft_count"] += 1
-        flight.num_tokens += len(ev.token_ids)
+    def _put(self, flight: Flight, ev: P.TokenEvent, from_decode: bool = False) -> None:
+        if ev.token_ids:
+            self._observe_tokens(flight, len(ev.token_ids), from_decode)
         if ev.finish_reason == "error":
             self._abort_on_nodes(flight)  # the nodes that still hold it must let it go
         if ev.finish_reason is not None:
-            self._end(flight, failed=ev.finish_reason == "error")
+            self._end(flight, ev.finish_reason)
         flight.queue.put_nowait(ev)
 
-    def _end(self, flight: Flight, failed: bool = False) -> None:
-        self.flights.pop(flight.request_id, None)
+    def _observe_tokens(self, flight: Flight, n: int, from_decode: bool) -> None:
+        now, m = time.perf_counter(), self.metrics
+        if flight.first_token_at is None:
+            flight.first_token_at = now
+            m.ttft.observe(now - flight.start)
+        elif flight.last_token_at is not None:
+            m.itl.observe(now - flight.last_token_at)
+        if from_decode and not flight.decode_started:
+            flight.decode_started = True
+            m.handoff.observe(now - flight.first_token_at)
+        flight.last_token_at = now
+        flight.num_tokens += n
+        m.generation_tokens.inc(n)
+
+    def _end(self, flight: Flight, reason: str = "abort") -> None:
+        if self.flights.pop(flight.request_id, None) is None:
+            return
         for n in flight.nodes:
             n.requests.discard(flight.request_id)
-        if failed:
-            self.metrics["requests_failed"] += 1
-        elif flight.first_token_at is not None and flight.num_tokens > 1:
-            self.metrics["tpot_sum"] += (time.perf_counter() - flight.first_token_at) / (flight.num_tokens - 1)
-            self.metrics["tpot_count"] += 1
+        m = self.metrics
+        m.success.labels(reason).inc()
+        m.e2e.observe(time.perf_counter() - flight.start)
+        if reason != "error" and flight.first_token_at is not None and flight.num_tokens > 1:
+            m.decode.observe(flight.last_token_at - flight.first_token_at)
+            m.tpot.observe((flight.last_token_at - flight.first_token_at) / (flight.num_tokens - 1))
 
-    def abort(self, request_id: str) -> None:
-        """Stop a request everywhere it lives; its nodes free its KV."""
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """Stop a request everywhere it lives; its nodes free its KV. `reason`: what the client was told."""
         flight = self.flights.get(request_id)
         if flight is None:
             return
         self._abort_on_nodes(flight)
-        self._end(flight)
+        self._end(flight, reason)
 
     def _abort_on_nodes(self, flight: Flight) -> None:
         for n in flight.nodes:

@@ -29,6 +29,17 @@ def load_model_info(model: str) -> ModelInfo:
     return ModelInfo(tokenizer, config.vocab_size, max_model_len(config), eos_ids)
 
 
+def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    """The token ids of `messages` through the tokenizer's chat template; ValueError when it cannot render them."""
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    except Exception as e:  # the template raises whatever jinja raises
+        raise ValueError(f"cannot apply the chat template: {e}") from None
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
 class Detokenizer:
     """Turns a growing list of token ids into text deltas, and watches for stop strings.
 

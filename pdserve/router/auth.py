@@ -1,0 +1,36 @@
+"""The API key guard: with a key configured, every route but /health needs `Authorization: Bearer <key>`."""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from pdserve.router.errors import error_body
+
+OPEN_PATHS = frozenset({"/health"})
+
+
+class ApiKeyGuard:
+    """Pure ASGI middleware (not BaseHTTPMiddleware, which would get between a stream and its disconnect)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self._authorized(scope):
+            await self.app(scope, receive, send)
+            return
+        body = error_body(401, "a valid API key is required (Authorization: Bearer <key>)", code="invalid_api_key")
+        await JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        given = bearer_token(dict(scope["headers"]).get(b"authorization", b""))
+        return hmac.compare_digest(given, self.key)  # constant time in the key's content
+
+
+def bearer_token(header: bytes) -> bytes:
+    scheme, _, token = header.strip().partition(b" ")
+    return token.strip() if scheme.lower() == b"bearer" else b""

@@ -1,0 +1,16 @@
+"""OpenAI's error object, and the exception the router's handlers raise to send one."""
+
+from __future__ import annotations
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | int | None = None) -> dict:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    if status == 401:
+        kind = "authentication_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code or status}}

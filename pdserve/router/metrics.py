@@ -1,0 +1,77 @@
+"""The router's Prometheus metrics: per-request histograms it observes itself, and the nodes' gauges and counters.
+
+Names follow vLLM's `vllm:` families with a `pdserve:` prefix, so a dashboard ports with a rename. Every
+time is measured on the router's clock, from the moment it dispatched the request:
+- time to first token: dispatch -> first token event; end-to-end: dispatch -> last event;
+- inter-token latency: between two token events of one request; time per output token: a request's
+  (last token - first token) / (tokens - 1); decode time: first token -> last event;
+- handoff (disaggregated only): the prefill node's first token -> the decode node's first token, i.e.
+  KV transfer + admission into the decode batch + one decode step.
+Queue and prefill times inside a node are not reported per request by the nodes yet, so they are absent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+FAST = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0,
+        40.0, 80.0)  # fmt: skip
+SLOW = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+        960.0)  # fmt: skip
+NODE_GAUGES = {"num_running": "pdserve:num_requests_running", "num_waiting": "pdserve:num_requests_waiting",
+               "kv_blocks_used": "pdserve:kv_blocks_used", "kv_blocks_free": "pdserve:kv_blocks_free"}  # fmt: skip
+
+
+class RouterMetrics:
+    """One registry per router (no process-wide default registry), filled by RouterCore as events arrive."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("pdserve:time_to_first_token_seconds", "Time to first token.", registry=r, buckets=FAST)
+        self.itl = Histogram("pdserve:inter_token_latency_seconds", "Time between two token events of a request.",
+                             registry=r, buckets=FAST)  # fmt: skip
+        self.tpot = Histogram("pdserve:request_time_per_output_token_seconds",
+                              "A request's mean time per output token after the first.", registry=r, buckets=FAST)
+        self.e2e = Histogram("pdserve:e2e_request_latency_seconds", "Dispatch to last token.", registry=r,
+                             buckets=SLOW)  # fmt: skip
+        self.decode = Histogram("pdserve:request_decode_time_seconds", "First token to last token.", registry=r,
+                                buckets=SLOW)  # fmt: skip
+        self.handoff = Histogram("pdserve:request_handoff_time_seconds",
+                                 "Disaggregated: the prefill node's first token to the decode node's first token "
+                                 "(KV transfer, admission, one decode step).", registry=r, buckets=FAST)  # fmt: skip
+        self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens dispatched.", registry=r)
+        self.generation_tokens = Counter("pdserve:generation_tokens", "Tokens generated.", registry=r)
+        self.success = Counter("pdserve:request_success", "Finished requests by finish reason.", ["finished_reason"],
+                               registry=r)  # fmt: skip
+        self.requests = Counter("pdserve:requests", "Requests dispatched to the nodes.", registry=r)
+        self.in_flight = Gauge("pdserve:num_requests_in_flight", "Requests the router has in flight.", registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class NodeCollector:
+    """The nodes' last Stats as gauges and counters labelled by role and address, read at scrape time."""
+
+    def __init__(self, nodes: list) -> None:
+        self.nodes = nodes  # RouterCore.nodes: objects with role, addr, up and stats (a protocol.Stats or None)
+
+    def collect(self) -> Iterator[Metric]:
+        reporting = [n for n in self.nodes if n.stats is not None]
+        for field_name, name in NODE_GAUGES.items():
+            g = GaugeMetricFamily(name, f"{field_name} of each node", labels=["role", "node"])
+            for n in reporting:
+                g.add_metric([n.role, n.addr], getattr(n.stats, field_name))
+            yield g
+        for key in sorted({k for n in reporting for k in n.stats.counters}):
+            name = "pdserve:num_preemptions" if key == "preemptions" else f"pdserve:node_{key}"
+            c = CounterMetricFamily(name, f"{key} of each node since it started", labels=["role", "node"])
+            for n in reporting:
+                if key in n.stats.counters:
+                    c.add_metric([n.role, n.addr], n.stats.counters[key])
+            yield c
+        yield GaugeMetricFamily("pdserve:nodes_up", "Nodes the router sees up.", value=sum(n.up for n in self.nodes))

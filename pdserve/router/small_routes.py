@@ -1,0 +1,72 @@
+"""/tokenize, /detokenize (vLLM's request and response shapes) and /version."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict
+
+import pdserve
+from pdserve.router.errors import ApiError
+from pdserve.router.text import chat_prompt_ids
+
+router = APIRouter()
+
+
+class TokenizeBody(BaseModel):
+    """Either `prompt` (a completion's text) or `messages` (a chat, through the chat template)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    add_special_tokens: bool = False  # what /v1/completions does with a text prompt
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]
+
+
+def _check_model(request: Request, model: str | None) -> None:
+    served = request.app.state.served
+    if model is not None and model not in served:
+        raise ApiError(404, f"model {model!r} does not exist; this server serves {sorted(served)[0]!r}", "model",
+                       "model_not_found")  # fmt: skip
+
+
+def _tokenize(info, body: TokenizeBody) -> list[int]:
+    if (body.prompt is None) == (body.messages is None):
+        raise ApiError(400, "give exactly one of prompt and messages", "prompt")
+    if body.prompt is not None:
+        return info.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    try:
+        return chat_prompt_ids(info.tokenizer, body.messages, body.add_generation_prompt)
+    except ValueError as e:
+        raise ApiError(400, str(e), "messages") from None
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeBody, request: Request) -> dict:
+    _check_model(request, body.model)
+    info = request.app.state.info
+    ids = _tokenize(info, body)
+    strs = info.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+    return {"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids, "token_strs": strs}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeBody, request: Request) -> dict:
+    _check_model(request, body.model)
+    info = request.app.state.info
+    bad = [t for t in body.tokens if not 0 <= t < info.vocab_size]
+    if bad:
+        raise ApiError(400, f"token id {bad[0]} is outside the vocabulary [0, {info.vocab_size})", "tokens")
+    return {"prompt": info.tokenizer.decode(body.tokens)}
+
+
+@router.get("/version")
+async def version() -> dict:
+    return {"version": pdserve.__version__}

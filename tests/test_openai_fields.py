@@ -1,0 +1,30 @@
+"""The field policy and the API key parsing, without a server."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.router.auth import bearer_token
+from pdserve.router.openai_fields import UnsupportedField, check_fields
+
+
+@pytest.mark.parametrize("extra", [{"user": "x", "store": True}, {"best_of": 2, "n": 2}, {"logprobs": 0},
+                                   {"tool_choice": "none"}, {"response_format": {"type": "text"}},
+                                   {"anything_else": None}, {"skip_special_tokens": True}])  # fmt: skip
+def test_neutral_values_pass(extra):
+    check_fields({k: v for k, v in extra.items() if k != "n"}, extra)
+
+
+@pytest.mark.parametrize("extra,name", [({"best_of": 3}, "best_of"), ({"suffix": "s"}, "suffix"),
+                                        ({"min_tokens": 1}, "min_tokens"), ({"my_flag": False}, "my_flag"),
+                                        ({"skip_special_tokens": False}, "skip_special_tokens"),
+                                        ({"min_p": False}, "min_p")])  # fmt: skip
+def test_values_that_ask_for_something_are_refused(extra, name):
+    with pytest.raises(UnsupportedField) as e:
+        check_fields(extra, extra)
+    assert e.value.field == name and name in str(e.value)
+
+
+def test_bearer_token():
+    assert bearer_token(b"Bearer abc ") == b"abc" and bearer_token(b"bearer abc") == b"abc"
+    assert bearer_token(b"Basic abc") == b"" and bearer_token(b"abc") == b"" and bearer_token(b"") == b""
