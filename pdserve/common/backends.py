@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.common import kernels
+from pdserve.common.block_allocator import blocks_for, cdiv
 from pdserve.common.kv_cache import KVPool
 
 DECODE_TILE_M = 16  # query rows of a decode tile: the query heads of one KV head (tl.dot needs >= 16)
@@ -101,7 +102,7 @@ class TorchBackend:
 
     def _span(self, c: Chunk) -> Span:
         bs, total = self.pool.block_size, c.past + c.length
-        ctx = self.pool.context_slots(c.block_ids[: -(-total // bs)], total)
+        ctx = self.pool.context_slots(c.block_ids[: blocks_for(total, bs)], total)
         mask = _chunk_mask(c.past, c.length)
         return Span(c.start, c.length, c.past, ctx, None if mask is None else mask.to(self.device))
 
@@ -186,8 +187,8 @@ class CpuKernelBackend(TorchBackend):
     def _decode_group(self, decodes: list[Chunk]) -> DecodeGroup:
         bs = self.pool.block_size
         lens = [c.past + 1 for c in decodes]
-        width = max(-(-n // bs) for n in lens)
-        padded = [c.block_ids[: -(-n // bs)] for c, n in zip(decodes, lens, strict=True)]
+        width = max(blocks_for(n, bs) for n in lens)
+        padded = [c.block_ids[: blocks_for(n, bs)] for c, n in zip(decodes, lens, strict=True)]
         tables = torch.tensor([b + [0] * (width - len(b)) for b in padded], dtype=torch.int32)  # [n, max_blocks]
         rows = [c.start for c in decodes]
         adjacent = rows == list(range(rows[0], rows[0] + len(rows)))
@@ -273,34 +274,50 @@ class TritonBackend(TorchBackend):
     def layout(self, rows: int, samples: int, chunks: list[Chunk], pad_requests: int = 0,
                width: int = 0) -> PackLayout:  # fmt: skip
         bs = self.pool.block_size
-        width = width or max((-(-(c.past + c.length) // bs) for c in chunks), default=1)
+        width = width or max((blocks_for(c.past + c.length, bs) for c in chunks), default=1)
         decodes = sum(c.length == 1 for c in chunks)
-        tiles = sum(-(-c.length * self.group // PREFILL_TILE_M) for c in chunks if c.length > 1)
+        tiles = sum(self.tiles(c) for c in chunks if c.length > 1)
         return PackLayout(rows, samples, max(len(chunks), pad_requests), width, max(decodes, pad_requests), tiles)
 
+    def tiles(self, c: Chunk) -> int:
+        """Query tiles of a prompt chunk: its (token, query head of a KV head) rows, PREFILL_TILE_M at a time."""
+        return cdiv(c.length * self.group, PREFILL_TILE_M)
+
     def pack(self, lay: PackLayout, ids, positions, slots, sample, chunks: list[Chunk]) -> torch.Tensor:
-        """The iteration's inputs in one int32 host buffer (pinned on a GPU host), laid out as `lay`.
-        Padding rows store nothing (slot -1); padding requests have no rows (q_len 0)."""
+        """The iteration's inputs in one int32 host buffer (pinned on a GPU host), laid out as `lay`; only
+        the block-table columns in use are returned (a prefix of the layout). Padding rows store nothing
+        (slot -1); padding requests have no rows (q_len 0)."""
         buf = self._staging_of(lay.size())
         seg = _views(buf.numpy(), lay)
-        bs, n, T = self.pool.block_size, len(chunks), len(ids)
+        T = len(ids)
         for name, values, pad in (("ids", ids, 0), ("positions", positions, 0), ("slots", slots, -1)):
             seg[name][:T], seg[name][T:] = values, pad
         seg["sample"][:] = sample
-        seg["q_start"][:n], seg["q_start"][n:] = [c.start for c in chunks], 0
-        seg["q_len"][:n], seg["q_len"][n:] = [c.length for c in chunks], 0
-        seg["ctx_len"][:n], seg["ctx_len"][n:] = [c.past + c.length for c in chunks], 0
+        self._pack_requests(seg, chunks)
+        width = self._pack_tables(seg["block_tables"], chunks)
+        return buf[: lay.size() - (lay.width - width) * lay.requests]
+
+    def _pack_requests(self, seg: dict, chunks: list[Chunk]) -> None:
+        """Per-request rows and lengths, and the work lists (padding decode items point at padding requests)."""
+        n = len(chunks)
+        for name, values in (("q_start", [c.start for c in chunks]), ("q_len", [c.length for c in chunks]),
+                             ("ctx_len", [c.past + c.length for c in chunks])):  # fmt: skip
+            seg[name][:n], seg[name][n:] = values, 0
         decode = [r for r, c in enumerate(chunks) if c.length == 1]
-        seg["decode_work"][: len(decode)], seg["decode_work"][len(decode) :] = decode, range(n, lay.decodes)
-        seg["prefill_work"][:] = [(r, m) for r, c in enumerate(chunks) if c.length > 1
-                                  for m in range(-(-c.length * self.group // PREFILL_TILE_M))] or 0  # fmt: skip
-        used = [-(-(c.past + c.length) // bs) for c in chunks]
+        work = seg["decode_work"]
+        work[: len(decode)], work[len(decode) :] = decode, range(n, n + len(work) - len(decode))
+        tiles = [(r, m) for r, c in enumerate(chunks) if c.length > 1 for m in range(self.tiles(c))]
+        seg["prefill_work"][:] = tiles or 0
+
+    def _pack_tables(self, tables, chunks: list[Chunk]) -> int:
+        """Block ids into the column-major tables [W, R]; return the columns in use."""
+        bs = self.pool.block_size
+        used = [blocks_for(c.past + c.length, bs) for c in chunks]
         width = max(used, default=1)
-        tables = seg["block_tables"]  # [W, R]
         tables[:width] = 0  # a stale block id must never be in reach of a kernel
         for r, (c, n_blocks) in enumerate(zip(chunks, used, strict=True)):
             tables[:n_blocks, r] = c.block_ids[:n_blocks]
-        return buf[: lay.size() - (lay.width - width) * lay.requests]  # the used columns only
+        return width
 
     def _staging_of(self, size: int) -> torch.Tensor:
         """A reusable host buffer: the previous step's copy out of it has finished (its tokens were read)."""

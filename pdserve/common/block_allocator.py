@@ -10,8 +10,14 @@ only a preference: when no open run is left, any free block will do, promised or
 from __future__ import annotations
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of non-negative ints."""
+    return -(-a // b)
+
+
 def blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
+    """Blocks that hold `num_tokens` tokens."""
+    return cdiv(num_tokens, block_size)
 
 
 class BlockAllocator:

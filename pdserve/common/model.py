@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.common.backends import Chunk, ForwardInputs, make_backend
+from pdserve.common.block_allocator import blocks_for
 from pdserve.common.kv_cache import DTYPES, KVLayout, KVPool
 from pdserve.common.scheduler import Batch
 
@@ -153,7 +154,7 @@ class ModelRunner:
         if graphs and self.device.type == "cuda" and self.backend.name == "triton":
             from pdserve.common.cuda_graphs import DecodeGraphs
 
-            longest = -(-max_model_len(model.config) // pool.block_size)  # blocks of the longest request
+            longest = blocks_for(max_model_len(model.config), pool.block_size)  # blocks of the longest request
             self.graphs = DecodeGraphs(self, max_batch, max_blocks=min(pool.num_blocks, longest))
             self.graphs.capture()
 
