@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -497,8 +498,18 @@ def prepare(cfg: GpuBenchConfig) -> tuple[Path, Workload, dict]:
     return path, w, run
 
 
+def exit_on_sigterm() -> None:
+    """SIGTERM (`timeout`, a closing session) unwinds like Ctrl-C: every started stack is stopped by PID."""
+
+    def handler(signum: int, frame) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
+    exit_on_sigterm()
     try:
         cfg = parse_args(argv)
     except ValueError as e:

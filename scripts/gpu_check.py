@@ -51,7 +51,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: bench/ and pdserve/ import from the checkout
 
-from bench.gpu import copy_gbps, node_counters  # noqa: E402
+from bench.gpu import copy_gbps, exit_on_sigterm, node_counters  # noqa: E402
 from bench.systems import Stack, free_port  # noqa: E402
 
 TEMPERATURES = (0.5, 1.0, 1.5)
@@ -335,6 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
+    exit_on_sigterm()
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         print("gpu_check: no CUDA device; nothing to check (try --device cpu)")
         return 2
