@@ -303,7 +303,7 @@ def kv_transfer(counts: dict, hw: dict) -> dict | None:
 # ---- systems ---------------------------------------------------------------------------------------
 
 
-def stack_options(cfg: GpuBenchConfig, mode: str, run_timeout_s: float) -> systems.StackOptions:
+def stack_options(cfg: GpuBenchConfig, mode: str, deadline: float) -> systems.StackOptions:
     devices = ["--device", cfg.device]  # for every role; disagg names both roles' devices too
     if mode == "disagg":
         devices += ["--prefill-device", cfg.device, "--decode-device", cfg.decode_device]
@@ -311,7 +311,7 @@ def stack_options(cfg: GpuBenchConfig, mode: str, run_timeout_s: float) -> syste
         model=cfg.model, max_num_seqs=cfg.concurrency, max_num_batched_tokens=cfg.max_num_batched_tokens,
         kv_cache_gb=cfg.kv_cache_gb, kv_transport="cuda_ipc" if cfg.on_gpu else "shm",
         log_prefix=cfg.out_dir / "logs" / cfg.name, extra_args=("--dtype", cfg.dtype, *devices, *cfg.engine_args),
-        max_concurrency=cfg.concurrency, run_timeout_s=run_timeout_s,
+        max_concurrency=cfg.concurrency, deadline=deadline,
     )  # fmt: skip
 
 
@@ -328,13 +328,14 @@ class HfModel:
         return self._model
 
 
-def open_system(cfg: GpuBenchConfig, system: str, hf: HfModel, run_timeout_s: float):
+def open_system(cfg: GpuBenchConfig, system: str, hf: HfModel, deadline: float):
+    """`system` as a context manager; its runs end by `deadline` (time.monotonic())."""
     if system in ("colocated", "disagg"):
-        return systems.pdserve_stack(stack_options(cfg, system, run_timeout_s), system, cfg.progress)
+        return systems.pdserve_stack(stack_options(cfg, system, deadline), system, cfg.progress)
     if system == "static":
-        return systems.static_batching(hf.get(), cfg.concurrency, cfg.progress, run_timeout_s)
+        return systems.static_batching(hf.get(), cfg.concurrency, cfg.progress, deadline)
     opts = systems.CbOptions(cfg.concurrency, cfg.max_num_batched_tokens, cfg.kv_cache_gb, cfg.concurrency,
-                             run_timeout_s, cfg.hf_cuda_graphs)  # fmt: skip
+                             deadline, cfg.hf_cuda_graphs)  # fmt: skip
     return systems.hf_continuous_batching(hf.get(), opts, cfg.progress)
 
 
@@ -348,7 +349,7 @@ def run_system(cfg: GpuBenchConfig, system: str, w: Workload, hf: HfModel, ctx: 
         return _not_run(system, w, f"skipped: {left:.0f} s of the --budget-s left")
     started = time.monotonic()
     try:
-        with open_system(cfg, system, hf, left - FINISH_MARGIN_S) as run:
+        with open_system(cfg, system, hf, deadline - FINISH_MARGIN_S) as run:
             warm_up(run, system)
             before = settled_counters(run) if isinstance(run, systems.StackRunner) else {}
             result = run_workload(cfg.slo, system, run, w)

@@ -143,7 +143,9 @@ async def _send_at(
             timeout_s = min(timeout_s, t0 + target.run_timeout_s - rec.send_time)
         try:
             await asyncio.wait_for(_stream(url, completion_body(model, req), rec), max(0.0, timeout_s))
-        except (HttpError, OSError, ValueError, IndexError, asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
+        except asyncio.TimeoutError:
+            rec.error = f"TimeoutError: not done within {max(0.0, timeout_s):.1f} s (the request's or the run's limit)"
+        except (HttpError, OSError, ValueError, IndexError, asyncio.IncompleteReadError) as e:
             rec.error = f"{type(e).__name__}: {e}"
     rec.check_length()
     return rec

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -57,7 +58,7 @@ class StackOptions:
     log_prefix: Path  # logs go to <log_prefix>.pdserve-<mode>.log
     extra_args: tuple[str, ...] = ()
     max_concurrency: int | None = None  # the load generator's requests in flight at most
-    run_timeout_s: float | None = None  # a workload run's time limit (unfinished requests fail)
+    deadline: float | None = None  # time.monotonic() by which every run ends (unfinished requests fail)
 
 
 # ---- pdserve as a child process --------------------------------------------------------------------
@@ -146,6 +147,11 @@ class Stack:
         self.reader.join(timeout=5)
 
 
+def time_left(deadline: float | None) -> float | None:
+    """Seconds until `deadline` (a time.monotonic() value), never negative; None: no deadline."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
 # ---- the router's CPU time, from /proc (Linux) ----------------------------------------------------
 
 
@@ -196,8 +202,8 @@ class StackRunner:
     """Drives a started stack over HTTP. After each run, `router_cpu_s` holds the CPU seconds its router
     spent during it (None where it cannot be read); `metrics()` is the router's /metrics text."""
 
-    def __init__(self, stack: Stack, target: HttpTarget, progress: bool) -> None:
-        self.stack, self.target, self.progress = stack, target, progress
+    def __init__(self, stack: Stack, target: HttpTarget, progress: bool, deadline: float | None = None) -> None:
+        self.stack, self.target, self.progress, self.deadline = stack, target, progress, deadline
         self.router_pid = router_pid(stack.proc.pid)
         self.router_cpu_s: float | None = None
 
@@ -209,8 +215,9 @@ class StackRunner:
             raise SystemFailed(
                 f"the pdserve stack exited (code {self.stack.proc.returncode}); log {self.stack.log_path}"
             )
+        target = dataclasses.replace(self.target, run_timeout_s=time_left(self.deadline))
         before = self._router_cpu()
-        result = run_http(self.target, workload, desc, self.progress)
+        result = run_http(target, workload, desc, self.progress)
         after = self._router_cpu()
         self.router_cpu_s = None if before is None or after is None else after - before
         return result
@@ -225,9 +232,8 @@ def pdserve_stack(opts: StackOptions, mode: str, progress: bool) -> Iterator[Sta
     stack = Stack(stack_argv(opts, mode, port), opts.log_prefix.with_name(f"{opts.log_prefix.name}.pdserve-{mode}.log"))
     try:
         stack.wait_ready(READY_TIMEOUT_S)
-        target = HttpTarget(f"http://127.0.0.1:{port}", max_concurrency=opts.max_concurrency,
-                            run_timeout_s=opts.run_timeout_s)  # fmt: skip
-        yield StackRunner(stack, target, progress)
+        target = HttpTarget(f"http://127.0.0.1:{port}", max_concurrency=opts.max_concurrency)
+        yield StackRunner(stack, target, progress, opts.deadline)
     finally:
         stack.stop()
 
@@ -242,8 +248,8 @@ def external_server(url: str, progress: bool) -> Iterator[Runner]:
 
 
 @contextmanager
-def static_batching(model, max_batch: int, progress: bool, run_timeout_s: float | None = None) -> Iterator[Runner]:
-    yield lambda w, desc: run_static(model, w, max_batch, desc, progress, run_timeout_s)
+def static_batching(model, max_batch: int, progress: bool, deadline: float | None = None) -> Iterator[Runner]:
+    yield lambda w, desc: run_static(model, w, max_batch, desc, progress, time_left(deadline))
 
 
 @dataclass(frozen=True)
@@ -254,7 +260,7 @@ class CbOptions:
     max_batch_tokens: int
     kv_cache_gb: float
     max_concurrency: int | None = None
-    run_timeout_s: float | None = None
+    deadline: float | None = None  # time.monotonic() by which every run ends (unfinished requests fail)
     cuda_graphs: bool = False
 
 
@@ -263,7 +269,7 @@ def hf_continuous_batching(model, opts: CbOptions, progress: bool) -> Iterator[R
     manager = cb_manager(model, opts.max_batch, opts.max_batch_tokens, opts.kv_cache_gb, opts.cuda_graphs)
     manager.start()
     try:
-        yield lambda w, desc: run_hf_cb(manager, w, desc, progress, opts.max_concurrency, opts.run_timeout_s)
+        yield lambda w, desc: run_hf_cb(manager, w, desc, progress, opts.max_concurrency, time_left(opts.deadline))
     finally:
         manager.stop(block=True, timeout=STOP_TIMEOUT_S)
         manager.destroy()
