@@ -94,8 +94,9 @@ def router_cpu_lines(results: list[dict]) -> list[str]:
     rows = [r for r in results if r.get("router_cpu_us_per_token") is not None]
     if not rows:
         return []
-    lines = ["", "## Router CPU per streamed token", "", "| workload | system | router CPU (s) | µs per token |"]
-    lines.append("|---|---|---|---|")
+    note = "utime + stime of the router process over the run, from /proc (10 ms ticks: short runs round)."
+    lines = ["", "## Router CPU per streamed token", "", note, ""]
+    lines += ["| workload | system | router CPU (s) | µs per token |", "|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['label']} | {r['system']} | {r['router_cpu_s']:.3f} | {r['router_cpu_us_per_token']:.1f} |")
     return lines
