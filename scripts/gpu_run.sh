@@ -29,58 +29,62 @@ KILL_S=30    # after a timeout's SIGTERM, time for the stacks to stop before SIG
 OUT=${OUT:-/tmp/gpu_run_out}
 WORK=/tmp/gpu_run
 mkdir -p "$OUT" && rm -rf "$WORK" && mkdir -p "$WORK/logs"
-exec > >(tee -a "$OUT/gpu_run.log") 2>&1
 elapsed() { echo $(( $(date +%s) - T0 )); }
 
-if [[ -z "${GPU_RUN_SKIP_INSTALL:-}" ]]; then
-    if ! ls .whl/*.whl > /dev/null 2>&1; then
-        echo "gpu_run: no wheels in .whl/: run 'bash ../shared/gpu/fetch_wheels.sh' here and carry .whl"
-        exit 3
+main() {
+    if [[ -z "${GPU_RUN_SKIP_INSTALL:-}" ]]; then
+        if ! ls .whl/*.whl > /dev/null 2>&1; then
+            echo "gpu_run: no wheels in .whl/: run 'bash ../shared/gpu/fetch_wheels.sh' here and carry .whl"
+            exit 3
+        fi
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+            .whl/*.whl || { echo "gpu_run: installing the wheels failed"; exit 3; }
     fi
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/*.whl || { echo "gpu_run: installing the wheels failed"; exit 3; }
-fi
-export PYTHONPATH=/tmp/site:$PWD PDSERVE_CACHE=${PDSERVE_CACHE:-/tmp/pdc} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-git rev-parse --short HEAD 2> /dev/null | sed 's/^/commit /'
-nvidia-smi -L 2> /dev/null || echo "no nvidia-smi"
-python3 -c "import torch, transformers, triton, zmq, fastapi; print('torch', torch.__version__, 'cuda', \
-torch.version.cuda, '| transformers', transformers.__version__, '| triton', triton.__version__, '| gpus', \
-torch.cuda.device_count())"
+    export PYTHONPATH=/tmp/site:$PWD PDSERVE_CACHE=${PDSERVE_CACHE:-/tmp/pdc} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+    git rev-parse --short HEAD 2> /dev/null | sed 's/^/commit /'
+    nvidia-smi -L 2> /dev/null || echo "no nvidia-smi"
+    python3 -c "import torch, transformers, triton, zmq, fastapi; print('torch', torch.__version__, 'cuda', \
+    torch.version.cuda, '| transformers', transformers.__version__, '| triton', triton.__version__, '| gpus', \
+    torch.cuda.device_count())"
 
-echo "== [$(elapsed) s] building $BENCH_MODEL in the background"
-(
-    t=$(date +%s)
-    python3 -c "from pdserve.common.checkpoint import resolve_model; print(resolve_model('$BENCH_MODEL'))"
-    echo "rc $? after $(( $(date +%s) - t )) s"
-) > "$WORK/logs/checkpoint.log" 2>&1 &
-BUILD=$!
+    echo "== [$(elapsed) s] building $BENCH_MODEL in the background"
+    (
+        t=$(date +%s)
+        python3 -c "from pdserve.common.checkpoint import resolve_model; print(resolve_model('$BENCH_MODEL'))"
+        echo "rc $? after $(( $(date +%s) - t )) s"
+    ) > "$WORK/logs/checkpoint.log" 2>&1 &
+    BUILD=$!
 
-echo "== [$(elapsed) s] gpu_check (at most $CHECK_S s)"
-timeout -k $KILL_S $CHECK_S python3 scripts/gpu_check.py "${CHECK_ARGS[@]}" --out "$OUT/gpu_check.json" \
-    --log-dir "$WORK/logs" > "$WORK/logs/gpu_check.out" 2>&1
-CHECK_RC=$?
-grep -E '^(fp32|bf16)-' "$WORK/logs/gpu_check.out" | cut -c1-600
-tail -n 3 "$WORK/logs/gpu_check.out"
-echo "gpu_check: exit code $CHECK_RC (124: timed out) after $(elapsed) s"
+    echo "== [$(elapsed) s] gpu_check (at most $CHECK_S s)"
+    timeout -k $KILL_S $CHECK_S python3 scripts/gpu_check.py "${CHECK_ARGS[@]}" --out "$OUT/gpu_check.json" \
+        --log-dir "$WORK/logs" > "$WORK/logs/gpu_check.out" 2>&1
+    CHECK_RC=$?
+    grep -E '^(fp32|bf16)-' "$WORK/logs/gpu_check.out" | cut -c1-600
+    tail -n 3 "$WORK/logs/gpu_check.out"
+    echo "gpu_check: exit code $CHECK_RC (124: timed out) after $(elapsed) s"
 
-wait $BUILD
-cat "$WORK/logs/checkpoint.log"
+    wait $BUILD
+    cat "$WORK/logs/checkpoint.log"
 
-LEFT=$(( TOTAL_S - $(elapsed) - PACK_S ))
-echo "== [$(elapsed) s] bench.gpu (budget $(( LEFT - KILL_S )) s)"
-BENCH_RC=124
-if (( LEFT - KILL_S > 60 )); then
-    timeout -k $KILL_S $LEFT python3 -m bench.gpu --model "$BENCH_MODEL" "${BENCH_ARGS[@]}" \
-        --budget-s $(( LEFT - KILL_S )) --out-dir "$WORK/bench" --no-progress > "$WORK/logs/bench_gpu.out" 2>&1
-    BENCH_RC=$?
-    grep -v -E 'Loading weights|it/s\]' "$WORK/logs/bench_gpu.out" | tail -n 60
-else
-    echo "bench.gpu: not started, too little time left"
-fi
-echo "bench.gpu: exit code $BENCH_RC (124: timed out)"
+    LEFT=$(( TOTAL_S - $(elapsed) - PACK_S ))
+    echo "== [$(elapsed) s] bench.gpu (budget $(( LEFT - KILL_S )) s)"
+    BENCH_RC=124
+    if (( LEFT - KILL_S > 60 )); then
+        timeout -k $KILL_S $LEFT python3 -m bench.gpu --model "$BENCH_MODEL" "${BENCH_ARGS[@]}" \
+            --budget-s $(( LEFT - KILL_S )) --out-dir "$WORK/bench" --no-progress > "$WORK/logs/bench_gpu.out" 2>&1
+        BENCH_RC=$?
+        grep -v -E 'Loading weights|it/s\]' "$WORK/logs/bench_gpu.out" | tail -n 60
+    else
+        echo "bench.gpu: not started, too little time left"
+    fi
+    echo "bench.gpu: exit code $BENCH_RC (124: timed out)"
 
-cp "$WORK"/bench/gpu.json "$WORK"/bench/gpu.md "$WORK"/bench/gpu.png "$OUT"/ 2> /dev/null
-cp "$WORK"/bench/logs/* "$WORK/logs/" 2> /dev/null
-tar czf "$OUT/logs.tar.gz" -C "$WORK" logs
-echo "== [$(elapsed) s] done: gpu_check $CHECK_RC, bench.gpu $BENCH_RC; $OUT: $(ls "$OUT" | tr '\n' ' ')"
-(( CHECK_RC == 0 && BENCH_RC == 0 ))
+    cp "$WORK"/bench/gpu.json "$WORK"/bench/gpu.md "$WORK"/bench/gpu.png "$OUT"/ 2> /dev/null
+    cp "$WORK"/bench/logs/* "$WORK/logs/" 2> /dev/null
+    tar czf "$OUT/logs.tar.gz" -C "$WORK" logs
+    echo "== [$(elapsed) s] done: gpu_check $CHECK_RC, bench.gpu $BENCH_RC; $OUT: $(ls "$OUT" | tr '\n' ' ')"
+    (( CHECK_RC == 0 && BENCH_RC == 0 ))
+}
+
+main 2>&1 | tee "$OUT/gpu_run.log"
+exit "${PIPESTATUS[0]}"
