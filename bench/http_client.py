@@ -4,7 +4,9 @@ Each request is a streaming `/v1/completions` call with the prompt as a token-id
 set to its output length, `ignore_eos`, greedy, and `return_token_ids` so every SSE chunk names the
 tokens it carries (`choices[0].token_ids`); a server that leaves those out gets one token counted per
 chunk with text. Requests are sent at their arrival offsets from one shared t=0; the time each chunk
-arrives is the time of each of its tokens.
+arrives is the time of each of its tokens. With `max_concurrency`, at most that many requests are in
+flight: a request that arrives while they are waits for one to finish, and is sent (and its TTFT
+counted) from then, as vLLM's `--max-concurrency` does.
 
 The streams are read by a minimal HTTP/1.1 client on asyncio streams rather than httpx: the load
 generator shares this machine's two cores with the server under test, so its CPU is taken from the
@@ -14,6 +16,7 @@ server's threads. On `short_long_mix` (1280 tokens) httpx used 0.31 s of CPU, th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
@@ -34,6 +37,8 @@ class HttpTarget:
     base_url: str  # e.g. http://127.0.0.1:8000 (no /v1)
     model: str | None = None  # served model name; None: the first one /v1/models lists
     timeout_s: float = 1800.0  # per request, first byte to last
+    max_concurrency: int | None = None  # requests in flight at most; None: no limit
+    run_timeout_s: float | None = None  # the whole run, from its t=0: what is not done by then fails
 
 
 def completion_body(model: str, req: BenchRequest) -> dict:
@@ -127,13 +132,21 @@ async def _stream(url: str, body: dict, rec: RequestRecord) -> None:
         _take_chunk(payload, rec)
 
 
-async def _send_at(url: str, model: str, req: BenchRequest, t0: float, timeout_s: float) -> RequestRecord:
+async def _send_at(
+    url: str, model: str, req: BenchRequest, t0: float, target: HttpTarget, slots: asyncio.Semaphore | None
+) -> RequestRecord:
     await asyncio.sleep(max(0.0, t0 + req.arrival_s - time.perf_counter()))
-    rec = RequestRecord(time.perf_counter(), req.output_len, len(req.prompt_token_ids))
-    try:
-        await asyncio.wait_for(_stream(url, completion_body(model, req), rec), timeout_s)
-    except (HttpError, OSError, ValueError, IndexError, asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
-        rec.error = f"{type(e).__name__}: {e}"
+    async with slots or contextlib.nullcontext():
+        rec = RequestRecord(time.perf_counter(), req.output_len, len(req.prompt_token_ids))
+        timeout_s = target.timeout_s
+        if target.run_timeout_s is not None:
+            timeout_s = min(timeout_s, t0 + target.run_timeout_s - rec.send_time)
+        try:
+            await asyncio.wait_for(_stream(url, completion_body(model, req), rec), max(0.0, timeout_s))
+        except asyncio.TimeoutError:
+            rec.error = f"TimeoutError: not done within {max(0.0, timeout_s):.1f} s (the request's or the run's limit)"
+        except (HttpError, OSError, ValueError, IndexError, asyncio.IncompleteReadError) as e:
+            rec.error = f"{type(e).__name__}: {e}"
     rec.check_length()
     return rec
 
@@ -144,9 +157,10 @@ async def run_async(target: HttpTarget, workload: Workload, desc: str = "", prog
     async with httpx.AsyncClient(timeout=httpx.Timeout(CONNECT_TIMEOUT_S)) as client:
         model = target.model or await served_model(client, target.base_url)
     url = f"{target.base_url}/v1/completions"
+    slots = asyncio.Semaphore(target.max_concurrency) if target.max_concurrency else None
     with tqdm(total=n, desc=desc or workload.label, unit="req", disable=not progress) as bar:
         t0 = time.perf_counter()
-        tasks = [asyncio.create_task(_send_at(url, model, r, t0, target.timeout_s)) for r in workload.requests]
+        tasks = [asyncio.create_task(_send_at(url, model, r, t0, target, slots)) for r in workload.requests]
         for task in tasks:
             task.add_done_callback(lambda _: bar.update(1))
         records = await asyncio.gather(*tasks)

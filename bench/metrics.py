@@ -8,6 +8,7 @@ these:
 - TPOT: (last token - first token) / (tokens - 1), per request, for requests with >= 2 tokens.
 - ITL: every gap between consecutive tokens, pooled over requests.
 - throughput: finished requests and their output tokens over the run's wall time (run start to last token).
+- router CPU per token: the router process's CPU time during the run over the tokens it streamed.
 - SLO attainment: the share of all requests (failed ones count as misses) within both the TTFT and TPOT
   SLOs; goodput: those requests per second of wall time.
 
@@ -111,6 +112,12 @@ def summarize(records: list[RequestRecord], start: float, slo: SLO) -> dict:
         "goodput_rps": met / wall if ok else 0.0,
         "streamed": all(r.streamed for r in records),
     }
+
+
+def cpu_per_token_us(cpu_s: float | None, records: list[RequestRecord]) -> float | None:
+    """A process's CPU microseconds per output token streamed in a run (every record's tokens)."""
+    tokens = sum(len(r.token_times) for r in records)
+    return None if cpu_s is None or not tokens else cpu_s / tokens * 1e6
 
 
 def max_rate_within_slo(attainment_by_rate: dict[float, float], target: float = 0.9) -> float | None:

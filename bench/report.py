@@ -89,6 +89,19 @@ def _goodput_lines(goodput: dict) -> list[str]:
     return lines
 
 
+def router_cpu_lines(results: list[dict]) -> list[str]:
+    """The router's CPU per streamed token, for the runs that measured it (pdserve over HTTP)."""
+    rows = [r for r in results if r.get("router_cpu_us_per_token") is not None]
+    if not rows:
+        return []
+    note = "utime + stime of the router process over the run, from /proc (10 ms ticks: short runs round)."
+    lines = ["", "## Router CPU per streamed token", "", note, ""]
+    lines += ["| workload | system | router CPU (s) | µs per token |", "|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['label']} | {r['system']} | {r['router_cpu_s']:.3f} | {r['router_cpu_us_per_token']:.1f} |")
+    return lines
+
+
 def _agreement_lines(results: list[dict]) -> list[str]:
     """Greedy outputs should match across systems; list only the runs where they do not."""
     rows = [r for r in results if r.get("token_agreement") is not None]
@@ -119,6 +132,7 @@ def markdown(run: dict) -> str:
     ]
     lines = head + [table_row(r, base) for r in results]
     lines += _overhead_lines(run.get("engine_overhead")) + _kv_lines(run.get("kv_bandwidth"))
+    lines += router_cpu_lines(results)
     lines += _goodput_lines(run.get("goodput", {})) + _agreement_lines(results)
     return "\n".join(lines) + "\n"
 

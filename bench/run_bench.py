@@ -33,7 +33,7 @@ import torch
 from bench import report, systems
 from bench.baselines import load_hf_model
 from bench.floors import engine_overhead
-from bench.metrics import SLO, RequestRecord, max_rate_within_slo, summarize
+from bench.metrics import SLO, RequestRecord, cpu_per_token_us, max_rate_within_slo, summarize
 from bench.workloads import WORKLOADS, BenchRequest, Workload, make_workload
 
 SYSTEMS = ("colocated", "disagg", "static", "hf_cb")
@@ -192,9 +192,8 @@ def open_system(cfg: BenchConfig, system: str, hf: LazyModel) -> AbstractContext
     if system == "static":
         return systems.static_batching(hf.get(), cfg.max_batch, cfg.progress)
     if system == "hf_cb":
-        return systems.hf_continuous_batching(
-            hf.get(), cfg.max_batch, cfg.max_num_batched_tokens, cfg.kv_cache_gb, cfg.progress
-        )
+        opts = systems.CbOptions(cfg.max_batch, cfg.max_num_batched_tokens, cfg.kv_cache_gb)
+        return systems.hf_continuous_batching(hf.get(), opts, cfg.progress)
     return systems.external_server(dict(cfg.external)[system], cfg.progress)
 
 
@@ -216,14 +215,15 @@ def _records_json(t0: float, records: list[RequestRecord]) -> list[dict]:
     ]
 
 
-def run_workload(cfg: BenchConfig, system: str, run: systems.Runner, w: Workload) -> dict:
+def run_workload(slo: SLO, system: str, run: systems.Runner, w: Workload) -> dict:
     try:
         t0, records = run(w, f"{system}/{w.label}")
     except Exception as e:  # one workload failing must not end the run
         return _failed(system, w, f"{type(e).__name__}: {e}")
-    summary = summarize(records, t0, cfg.slo)
+    summary = summarize(records, t0, slo)
     ok = summary["num_failed"] < len(records)
     error = "" if ok else "every request failed: " + "; ".join(summary["errors"])
+    router_cpu_s = getattr(run, "router_cpu_s", None)  # pdserve stacks: the router's CPU during the run
     return {
         "system": system,
         "workload": w.name,
@@ -232,12 +232,14 @@ def run_workload(cfg: BenchConfig, system: str, run: systems.Runner, w: Workload
         "ok": ok,
         "error": error,
         "summary": summary,
+        "router_cpu_s": router_cpu_s,
+        "router_cpu_us_per_token": cpu_per_token_us(router_cpu_s, records),
         "records": _records_json(t0, records),
         "tokens": [r.output_token_ids for r in records],
     }
 
 
-def _warm_up(run: systems.Runner, system: str) -> None:
+def warm_up(run: systems.Runner, system: str) -> None:
     _, records = run(WARMUP, f"{system}/warmup")
     bad = [r.error for r in records if not r.ok]
     if bad:
@@ -248,9 +250,9 @@ def run_system(cfg: BenchConfig, system: str, workloads: list[Workload], hf: Laz
     done: list[dict] = []
     try:
         with open_system(cfg, system, hf) as run:
-            _warm_up(run, system)
+            warm_up(run, system)
             for w in workloads:
-                done.append(run_workload(cfg, system, run, w))
+                done.append(run_workload(cfg.slo, system, run, w))
     except Exception as e:  # a system that cannot start is reported, not fatal
         msg = f"{type(e).__name__}: {e}"
         print(f"bench: {system} failed: {msg}", file=sys.stderr)

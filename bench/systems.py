@@ -1,13 +1,16 @@
 """The systems a benchmark compares, each opened as a context manager that yields `run(workload, desc)`.
 
 - `colocated` / `disagg`: `pdserve up --mode ...` as a child process on a free port, driven over HTTP;
-  stopped with SIGTERM to its PID (the launcher stops its own children).
+  stopped with SIGTERM to its PID (the launcher stops its own children). Its runner also reads the
+  router's CPU time (utime + stime of the `pdserve router` child, from /proc) around each run, and
+  the router's /metrics (every node's counters).
 - `static` / `hf_cb`: Hugging Face static and continuous batching in this process (bench/baselines.py).
 - an external OpenAI-compatible server (e.g. `vllm serve`), started by the user, driven over HTTP.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -20,6 +23,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
+
 from bench.baselines import cb_manager, run_hf_cb, run_static
 from bench.http_client import HttpTarget, run_http
 from bench.metrics import RequestRecord
@@ -31,6 +36,10 @@ STOP_TIMEOUT_S = 30.0
 LOG_TAIL_LINES = 20
 
 Runner = Callable[[Workload, str], tuple[float, list[RequestRecord]]]
+
+
+CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+METRICS_TIMEOUT_S = 10.0
 
 
 class SystemFailed(RuntimeError):
@@ -48,6 +57,8 @@ class StackOptions:
     kv_transport: str
     log_prefix: Path  # logs go to <log_prefix>.pdserve-<mode>.log
     extra_args: tuple[str, ...] = ()
+    max_concurrency: int | None = None  # the load generator's requests in flight at most
+    deadline: float | None = None  # time.monotonic() by which every run ends (unfinished requests fail)
 
 
 # ---- pdserve as a child process --------------------------------------------------------------------
@@ -136,22 +147,95 @@ class Stack:
         self.reader.join(timeout=5)
 
 
+def time_left(deadline: float | None) -> float | None:
+    """Seconds until `deadline` (a time.monotonic() value), never negative; None: no deadline."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+# ---- the router's CPU time, from /proc (Linux) ----------------------------------------------------
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name (state is [0], ppid [1], utime [11])."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text[text.rindex(")") + 2 :].split()
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process `pid` so far (None when it is gone or there is no /proc)."""
+    fields = _proc_stat(pid)
+    return None if fields is None else (int(fields[11]) + int(fields[12])) / CLOCK_TICKS_PER_S
+
+
+def child_pids(pid: int) -> list[int]:
+    children = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        fields = _proc_stat(int(entry.name))
+        if fields is not None and int(fields[1]) == pid:
+            children.append(int(entry.name))
+    return children
+
+
+def _argv(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+def router_pid(launcher_pid: int) -> int | None:
+    """The `pdserve router` child of a `pdserve up` process."""
+    for pid in child_pids(launcher_pid):
+        argv = _argv(pid)
+        if "pdserve" in argv and "router" in argv:
+            return pid
+    return None
+
+
+# ---- pdserve stack runner --------------------------------------------------------------------------
+
+
+class StackRunner:
+    """Drives a started stack over HTTP. After each run, `router_cpu_s` holds the CPU seconds its router
+    spent during it (None where it cannot be read); `metrics()` is the router's /metrics text."""
+
+    def __init__(self, stack: Stack, target: HttpTarget, progress: bool, deadline: float | None = None) -> None:
+        self.stack, self.target, self.progress, self.deadline = stack, target, progress, deadline
+        self.router_pid = router_pid(stack.proc.pid)
+        self.router_cpu_s: float | None = None
+
+    def _router_cpu(self) -> float | None:
+        return None if self.router_pid is None else cpu_seconds(self.router_pid)
+
+    def __call__(self, workload: Workload, desc: str) -> tuple[float, list[RequestRecord]]:
+        if self.stack.proc.poll() is not None:
+            raise SystemFailed(
+                f"the pdserve stack exited (code {self.stack.proc.returncode}); log {self.stack.log_path}"
+            )
+        target = dataclasses.replace(self.target, run_timeout_s=time_left(self.deadline))
+        before = self._router_cpu()
+        result = run_http(target, workload, desc, self.progress)
+        after = self._router_cpu()
+        self.router_cpu_s = None if before is None or after is None else after - before
+        return result
+
+    def metrics(self) -> str:
+        return httpx.get(f"{self.target.base_url}/metrics", timeout=METRICS_TIMEOUT_S).text
+
+
 @contextmanager
-def pdserve_stack(opts: StackOptions, mode: str, progress: bool) -> Iterator[Runner]:
+def pdserve_stack(opts: StackOptions, mode: str, progress: bool) -> Iterator[StackRunner]:
     port = free_port()
     stack = Stack(stack_argv(opts, mode, port), opts.log_prefix.with_name(f"{opts.log_prefix.name}.pdserve-{mode}.log"))
     try:
         stack.wait_ready(READY_TIMEOUT_S)
-        target = HttpTarget(f"http://127.0.0.1:{port}")
-        yield lambda w, desc: _checked_http(target, w, desc, progress, stack)
+        target = HttpTarget(f"http://127.0.0.1:{port}", max_concurrency=opts.max_concurrency)
+        yield StackRunner(stack, target, progress, opts.deadline)
     finally:
         stack.stop()
-
-
-def _checked_http(target: HttpTarget, workload: Workload, desc: str, progress: bool, stack: Stack):
-    if stack.proc.poll() is not None:
-        raise SystemFailed(f"the pdserve stack exited (code {stack.proc.returncode}); log {stack.log_path}")
-    return run_http(target, workload, desc, progress)
 
 
 @contextmanager
@@ -164,18 +248,28 @@ def external_server(url: str, progress: bool) -> Iterator[Runner]:
 
 
 @contextmanager
-def static_batching(model, max_batch: int, progress: bool) -> Iterator[Runner]:
-    yield lambda w, desc: run_static(model, w, max_batch, desc, progress)
+def static_batching(model, max_batch: int, progress: bool, deadline: float | None = None) -> Iterator[Runner]:
+    yield lambda w, desc: run_static(model, w, max_batch, desc, progress, time_left(deadline))
+
+
+@dataclass(frozen=True)
+class CbOptions:
+    """HF continuous batching: the engine budget of pdserve, and the load generator's limits."""
+
+    max_batch: int
+    max_batch_tokens: int
+    kv_cache_gb: float
+    max_concurrency: int | None = None
+    deadline: float | None = None  # time.monotonic() by which every run ends (unfinished requests fail)
+    cuda_graphs: bool = False
 
 
 @contextmanager
-def hf_continuous_batching(
-    model, max_batch: int, max_batch_tokens: int, kv_cache_gb: float, progress: bool
-) -> Iterator[Runner]:
-    manager = cb_manager(model, max_batch, max_batch_tokens, kv_cache_gb)
+def hf_continuous_batching(model, opts: CbOptions, progress: bool) -> Iterator[Runner]:
+    manager = cb_manager(model, opts.max_batch, opts.max_batch_tokens, opts.kv_cache_gb, opts.cuda_graphs)
     manager.start()
     try:
-        yield lambda w, desc: run_hf_cb(manager, w, desc, progress)
+        yield lambda w, desc: run_hf_cb(manager, w, desc, progress, opts.max_concurrency, time_left(opts.deadline))
     finally:
         manager.stop(block=True, timeout=STOP_TIMEOUT_S)
         manager.destroy()

@@ -8,7 +8,9 @@ requests, token for token.
 
 - `equal_size`: 16 x (128 prompt, 128 output).
 - `short_long_mix`: (32, 32) and (512, 128) alternating, 16 requests.
-- `sharegpt_like`: lognormal prompt and output lengths (ShareGPT-shaped), 32 requests.
+- `sharegpt_like`: lognormal prompt and output lengths (ShareGPT-shaped), 32 requests; its medians
+  and sigmas are parameters (`shape_args`), e.g. the GPU benchmark's 256 requests of ~60k prompt and
+  ~20.8k output tokens (bench/gpu.py).
 - `long_prefill`: every 4th request a long prompt (1-2k tokens) with a short output, the rest chatty
   (short prompt, longer output), 24 requests; meant to be run open, as a steady stream.
 
@@ -63,10 +65,20 @@ def _short_long_mix(rng: np.random.Generator, n: int, max_len: int) -> Lengths:
     return [(32, 32) if i % 2 == 0 else (512, 128) for i in range(n)]
 
 
-def _sharegpt_like(rng: np.random.Generator, n: int, max_len: int) -> Lengths:
-    """ShareGPT-shaped: prompt median 128 (sigma 1.0), output median 96 (sigma 0.8), each capped to half the model."""
-    prompts = np.exp(rng.normal(np.log(128), 1.0, n))
-    outputs = np.exp(rng.normal(np.log(96), 0.8, n))
+def _sharegpt_like(
+    rng: np.random.Generator,
+    n: int,
+    max_len: int,
+    prompt_median: float = 128,
+    prompt_sigma: float = 1.0,
+    output_median: float = 96,
+    output_sigma: float = 0.8,
+) -> Lengths:
+    """ShareGPT-shaped: lognormal prompt and output lengths, each capped to half the model."""
+    if min(prompt_median, output_median) <= 0 or min(prompt_sigma, output_sigma) < 0:
+        raise ValueError("sharegpt_like: the medians must be positive and the sigmas not negative")
+    prompts = np.exp(rng.normal(np.log(prompt_median), prompt_sigma, n))
+    outputs = np.exp(rng.normal(np.log(output_median), output_sigma, n))
     cap = max_len // 2
     return [(int(np.clip(p, 4, cap)), int(np.clip(o, 4, cap))) for p, o in zip(prompts, outputs, strict=True)]
 
@@ -118,17 +130,21 @@ def make_workload(
     rate: float | None = None,
     num_requests: int | None = None,
     quick: bool = False,
+    shape_args: dict[str, float] | None = None,
 ) -> Workload:
-    """The workload `name` for a model of `vocab_size` ids and `max_model_len` positions."""
+    """The workload `name` for a model of `vocab_size` ids and `max_model_len` positions; `shape_args`
+    go to its length generator (only `sharegpt_like` takes any)."""
     if name not in _SHAPES:
         raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+    if shape_args and name != "sharegpt_like":
+        raise ValueError(f"workload {name!r} takes no shape arguments")
     if rate is not None and rate <= 0:
         raise ValueError("the arrival rate must be positive")
     shape, default_n = _SHAPES[name]
     n = num_requests or (QUICK_NUM_REQUESTS if quick else default_n)
     key = zlib.crc32(name.encode())
     rng = np.random.default_rng([seed, key, 0])
-    lengths = _fit(shape(rng, n, max_model_len), max_model_len, QUICK_SCALE if quick else 1)
+    lengths = _fit(shape(rng, n, max_model_len, **(shape_args or {})), max_model_len, QUICK_SCALE if quick else 1)
     high = vocab_size - NUM_SPECIAL_TOKENS
     arrivals = [0.0] * n if rate is None else poisson_arrivals(n, rate, np.random.default_rng([seed, key, 1]))
     requests = tuple(

@@ -1,14 +1,37 @@
-"""GPU check: disaggregated serving on CUDA, bf16, over zmq and cuda_ipc, in a few minutes.
+"""GPU check (issue 7): pdserve on CUDA gives the right tokens, in a few minutes.
 
-    python scripts/gpu_check.py [--model small] [--requests 16] [--out results.json]
+    python scripts/gpu_check.py [--model small] [--out gpu_check.json]
+    python scripts/gpu_check.py --device cpu --model tiny      # the same checks on the CPU: zmq and shm
 
-For each KV transport (zmq, cuda_ipc) it starts `pdserve up --mode disagg` with the prefill node and
-the decode node as two processes on the GPU(s) (cuda:0 and cuda:1 when there are two, both on
-cuda:0 otherwise), sends concurrent greedy requests, and checks every served token against
-transformers on the same bf16 weights: replaying the served sequence, each served token's logit must
-be within `--logit-tol` of the best logit at that position (bf16 rounding may flip near-ties, so exact
-token equality is not required). It also reports the KV transfer bandwidth the prefill node measured
-beside a device-to-device copy of the same size. Exit code 0 when every check passes.
+It starts four stacks in turn with `pdserve up` (prefill on cuda:0, decode on cuda:1 when there are
+two GPUs, else both on cuda:0; on the CPU, `--device cpu` and shm where the GPU uses cuda_ipc):
+
+| stack | dtype | mode | checks |
+|---|---|---|---|
+| fp32-colocated | float32 | colocated | (a), (c) |
+| fp32-zmq | float32 | disagg, zmq | (a), (d) |
+| fp32-cuda_ipc | float32 | disagg, cuda_ipc | (a), (c), (d) |
+| bf16-cuda_ipc | bfloat16 | disagg, cuda_ipc | (b), (c) but seeds, (d) |
+
+(a) Greedy, float32: every request's tokens equal transformers `generate` (greedy, one request at a
+    time, float32, on the same device as the nodes). The requests are sent at once, so the engine
+    batches them; prompts are 8 to 1024 tokens, so long ones are chunked. A mismatch is reported with
+    its position and HF's logit gap there (a near-tie shows as a small gap).
+(b) Greedy, bf16: replaying each served sequence through transformers in bf16, every served token's
+    logit is within `--logit-tol` of the best logit at its position (bf16 rounding may flip near-ties).
+(c) Sampling: `--sampled` requests (temperature 0.5/1/1.5, top-k off/1/20/100, top-p 1/0.9/0.5, every
+    other one with a seed), sent at once: each completes with its `max_tokens` tokens and no error,
+    every node is still up after them, each sampled token lies within its request's top-k and top-p
+    set (checked on transformers' logits of the served sequence, a tolerance for the dtype), top-k 1
+    gives the greedy tokens, and the seeded requests, sent again in reverse order with other
+    neighbours, give the same tokens. That last part is judged in float32 only: bf16 logits move with
+    the batch's shape (the GEMMs tile differently), so a seeded draw near a boundary may flip there
+    (seen on the CPU, on a top-k 1 request); the bf16 stack reports its differing seeds.
+(d) KV transfer: the prefill node's transfers (bytes over pull-to-ack time) beside a device-to-device
+    copy between the same devices; every request's KV was transferred. Reported, not judged.
+
+Exit code 0 only if every check passes; the JSON report (`--out`) is rewritten after each stack, and
+each stack's log is kept in `--log-dir`.
 """
 
 from __future__ import annotations
@@ -16,151 +39,346 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import signal
-import socket
-import subprocess
+import random
 import sys
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import torch
 
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script from anywhere: bench/ and pdserve/ import from the checkout
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from bench.gpu import copy_gbps, exit_on_sigterm, node_counters  # noqa: E402
+from bench.systems import Stack, free_port  # noqa: E402
 
-
-def start_stack(model: str, transport: str, port: int, log_path: str) -> subprocess.Popen:
-    decode_dev = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
-    argv = [sys.executable, "-m", "pdserve", "up", "--model", model, "--mode", "disagg", "--dtype", "bfloat16",
-            "--kv-transport", transport, "--prefill-device", "cuda:0", "--decode-device", decode_dev,
-            "--port", str(port), "--kv-cache-gb", "1"]  # fmt: skip
-    log = open(log_path, "w")
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"pdserve up exited ({proc.returncode}); see {log_path}")
-        if "is serving" in open(log_path).read():
-            return proc
-        time.sleep(0.5)
-    raise RuntimeError(f"the stack did not start; see {log_path}")
+TEMPERATURES = (0.5, 1.0, 1.5)
+TOP_KS = (-1, 1, 20, 100)
+TOP_PS = (1.0, 0.9, 0.5)
+STACK_READY_S = 300.0
+REQUEST_TIMEOUT_S = 300.0
+SAMPLED_MAX_TOKENS = 16
+FP32_LOGIT_EPS = 1e-3  # fp32: the engine's and HF's logits differ by rounding only
+PROB_EPS = {"float32": 1e-4, "bfloat16": 0.05}  # slack on top-p's cumulative mass
+SETTLE_S = 1.2  # nodes report counters to the router every 0.5 s
 
 
-def stop_stack(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
+@dataclass(frozen=True)
+class StackPlan:
+    name: str
+    dtype: str
+    mode: str
+    transport: str  # zmq | shm | cuda_ipc (disagg only)
+    greedy_exact: bool  # (a), else (b)
+    sampling: bool  # (c)
+
+    @property
+    def seeds_judged(self) -> bool:
+        return self.dtype == "float32"
+
+
+def plans(device: str) -> list[StackPlan]:
+    ipc = "cuda_ipc" if device.startswith("cuda") else "shm"
+    return [
+        StackPlan("fp32-colocated", "float32", "colocated", "zmq", True, True),
+        StackPlan("fp32-zmq", "float32", "disagg", "zmq", True, False),
+        StackPlan(f"fp32-{ipc}", "float32", "disagg", ipc, True, True),
+        StackPlan(f"bf16-{ipc}", "bfloat16", "disagg", ipc, False, True),
+    ]
+
+
+def decode_device(device: str) -> str:
+    if device.startswith("cuda") and torch.cuda.device_count() > 1:
+        return "cuda:1"
+    return device
+
+
+# ---- the stack -------------------------------------------------------------------------------------
+
+
+def stack_argv(a: argparse.Namespace, plan: StackPlan, port: int) -> list[str]:
+    argv = [sys.executable, "-m", "pdserve", "up", "--model", a.model, "--mode", plan.mode, "--port", str(port),
+            "--dtype", plan.dtype, "--device", a.device, "--kv-cache-gb", str(a.kv_cache_gb)]  # fmt: skip
+    if plan.mode == "disagg":
+        devices = ["--prefill-device", a.device, "--decode-device", decode_device(a.device)]
+        argv += ["--kv-transport", plan.transport, *devices]
+    return argv
+
+
+def start(a: argparse.Namespace, plan: StackPlan) -> tuple[Stack, str]:
+    port = free_port()
+    stack = Stack(stack_argv(a, plan, port), a.log_dir / f"gpu_check.{plan.name}.log")
     try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        stack.wait_ready(STACK_READY_S)
+    except BaseException:
+        stack.stop()
+        raise
+    return stack, f"http://127.0.0.1:{port}"
 
 
-async def serve_all(url: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+async def complete_all(url: str, bodies: list[dict]) -> list[dict]:
+    """POST every body at once to /v1/completions; each answer: its token ids, or the error."""
+    async with httpx.AsyncClient(base_url=url, timeout=REQUEST_TIMEOUT_S) as client:
         name = (await client.get("/v1/models")).json()["data"][0]["id"]
 
-        async def one(p):
-            body = {"model": name, "prompt": p, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                    "return_token_ids": True}  # fmt: skip
-            r = await client.post("/v1/completions", json=body)
-            r.raise_for_status()
-            return r.json()["choices"][0]["token_ids"]
+        async def one(body: dict) -> dict:
+            try:
+                r = await client.post("/v1/completions", json={"model": name, "ignore_eos": True,
+                                                               "return_token_ids": True, **body})  # fmt: skip
+            except httpx.HTTPError as e:
+                return {"error": f"{type(e).__name__}: {e}"}
+            if r.status_code != 200:
+                return {"error": f"HTTP {r.status_code}: {r.text[:200]}"}
+            return {"tokens": r.json()["choices"][0]["token_ids"]}
 
-        return await asyncio.gather(*(one(p) for p in prompts))
+        return await asyncio.gather(*(one(b) for b in bodies))
 
 
-def logit_gaps(model, prompts, outputs) -> list[float]:
-    """For each served token: best logit minus the served token's logit, replaying the sequence in HF."""
-    gaps = []
-    with torch.inference_mode():
-        for p, out in zip(prompts, outputs, strict=True):
-            ids = torch.tensor([p + out], device="cuda:0")
-            logits = model(ids).logits[0, len(p) - 1 : -1].float()  # [len(out), V]
-            served = logits.gather(1, torch.tensor(out, device="cuda:0")[:, None])[:, 0]
+def serve(url: str, bodies: list[dict]) -> list[dict]:
+    return asyncio.run(complete_all(url, bodies))
+
+
+# ---- references (transformers, on the nodes' device) -----------------------------------------------
+
+
+class Reference:
+    """transformers' model of the checkpoint, per dtype, loaded once, on the prefill device."""
+
+    def __init__(self, path: Path, device: str) -> None:
+        self.path, self.device = path, device
+        self.models: dict[str, object] = {}
+
+    def model(self, dtype: str):
+        if dtype not in self.models:
+            import transformers
+
+            self.models.clear()  # one at a time on the device
+            m = transformers.AutoModelForCausalLM.from_pretrained(self.path, dtype=getattr(torch, dtype))
+            self.models[dtype] = m.to(self.device).eval()
+        return self.models[dtype]
+
+    @torch.inference_mode()
+    def greedy(self, prompt: list[int], n: int) -> list[int]:
+        model = self.model("float32")
+        x = torch.tensor([prompt], device=self.device)
+        y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
+        return y[0, len(prompt) :].tolist()
+
+    @torch.inference_mode()
+    def logits(self, dtype: str, prompt: list[int], out: list[int]) -> torch.Tensor:
+        """[len(out), V] float32: the logits that chose each served token."""
+        x = torch.tensor([prompt + out], device=self.device)
+        return self.model(dtype)(x).logits[0, len(prompt) - 1 : -1].float()
+
+
+# ---- checks ----------------------------------------------------------------------------------------
+
+
+def greedy_bodies(prompts: list[list[int]], max_tokens: int) -> list[dict]:
+    return [{"prompt": p, "max_tokens": max_tokens, "temperature": 0} for p in prompts]
+
+
+def check_exact(ref: Reference, prompts: list[list[int]], answers: list[dict], expected: list[list[int]]) -> dict:
+    """(a): served greedy tokens equal HF's; each mismatch with HF's logit gap at its first position."""
+    errors = [a["error"] for a in answers if "error" in a]
+    mismatches = []
+    for i, (p, a, want) in enumerate(zip(prompts, answers, expected, strict=True)):
+        got = a.get("tokens")
+        if got is not None and got != want:
+            j = next((k for k, (x, y) in enumerate(zip(got, want, strict=False)) if x != y), min(len(got), len(want)))
+            gap = None
+            if j < min(len(got), len(want)):
+                row = ref.logits("float32", p, want)[j]
+                gap = float(row[want[j]] - row[got[j]])
+            mismatches.append({"request": i, "position": j, "served": got[j : j + 4], "hf": want[j : j + 4],
+                               "hf_logit_gap": gap})  # fmt: skip
+    exact = len(prompts) - len(errors) - len(mismatches)
+    return {"requests": len(prompts), "exact": exact, "errors": errors[:5], "mismatches": mismatches[:10],
+            "pass": exact == len(prompts)}  # fmt: skip
+
+
+def check_logit_tol(ref: Reference, prompts: list[list[int]], answers: list[dict], tol: float) -> dict:
+    """(b): every served token's logit within `tol` of the best at its position (HF bf16 replay)."""
+    errors = [a["error"] for a in answers if "error" in a]
+    gaps: list[float] = []
+    for p, a in zip(prompts, answers, strict=True):
+        if a.get("tokens"):
+            logits = ref.logits("bfloat16", p, a["tokens"])
+            served = logits.gather(1, torch.tensor(a["tokens"], device=logits.device)[:, None])[:, 0]
             gaps += (logits.max(-1).values - served).tolist()
-    return gaps
+    within = sum(g <= tol for g in gaps) / len(gaps) if gaps else 0.0
+    return {"requests": len(prompts), "errors": errors[:5], "max_logit_gap": max(gaps, default=None),
+            "tokens_within_tol": within, "pass": not errors and within == 1.0}  # fmt: skip
 
 
-def metric(text: str, name: str, role: str = "prefill") -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") and f'role="{role}"' in line:
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+def sampled_bodies(prompts: list[list[int]], n: int) -> list[dict]:
+    """n requests cycling over temperature x top-k x top-p, each setting twice in a row: seeded, then not."""
+    bodies = []
+    for i in range(n):
+        c = i // 2
+        setting = {"temperature": TEMPERATURES[c % 3], "top_k": TOP_KS[(c // 3) % 4], "top_p": TOP_PS[(c // 12) % 3]}
+        body = {"prompt": prompts[i % len(prompts)], "max_tokens": SAMPLED_MAX_TOKENS, **setting}
+        if i % 2 == 0:
+            body["seed"] = 1000 + i
+        bodies.append(body)
+    return bodies
 
 
-def d2d_bandwidth(nbytes: int) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
-    dst = torch.empty_like(src, device="cuda:1" if torch.cuda.device_count() > 1 else "cuda:0")
-    dst.copy_(src)
-    torch.cuda.synchronize()
+def allowed_rank(logits: torch.Tensor, body: dict, dtype: str) -> torch.Tensor:
+    """[L] how many top tokens each position may sample from: min(top-k, top-p nucleus of logits / T),
+    which holds whether the engine applies top-k before top-p or after."""
+    probs = torch.softmax(logits / body["temperature"], -1).sort(-1, descending=True).values  # [L, V]
+    before = probs.cumsum(-1) - probs  # [L, V]: mass of the tokens ranked above
+    nucleus = (before < body["top_p"] + PROB_EPS[dtype]).sum(-1)  # [L]
+    k = body["top_k"] if body["top_k"] > 0 else logits.shape[-1]
+    return nucleus.clamp(max=k)
+
+
+def out_of_set(ref: Reference, dtype: str, body: dict, tokens: list[int], eps: float) -> int:
+    """How many of a request's sampled tokens rank outside its allowed set (ties within `eps` count in)."""
+    logits = ref.logits(dtype, body["prompt"], tokens)  # [L, V]
+    served = logits.gather(1, torch.tensor(tokens, device=logits.device)[:, None])  # [L, 1]
+    rank = (logits > served + eps).sum(-1)  # [L]: tokens clearly above the served one
+    return int((rank >= allowed_rank(logits, body, dtype)).sum())
+
+
+def check_sampling(ref: Reference, url: str, plan: StackPlan, bodies: list[dict], tol: float) -> dict:
+    """(c): completes, nodes stay up, tokens in their top-k/top-p sets, top-k 1 greedy, seeds reproduce."""
+    answers = serve(url, bodies)
+    errors = [a["error"] for a in answers if "error" in a]
+    short = sum(len(a.get("tokens", ())) != SAMPLED_MAX_TOKENS for a in answers if "tokens" in a)
+    eps = FP32_LOGIT_EPS if plan.dtype == "float32" else tol
+    pairs = [(b, a["tokens"]) for b, a in zip(bodies, answers, strict=True) if "tokens" in a]
+    outside = sum(out_of_set(ref, plan.dtype, b, tokens, eps) for b, tokens in pairs)
+    seeded = [i for i, b in enumerate(bodies) if "seed" in b][::-1]
+    again = serve(url, [bodies[i] for i in seeded])
+    differ = [i for i, a in zip(seeded, again, strict=True) if a.get("tokens") != answers[i].get("tokens")]
+    health = httpx.get(url + "/health", timeout=10)
+    r = {"requests": len(bodies), "errors": errors[:5], "num_errors": len(errors), "wrong_length": short,
+         "tokens_outside_topk_topp": outside, "seeded": len(seeded), "seeded_differ": differ[:10],
+         "healthy_after": health.status_code == 200, "sent": len(bodies) + len(seeded)}  # fmt: skip
+    r["seeds_judged"] = plan.seeds_judged
+    r["pass"] = not errors and not short and not outside and r["healthy_after"] and not (differ and plan.seeds_judged)
+    return r
+
+
+def check_top_k1_greedy(url: str, prompts: list[list[int]], expected: list[list[int]], n: int) -> dict:
+    """top_k 1 at temperature 1 must give the greedy tokens."""
+    bodies = [{"prompt": p, "max_tokens": n, "temperature": 1.0, "top_k": 1} for p in prompts]
+    answers = serve(url, bodies)
+    same = sum(a.get("tokens") == e for a, e in zip(answers, expected, strict=True))
+    return {"requests": len(bodies), "greedy": same, "pass": same == len(bodies)}
+
+
+def kv_report(url: str, requests: int, device: str) -> dict:
+    time.sleep(SETTLE_S)  # the prefill node's counters reach the router with its next stats message
+    c = node_counters(httpx.get(url + "/metrics", timeout=10).text).get("prefill", {})
+    secs = c.get("kv_transfer_time_s", 0.0)
+    gbps = c.get("kv_transfer_bytes", 0.0) / secs / 1e9 if secs else None
+    copy = copy_gbps(device, decode_device(device), 64 * 2**20, 10)
+    return {"transfers": int(c.get("kv_transfers", 0)), "requests": requests, "GBps": gbps, "copy_GBps": copy,
+            "share_of_copy": gbps / copy if gbps else None, "pass": c.get("kv_transfers", 0) >= requests}  # fmt: skip
+
+
+# ---- main ------------------------------------------------------------------------------------------
+
+
+def run_stack(a, plan: StackPlan, ref: Reference, prompts, expected, sampled: list[dict]) -> dict:
     t0 = time.perf_counter()
-    for _ in range(10):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    return nbytes * 10 / (time.perf_counter() - t0) / 1e9
+    stack, url = start(a, plan)
+    try:
+        r: dict = {"dtype": plan.dtype, "mode": plan.mode, "transport": plan.transport,
+                   "start_s": time.perf_counter() - t0}  # fmt: skip
+        answers = serve(url, greedy_bodies(prompts, a.max_tokens))
+        if plan.greedy_exact:
+            r["greedy_exact"] = check_exact(ref, prompts, answers, expected)
+        else:
+            r["greedy_logit_tol"] = check_logit_tol(ref, prompts, answers, a.logit_tol)
+        sent = len(prompts)
+        if plan.sampling:
+            r["sampling"] = check_sampling(ref, url, plan, sampled, a.logit_tol)
+            sent += r["sampling"]["sent"]
+            if plan.dtype == "float32":
+                r["top_k1_greedy"] = check_top_k1_greedy(url, prompts, expected, a.max_tokens)
+                sent += len(prompts)
+        if plan.mode == "disagg":
+            r["kv_transfer"] = kv_report(url, sent, a.device)
+    finally:
+        stack.stop()
+    r["seconds"] = time.perf_counter() - t0
+    r["pass"] = all(v["pass"] for v in r.values() if isinstance(v, dict))
+    return r
 
 
-def main() -> int:
+def make_prompts(n: int, vocab: int, seed: int, lo: int, hi: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab - 3) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="small")
-    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--device", default="cuda:0", help="cuda:N, or cpu for a smoke test of the checks")
+    ap.add_argument("--requests", type=int, default=16, help="greedy requests per stack")
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--sampled", type=int, default=200, help="sampled requests per sampling stack")
     ap.add_argument("--logit-tol", type=float, default=0.5)
-    ap.add_argument("--out", default="")
-    a = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("gpu_check: no CUDA device; nothing to check")
+    ap.add_argument("--kv-cache-gb", type=float, default=None, help="per node; default 1 on CUDA, 0.25 on the CPU")
+    ap.add_argument("--stacks", nargs="*", default=None, help="run only these stacks (by name)")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--log-dir", type=Path, default=Path("/tmp"))
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    exit_on_sigterm()
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device; nothing to check (try --device cpu)")
         return 2
+    a.kv_cache_gb = a.kv_cache_gb or (1.0 if a.device.startswith("cuda") else 0.25)
+    a.log_dir.mkdir(parents=True, exist_ok=True)
     import transformers
 
     from pdserve.common.checkpoint import resolve_model
 
+    t0 = time.perf_counter()
     path = resolve_model(a.model)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 8000 if a.model == "small" else 500, (int(n),), generator=g).tolist()
-               for n in torch.randint(8, 1024, (a.requests,), generator=g)]  # fmt: skip
-    report: dict = {"device": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(), "model": a.model}
-    ok = True
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda:0").eval()
-    for transport in ("zmq", "cuda_ipc"):
-        port = free_port()
-        proc = start_stack(a.model, transport, port, f"/tmp/gpu_check_{transport}.log")
-        try:
-            url = f"http://127.0.0.1:{port}"
-            t0 = time.perf_counter()
-            outs = asyncio.run(serve_all(url, prompts, a.max_tokens))
-            wall = time.perf_counter() - t0
-            text = httpx.get(url + "/metrics").text
-        finally:
-            stop_stack(proc)
-        gaps = logit_gaps(hf, prompts, outs)
-        nbytes = metric(text, "pdserve:node_kv_transfer_bytes_total")
-        secs = metric(text, "pdserve:node_kv_transfer_time_s_total")
-        r = {
-            "requests": len(outs),
-            "tokens": sum(len(o) for o in outs),
-            "wall_s": round(wall, 3),
-            "max_logit_gap": round(max(gaps), 4),
-            "tokens_within_tol": sum(g <= a.logit_tol for g in gaps) / len(gaps),
-            "kv_transfers": metric(text, "pdserve:node_kv_transfers_total"),
-            "kv_transfer_GBps": round(nbytes / secs / 1e9, 3) if secs else None,
-        }
-        r["pass"] = r["tokens_within_tol"] == 1.0 and r["kv_transfers"] >= len(outs)
-        ok &= r["pass"]
-        report[transport] = r
-        print(transport, json.dumps(r), flush=True)
-    report["d2d_copy_GBps"] = round(d2d_bandwidth(64 * 2**20), 1)
-    report["pass"] = ok
+    vocab = transformers.AutoConfig.from_pretrained(path, local_files_only=True).vocab_size
+    prompts = make_prompts(a.requests, vocab, 0, 8, 1024)
+    sampled = sampled_bodies(make_prompts(a.sampled, vocab, 1, 4, 256), a.sampled)
+    ref = Reference(path, a.device)
+    expected = [ref.greedy(p, a.max_tokens) for p in prompts]
+    report = {"device": torch.cuda.get_device_name(a.device) if a.device.startswith("cuda") else "cpu",
+              "gpus": torch.cuda.device_count(), "model": a.model, "stacks": {}}  # fmt: skip
+    for plan in plans(a.device):
+        if a.stacks is None or plan.name in a.stacks:
+            report["stacks"][plan.name] = run_one(a, plan, ref, prompts, expected, sampled)
+            finish(report, a, t0)
+    report = finish(report, a, t0)
     print(json.dumps(report, indent=2))
+    return 0 if report["pass"] else 1
+
+
+def run_one(a, plan: StackPlan, ref: Reference, prompts, expected, sampled) -> dict:
+    try:
+        r = run_stack(a, plan, ref, prompts, expected, sampled)
+    except Exception as e:  # a stack that cannot start or be driven fails its checks; the others still run
+        r = {"error": f"{type(e).__name__}: {e}", "pass": False}
+    print(plan.name, json.dumps(r), flush=True)
+    return r
+
+
+def finish(report: dict, a: argparse.Namespace, t0: float) -> dict:
+    report["pass"] = bool(report["stacks"]) and all(s["pass"] for s in report["stacks"].values())
+    report["elapsed_s"] = time.perf_counter() - t0
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(report, f, indent=2)
-    return 0 if ok else 1
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(report, indent=2))
+    return report
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Built-in random-weight checkpoints and the one loader every checkpoint goes through.
 
-`tiny` (tests) and `small` (benchmarks) are Qwen3-architecture models with deterministic random
-weights and a byte-level BPE tokenizer. They are written once to a cache folder as an ordinary
+`tiny` (tests), `small` (CPU benchmarks) and `qwen3-0.6b` (GPU benchmarks: Qwen3-0.6B's shape, tied
+embeddings, saved in bfloat16) are Qwen3-architecture models with deterministic random weights and a
+byte-level BPE tokenizer sized to the vocabulary. They are written once to a cache folder as an ordinary
 Hugging Face checkpoint (config.json, model.safetensors, tokenizer files with a chat template) and
 then loaded exactly like a downloaded one. Nothing here reaches for the network.
 """
@@ -42,11 +43,20 @@ class ModelSpec:
     max_position_embeddings: int
     init_std: float = 0.02
     seed: int = 0
+    tie_embeddings: bool = False  # the LM head is the embedding matrix (as in Qwen3-0.6B)
+    dtype: str = "float32"  # of the saved weights; `--dtype` still decides the runtime dtype
+
+    def __post_init__(self) -> None:
+        if self.dtype not in SAVE_DTYPES:
+            raise ValueError(f"a built-in model is saved as {' or '.join(SAVE_DTYPES)}, not {self.dtype!r}")
 
 
+SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 BUILTIN_MODELS: dict[str, ModelSpec] = {
     "tiny": ModelSpec("qwen3", 512, 64, 128, 2, 4, 2, 16, 2048),
     "small": ModelSpec("qwen3", 8192, 512, 1536, 8, 8, 4, 64, 2048),
+    # Qwen3-0.6B's shape (its real max length is 40k; 4096 covers the GPU benchmark): ~1.2 GB in bf16
+    "qwen3-0.6b": ModelSpec("qwen3", 151936, 1024, 3072, 28, 16, 8, 128, 4096, tie_embeddings=True, dtype="bfloat16"),
 }
 
 
@@ -84,8 +94,8 @@ def hf_config(spec: ModelSpec):
         max_position_embeddings=spec.max_position_embeddings,
         bos_token_id=spec.vocab_size - 3,  # <|endoftext|>
         eos_token_id=spec.vocab_size - 1,  # <|im_end|>
-        tie_word_embeddings=False,
-        torch_dtype="float32",
+        tie_word_embeddings=spec.tie_embeddings,
+        torch_dtype=spec.dtype,
     )
     if spec.arch == "qwen3":
         return transformers.Qwen3Config(head_dim=spec.head_dim, **common)
@@ -99,22 +109,24 @@ def hf_config(spec: ModelSpec):
 
 
 def write_random_checkpoint(folder: Path, spec: ModelSpec) -> None:
-    """Write a deterministic random-weight checkpoint with a byte-level tokenizer to `folder`."""
-    import transformers
+    """Write a deterministic random-weight checkpoint with a byte-level tokenizer to `folder`.
 
+    The model is built on the meta device (no memory, no init) only to name and shape its parameters;
+    each is drawn in turn, in name order, from one seeded CPU generator, in the spec's dtype (float32
+    draws are the ones `tiny` and `small` always had), and written with safetensors. A tied LM head
+    is not written: transformers ties it to the embedding when it loads the checkpoint.
+    """
     folder = Path(folder)
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     config = hf_config(spec)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    gen = torch.Generator().manual_seed(spec.seed)
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
-            else:
-                param.copy_(spec.init_std * torch.randn(param.shape, generator=gen))
-    model.save_pretrained(tmp, safe_serialization=True)
+    model = _meta_model(config)
+    weights = random_weights(model, spec)
+    config.architectures = [type(model).__name__]
+    config.save_pretrained(tmp)
+    from safetensors.torch import save_file
+
+    save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     _byte_level_tokenizer(spec.vocab_size).save_pretrained(tmp)
     (tmp / "pdserve_builtin.json").write_text(json.dumps({"spec": spec.__dict__}))
     if folder.exists():  # another process won the race; keep its copy
@@ -123,6 +135,31 @@ def write_random_checkpoint(folder: Path, spec: ModelSpec) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         return
     os.replace(tmp, folder)
+
+
+def _meta_model(config):
+    import transformers
+
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def random_weights(model, spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """Every parameter of `model` (a tied head once, as the embedding), drawn in name order."""
+    gen = torch.Generator().manual_seed(spec.seed)
+    dtype = SAVE_DTYPES[spec.dtype]
+    weights = {}
+    for name, param in sorted(model.named_parameters()):  # tied parameters appear once
+        mean, std = (1.0, 0.1) if name.endswith("norm.weight") else (0.0, spec.init_std)
+        weights[name] = _draw(tuple(param.shape), mean, std, dtype, gen)
+    return weights
+
+
+def _draw(shape: tuple[int, ...], mean: float, std: float, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    if dtype == torch.float32:  # exactly the draws `tiny` and `small` were always written with
+        z = torch.randn(shape, generator=gen)
+        return (mean + std * z) if mean else std * z
+    return torch.empty(shape, dtype=dtype).normal_(mean, std, generator=gen)  # 3x faster than randn + cast
 
 
 def _byte_level_tokenizer(vocab_size: int):

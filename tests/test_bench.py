@@ -1,0 +1,149 @@
+"""The benchmark's own arithmetic and plumbing: the GPU floor, node counters, the router's CPU, the load limit."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import transformers
+
+from bench import gpu, systems
+from bench.http_client import HttpTarget, run_http
+from bench.workloads import BenchRequest, Workload, make_workload
+from pdserve.common.checkpoint import ModelSpec, hf_config
+
+METRICS = """# TYPE pdserve:node_steps counter
+pdserve:node_steps_total{role="decode",node="tcp://a"} 10
+pdserve:node_steps_total{role="decode",node="tcp://b"} 5
+pdserve:node_step_time_s_total{role="decode",node="tcp://a"} 0.5
+pdserve:node_kv_transfer_bytes_total{role="prefill",node="tcp://c"} 3000000000
+pdserve:node_kv_transfer_time_s_total{role="prefill",node="tcp://c"} 1.5
+pdserve:nodes_up 3
+"""
+
+
+def test_sharegpt_like_takes_its_medians():
+    w = make_workload("sharegpt_like", 151936, 4096, num_requests=256, shape_args=gpu.SHAREGPT_SHAPE)
+    assert sum(len(r.prompt_token_ids) for r in w.requests) == 60145 and w.num_output_tokens == 20782
+    with pytest.raises(ValueError, match="no shape arguments"):
+        make_workload("equal_size", 512, 2048, shape_args={"prompt_median": 3})
+
+
+def test_decode_context_counts_each_decode_steps_context():
+    w = Workload("w", (BenchRequest(tuple(range(10)), 4), BenchRequest((1,), 1)))
+    assert gpu.decode_context_tokens(w) == 11 + 12 + 13  # the first token is the prefill's; 1-token output: none
+
+
+def test_node_counters_are_summed_per_role_and_diffed():
+    counts = gpu.node_counters(METRICS)
+    assert counts["decode"] == {"steps": 15.0, "step_time_s": 0.5}
+    assert counts["prefill"]["kv_transfer_bytes"] == 3e9
+    diff = gpu.counters_diff(counts, {"decode": {"steps": 5.0, "step_time_s": 0.1}})
+    assert diff["decode"] == {"steps": 10.0, "step_time_s": 0.4} and diff["prefill"] == counts["prefill"]
+
+
+def test_decode_step_floor_is_weights_plus_mean_kv_over_memory_bandwidth():
+    figures = {"weight_bytes_per_step": 1e9, "decode_kv_bytes": 2e9}
+    hw = {"memory_GBps": 1000.0, "kv_copy_GBps": 100.0}
+    counts = {"decode": {"steps": 100.0, "step_time_s": 0.204, "tokens_out": 6400.0}}
+    d = gpu.decode_step(counts, "decode", figures, hw)
+    assert d["floor_ms"] == pytest.approx(1.02) and d["mean_step_ms"] == pytest.approx(2.04)
+    assert d["step_over_floor"] == pytest.approx(2.0) and d["mean_batch"] == 64
+    assert gpu.decode_step({}, "decode", figures, hw) is None
+    kv = gpu.kv_transfer(gpu.node_counters(METRICS), hw)
+    assert kv["GBps"] == pytest.approx(2.0) and kv["share_of_copy"] == pytest.approx(0.02)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_weights_read_per_step_skip_the_embedding_table_but_not_the_head(tied):
+    spec = ModelSpec("qwen3", 512, 64, 128, 2, 4, 2, 16, 1024, tie_embeddings=tied)
+    config = hf_config(spec)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    body = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n and "lm_head" not in n)
+    assert gpu.weight_bytes_per_step(config, 2) == (body + 512 * 64) * 2
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_router_pid_and_its_cpu_time_come_from_proc():
+    child_argv = "[sys.executable, '-c', 'import sys; sys.stdin.read()', 'pdserve', 'router']"
+    code = (f"import subprocess, sys; p = subprocess.Popen({child_argv}, stdin=subprocess.PIPE); "
+            "print(p.pid, flush=True); sys.stdin.read(); p.kill(); p.wait()")  # fmt: skip
+    parent = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        assert systems.router_pid(parent.pid) == child
+        assert systems.router_pid(child) is None
+        assert systems.cpu_seconds(child) >= 0.0
+    finally:
+        parent.stdin.close()
+        parent.wait(timeout=30)
+    assert systems.cpu_seconds(parent.pid) is None  # gone
+
+
+class FakeServer:
+    """An OpenAI-ish server on a free port that streams `max_tokens` tokens and records peak concurrency.
+    It holds every answer until `gate` requests are in flight at once, or for `hold_s` at most."""
+
+    def __init__(self, gate: int, hold_s: float) -> None:
+        self.gate, self.hold_s = gate, hold_s
+        self.active = self.peak = 0
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        self.ready.wait(10)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.opened = asyncio.Event()
+        self.server = self.loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", 0))
+        self.port = self.server.sockets[0].getsockname()[1]
+        self.ready.set()
+        self.loop.run_forever()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = (await reader.readuntil(b"\r\n\r\n")).decode()
+        length = int(next((h.split(":")[1] for h in head.split("\r\n") if h.lower().startswith("content-length")), 0))
+        body = json.loads(await reader.readexactly(length)) if length else {}
+        if head.startswith("GET /v1/models"):
+            data = json.dumps({"data": [{"id": "fake"}]}).encode()
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(data) + data)
+        else:
+            self.active += 1
+            self.peak = max(self.peak, self.active)
+            if self.active >= self.gate:
+                self.opened.set()
+            try:
+                await asyncio.wait_for(self.opened.wait(), self.hold_s)
+            except asyncio.TimeoutError:
+                pass  # fewer came at once than the gate: the peak says so
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n")
+            for i in range(body["max_tokens"]):
+                writer.write(b"data: " + json.dumps({"choices": [{"token_ids": [i]}]}).encode() + b"\n\n")
+            writer.write(b"data: [DONE]\n\n")
+            self.active -= 1
+        await writer.drain()
+        writer.close()
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.mark.parametrize("limit", [2, None])
+def test_load_generator_keeps_at_most_max_concurrency_in_flight(limit):
+    """Without a limit all six requests are held in flight together; with one, never more than two."""
+    server = FakeServer(gate=6, hold_s=0.2 if limit else 30.0)
+    try:
+        w = Workload("w", tuple(BenchRequest((1, 2), 5) for _ in range(6)))
+        target = HttpTarget(f"http://127.0.0.1:{server.port}", max_concurrency=limit)
+        _, records = run_http(target, w, progress=False)
+    finally:
+        server.close()
+    assert all(r.ok for r in records) and [r.output_token_ids for r in records] == [[0, 1, 2, 3, 4]] * 6
+    assert server.peak <= 2 if limit else server.peak == 6
