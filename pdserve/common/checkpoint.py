@@ -13,8 +13,10 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where weights are drawn: the router resolves names without it
+    import torch
 
 CACHE_ENV_DEFAULT = Path.home() / ".cache" / "pdserve" / "models"
 FORMAT_VERSION = 1  # bump when a built-in's weights or tokenizer change
@@ -51,7 +53,7 @@ class ModelSpec:
             raise ValueError(f"a built-in model is saved as {' or '.join(SAVE_DTYPES)}, not {self.dtype!r}")
 
 
-SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+SAVE_DTYPES = ("float32", "bfloat16")
 BUILTIN_MODELS: dict[str, ModelSpec] = {
     "tiny": ModelSpec("qwen3", 512, 64, 128, 2, 4, 2, 16, 2048),
     "small": ModelSpec("qwen3", 8192, 512, 1536, 8, 8, 4, 64, 2048),
@@ -138,6 +140,7 @@ def write_random_checkpoint(folder: Path, spec: ModelSpec) -> None:
 
 
 def _meta_model(config):
+    import torch
     import transformers
 
     with torch.device("meta"):
@@ -146,8 +149,10 @@ def _meta_model(config):
 
 def random_weights(model, spec: ModelSpec) -> dict[str, torch.Tensor]:
     """Every parameter of `model` (a tied head once, as the embedding), drawn in name order."""
+    import torch
+
     gen = torch.Generator().manual_seed(spec.seed)
-    dtype = SAVE_DTYPES[spec.dtype]
+    dtype = getattr(torch, spec.dtype)
     weights = {}
     for name, param in sorted(model.named_parameters()):  # tied parameters appear once
         mean, std = (1.0, 0.1) if name.endswith("norm.weight") else (0.0, spec.init_std)
@@ -156,6 +161,8 @@ def random_weights(model, spec: ModelSpec) -> dict[str, torch.Tensor]:
 
 
 def _draw(shape: tuple[int, ...], mean: float, std: float, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    import torch
+
     if dtype == torch.float32:  # exactly the draws `tiny` and `small` were always written with
         z = torch.randn(shape, generator=gen)
         return (mean + std * z) if mean else std * z

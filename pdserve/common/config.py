@@ -25,6 +25,15 @@ def parse_cores(spec: str) -> tuple[int, ...]:
     return tuple(cores)
 
 
+def max_model_len(config) -> int:
+    """The longest sequence the model attends over exactly (a sliding window caps it)."""
+    limit = config.max_position_embeddings
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True):
+        limit = min(limit, window)
+    return limit
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "tiny"

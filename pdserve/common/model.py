@@ -26,6 +26,7 @@ from torch import nn
 
 from pdserve.common.backends import Chunk, ForwardInputs, make_backend
 from pdserve.common.block_allocator import blocks_for
+from pdserve.common.config import max_model_len
 from pdserve.common.kv_cache import DTYPES, KVLayout, KVPool
 from pdserve.common.scheduler import Batch
 
@@ -67,15 +68,6 @@ def kv_layout(model, block_size: int, dtype: str) -> KVLayout:
         dtype=dtype,
         model_fingerprint=fingerprint(model),
     )
-
-
-def max_model_len(config) -> int:
-    """The longest sequence the model attends over exactly (a sliding window caps it)."""
-    limit = config.max_position_embeddings
-    window = getattr(config, "sliding_window", None)
-    if window and getattr(config, "use_sliding_window", True):
-        limit = min(limit, window)
-    return limit
 
 
 class Linear:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 from pdserve.common.checkpoint import resolve_model
 
@@ -16,15 +18,20 @@ class ModelInfo:
 
 
 def load_model_info(model: str) -> ModelInfo:
-    """Tokenizer and config only: the router never loads weights."""
+    """Tokenizer and config only: the router never loads weights, nor torch. The config is read as JSON
+    and a checkpoint's tokenizer.json through the generic fast tokenizer (transformers' Auto classes
+    import torch); a checkpoint without one falls back to AutoTokenizer."""
     import transformers
 
-    from pdserve.common.model import max_model_len
+    from pdserve.common.config import max_model_len
 
     path = resolve_model(model)
-    config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
-    eos = config.eos_token_id
+    config = SimpleNamespace(**json.loads((path / "config.json").read_text()))
+    if (path / "tokenizer.json").is_file():
+        tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+    else:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    eos = getattr(config, "eos_token_id", None)
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
     return ModelInfo(tokenizer, config.vocab_size, max_model_len(config), eos_ids)
 
