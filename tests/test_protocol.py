@@ -70,3 +70,31 @@ def test_only_registered_types_encode():
 
     with pytest.raises(TypeError):
         P.encode(Sneaky())
+
+
+@pytest.mark.parametrize(
+    "body,words",
+    [
+        ({"t": "Generate", "request_id": "x", "prompt_token_ids": [1, "2"], "params": {}}, "prompt_token_ids"),
+        ({"t": "Generate", "request_id": "x", "prompt_token_ids": [1, -2], "params": {}}, "non-negative"),
+        ({"t": "Generate", "request_id": 5, "prompt_token_ids": [1], "params": {}}, "request_id must be a string"),
+        ({"t": "Generate", "request_id": "x", "prompt_token_ids": [1], "params": {"seed": "7"}}, "seed"),
+        ({"t": "Generate", "request_id": "x", "prompt_token_ids": [1], "params": {"max_tokens": True}}, "max_tokens"),
+        ({"t": "TokenEvents", "events": [{"request_id": "r", "token_ids": [{"a": 1}]}]}, "TokenEvent.token_ids"),
+        ({"t": "KvData", "request_id": "r", "dtype": "f", "shape": "1234"}, "shape must be a list"),
+        ({"t": "KvAck", "request_id": "r", "ok": 1}, "ok must be true or false"),
+        ({"t": "Stats", "role": "d", "num_running": 1, "num_waiting": 0, "kv_blocks_used": 0, "kv_blocks_free": 0,
+          "counters": [1]}, "counters must be a map"),  # fmt: skip
+    ],
+)
+def test_refuses_fields_of_the_wrong_type(body, words):
+    with pytest.raises(P.ProtocolError, match=words):
+        P.decode(_raw(body))
+
+
+def test_numbers_and_tuples_arrive_as_declared():
+    body = {"t": "Generate", "request_id": "x", "prompt_token_ids": [1],
+            "params": {"temperature": 1, "stop_token_ids": [3, 4], "seed": None}}  # fmt: skip
+    msg = P.decode(_raw(body))
+    assert msg.params.temperature == 1.0 and type(msg.params.temperature) is float
+    assert msg.params.stop_token_ids == (3, 4) and msg.params.seed is None

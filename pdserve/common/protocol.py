@@ -3,15 +3,20 @@
 Every message is a frozen dataclass registered by an explicit type tag. A message travels as one
 msgpack map (`use_bin_type=True`) with the tag under "t"; tensors never go in here, they follow as
 raw frames (see transport.py). Decoding looks the tag up in `_REGISTRY` only, refuses unknown or
-missing fields, and bounds what a peer can make us allocate. No pickle anywhere.
+missing fields, checks every field against the type its message declares (nested messages included;
+token ids, block ids and shapes are `Ids`, non-negative), and bounds what a peer can make us allocate.
+No pickle anywhere.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import types
+import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NewType
 
 import msgpack
 
@@ -24,16 +29,19 @@ class ProtocolError(ValueError):
     """A peer sent something we refuse to decode."""
 
 
+Id = NewType("Id", int)  # a token id, block id, count or size: an int >= 0
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    max_tokens: int = 16
+    max_tokens: Id = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1: no top-k
     seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: tuple[Id, ...] = ()
     ignore_eos: bool = False
-    eos_token_ids: tuple[int, ...] = ()
+    eos_token_ids: tuple[Id, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -76,7 +84,7 @@ class Generate:
     """Router -> colocated or prefill node. `decode_addr` names the decode node in disagg mode."""
 
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[Id]
     params: SamplingParams
     decode_addr: str = ""
 
@@ -91,7 +99,7 @@ class TokenEvent:
     """New tokens of one request; `finish_reason` set on its last event ("stop", "length", "abort", "error")."""
 
     request_id: str
-    token_ids: list[int]
+    token_ids: list[Id]
     finish_reason: str | None = None
     error: str = ""
 
@@ -108,10 +116,10 @@ class Stats:
     """Periodic load and counters of a node (doubles as its heartbeat)."""
 
     role: str
-    num_running: int
-    num_waiting: int
-    kv_blocks_used: int
-    kv_blocks_free: int
+    num_running: Id
+    num_waiting: Id
+    kv_blocks_used: Id
+    kv_blocks_free: Id
     counters: dict = field(default_factory=dict)
 
 
@@ -138,10 +146,10 @@ class KvOffer:
     """Prefill -> decode: a request whose prompt KV is ready; the decode node reserves blocks first."""
 
     request_id: str
-    prompt_token_ids: list[int]
-    first_token_id: int
+    prompt_token_ids: list[Id]
+    first_token_id: Id
     params: SamplingParams
-    num_tokens: int  # tokens whose KV is shipped (the prompt)
+    num_tokens: Id  # tokens whose KV is shipped (the prompt)
 
 
 @dataclass(frozen=True)
@@ -158,9 +166,9 @@ class KvData:
 
     request_id: str
     dtype: str
-    shape: list[int]  # zmq: [2, num_kv_heads, num_block_tokens, head_dim] of one layer
+    shape: list[Id]  # zmq: [2, num_kv_heads, num_block_tokens, head_dim] of one layer
     layer: int = -1
-    src_blocks: list[int] = field(default_factory=list)
+    src_blocks: list[Id] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -193,7 +201,6 @@ _REGISTRY: dict[str, type] = {
         KvHello, KvOffer, KvPull, KvData, KvAck, KvWaiting, KvCancel,
     )
 }  # fmt: skip
-_NESTED = {"params": SamplingParams}
 
 
 def _to_wire(value: Any) -> Any:
@@ -214,48 +221,68 @@ def encode(msg: Any) -> bytes:
 
 
 def _build(cls: type, body: Any) -> Any:
+    """A message (or nested part) of type `cls` from its decoded map, every field checked against its type."""
     if not isinstance(body, dict):
         raise ProtocolError(f"{cls.__name__}: expected a map, got {type(body).__name__}")
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(body) - names
+    checkers = _field_checkers(cls)
+    unknown = body.keys() - checkers.keys()
     if unknown:
         raise ProtocolError(f"{cls.__name__}: unknown fields {sorted(unknown)}")
+    kwargs = {name: checkers[name](value) for name, value in body.items()}
     try:
-        kwargs = {}
-        for name, value in body.items():
-            if name in _NESTED:
-                value = _build(_NESTED[name], value)
-            elif name == "events":
-                value = [_build(TokenEvent, v) for v in value]
-            elif name in ("stop_token_ids", "eos_token_ids"):
-                value = tuple(value)
-            kwargs[name] = value
-        msg = cls(**kwargs)
-    except ProtocolError:
-        raise
-    except Exception as e:  # whatever a malformed field makes a constructor raise
+        return cls(**kwargs)
+    except Exception as e:  # a missing field, or a value its __post_init__ refuses
         raise ProtocolError(f"{cls.__name__}: {e}") from e
-    _check_types(msg)
-    return msg
 
 
-_INT_LISTS = ("prompt_token_ids", "token_ids", "shape", "src_blocks", "stop_token_ids", "eos_token_ids")
-_INTS = ("first_token_id", "num_tokens", "layer", "protocol_version", "max_tokens", "top_k")
-_STRS = ("request_id", "dtype", "role", "decode_addr", "transport")
+@functools.cache
+def _field_checkers(cls: type) -> dict[str, Any]:
+    """Per field of a message class, a function that returns the value as declared or raises (built once)."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: _checker(hints[f.name], f"{cls.__name__}.{f.name}") for f in dataclasses.fields(cls)}
 
 
-def _check_types(msg: Any) -> None:
-    """Refuse fields of the wrong type, so that a handler never meets a string where it counts tokens."""
-    for name in _INTS:
-        if hasattr(msg, name) and (type(getattr(msg, name)) is not int or getattr(msg, name) < -1):
-            raise ProtocolError(f"{type(msg).__name__}.{name} must be an integer")
-    for name in _INT_LISTS:
-        value = getattr(msg, name, ())
-        if not isinstance(value, (list, tuple)) or any(type(v) is not int or v < 0 for v in value):
-            raise ProtocolError(f"{type(msg).__name__}.{name} must be a list of non-negative integers")
-    for name in _STRS:
-        if hasattr(msg, name) and not isinstance(getattr(msg, name), str):
-            raise ProtocolError(f"{type(msg).__name__}.{name} must be a string")
+def _checker(hint: Any, where: str):
+    """A function checking a value against the declared type `hint`: nested messages built, lists to tuples
+    where declared, ints accepted as floats."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        inner = _checker(next(a for a in args if a is not type(None)), where)
+        return lambda v: None if v is None else inner(v)
+    if dataclasses.is_dataclass(hint):
+        return lambda v: _build(hint, v)
+    if origin in (list, tuple):
+        item, as_tuple = _checker(args[0], f"{where}[]"), origin is tuple
+        plain = _SCALARS.get(args[0], (None, ""))[0] if args[0] is not float else None  # kept as they are
+
+        def sequence(v):
+            if not isinstance(v, (list, tuple)):
+                raise ProtocolError(f"{where} must be a list")
+            if plain is not None and all(map(plain, v)):
+                items = v
+            else:
+                items = [item(x) for x in v]
+            return tuple(items) if as_tuple else list(items)
+
+        return sequence
+    ok, name = _SCALARS[hint]
+
+    def scalar(v):
+        if not ok(v):
+            raise ProtocolError(f"{where} must be {name}")
+        return float(v) if hint is float else v
+
+    return scalar
+
+
+_SCALARS = {
+    Id: (lambda v: type(v) is int and v >= 0, "a non-negative integer"),
+    int: (lambda v: type(v) is int, "an integer"),
+    float: (lambda v: type(v) in (int, float), "a number"),
+    str: (lambda v: type(v) is str, "a string"),
+    bool: (lambda v: type(v) is bool, "true or false"),
+    dict: (lambda v: type(v) is dict, "a map"),
+}
 
 
 def decode(data: bytes) -> Any:
