@@ -8,7 +8,7 @@ from pdserve.router.auth import bearer_token
 from pdserve.router.openai_fields import UnsupportedField, check_fields
 
 
-@pytest.mark.parametrize("extra", [{"user": "x", "store": True}, {"best_of": 2, "n": 2}, {"logprobs": 0},
+@pytest.mark.parametrize("extra", [{"user": "x", "store": True}, {"best_of": 2, "n": 2}, {"top_logprobs": 0},
                                    {"tool_choice": "none"}, {"response_format": {"type": "text"}},
                                    {"anything_else": None}, {"skip_special_tokens": True}])  # fmt: skip
 def test_neutral_values_pass(extra):

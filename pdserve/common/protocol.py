@@ -15,7 +15,8 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 2  # 2: KV travels head-major, [2, nkv, n, d] per layer
+PROTOCOL_VERSION = 3  # 2: KV travels head-major, [2, nkv, n, d] per layer; 3: log-probabilities
+MAX_LOGPROBS = 20  # the most alternatives per position a request may ask for (OpenAI's limit)
 MAX_HEADER_BYTES = 64 * 1024 * 1024  # one control message; tensor frames are bounded separately
 MAX_LIST_LEN = 4 * 1024 * 1024
 
@@ -34,10 +35,16 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     eos_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None  # each sampled token's log-probability and this many alternatives
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (echo), computed in its forward
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not (type(value) is int and 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer from 0 to {MAX_LOGPROBS}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError("temperature must be a finite number >= 0")
         if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
@@ -87,13 +94,27 @@ class Abort:
 
 
 @dataclass(frozen=True)
+class Logprobs:
+    """Log-probabilities of consecutive tokens: each token's own, and the most likely ids at its position
+    with theirs (as many as the request asked for, most likely first)."""
+
+    logprobs: list[float]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
+@dataclass(frozen=True)
 class TokenEvent:
-    """New tokens of one request; `finish_reason` set on its last event ("stop", "length", "abort", "error")."""
+    """New tokens of one request; `finish_reason` set on its last event ("stop", "length", "abort", "error").
+    `logprobs` has one entry per token of `token_ids` when the request asked for them; `prompt_logprobs`
+    (on the first event) one per prompt token after the first."""
 
     request_id: str
     token_ids: list[int]
     finish_reason: str | None = None
     error: str = ""
+    logprobs: Logprobs | None = None
+    prompt_logprobs: Logprobs | None = None
 
 
 @dataclass(frozen=True)
@@ -193,7 +214,12 @@ _REGISTRY: dict[str, type] = {
         KvHello, KvOffer, KvPull, KvData, KvAck, KvWaiting, KvCancel,
     )
 }  # fmt: skip
-_NESTED = {"params": SamplingParams}
+_NESTED: dict[type, dict[str, type]] = {
+    Generate: {"params": SamplingParams},
+    KvOffer: {"params": SamplingParams},
+    TokenEvent: {"logprobs": Logprobs, "prompt_logprobs": Logprobs},
+}
+_NULLABLE = ("logprobs", "prompt_logprobs")  # nested fields that may be null
 
 
 def _to_wire(value: Any) -> Any:
@@ -222,9 +248,10 @@ def _build(cls: type, body: Any) -> Any:
         raise ProtocolError(f"{cls.__name__}: unknown fields {sorted(unknown)}")
     try:
         kwargs = {}
+        nested = _NESTED.get(cls, {})
         for name, value in body.items():
-            if name in _NESTED:
-                value = _build(_NESTED[name], value)
+            if name in nested and not (value is None and name in _NULLABLE):
+                value = _build(nested[name], value)
             elif name == "events":
                 value = [_build(TokenEvent, v) for v in value]
             elif name in ("stop_token_ids", "eos_token_ids"):
@@ -256,6 +283,21 @@ def _check_types(msg: Any) -> None:
     for name in _STRS:
         if hasattr(msg, name) and not isinstance(getattr(msg, name), str):
             raise ProtocolError(f"{type(msg).__name__}.{name} must be a string")
+    if isinstance(msg, Logprobs):
+        _check_logprobs(msg)
+
+
+def _check_logprobs(lp: Logprobs) -> None:
+    """One float per token, and per token as many alternative ids (in the vocabulary) as log-probabilities."""
+    ids, lps = lp.top_ids, lp.top_logprobs
+    ok = all(isinstance(x, list) for x in (lp.logprobs, ids, lps)) and len(ids) == len(lps) == len(lp.logprobs)
+    ok = ok and all(isinstance(i, list) and isinstance(v, list) and len(i) == len(v) <= MAX_LOGPROBS
+                    for i, v in zip(ids, lps, strict=True))  # fmt: skip
+    ok = ok and all(type(t) is int and t >= 0 for row in ids for t in row)
+    ok = ok and all(type(v) is float for v in lp.logprobs) and all(type(v) is float for row in lps for v in row)
+    if not ok:
+        raise ProtocolError(f"Logprobs: one float per token, and per token matching lists of at most {MAX_LOGPROBS} "
+                            "alternative ids and floats")
 
 
 def decode(data: bytes) -> Any:

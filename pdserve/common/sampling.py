@@ -9,13 +9,20 @@ samples the same tokens whatever it is batched with, after a preemption, on whic
 device draws it, and no per-request generator or host round trip is needed. An unseeded request's
 key is its id hashed with a per-process random salt.
 
-The sampled ids are the step's only device-to-host copy (`tolist()`).
+Log-probabilities, for the rows that ask (`logprobs`, and the prompt rows of `echo` with logprobs), are
+those of the raw model distribution: a log-softmax of the logits before temperature, top-k/top-p and
+any logits processor, as vLLM v1 returns by default. They are computed in the same batch on the
+device: the requested rows' log-softmax, the drawn or prompt token's value, and one top-k for the
+largest number of alternatives asked, all packed with the sampled ids into one host copy.
+
+When no row asks for log-probabilities, the sampled ids are the step's only device-to-host copy.
 """
 
 from __future__ import annotations
 
 import random
 import struct
+from dataclasses import dataclass
 
 import torch
 
@@ -28,20 +35,59 @@ _M64 = 0xFFFFFFFFFFFFFFFF
 _K1, _K2 = 0x7FEB352D, 0x2C1B3C6D
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the raw model distribution, and the most likely ids there with theirs."""
+
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass(frozen=True)
+class Drawn:
+    """One step's sampling: a token per sampling request, its log-probability where asked (else None), and the
+    scores of the prompt rows (echo with logprobs), in the order they were given."""
+
+    tokens: list[int]
+    logprobs: list[TokenLogprob | None]
+    prompt_logprobs: list[TokenLogprob]
+
+
 class Sampler:
     def __init__(self) -> None:
         self._salt = random.SystemRandom().getrandbits(64)
         self._vocab_hash: dict[tuple[int, torch.device], torch.Tensor] = {}
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
-        """logits: [num_requests, V] -> one token id per request."""
-        tokens = logits.argmax(dim=-1)  # [R]
+    def __call__(self, logits: torch.Tensor, requests: list[Request],
+                 prompt_rows: list[tuple[Request, int]] = ()) -> Drawn:  # fmt: skip
+        """logits: [S + P, V], the S sampling requests' rows then P prompt rows, each given as (request, the prompt
+        token its logits score) -> one token id per request, and the log-probabilities asked for."""
+        S = len(requests)
+        tokens = self.draw(logits[:S], requests)  # [S]
+        asked = [i for i, req in enumerate(requests) if req.params.logprobs is not None]
+        if not asked and not prompt_rows:
+            return Drawn(tokens.tolist(), [None] * S, [])
+        ks = [requests[i].params.logprobs for i in asked] + [req.params.prompt_logprobs for req, _ in prompt_rows]
+        rows = torch.tensor(asked + list(range(S, S + len(prompt_rows))), device=logits.device)  # [A + P]
+        prompt_targets = torch.tensor([t for _, t in prompt_rows], dtype=torch.long).to(logits.device)
+        targets = torch.cat((tokens.index_select(0, rows[: len(asked)]), prompt_targets))  # [A + P]
+        host = _pack_scores(tokens, logits.index_select(0, rows), targets, max(ks)).tolist()  # the one copy
+        scored = _unpack_scores(host[S:], ks)
+        logprobs: list[TokenLogprob | None] = [None] * S
+        for i, lp in zip(asked, scored[: len(asked)], strict=True):
+            logprobs[i] = lp
+        return Drawn([int(t) for t in host[:S]], logprobs, scored[len(asked) :])
+
+    def draw(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """logits: [S, V] -> one token id per request, [S] on the device."""
+        tokens = logits.argmax(dim=-1)  # [S]
         rows = [i for i, req in enumerate(requests) if not req.params.greedy]
         if rows:
             idx = torch.tensor(rows, device=logits.device)
             drawn = self.sample(logits.index_select(0, idx), [self.row_params(requests[i]) for i in rows])
             tokens = tokens.index_copy(0, idx, drawn)
-        return tokens.tolist()
+        return tokens
 
     def row_params(self, req: Request) -> tuple[float, int, float, int]:
         """(temperature, top_k, top_p, noise key) of a request's next draw."""
@@ -79,6 +125,26 @@ class Sampler:
         h = _mix32(keys[:, None] ^ vh[None, :])  # [R, V] in [0, 2**32)
         u = ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))  # uniform in (0, 1), never 0 or 1
         return torch.log(-torch.log(u))
+
+
+def _pack_scores(tokens: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, k: int) -> torch.Tensor:
+    """tokens [S]; logits [R, V] of the scored rows and the token each scores, [R] -> one float64 vector: the
+    tokens, then per row its target's log-probability, then k top ids and k top log-probabilities per row.
+    float64 holds every token id and float32 value exactly."""
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [R, V]
+    parts = [tokens.double(), logp.gather(1, targets[:, None])[:, 0].double()]  # [S], [R]
+    if k:
+        top_lp, top_ids = logp.topk(k, dim=-1)  # [R, k] each, most likely first
+        parts += [top_ids.double().flatten(), top_lp.double().flatten()]
+    return torch.cat(parts)
+
+
+def _unpack_scores(host: list[float], ks: list[int]) -> list[TokenLogprob]:
+    """The host copy of `_pack_scores` after the tokens -> one TokenLogprob per row, with its own k alternatives."""
+    R, k = len(ks), max(ks)
+    ids, lps = host[R : R + R * k], host[R + R * k :]
+    return [TokenLogprob(host[r], [int(t) for t in ids[r * k : r * k + kr]], lps[r * k : r * k + kr])
+            for r, kr in enumerate(ks)]  # fmt: skip
 
 
 def draw_key(base: int, step: int) -> int:

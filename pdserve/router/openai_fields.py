@@ -33,9 +33,8 @@ def _response_format(value: object, body: dict) -> bool:
 NOT_IMPLEMENTED: dict[str, Callable[[object, dict], bool]] = {
     "best_of": _best_of,
     "suffix": _empty,
-    "echo": _empty,
-    "logprobs": _empty,
-    "top_logprobs": _empty,
+    "echo": _empty,  # chat (completions declare it)
+    "top_logprobs": _empty,  # completions (chat declares it)
     "prompt_logprobs": _is(),
     "presence_penalty": _is(0, 0.0),
     "frequency_penalty": _is(0, 0.0),
