@@ -150,6 +150,56 @@ def test_bad_logprobs_are_400s(stack, path, body, param):
     assert r.status_code == 400 and param in r.json()["error"]["message"], r.text
 
 
+# ---- logits processors -------------------------------------------------------------------------------------------
+
+
+def test_penalties_change_greedy_as_defined(client, hf_tiny):
+    """frequency f and presence p subtract f * count + p * (count > 0) from each generated token's logit: a
+    reference loop over transformers' logits (log-softmax differs from them by a per-row constant)."""
+    c = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, frequency_penalty=1.5,
+                                  presence_penalty=0.5, logprobs=0, extra_body={"return_token_ids": True})  # fmt: skip
+    out: list[int] = []
+    for _ in range(6):
+        row = hf_tiny(PROMPT + out)[-1].clone()
+        for t in set(out):
+            row[t] -= 1.5 * out.count(t) + 0.5
+        out.append(int(row.argmax()))
+    assert c.choices[0].token_ids == out
+    raw = hf_tiny(PROMPT + out)[len(PROMPT) - 1 : -1]
+    want = [float(r[t]) for r, t in zip(raw, out, strict=True)]
+    assert c.choices[0].logprobs.token_logprobs == pytest.approx(want, abs=1e-4)  # the raw distribution's
+
+
+def test_logit_bias_min_tokens_and_stop_strings(client):
+    kw = dict(model="tiny", prompt=PROMPT, temperature=0)
+    forced = client.completions.create(max_tokens=4, logit_bias={"65": 100}, extra_body={"return_token_ids": True},
+                                       **kw)  # fmt: skip
+    assert forced.choices[0].token_ids == [65] * 4
+    free = client.completions.create(max_tokens=4, extra_body={"return_token_ids": True}, **kw).choices[0]
+    first = free.token_ids[0]
+    stopped = client.completions.create(max_tokens=4, extra_body={"stop_token_ids": [first]}, **kw)
+    assert stopped.usage.completion_tokens == 1
+    held = client.completions.create(max_tokens=4, extra_body={"stop_token_ids": [first], "min_tokens": 3,
+                                                                "return_token_ids": True}, **kw)  # fmt: skip
+    assert first not in held.choices[0].token_ids[:3] and held.usage.completion_tokens >= 3
+    stop = free.text[1:3]
+    if not stop.strip("\ufffd"):
+        pytest.fail(f"the tiny model's answer {free.text!r} has no usable stop string at [1:3]")
+    cut = client.completions.create(max_tokens=4, stop=[stop], extra_body={"include_stop_str_in_output": True}, **kw)
+    assert cut.choices[0].text == free.text[: free.text.index(stop) + len(stop)]
+
+
+@pytest.mark.parametrize("body,param", [({"logit_bias": {"abc": 1}}, "logit_bias"),
+                                        ({"logit_bias": {"5": 101}}, "logit_bias"),
+                                        ({"presence_penalty": 2.5}, "presence_penalty"),
+                                        ({"repetition_penalty": 0}, "repetition_penalty"),
+                                        ({"min_p": -0.1}, "min_p"), ({"min_tokens": 99}, "min_tokens")])  # fmt: skip
+def test_bad_processor_values_are_400s(stack, body, param):
+    r = httpx.post(f"{stack.url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 4, **body},
+                   timeout=30)  # fmt: skip
+    assert r.status_code == 400 and param in r.json()["error"]["message"], r.text
+
+
 BAD = [
     ({"model": "nope", "prompt": "x"}, 404, "does not exist"),
     ({"model": "tiny", "prompt": "x" * 3000}, 400, "context"),
@@ -276,9 +326,8 @@ def test_bench_load_generator_reads_every_token(stack):
 
 
 REFUSED = [
-    ("best_of", 3), ("suffix", "tail"), ("top_logprobs", 2), ("presence_penalty", 0.5),
-    ("frequency_penalty", -1.0), ("repetition_penalty", 1.2), ("min_p", 0.1), ("logit_bias", {"5": 10}),
-    ("min_tokens", 3), ("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
+    ("best_of", 3), ("suffix", "tail"), ("top_logprobs", 2), ("prompt_logprobs", 1), ("use_beam_search", True),
+    ("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
     ("tool_choice", "auto"), ("audio", {"voice": "x"}), ("guided_json", {"type": "object"}),
 ]  # fmt: skip
 

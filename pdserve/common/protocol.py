@@ -37,6 +37,12 @@ class SamplingParams:
     eos_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None  # each sampled token's log-probability and this many alternatives
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (echo), computed in its forward
+    presence_penalty: float = 0.0  # minus this from the logit of each token already generated
+    frequency_penalty: float = 0.0  # minus this times how often each token was generated
+    repetition_penalty: float = 1.0  # logits of tokens in the prompt or output: positive ones / it, negative * it
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one (sampled rows)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    min_tokens: int = 0  # EOS and stop token ids are masked until this many tokens are generated
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -51,6 +57,26 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError("top_k must be -1 (disabled) or a positive integer")
+        self._check_processors()
+
+    def _check_processors(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2]")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError("repetition_penalty must be a finite number > 0")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError("min_p must be in [0, 1]")
+        if any(type(t) is not int or t < 0 or not -100 <= b <= 100 for t, b in self.logit_bias):
+            raise ValueError("logit_bias maps token ids to biases in [-100, 100]")
+        if type(self.min_tokens) is not int or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError("min_tokens must be an integer from 0 to max_tokens")
+
+    @property
+    def processed(self) -> bool:
+        """Whether the logits are changed before the draw (penalties, bias, min_tokens); min_p acts in the draw."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)  # fmt: skip
 
     @property
     def greedy(self) -> bool:
@@ -256,6 +282,8 @@ def _build(cls: type, body: Any) -> Any:
                 value = [_build(TokenEvent, v) for v in value]
             elif name in ("stop_token_ids", "eos_token_ids"):
                 value = tuple(value)
+            elif name == "logit_bias":
+                value = tuple(tuple(pair) for pair in value)
             kwargs[name] = value
         msg = cls(**kwargs)
     except ProtocolError:

@@ -1,7 +1,9 @@
 """Token sampling and stop conditions, batched on the logits' device.
 
-Greedy rows are one argmax over the batch. The rows that sample (temperature, top-k, top-p) are
-drawn together: temperature scaling, top-k and top-p masks in one sort, then the Gumbel-max trick
+Rows that set a logits processor (`min_tokens`, `logit_bias`, repetition, frequency and presence
+penalties, as vLLM defines them) have their logits changed first, together, on the device: greedy
+rows too. Greedy rows are then one argmax over the batch. The rows that sample (temperature, top-k, top-p) are
+drawn together: temperature scaling, the min-p mask, top-k and top-p masks in one sort, then the Gumbel-max trick
 (`argmax(log p - log E)` with `E` exponential noise), which draws exactly from the masked
 distribution. The noise comes from a counter-based hash of (request key, token index, vocabulary
 id), computed on the device: a seeded request draws its i-th token from (seed, i) alone, so it
@@ -81,6 +83,7 @@ class Sampler:
 
     def draw(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """logits: [S, V] -> one token id per request, [S] on the device."""
+        logits = process_rows(logits, requests)
         tokens = logits.argmax(dim=-1)  # [S]
         rows = [i for i, req in enumerate(requests) if not req.params.greedy]
         if rows:
@@ -89,25 +92,30 @@ class Sampler:
             tokens = tokens.index_copy(0, idx, drawn)
         return tokens
 
-    def row_params(self, req: Request) -> tuple[float, int, float, int]:
-        """(temperature, top_k, top_p, noise key) of a request's next draw."""
+    def row_params(self, req: Request) -> tuple[float, int, float, int, float]:
+        """(temperature, top_k, top_p, noise key, min_p) of a request's next draw."""
         p = req.params
         step = len(req.output_token_ids)
         base = p.seed if p.seed is not None else (hash(req.request_id) ^ self._salt)
-        return p.temperature, p.top_k, p.top_p, draw_key(base, step)
+        return p.temperature, p.top_k, p.top_p, draw_key(base, step), p.min_p
 
-    def sample(self, logits: torch.Tensor, params: list[tuple[float, int, float, int]]) -> torch.Tensor:
-        """logits [R, V], one (temperature, top_k, top_p, key) per row -> token ids [R] (on the device)."""
+    def sample(self, logits: torch.Tensor, params: list[tuple]) -> torch.Tensor:
+        """logits [R, V], one (temperature, top_k, top_p, key[, min_p]) per row -> token ids [R] (on the device)."""
         R, V = logits.shape
-        packed = torch.tensor([[_f32_bits(t), k if k > 0 else V, _f32_bits(p), key] for t, k, p, key in params],
-                              dtype=torch.int64).to(logits.device, non_blocking=True)  # [R, 4]: one copy
-        as_f32 = packed.to(torch.int32).view(torch.float32)  # temperature and top_p travelled as their bits
-        temperature, top_p = as_f32[:, 0], as_f32[:, 2]
+        params = [(*row, 0.0)[:5] for row in params]
+        packed = torch.tensor([[_f32_bits(t), k if k > 0 else V, _f32_bits(p), key, _f32_bits(m)]
+                               for t, k, p, key, m in params],
+                              dtype=torch.int64).to(logits.device, non_blocking=True)  # [R, 5]: one copy
+        as_f32 = packed.to(torch.int32).view(torch.float32)  # temperature, top_p, min_p travelled as their bits
+        temperature, top_p, min_p = as_f32[:, 0], as_f32[:, 2], as_f32[:, 4]
         top_k, keys = packed[:, 1], packed[:, 3]
         scores = logits.float() / temperature[:, None]  # [R, V]
+        if any(m > 0 for *_, m in params):  # min-p: p < min_p * p_max  <=>  score < max score + log(min_p)
+            floor = scores.max(-1, keepdim=True).values + torch.log(min_p)[:, None]  # [R, 1]; log 0 = -inf
+            scores = scores.masked_fill(scores < floor, float("-inf"))
         noise = self.log_exponential(keys, V, logits.device)  # [R, V]: log E
         # argmax(log p - log E): log p is the scores less a per-row constant, which the argmax ignores
-        if not any(0 < k < V or p < 1.0 for _, k, p, _ in params):
+        if not any(0 < k < V or p < 1.0 for _, k, p, _, _ in params):
             return (scores - noise).argmax(-1)
         ranked, order = scores.sort(dim=-1, descending=True)  # [R, V]
         rank = torch.arange(V, device=logits.device)
@@ -125,6 +133,49 @@ class Sampler:
         h = _mix32(keys[:, None] ^ vh[None, :])  # [R, V] in [0, 2**32)
         u = ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))  # uniform in (0, 1), never 0 or 1
         return torch.log(-torch.log(u))
+
+
+def process_rows(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """logits [S, V] with the processors of the rows that set any applied (a copy; the input is left as is)."""
+    rows = [i for i, req in enumerate(requests) if req.params.processed]
+    if not rows:
+        return logits
+    idx = torch.tensor(rows, device=logits.device)
+    done = apply_processors(logits.index_select(0, idx).float(), [requests[i] for i in rows])  # [R, V]
+    return logits.float().index_copy(0, idx, done)
+
+
+def apply_processors(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """vLLM's processors, in its order, on logits [R, V] (changed in place and returned): min_tokens masks EOS
+    and the stop token ids while too few tokens are out; logit_bias adds; the repetition penalty divides positive
+    (multiplies negative) logits of every token in the prompt or output; frequency and presence penalties
+    subtract count * f and (count > 0) * p for the output's tokens."""
+    R, V = logits.shape
+    dev, params = logits.device, [r.params for r in requests]
+    bans = [(r, t) for r, req in enumerate(requests) if len(req.output_token_ids) < req.params.min_tokens
+            for t in (*req.params.stop_token_ids, *(() if req.params.ignore_eos else req.params.eos_token_ids))]
+    bias = [(r, t, b) for r, p in enumerate(params) for t, b in p.logit_bias if t < V]
+    if bans:
+        logits[tuple(torch.tensor(bans, device=dev).T)] = float("-inf")
+    if bias:
+        at = torch.tensor([(r, t) for r, t, _ in bias], device=dev).T
+        logits.index_put_(tuple(at), torch.tensor([b for *_, b in bias], device=dev), accumulate=True)
+    counts = _token_counts([r.output_token_ids for r in requests], V, dev)  # [R, V]
+    scale = torch.tensor([[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in params],
+                         device=dev)  # [R, 3]
+    if any(p.repetition_penalty != 1.0 for p in params):
+        seen = (counts + _token_counts([r.prompt_token_ids for r in requests], V, dev)) > 0  # [R, V]
+        rep = scale[:, :1]  # [R, 1]
+        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    return logits - scale[:, 1:2] * counts - scale[:, 2:3] * (counts > 0).float()
+
+
+def _token_counts(id_lists: list[list[int]], V: int, device: torch.device) -> torch.Tensor:
+    """How often each vocabulary id occurs in each row's list: [R, V] float32 (one padded copy to the device)."""
+    width = max((len(ids) for ids in id_lists), default=0)
+    padded = torch.tensor([ids + [V] * (width - len(ids)) for ids in id_lists], dtype=torch.long).to(device)
+    counts = torch.zeros(len(id_lists), V + 1, device=device)  # [R, V + 1]: column V counts the padding
+    return counts.scatter_add_(1, padded.view(len(id_lists), width), torch.ones(padded.shape, device=device))[:, :V]
 
 
 def _pack_scores(tokens: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, k: int) -> torch.Tensor:

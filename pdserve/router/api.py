@@ -47,6 +47,14 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     n: int = 1
     return_token_ids: bool = False
+    presence_penalty: float | None = None  # null: the default (0, 0, 1, 0, none, 0, false, true)
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
 
 
 class CompletionBody(_Common):
@@ -86,6 +94,8 @@ class Job:
     logprobs: int | None = None  # alternatives per token when log-probabilities are asked for
     echo: bool = False  # the prompt goes in front of the completion
     show_tokens: bool = True  # False for max_tokens 0 (echo): the one token the nodes generate is dropped
+    include_stop: bool = False  # include_stop_str_in_output
+    skip_special: bool = True  # skip_special_tokens
 
     def extras(self, tokenizer) -> ChoiceExtras | None:
         if self.logprobs is None and not self.echo:
@@ -128,6 +138,16 @@ def _asked_logprobs(body: _Common) -> tuple[int | None, bool]:
             raise ApiError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
         return (body.top_logprobs or 0) if body.logprobs else None, False
     return getattr(body, "logprobs", None), bool(getattr(body, "echo", False))
+
+
+def _logit_bias(body: _Common, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} as (id, bias) pairs, ids checked against the vocabulary."""
+    pairs = []
+    for key, bias in (body.logit_bias or {}).items():
+        if not key.isdigit() or int(key) >= vocab_size:
+            raise ApiError(400, f"logit_bias: {key!r} is not a token id in [0, {vocab_size})", "logit_bias")
+        pairs.append((int(key), bias))
+    return tuple(pairs)
 
 
 def make_job(
@@ -173,13 +193,17 @@ def make_job(
             max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
             seed=body.seed, stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
             eos_token_ids=info.eos_token_ids, logprobs=top, prompt_logprobs=top if echo else None,
+            presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            min_p=body.min_p or 0.0, logit_bias=_logit_bias(body, info.vocab_size), min_tokens=body.min_tokens or 0,
         )  # fmt: skip
     except ValueError as e:
         raise ApiError(400, str(e)) from None
     opts = body.stream_options or {}
     return Job(prompt_ids, params, [s for s in stops if s], body.stream, bool(opts.get("include_usage")),
                body.return_token_ids, body.model, chat=chat_default, logprobs=top, echo=echo,
-               show_tokens=show_tokens)  # fmt: skip
+               show_tokens=show_tokens, include_stop=bool(body.include_stop_str_in_output),
+               skip_special=body.skip_special_tokens is not False)  # fmt: skip
 
 
 # ---- running a job -------------------------------------------------------------------------------
@@ -223,7 +247,8 @@ def submit(core: RouterCore, job: Job):
 async def run_job(core: RouterCore, info: ModelInfo, job: Job, flight=None) -> AsyncIterator[Delta]:
     """Dispatch `job` (unless `flight` is given) and yield text deltas; aborts it everywhere if the consumer leaves."""
     flight = flight or submit(core, job)
-    detok, extras = Detokenizer(info.tokenizer, job.stops), job.extras(info.tokenizer)
+    detok = Detokenizer(info.tokenizer, job.stops, job.include_stop, job.skip_special)
+    extras = job.extras(info.tokenizer)
     finished, reason = False, None
     try:
         while not finished:
