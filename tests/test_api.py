@@ -65,6 +65,141 @@ def test_stop_string_cuts_the_text(client, stack):
     assert not any(used.values()), used
 
 
+# ---- log-probabilities and echo ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hf_tiny():
+    import torch
+    import transformers
+
+    from pdserve.common.checkpoint import resolve_model
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(resolve_model("tiny"), dtype=torch.float32).eval()
+
+    def log_softmax(ids: list[int]) -> torch.Tensor:  # [len(ids), V]: teacher-forced
+        with torch.inference_mode():
+            return model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+
+    return log_softmax
+
+
+PROMPT = [17, 250, 3, 99, 41, 7, 300, 12]
+
+
+def test_completion_logprobs_equal_transformers(client, hf_tiny):
+    c = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, temperature=0, logprobs=3,
+                                  extra_body={"return_token_ids": True})  # fmt: skip
+    choice = c.choices[0]
+    ids, lp = choice.token_ids, choice.logprobs
+    ref = hf_tiny(PROMPT + ids)[len(PROMPT) - 1 : -1]  # [5, V]: the rows that predicted each token
+    assert ids == ref.argmax(-1).tolist()
+    assert lp.token_logprobs == pytest.approx(ref.max(-1).values.tolist(), abs=1e-4)
+    assert "".join(lp.tokens) == choice.text and len(lp.tokens) == 5
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+    for row, top in zip(ref, lp.top_logprobs, strict=True):  # keyed by text: byte tokens may share "\ufffd"
+        assert 1 <= len(top) <= 4 and max(top.values()) == pytest.approx(float(row.max()), abs=1e-4)
+
+
+def test_echo_gives_the_prompt_and_its_teacher_forced_logprobs(client, hf_tiny):
+    c = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=0, echo=True, logprobs=1)
+    choice = c.choices[0]
+    lp = choice.logprobs
+    ref = hf_tiny(PROMPT)
+    want = [float(row[t]) for row, t in zip(ref[:-1], PROMPT[1:], strict=True)]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    assert len(lp.tokens) == len(PROMPT) and "".join(lp.tokens) == choice.text
+    assert c.usage.completion_tokens == 0 and choice.finish_reason == "length"
+    both = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, echo=True, logprobs=0, temperature=0)
+    lp2 = both.choices[0].logprobs
+    assert both.choices[0].text.startswith(choice.text) and len(lp2.tokens) == len(PROMPT) + 3
+    assert lp2.token_logprobs[1 : len(PROMPT)] == pytest.approx(want, abs=1e-4)
+    assert all(len(t) == 1 for t in lp2.top_logprobs[1:])  # logprobs=0: only the token itself
+
+
+def test_streamed_logprobs_match_unstreamed(client):
+    kw = dict(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0.8, seed=5, logprobs=2, echo=True)
+    whole = client.completions.create(**kw).choices[0].logprobs
+    parts = [p.choices[0].logprobs for p in client.completions.create(stream=True, **kw) if p.choices]
+    assert [t for p in parts if p for t in p.tokens] == whole.tokens
+    assert [v for p in parts if p for v in p.token_logprobs] == whole.token_logprobs
+    assert [v for p in parts if p for v in p.text_offset] == whole.text_offset
+    msgs = [{"role": "user", "content": "hi"}]
+    ckw = dict(model="tiny", messages=msgs, max_tokens=5, temperature=0, logprobs=True, top_logprobs=4)
+    chat = client.chat.completions.create(**ckw)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 5 and all(len(c.top_logprobs) == 4 for c in content)
+    assert all(c.logprob == pytest.approx(c.top_logprobs[0].logprob, abs=1e-6) for c in content)  # greedy
+    assert all(bytes(c.bytes).decode("utf-8", "replace") == c.token for c in content)
+    streamed = [c for ch in client.chat.completions.create(stream=True, **ckw) if ch.choices and ch.choices[0].logprobs
+                for c in ch.choices[0].logprobs.content]  # fmt: skip
+    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
+    ("completions", {"prompt": "x", "logprobs": -1}, "logprobs"),
+    ("completions", {"prompt": "x", "max_tokens": 0, "logprobs": 1}, "max_tokens"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+     "logprobs"),
+])  # fmt: skip
+def test_bad_logprobs_are_400s(stack, path, body, param):
+    r = httpx.post(f"{stack.url}/v1/{path}", json={"model": "tiny", **body}, timeout=30)
+    assert r.status_code == 400 and param in r.json()["error"]["message"], r.text
+
+
+# ---- logits processors -------------------------------------------------------------------------------------------
+
+
+def test_penalties_change_greedy_as_defined(client, hf_tiny):
+    """frequency f and presence p subtract f * count + p * (count > 0) from each generated token's logit: a
+    reference loop over transformers' logits (log-softmax differs from them by a per-row constant)."""
+    c = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, frequency_penalty=1.5,
+                                  presence_penalty=0.5, logprobs=0, extra_body={"return_token_ids": True})  # fmt: skip
+    out: list[int] = []
+    for _ in range(6):
+        row = hf_tiny(PROMPT + out)[-1].clone()
+        for t in set(out):
+            row[t] -= 1.5 * out.count(t) + 0.5
+        out.append(int(row.argmax()))
+    assert c.choices[0].token_ids == out
+    raw = hf_tiny(PROMPT + out)[len(PROMPT) - 1 : -1]
+    want = [float(r[t]) for r, t in zip(raw, out, strict=True)]
+    assert c.choices[0].logprobs.token_logprobs == pytest.approx(want, abs=1e-4)  # the raw distribution's
+
+
+def test_logit_bias_min_tokens_and_stop_strings(client):
+    kw = dict(model="tiny", prompt=PROMPT, temperature=0)
+    forced = client.completions.create(max_tokens=4, logit_bias={"65": 100}, extra_body={"return_token_ids": True},
+                                       **kw)  # fmt: skip
+    assert forced.choices[0].token_ids == [65] * 4
+    free = client.completions.create(max_tokens=4, extra_body={"return_token_ids": True}, **kw).choices[0]
+    first = free.token_ids[0]
+    stopped = client.completions.create(max_tokens=4, extra_body={"stop_token_ids": [first]}, **kw)
+    assert stopped.usage.completion_tokens == 1
+    held = client.completions.create(max_tokens=4, extra_body={"stop_token_ids": [first], "min_tokens": 3,
+                                                                "return_token_ids": True}, **kw)  # fmt: skip
+    assert first not in held.choices[0].token_ids[:3] and held.usage.completion_tokens >= 3
+    stop = free.text[1:3]
+    if not stop.strip("\ufffd"):
+        pytest.fail(f"the tiny model's answer {free.text!r} has no usable stop string at [1:3]")
+    cut = client.completions.create(max_tokens=4, stop=[stop], extra_body={"include_stop_str_in_output": True}, **kw)
+    assert cut.choices[0].text == free.text[: free.text.index(stop) + len(stop)]
+
+
+@pytest.mark.parametrize("body,param", [({"logit_bias": {"abc": 1}}, "logit_bias"),
+                                        ({"logit_bias": {"5": 101}}, "logit_bias"),
+                                        ({"presence_penalty": 2.5}, "presence_penalty"),
+                                        ({"repetition_penalty": 0}, "repetition_penalty"),
+                                        ({"min_p": -0.1}, "min_p"), ({"min_tokens": 99}, "min_tokens")])  # fmt: skip
+def test_bad_processor_values_are_400s(stack, body, param):
+    r = httpx.post(f"{stack.url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 4, **body},
+                   timeout=30)  # fmt: skip
+    assert r.status_code == 400 and param in r.json()["error"]["message"], r.text
+
+
 BAD = [
     ({"model": "nope", "prompt": "x"}, 404, "does not exist"),
     ({"model": "tiny", "prompt": "x" * 3000}, 400, "context"),
@@ -191,9 +326,8 @@ def test_bench_load_generator_reads_every_token(stack):
 
 
 REFUSED = [
-    ("best_of", 3), ("suffix", "tail"), ("echo", True), ("logprobs", 2), ("presence_penalty", 0.5),
-    ("frequency_penalty", -1.0), ("repetition_penalty", 1.2), ("min_p", 0.1), ("logit_bias", {"5": 10}),
-    ("min_tokens", 3), ("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
+    ("best_of", 3), ("suffix", "tail"), ("top_logprobs", 2), ("prompt_logprobs", 1), ("use_beam_search", True),
+    ("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
     ("tool_choice", "auto"), ("audio", {"voice": "x"}), ("guided_json", {"type": "object"}),
 ]  # fmt: skip
 
@@ -215,8 +349,8 @@ def test_harmless_and_neutral_fields_are_accepted(client):
                                           user="u1", store=False, logprobs=False, tool_choice="none")  # fmt: skip
     assert chat.usage.completion_tokens == 2
     r = httpx.post(stack_url(client) + "/chat/completions", timeout=30,
-                   json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "logprobs": True})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+                   json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "echo": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
 
 
 def stack_url(client) -> str:

@@ -181,23 +181,23 @@ def test_seeded_draws_do_not_depend_on_the_batch():
               SamplingParams(temperature=0.5, top_k=30, top_p=0.9, seed=3),
               SamplingParams(temperature=1.0)]  # fmt: skip
     reqs = [_req(str(i), p, outputs=i) for i, p in enumerate(params)]
-    together = sampler(logits, reqs)
-    alone = [sampler(logits[i : i + 1], [r])[0] for i, r in enumerate(reqs)]
+    together = sampler(logits, reqs).tokens
+    alone = [sampler(logits[i : i + 1], [r]).tokens[0] for i, r in enumerate(reqs)]
     assert [together[i] for i in (0, 1, 3, 4)] == [alone[i] for i in (0, 1, 3, 4)]
     assert together[2] == int(logits[2].argmax())
     other = Sampler()  # another process, another salt: the seeded draws are the same there
-    assert [other(logits, reqs)[i] for i in (0, 1, 3, 4)] == [together[i] for i in (0, 1, 3, 4)]
+    assert [other(logits, reqs).tokens[i] for i in (0, 1, 3, 4)] == [together[i] for i in (0, 1, 3, 4)]
 
 
 def test_sampler_respects_top_k_and_top_p():
     sampler = Sampler()
     logits = torch.linspace(0, 8, 64)[None].repeat(200, 1)  # token 63 most likely
     top3 = [_req(f"k{i}", SamplingParams(temperature=5.0, top_k=3, seed=i)) for i in range(200)]
-    assert set(sampler(logits, top3)) <= {61, 62, 63}
+    assert set(sampler(logits, top3).tokens) <= {61, 62, 63}
     probs = (logits[0] / 1.0).softmax(-1)
     keep = int((probs.sort(descending=True).values.cumsum(0) < 0.5).sum()) + 1  # smallest set reaching 0.5
     top_p = [_req(f"p{i}", SamplingParams(temperature=1.0, top_p=0.5, seed=i)) for i in range(200)]
-    drawn = set(sampler(logits, top_p))
+    drawn = set(sampler(logits, top_p).tokens)
     assert drawn <= set(range(64 - keep, 64)) and len(drawn) > 1
 
 
@@ -206,7 +206,7 @@ def test_sampler_draws_from_the_distribution():
     sampler = Sampler()
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(4000, 1)
     reqs = [_req(f"r{i}", SamplingParams(temperature=1.0, seed=i)) for i in range(4000)]
-    counts = torch.bincount(torch.tensor(sampler(logits, reqs)), minlength=4).float()
+    counts = torch.bincount(torch.tensor(sampler(logits, reqs).tokens), minlength=4).float()
     expected = logits[0].softmax(-1) * 4000
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     assert chi2 < 30, (counts, expected)  # 3 degrees of freedom: p < 1e-5 for a correct sampler
@@ -216,9 +216,9 @@ def test_step_draws_differ_and_repeat():
     sampler = Sampler()
     logits = torch.zeros(1, 1000)
     p = SamplingParams(temperature=1.0, seed=42)
-    draws = [sampler(logits, [_req("a", p, outputs=i)])[0] for i in range(8)]
+    draws = [sampler(logits, [_req("a", p, outputs=i)]).tokens[0] for i in range(8)]
     assert len(set(draws)) > 4  # each token index draws anew
-    assert draws == [sampler(logits, [_req("b", p, outputs=i)])[0] for i in range(8)]  # the seed decides
+    assert draws == [sampler(logits, [_req("b", p, outputs=i)]).tokens[0] for i in range(8)]  # the seed decides
 
 
 class _EagerReplay:

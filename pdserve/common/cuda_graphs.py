@@ -36,8 +36,8 @@ def bucket_for(n: int, sizes: list[int]) -> int | None:
 
 
 def graphable(chunks: list[Chunk], sample: list[int]) -> bool:
-    """A step a decode graph can run: every request adds one token after a past, and every row samples."""
-    return bool(chunks) and len(sample) == len(chunks) and all(c.length == 1 and c.past > 0 for c in chunks)
+    """A step a decode graph can run: every request adds one token after a past, and every row, in order, samples."""
+    return bool(chunks) and sample == list(range(len(chunks))) and all(c.length == 1 and c.past > 0 for c in chunks)
 
 
 @dataclass

@@ -20,7 +20,7 @@ from pdserve.common.config import EngineConfig
 from pdserve.common.kv_cache import KVPool
 from pdserve.common.model import ModelRunner, kv_layout, load_model, max_model_len
 from pdserve.common.request import Request, Status
-from pdserve.common.sampling import Sampler, finish_reason
+from pdserve.common.sampling import Drawn, Sampler, TokenLogprob, finish_reason
 from pdserve.common.scheduler import Batch, Scheduler
 
 log = logging.getLogger("pdserve.engine")
@@ -32,6 +32,8 @@ class TokenOutput:
     token_id: int | None  # None when the step failed
     finish_reason: str | None  # "stop", "length", "error" (then `error` says why), or None to go on
     error: str = ""
+    logprob: TokenLogprob | None = None  # when the request asked for logprobs
+    prompt_logprobs: list[TokenLogprob] | None = None  # echo with logprobs: prompt tokens 1.., on the first token
 
 
 def pin_process(cfg: EngineConfig) -> None:
@@ -129,12 +131,13 @@ class Engine:
         if not batch:
             return []
         sampled = [s.request for s in batch.scheduled if s.samples]
+        scored = [(req, req.prompt_token_ids[pos + 1]) for _, req, pos in batch.prompt_logprob_rows()]
         try:
-            tokens = self.sampler(self.runner.run(batch), sampled)
+            drawn = self.sampler(self.runner.run(batch), sampled, scored)
         except Exception as e:  # noqa: BLE001 - one bad step must not take the node down
             log.exception("a step of %d requests failed", len(batch.scheduled))
             return self.fail(batch, f"the engine raised an error while running this request: {type(e).__name__}: {e}")
-        return self.update(batch, tokens)
+        return self.update(batch, drawn, [req for req, _ in scored])
 
     def fail(self, batch: Batch, why: str) -> list[TokenOutput]:
         """End every request of a failed step with an error; their KV is freed."""
@@ -142,17 +145,22 @@ class Engine:
             self.release(s.request, Status.ABORTED, "error")
         return [TokenOutput(s.request, None, "error", why) for s in batch.scheduled]
 
-    def update(self, batch: Batch, tokens: list[int]) -> list[TokenOutput]:
-        """Count the step's computed tokens and take in its sampled ones (one per sampled request)."""
+    def update(self, batch: Batch, drawn: Drawn, scored: list[Request] = ()) -> list[TokenOutput]:
+        """Count the step's computed tokens and take in its sampled ones (one per sampled request), and the scores of
+        the prompt rows (`scored`: the request of each)."""
         self.scheduler.advance(batch)
+        for req, lp in zip(scored, drawn.prompt_logprobs, strict=True):
+            req.prompt_logprobs.append(lp)
         sampled = [s.request for s in batch.scheduled if s.samples]
         outputs = []
-        for req, token in zip(sampled, tokens, strict=True):
+        for req, token, lp in zip(sampled, drawn.tokens, drawn.logprobs, strict=True):
             req.output_token_ids.append(token)
             reason = finish_reason(req, req.params, self.max_model_len)
             if reason:
                 self.release(req, Status.FINISHED, reason)
             elif self.prefill_only:
                 self.scheduler.hold_for_transfer(req)
-            outputs.append(TokenOutput(req, token, reason))
+            first = req.params.prompt_logprobs is not None and len(req.output_token_ids) == 1
+            echo = req.prompt_logprobs if first else None
+            outputs.append(TokenOutput(req, token, reason, logprob=lp, prompt_logprobs=echo))
         return outputs

@@ -153,7 +153,8 @@ class ModelRunner:
     # ---- inputs ----------------------------------------------------------------------------------
     @staticmethod
     def flatten(batch: Batch, block_size: int) -> tuple[list[int], list[int], list[int], list[int], list[Chunk]]:
-        """The iteration's flat inputs in plain Python: token ids, positions, KV slots, sampled rows, chunks."""
+        """The iteration's flat inputs in plain Python: token ids, positions, KV slots, the rows whose logits are
+        computed (each sampling request's last, then the prompt rows echo scores), chunks."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -168,6 +169,7 @@ class ModelRunner:
             slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(past, past + n))
             if s.samples:
                 sample.append(len(ids) - 1)
+        sample.extend(row for row, _, _ in batch.prompt_logprob_rows())
         return ids, positions, slots, sample, chunks
 
     def prepare(self, batch: Batch) -> ForwardInputs:
@@ -176,7 +178,7 @@ class ModelRunner:
 
     def run(self, batch: Batch) -> torch.Tensor:
         """One iteration: a replayed CUDA graph for a decode batch that has one, else an eager forward.
-        Returns the logits of the sampled rows, [S, V] float32."""
+        Returns the logits of the rows `flatten` names, [S, V] float32."""
         if self.graphs is not None:
             flat = self.flatten(batch, self.pool.block_size)
             logits = self.graphs.run(*flat)

@@ -19,9 +19,22 @@ from pdserve.common import transport
 from pdserve.common.config import NodeConfig
 from pdserve.common.engine import Engine, TokenOutput, pin_process
 from pdserve.common.request import Request
+from pdserve.common.sampling import TokenLogprob
 
 log = logging.getLogger("pdserve.node")
 STATS_INTERVAL_S = 0.5
+
+
+def token_event(o: TokenOutput) -> P.TokenEvent:
+    """The router's event for one engine output, with the log-probabilities the request asked for."""
+    logprobs = None if o.logprob is None else wire_logprobs([o.logprob])
+    prompt = None if o.prompt_logprobs is None else wire_logprobs(o.prompt_logprobs)
+    tokens = [] if o.token_id is None else [o.token_id]
+    return P.TokenEvent(o.request.request_id, tokens, o.finish_reason, o.error, logprobs, prompt)
+
+
+def wire_logprobs(scores: list[TokenLogprob]) -> P.Logprobs:
+    return P.Logprobs([s.logprob for s in scores], [s.top_ids for s in scores], [s.top_logprobs for s in scores])
 
 
 class NodeBase:
@@ -137,8 +150,7 @@ class NodeBase:
 
     def on_outputs(self, outputs: list[TokenOutput]) -> None:
         self.counters["tokens_out"] += len(outputs)
-        self.emit([P.TokenEvent(o.request.request_id, [] if o.token_id is None else [o.token_id], o.finish_reason,
-                                o.error) for o in outputs])  # fmt: skip
+        self.emit([token_event(o) for o in outputs])
 
     def emit(self, events: list[P.TokenEvent]) -> None:
         if self.router_id is not None and events:

@@ -20,7 +20,8 @@ from typing import Any, NewType
 
 import msgpack
 
-PROTOCOL_VERSION = 2  # 2: KV travels head-major, [2, nkv, n, d] per layer
+PROTOCOL_VERSION = 3  # 2: KV travels head-major, [2, nkv, n, d] per layer; 3: log-probabilities
+MAX_LOGPROBS = 20  # the most alternatives per position a request may ask for (OpenAI's limit)
 MAX_HEADER_BYTES = 64 * 1024 * 1024  # one control message; tensor frames are bounded separately
 MAX_LIST_LEN = 4 * 1024 * 1024
 
@@ -42,16 +43,48 @@ class SamplingParams:
     stop_token_ids: tuple[Id, ...] = ()
     ignore_eos: bool = False
     eos_token_ids: tuple[Id, ...] = ()
+    logprobs: int | None = None  # each sampled token's log-probability and this many alternatives
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (echo), computed in its forward
+    presence_penalty: float = 0.0  # minus this from the logit of each token already generated
+    frequency_penalty: float = 0.0  # minus this times how often each token was generated
+    repetition_penalty: float = 1.0  # logits of tokens in the prompt or output: positive ones / it, negative * it
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one (sampled rows)
+    logit_bias: tuple[tuple[Id, float], ...] = ()  # (token id, added to its logit)
+    min_tokens: int = 0  # EOS and stop token ids are masked until this many tokens are generated
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not (type(value) is int and 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer from 0 to {MAX_LOGPROBS}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError("temperature must be a finite number >= 0")
         if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError("top_k must be -1 (disabled) or a positive integer")
+        self._check_processors()
+
+    def _check_processors(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2]")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError("repetition_penalty must be a finite number > 0")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError("min_p must be in [0, 1]")
+        if any(type(t) is not int or t < 0 or not -100 <= b <= 100 for t, b in self.logit_bias):
+            raise ValueError("logit_bias maps token ids to biases in [-100, 100]")
+        if type(self.min_tokens) is not int or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError("min_tokens must be an integer from 0 to max_tokens")
+
+    @property
+    def processed(self) -> bool:
+        """Whether the logits are changed before the draw (penalties, bias, min_tokens); min_p acts in the draw."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)  # fmt: skip
 
     @property
     def greedy(self) -> bool:
@@ -95,13 +128,35 @@ class Abort:
 
 
 @dataclass(frozen=True)
+class Logprobs:
+    """Log-probabilities of consecutive tokens: each token's own, and the most likely ids at its position
+    with theirs (as many as the request asked for, most likely first)."""
+
+    logprobs: list[float]
+    top_ids: list[list[Id]]
+    top_logprobs: list[list[float]]
+
+    def __post_init__(self) -> None:
+        rows = (self.top_ids, self.top_logprobs)
+        if any(len(r) != len(self.logprobs) for r in rows) or any(
+            len(i) != len(v) or len(i) > MAX_LOGPROBS for i, v in zip(*rows, strict=True)
+        ):
+            raise ValueError(f"one log-probability per token, and per token matching lists of at most {MAX_LOGPROBS} "
+                             "alternative ids and log-probabilities")  # fmt: skip
+
+
+@dataclass(frozen=True)
 class TokenEvent:
-    """New tokens of one request; `finish_reason` set on its last event ("stop", "length", "abort", "error")."""
+    """New tokens of one request; `finish_reason` set on its last event ("stop", "length", "abort", "error").
+    `logprobs` has one entry per token of `token_ids` when the request asked for them; `prompt_logprobs`
+    (on the first event) one per prompt token after the first."""
 
     request_id: str
     token_ids: list[Id]
     finish_reason: str | None = None
     error: str = ""
+    logprobs: Logprobs | None = None
+    prompt_logprobs: Logprobs | None = None
 
 
 @dataclass(frozen=True)
@@ -251,6 +306,15 @@ def _checker(hint: Any, where: str):
         return lambda v: None if v is None else inner(v)
     if dataclasses.is_dataclass(hint):
         return lambda v: _build(hint, v)
+    if origin is tuple and args and args[-1] is not Ellipsis:  # a fixed-length tuple: one type per place
+        places = [_checker(a, f"{where}[{i}]") for i, a in enumerate(args)]
+
+        def fixed(v):
+            if not isinstance(v, (list, tuple)) or len(v) != len(places):
+                raise ProtocolError(f"{where} must be a list of {len(places)}")
+            return tuple(check(x) for check, x in zip(places, v, strict=True))
+
+        return fixed
     if origin in (list, tuple):
         item, as_tuple = _checker(args[0], f"{where}[]"), origin is tuple
         plain = _SCALARS.get(args[0], (None, ""))[0] if args[0] is not float else None  # kept as they are

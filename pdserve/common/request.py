@@ -54,6 +54,14 @@ class Request:
     finish_reason: str | None = None
     arrival: float = 0.0
     num_preemptions: int = 0
+    prompt_logprobs: list = field(default_factory=list)  # echo: the scores of prompt tokens 1.. so far
+
+    def prompt_logprob_positions(self, past: int, n: int) -> range:
+        """The positions of a chunk [past, past + n) whose logits score a prompt token not scored yet (position p
+        scores token p + 1): only while no token is sampled, so a recomputation after a preemption adds none."""
+        if self.params.prompt_logprobs is None or self.output_token_ids:
+            return range(0)
+        return range(max(past, len(self.prompt_logprobs)), min(past + n, len(self.prompt_token_ids) - 1))
 
     @property
     def num_tokens(self) -> int:

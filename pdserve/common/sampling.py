@@ -1,7 +1,9 @@
 """Token sampling and stop conditions, batched on the logits' device.
 
-Greedy rows are one argmax over the batch. The rows that sample (temperature, top-k, top-p) are
-drawn together: temperature scaling, top-k and top-p masks in one sort, then the Gumbel-max trick
+Rows that set a logits processor (`min_tokens`, `logit_bias`, repetition, frequency and presence
+penalties, as vLLM defines them) have their logits changed first, together, on the device: greedy
+rows too. Greedy rows are then one argmax over the batch. The rows that sample (temperature, top-k, top-p) are
+drawn together: temperature scaling, the min-p mask, top-k and top-p masks in one sort, then the Gumbel-max trick
 (`argmax(log p - log E)` with `E` exponential noise), which draws exactly from the masked
 distribution. The noise comes from a counter-based hash of (request key, token index, vocabulary
 id), computed on the device: a seeded request draws its i-th token from (seed, i) alone, so it
@@ -9,13 +11,20 @@ samples the same tokens whatever it is batched with, after a preemption, on whic
 device draws it, and no per-request generator or host round trip is needed. An unseeded request's
 key is its id hashed with a per-process random salt.
 
-The sampled ids are the step's only device-to-host copy (`tolist()`).
+Log-probabilities, for the rows that ask (`logprobs`, and the prompt rows of `echo` with logprobs), are
+those of the raw model distribution: a log-softmax of the logits before temperature, top-k/top-p and
+any logits processor, as vLLM v1 returns by default. They are computed in the same batch on the
+device: the requested rows' log-softmax, the drawn or prompt token's value, and one top-k for the
+largest number of alternatives asked, all packed with the sampled ids into one host copy.
+
+When no row asks for log-probabilities, the sampled ids are the step's only device-to-host copy.
 """
 
 from __future__ import annotations
 
 import random
 import struct
+from dataclasses import dataclass
 
 import torch
 
@@ -28,40 +37,85 @@ _M64 = 0xFFFFFFFFFFFFFFFF
 _K1, _K2 = 0x7FEB352D, 0x2C1B3C6D
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the raw model distribution, and the most likely ids there with theirs."""
+
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass(frozen=True)
+class Drawn:
+    """One step's sampling: a token per sampling request, its log-probability where asked (else None), and the
+    scores of the prompt rows (echo with logprobs), in the order they were given."""
+
+    tokens: list[int]
+    logprobs: list[TokenLogprob | None]
+    prompt_logprobs: list[TokenLogprob]
+
+
 class Sampler:
     def __init__(self) -> None:
         self._salt = random.SystemRandom().getrandbits(64)
         self._vocab_hash: dict[tuple[int, torch.device], torch.Tensor] = {}
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
-        """logits: [num_requests, V] -> one token id per request."""
-        tokens = logits.argmax(dim=-1)  # [R]
+    def __call__(self, logits: torch.Tensor, requests: list[Request],
+                 prompt_rows: list[tuple[Request, int]] = ()) -> Drawn:  # fmt: skip
+        """logits: [S + P, V], the S sampling requests' rows then P prompt rows, each given as (request, the prompt
+        token its logits score) -> one token id per request, and the log-probabilities asked for."""
+        S = len(requests)
+        tokens = self.draw(logits[:S], requests)  # [S]
+        asked = [i for i, req in enumerate(requests) if req.params.logprobs is not None]
+        if not asked and not prompt_rows:
+            return Drawn(tokens.tolist(), [None] * S, [])
+        ks = [requests[i].params.logprobs for i in asked] + [req.params.prompt_logprobs for req, _ in prompt_rows]
+        rows = torch.tensor(asked + list(range(S, S + len(prompt_rows))), device=logits.device)  # [A + P]
+        prompt_targets = torch.tensor([t for _, t in prompt_rows], dtype=torch.long).to(logits.device)
+        targets = torch.cat((tokens.index_select(0, rows[: len(asked)]), prompt_targets))  # [A + P]
+        host = _pack_scores(tokens, logits.index_select(0, rows), targets, max(ks)).tolist()  # the one copy
+        scored = _unpack_scores(host[S:], ks)
+        logprobs: list[TokenLogprob | None] = [None] * S
+        for i, lp in zip(asked, scored[: len(asked)], strict=True):
+            logprobs[i] = lp
+        return Drawn([int(t) for t in host[:S]], logprobs, scored[len(asked) :])
+
+    def draw(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """logits: [S, V] -> one token id per request, [S] on the device."""
+        logits = process_rows(logits, requests)
+        tokens = logits.argmax(dim=-1)  # [S]
         rows = [i for i, req in enumerate(requests) if not req.params.greedy]
         if rows:
             idx = torch.tensor(rows, device=logits.device)
             drawn = self.sample(logits.index_select(0, idx), [self.row_params(requests[i]) for i in rows])
             tokens = tokens.index_copy(0, idx, drawn)
-        return tokens.tolist()
+        return tokens
 
-    def row_params(self, req: Request) -> tuple[float, int, float, int]:
-        """(temperature, top_k, top_p, noise key) of a request's next draw."""
+    def row_params(self, req: Request) -> tuple[float, int, float, int, float]:
+        """(temperature, top_k, top_p, noise key, min_p) of a request's next draw."""
         p = req.params
         step = len(req.output_token_ids)
         base = p.seed if p.seed is not None else (hash(req.request_id) ^ self._salt)
-        return p.temperature, p.top_k, p.top_p, draw_key(base, step)
+        return p.temperature, p.top_k, p.top_p, draw_key(base, step), p.min_p
 
-    def sample(self, logits: torch.Tensor, params: list[tuple[float, int, float, int]]) -> torch.Tensor:
-        """logits [R, V], one (temperature, top_k, top_p, key) per row -> token ids [R] (on the device)."""
+    def sample(self, logits: torch.Tensor, params: list[tuple]) -> torch.Tensor:
+        """logits [R, V], one (temperature, top_k, top_p, key[, min_p]) per row -> token ids [R] (on the device)."""
         R, V = logits.shape
-        packed = torch.tensor([[_f32_bits(t), k if k > 0 else V, _f32_bits(p), key] for t, k, p, key in params],
-                              dtype=torch.int64).to(logits.device, non_blocking=True)  # [R, 4]: one copy
-        as_f32 = packed.to(torch.int32).view(torch.float32)  # temperature and top_p travelled as their bits
-        temperature, top_p = as_f32[:, 0], as_f32[:, 2]
+        params = [(*row, 0.0)[:5] for row in params]
+        packed = torch.tensor([[_f32_bits(t), k if k > 0 else V, _f32_bits(p), key, _f32_bits(m)]
+                               for t, k, p, key, m in params],
+                              dtype=torch.int64).to(logits.device, non_blocking=True)  # [R, 5]: one copy
+        as_f32 = packed.to(torch.int32).view(torch.float32)  # temperature, top_p, min_p travelled as their bits
+        temperature, top_p, min_p = as_f32[:, 0], as_f32[:, 2], as_f32[:, 4]
         top_k, keys = packed[:, 1], packed[:, 3]
         scores = logits.float() / temperature[:, None]  # [R, V]
+        if any(m > 0 for *_, m in params):  # min-p: p < min_p * p_max  <=>  score < max score + log(min_p)
+            floor = scores.max(-1, keepdim=True).values + torch.log(min_p)[:, None]  # [R, 1]; log 0 = -inf
+            scores = scores.masked_fill(scores < floor, float("-inf"))
         noise = self.log_exponential(keys, V, logits.device)  # [R, V]: log E
         # argmax(log p - log E): log p is the scores less a per-row constant, which the argmax ignores
-        if not any(0 < k < V or p < 1.0 for _, k, p, _ in params):
+        if not any(0 < k < V or p < 1.0 for _, k, p, _, _ in params):
             return (scores - noise).argmax(-1)
         ranked, order = scores.sort(dim=-1, descending=True)  # [R, V]
         rank = torch.arange(V, device=logits.device)
@@ -79,6 +133,69 @@ class Sampler:
         h = _mix32(keys[:, None] ^ vh[None, :])  # [R, V] in [0, 2**32)
         u = ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))  # uniform in (0, 1), never 0 or 1
         return torch.log(-torch.log(u))
+
+
+def process_rows(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """logits [S, V] with the processors of the rows that set any applied (a copy; the input is left as is)."""
+    rows = [i for i, req in enumerate(requests) if req.params.processed]
+    if not rows:
+        return logits
+    idx = torch.tensor(rows, device=logits.device)
+    done = apply_processors(logits.index_select(0, idx).float(), [requests[i] for i in rows])  # [R, V]
+    return logits.float().index_copy(0, idx, done)
+
+
+def apply_processors(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """vLLM's processors, in its order, on logits [R, V] (changed in place and returned): min_tokens masks EOS
+    and the stop token ids while too few tokens are out; logit_bias adds; the repetition penalty divides positive
+    (multiplies negative) logits of every token in the prompt or output; frequency and presence penalties
+    subtract count * f and (count > 0) * p for the output's tokens."""
+    R, V = logits.shape
+    dev, params = logits.device, [r.params for r in requests]
+    bans = [(r, t) for r, req in enumerate(requests) if len(req.output_token_ids) < req.params.min_tokens
+            for t in (*req.params.stop_token_ids, *(() if req.params.ignore_eos else req.params.eos_token_ids))]
+    bias = [(r, t, b) for r, p in enumerate(params) for t, b in p.logit_bias if t < V]
+    if bans:
+        logits[tuple(torch.tensor(bans, device=dev).T)] = float("-inf")
+    if bias:
+        at = torch.tensor([(r, t) for r, t, _ in bias], device=dev).T
+        logits.index_put_(tuple(at), torch.tensor([b for *_, b in bias], device=dev), accumulate=True)
+    counts = _token_counts([r.output_token_ids for r in requests], V, dev)  # [R, V]
+    scale = torch.tensor([[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in params],
+                         device=dev)  # [R, 3]
+    if any(p.repetition_penalty != 1.0 for p in params):
+        seen = (counts + _token_counts([r.prompt_token_ids for r in requests], V, dev)) > 0  # [R, V]
+        rep = scale[:, :1]  # [R, 1]
+        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    return logits - scale[:, 1:2] * counts - scale[:, 2:3] * (counts > 0).float()
+
+
+def _token_counts(id_lists: list[list[int]], V: int, device: torch.device) -> torch.Tensor:
+    """How often each vocabulary id occurs in each row's list: [R, V] float32 (one padded copy to the device)."""
+    width = max((len(ids) for ids in id_lists), default=0)
+    padded = torch.tensor([ids + [V] * (width - len(ids)) for ids in id_lists], dtype=torch.long).to(device)
+    counts = torch.zeros(len(id_lists), V + 1, device=device)  # [R, V + 1]: column V counts the padding
+    return counts.scatter_add_(1, padded.view(len(id_lists), width), torch.ones(padded.shape, device=device))[:, :V]
+
+
+def _pack_scores(tokens: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, k: int) -> torch.Tensor:
+    """tokens [S]; logits [R, V] of the scored rows and the token each scores, [R] -> one float64 vector: the
+    tokens, then per row its target's log-probability, then k top ids and k top log-probabilities per row.
+    float64 holds every token id and float32 value exactly."""
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [R, V]
+    parts = [tokens.double(), logp.gather(1, targets[:, None])[:, 0].double()]  # [S], [R]
+    if k:
+        top_lp, top_ids = logp.topk(k, dim=-1)  # [R, k] each, most likely first
+        parts += [top_ids.double().flatten(), top_lp.double().flatten()]
+    return torch.cat(parts)
+
+
+def _unpack_scores(host: list[float], ks: list[int]) -> list[TokenLogprob]:
+    """The host copy of `_pack_scores` after the tokens -> one TokenLogprob per row, with its own k alternatives."""
+    R, k = len(ks), max(ks)
+    ids, lps = host[R : R + R * k], host[R + R * k :]
+    return [TokenLogprob(host[r], [int(t) for t in ids[r * k : r * k + kr]], lps[r * k : r * k + kr])
+            for r, kr in enumerate(ks)]  # fmt: skip
 
 
 def draw_key(base: int, step: int) -> int:

@@ -38,6 +38,16 @@ class Batch:
     def num_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
 
+    def prompt_logprob_rows(self) -> list[tuple[int, Request, int]]:
+        """(row of the iteration's flat tokens, request, position) of every prompt position whose logits score
+        the next prompt token (echo with logprobs), in batch order. Before `advance`."""
+        rows, start = [], 0
+        for s in self.scheduled:
+            req, past = s.request, s.request.num_computed_tokens
+            rows.extend((start + p - past, req, p) for p in req.prompt_logprob_positions(past, s.num_new_tokens))
+            start += s.num_new_tokens
+        return rows
+
     def __bool__(self) -> bool:
         return bool(self.scheduled)
 

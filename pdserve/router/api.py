@@ -24,6 +24,7 @@ from pdserve.router.auth import ApiKeyGuard
 from pdserve.router.choices import derive_seed, gather_all, merge
 from pdserve.router.core import NoNodeAvailable, RouterCore
 from pdserve.router.errors import ApiError, error_body
+from pdserve.router.logprobs import ChoiceExtras, merge_pieces
 from pdserve.router.openai_fields import UnsupportedField, check_fields
 from pdserve.router.text import Detokenizer, ModelInfo, chat_prompt_ids, load_model_info
 
@@ -46,10 +47,20 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     n: int = 1
     return_token_ids: bool = False
+    presence_penalty: float | None = None  # null: the default (0, 0, 1, 0, none, 0, false, true)
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
 
 
 class CompletionBody(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
 
 
 class ChatMessage(BaseModel):
@@ -60,6 +71,8 @@ class ChatMessage(BaseModel):
 
 class ChatBody(_Common):
     messages: list[ChatMessage]
+    logprobs: bool = False
+    top_logprobs: int | None = None
 
 
 @dataclass
@@ -77,6 +90,17 @@ class Job:
     created: int = field(default_factory=lambda: int(time.time()))
     index: int = 0  # the choice's index in the response
     sample: int = 0  # which of its prompt's n samples it is
+    chat: bool = False
+    logprobs: int | None = None  # alternatives per token when log-probabilities are asked for
+    echo: bool = False  # the prompt goes in front of the completion
+    show_tokens: bool = True  # False for max_tokens 0 (echo): the one token the nodes generate is dropped
+    include_stop: bool = False  # include_stop_str_in_output
+    skip_special: bool = True  # skip_special_tokens
+
+    def extras(self, tokenizer) -> ChoiceExtras | None:
+        if self.logprobs is None and not self.echo:
+            return None
+        return ChoiceExtras(tokenizer, self.chat, self.logprobs, self.prompt_ids, self.echo)
 
 
 # ---- validation ----------------------------------------------------------------------------------
@@ -107,6 +131,25 @@ def _chat_ids(body: ChatBody, info: ModelInfo) -> list[int]:
         raise ApiError(400, str(e), "messages") from None
 
 
+def _asked_logprobs(body: _Common) -> tuple[int | None, bool]:
+    """(alternatives per token, or None when no log-probabilities are asked for; echo)."""
+    if isinstance(body, ChatBody):
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
+        return (body.top_logprobs or 0) if body.logprobs else None, False
+    return getattr(body, "logprobs", None), bool(getattr(body, "echo", False))
+
+
+def _logit_bias(body: _Common, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} as (id, bias) pairs, ids checked against the vocabulary."""
+    pairs = []
+    for key, bias in (body.logit_bias or {}).items():
+        if not key.isdigit() or int(key) >= vocab_size:
+            raise ApiError(400, f"logit_bias: {key!r} is not a token id in [0, {vocab_size})", "logit_bias")
+        pairs.append((int(key), bias))
+    return tuple(pairs)
+
+
 def make_job(
     body: _Common,
     prompt_ids: list[int],
@@ -123,7 +166,10 @@ def make_job(
         raise ApiError(400, "the prompt is empty", "prompt")
     if not 1 <= body.n <= max_n:
         raise ApiError(400, f"n must be between 1 and {max_n} (--max-n)", "n")
-    max_tokens = body.max_completion_tokens or body.max_tokens
+    top, echo = _asked_logprobs(body)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    show_tokens = not (echo and max_tokens == 0)  # echo alone: the prompt (and its logprobs), nothing generated
+    max_tokens = max_tokens if show_tokens else 1
     if max_tokens is None:  # OpenAI: 16 for completions; chat goes on until EOS or the context's end
         room = min(info.max_model_len, kv_capacity or info.max_model_len) - len(prompt_ids)
         max_tokens = max(1, room if chat_default else min(16, room))
@@ -146,13 +192,18 @@ def make_job(
         params = P.SamplingParams(
             max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
             seed=body.seed, stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
-            eos_token_ids=info.eos_token_ids,
+            eos_token_ids=info.eos_token_ids, logprobs=top, prompt_logprobs=top if echo else None,
+            presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            min_p=body.min_p or 0.0, logit_bias=_logit_bias(body, info.vocab_size), min_tokens=body.min_tokens or 0,
         )  # fmt: skip
     except ValueError as e:
         raise ApiError(400, str(e)) from None
     opts = body.stream_options or {}
     return Job(prompt_ids, params, [s for s in stops if s], body.stream, bool(opts.get("include_usage")),
-               body.return_token_ids, body.model)  # fmt: skip
+               body.return_token_ids, body.model, chat=chat_default, logprobs=top, echo=echo,
+               show_tokens=show_tokens, include_stop=bool(body.include_stop_str_in_output),
+               skip_special=body.skip_special_tokens is not False)  # fmt: skip
 
 
 # ---- running a job -------------------------------------------------------------------------------
@@ -163,6 +214,7 @@ class Delta:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    logprobs: dict | None = None
 
 
 def expand(jobs: list[Job], n: int) -> list[Job]:
@@ -195,19 +247,22 @@ def submit(core: RouterCore, job: Job):
 async def run_job(core: RouterCore, info: ModelInfo, job: Job, flight=None) -> AsyncIterator[Delta]:
     """Dispatch `job` (unless `flight` is given) and yield text deltas; aborts it everywhere if the consumer leaves."""
     flight = flight or submit(core, job)
-    detok = Detokenizer(info.tokenizer, job.stops)
+    detok = Detokenizer(info.tokenizer, job.stops, job.include_stop, job.skip_special)
+    extras = job.extras(info.tokenizer)
     finished, reason = False, None
     try:
         while not finished:
             ev: P.TokenEvent = await flight.queue.get()
             if ev.finish_reason == "error":
                 raise ApiError(503 if "failed" in ev.error else 500, f"request failed: {ev.error}")
-            text, stopped = detok.add(ev.token_ids)
+            shown = list(ev.token_ids) if job.show_tokens else []
+            text, stopped = detok.add(shown)
             reason = "stop" if stopped else ev.finish_reason
             if reason is not None:
                 text += "" if stopped else detok.flush()
                 finished = True
-            yield Delta(text, list(ev.token_ids), reason)
+            prefix, logprobs = extras.event(ev, shown) if extras else ("", None)
+            yield Delta(prefix + text, shown, reason, logprobs)
     finally:
         if not finished or flight.request_id in core.flights:
             core.abort(flight.request_id, reason or "abort")
@@ -219,13 +274,14 @@ def _usage(jobs: list[Job], completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
 
 
-def _choice(job: Job, chat: bool, text: str, token_ids: list[int] | None, reason, stream: bool) -> dict:
+def _choice(job: Job, chat: bool, text: str, token_ids: list[int] | None, reason, stream: bool,
+            logprobs: dict | None = None) -> dict:  # fmt: skip
     if chat:
         key = "delta" if stream else "message"
-        choice = {"index": job.index, key: {"role": "assistant", "content": text}, "logprobs": None,
+        choice = {"index": job.index, key: {"role": "assistant", "content": text}, "logprobs": logprobs,
                   "finish_reason": reason}  # fmt: skip
     else:
-        choice = {"index": job.index, "text": text, "logprobs": None, "finish_reason": reason}
+        choice = {"index": job.index, "text": text, "logprobs": logprobs, "finish_reason": reason}
     if job.return_token_ids and token_ids is not None:
         choice["token_ids"] = token_ids
     return choice
@@ -237,13 +293,14 @@ def _envelope(job: Job, chat: bool, stream: bool) -> dict:
             "model": job.model}  # fmt: skip
 
 
-async def _collect(core, info, job: Job) -> tuple[str, list[int], str | None]:
-    texts, ids, reason = [], [], None
+async def _collect(core, info, job: Job) -> tuple[str, list[int], str | None, dict | None]:
+    texts, ids, reason, logprobs = [], [], None, []
     async for d in run_job(core, info, job):
         texts.append(d.text)
         ids.extend(d.token_ids)
         reason = d.finish_reason
-    return "".join(texts), ids, reason
+        logprobs += [d.logprobs] if d.logprobs is not None else []
+    return "".join(texts), ids, reason, merge_pieces(logprobs)
 
 
 async def _complete(core, info, jobs: list[Job], chat: bool, request: Request) -> dict:
@@ -255,9 +312,9 @@ async def _complete(core, info, jobs: list[Job], chat: bool, request: Request) -
     await asyncio.gather(task, return_exceptions=True)
     results = task.result()
     body = _envelope(jobs[0], chat, stream=False)
-    body["choices"] = [_choice(job, chat, text, ids, reason, stream=False)
-                       for job, (text, ids, reason) in zip(jobs, results, strict=True)]  # fmt: skip
-    body["usage"] = _usage(jobs, sum(len(ids) for _, ids, _ in results))
+    body["choices"] = [_choice(job, chat, text, ids, reason, stream=False, logprobs=lps)
+                       for job, (text, ids, reason, lps) in zip(jobs, results, strict=True)]  # fmt: skip
+    body["usage"] = _usage(jobs, sum(len(ids) for _, ids, _, _ in results))
     return body
 
 
@@ -282,7 +339,8 @@ async def _stream(core, info, jobs: list[Job], chat: bool, flights: list) -> Asy
             async for i, d in deltas:
                 n += len(d.token_ids)
                 chunk = _envelope(jobs[i], chat, stream=True)
-                chunk["choices"] = [_choice(jobs[i], chat, d.text, d.token_ids, d.finish_reason, stream=True)]
+                chunk["choices"] = [_choice(jobs[i], chat, d.text, d.token_ids, d.finish_reason, stream=True,
+                                            logprobs=d.logprobs)]  # fmt: skip
                 yield f"data: {json.dumps(chunk)}\n\n"
     except ApiError as e:
         yield f"data: {json.dumps(error_body(e.status, e.message, e.param, e.code))}\n\n"

@@ -33,16 +33,9 @@ def _response_format(value: object, body: dict) -> bool:
 NOT_IMPLEMENTED: dict[str, Callable[[object, dict], bool]] = {
     "best_of": _best_of,
     "suffix": _empty,
-    "echo": _empty,
-    "logprobs": _empty,
-    "top_logprobs": _empty,
+    "echo": _empty,  # chat (completions declare it)
+    "top_logprobs": _empty,  # completions (chat declares it)
     "prompt_logprobs": _is(),
-    "presence_penalty": _is(0, 0.0),
-    "frequency_penalty": _is(0, 0.0),
-    "repetition_penalty": _is(1, 1.0),
-    "min_p": _is(0, 0.0),
-    "logit_bias": _empty,
-    "min_tokens": _is(0),
     "response_format": _response_format,
     "tools": _empty,
     "tool_choice": _is("none"),
@@ -53,8 +46,6 @@ NOT_IMPLEMENTED: dict[str, Callable[[object, dict], bool]] = {
     "prediction": _is(),
     "reasoning_effort": _is(),
     "web_search_options": _is(),
-    "include_stop_str_in_output": _is(False),
-    "skip_special_tokens": _is(True),
     "use_beam_search": _is(False),
     "length_penalty": _is(1, 1.0),
 }

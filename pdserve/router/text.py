@@ -56,9 +56,11 @@ class Detokenizer:
     until the next tokens settle it.
     """
 
-    def __init__(self, tokenizer, stops: list[str]) -> None:
+    def __init__(self, tokenizer, stops: list[str], include_stop: bool = False, skip_special: bool = True) -> None:
         self.tokenizer = tokenizer
         self.stops = stops
+        self.include_stop = include_stop  # the text ends with the stop string rather than before it
+        self.skip_special = skip_special
         self.ids: list[int] = []
         self.text = ""  # settled text so far
         self.prefix_offset = 0  # ids[prefix_offset:read_offset] give the context of the next decode
@@ -66,13 +68,14 @@ class Detokenizer:
         self.sent = 0  # characters of self.text already returned
 
     def add(self, token_ids: list[int]) -> tuple[str, bool]:
-        """Return (new text, stopped). After a stop the text ends before the stop string."""
+        """Return (new text, stopped). After a stop the text ends before the stop string (after it, with
+        include_stop)."""
         self.ids.extend(token_ids)
         self._settle()
         for stop in self.stops:
             at = self.text.find(stop, max(0, self.sent - len(stop)))
             if at != -1:
-                return self._take(at), True
+                return self._take(at + (len(stop) if self.include_stop else 0)), True
         hold = len(self.text)
         for stop in self.stops:
             for k in range(min(len(stop) - 1, len(self.text)), 0, -1):
@@ -99,7 +102,7 @@ class Detokenizer:
         return self.ids[self.prefix_offset : self.read_offset]
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special) if ids else ""
 
     def _take(self, upto: int) -> str:
         if upto <= self.sent:
