@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch is imported where weights are drawn: the router resolves names without it
     import torch
 
-CACHE_ENV_DEFAULT = Path.home() / ".cache" / "pdserve" / "models"
+CACHE_ENV_DEFAULT = Path.home() / ".cache" / "pdserve"  # PDSERVE_CACHE overrides it
 FORMAT_VERSION = 1  # bump when a built-in's weights or tokenizer change
 
 CHAT_TEMPLATE = (
@@ -62,8 +62,9 @@ BUILTIN_MODELS: dict[str, ModelSpec] = {
 }
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("PDSERVE_CACHE", CACHE_ENV_DEFAULT))
+def cache_dir(kind: str = "models") -> Path:
+    """Where pdserve keeps what it builds, by kind: "models" (built-in checkpoints), "kernels" (compiled C)."""
+    return Path(os.environ.get("PDSERVE_CACHE", CACHE_ENV_DEFAULT)) / kind
 
 
 def resolve_model(name_or_path: str) -> Path:

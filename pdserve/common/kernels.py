@@ -206,7 +206,7 @@ def _build_and_load(key: str) -> CpuKernels | None:
     if compiler is None:
         log.warning("CPU kernels: no C compiler found; using torch's ops")
         return None
-    lib_path = cache_dir() / "kernels" / f"pdserve_cpu-{key}.so"
+    lib_path = cache_dir("kernels") / f"pdserve_cpu-{key}.so"
     try:
         if not lib_path.exists():
             _compile(compiler, lib_path)
