@@ -35,3 +35,15 @@ def mixed_workload(n: int, vocab: int, seed: int = 0, max_prompt: int = 300, max
     outs = [max_out, 1] + [rng.randint(1, max_out) for _ in range(n - 2)]
     prompts = [[rng.randrange(vocab - 3) for _ in range(L)] for L in lens]
     return prompts, outs
+
+
+def export_tokens(pool, block_ids: list[int], num_tokens: int):
+    """One request's first `num_tokens` tokens of KV in `pool` as a contiguous [L, 2, nkv, n, d] tensor."""
+    idx = pool.slots(block_ids, 0, num_tokens).to(pool.data.device)
+    return pool.data.index_select(3, idx)
+
+
+def import_tokens(pool, block_ids: list[int], kv) -> None:
+    """Write a [L, 2, nkv, n, d] tensor into the blocks `block_ids` of `pool`."""
+    idx = pool.slots(block_ids, 0, kv.shape[3]).to(pool.data.device)
+    pool.data.index_copy_(3, idx, kv.to(pool.data.device))

@@ -8,6 +8,7 @@ import gc
 import pytest
 import torch
 import zmq
+from helpers import export_tokens
 
 from pdserve.common import protocol as P
 from pdserve.common import transport
@@ -160,8 +161,9 @@ def test_the_ack_waits_for_the_block_copy(node, monkeypatch):
 
     def spying_send(sock, msg, frames=(), identity=None):
         if isinstance(msg, P.KvAck):  # has the KV landed when the prefill node is told it may reuse its blocks?
-            landed = node.engine.pool.export(dst_blocks, num_tokens)
-            acks.append((msg, torch.equal(landed, KVPool(layout, 8, data=source).export(src_blocks, num_tokens))))
+            landed = export_tokens(node.engine.pool, dst_blocks, num_tokens)
+            sent = export_tokens(KVPool(layout, 8, data=source), src_blocks, num_tokens)
+            acks.append((msg, torch.equal(landed, sent)))
         real_send(sock, msg, frames, identity)
 
     monkeypatch.setattr(transport, "send", spying_send)

@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 import zmq
+from helpers import export_tokens, import_tokens
 
 from pdserve.common import protocol as P
 from pdserve.common import transport
@@ -27,15 +28,15 @@ def _filled_pool(backend=None, num_blocks: int = 16) -> KVPool:
 
 
 def _request_kv(pool: KVPool, blocks: list[int], n: int) -> torch.Tensor:
-    return pool.export(blocks, n)  # [L, 2, nkv, n, d]
+    return export_tokens(pool, blocks, n)  # [L, 2, nkv, n, d]
 
 
 def test_export_import_round_trip():
     src, dst = _filled_pool(), KVPool(LAYOUT, 16)
-    kv = src.export([7, 2, 11], 10)
+    kv = export_tokens(src, [7, 2, 11], 10)
     assert kv.shape == (3, 2, 2, 10, 8) and kv.is_contiguous()
-    dst.import_([0, 5, 9], kv)
-    assert torch.equal(dst.export([0, 5, 9], 10), kv)
+    import_tokens(dst, [0, 5, 9], kv)
+    assert torch.equal(export_tokens(dst, [0, 5, 9], 10), kv)
 
 
 def _through_zmq(header: P.KvData, frames: list):
@@ -63,9 +64,9 @@ def test_backend_moves_one_requests_kv(name, src_blocks, dst_blocks):
             msg, got = _through_zmq(header, frames)
             landed += receiver.unpack(dst, dst_blocks, 10, msg, got, source)
         assert landed == LAYOUT.num_layers
-        assert torch.equal(dst.export(dst_blocks, 10), src.export(src_blocks, 10))
+        assert torch.equal(export_tokens(dst, dst_blocks, 10), export_tokens(src, src_blocks, 10))
         untouched = [b for b in range(16) if b not in dst_blocks]
-        assert not dst.export(untouched, 4 * len(untouched)).any()  # nothing landed elsewhere
+        assert not export_tokens(dst, untouched, 4 * len(untouched)).any()  # nothing landed elsewhere
     finally:
         receiver.close()
         sender.close()
@@ -170,7 +171,7 @@ def test_cuda_ipc_moves_blocks_between_processes():
         assert receiver.unpack(dst, [4, 5, 12], 10, header, [], source) == LAYOUT.num_layers
         receiver.wait_landed(dst)
         expected = KVPool(LAYOUT, 16, data=torch.arange(dst.data.numel(), dtype=torch.float32).view(dst.data.shape))
-        assert torch.equal(dst.export([4, 5, 12], 10).cpu(), expected.export([3, 8, 1], 10))
+        assert torch.equal(export_tokens(dst, [4, 5, 12], 10).cpu(), export_tokens(expected, [3, 8, 1], 10))
         del source
     finally:
         parent.send("done")

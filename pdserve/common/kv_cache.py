@@ -82,16 +82,6 @@ class KVPool:
             return slice(first, first + length)
         return self.slots(block_ids, 0, length).to(self.data.device)
 
-    def export(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
-        """One request's first `num_tokens` tokens of KV as a contiguous [L, 2, nkv, n, d] tensor."""
-        idx = self.slots(block_ids, 0, num_tokens).to(self.data.device)
-        return self.data.index_select(3, idx)
-
-    def import_(self, block_ids: list[int], kv: torch.Tensor) -> None:
-        """Write an exported [L, 2, nkv, n, d] tensor into the blocks `block_ids`."""
-        idx = self.slots(block_ids, 0, kv.shape[3]).to(self.data.device)
-        self.data.index_copy_(3, idx, kv.to(self.data.device))
-
     def export_blocks(self, layer: int, block_ids: list[int]) -> torch.Tensor:
         """Whole blocks of one layer as a contiguous [2, nkv, n_blocks * bs, d] tensor."""
         src = self.data[layer]  # [2, nkv, S, d]

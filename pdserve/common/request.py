@@ -73,10 +73,6 @@ class Request:
         return len(self.prompt_token_ids) + self.params.max_tokens
 
     @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-    @property
     def is_finished(self) -> bool:
         return self.status in (Status.FINISHED, Status.ABORTED)
 
@@ -84,7 +80,3 @@ class Request:
         if status not in _LEGAL[self.status]:
             raise IllegalTransition(f"request {self.request_id}: {self.status.value} -> {status.value}")
         self.status = status
-
-    def token_at(self, pos: int) -> int:
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[pos] if pos < n else self.output_token_ids[pos - n]
