@@ -39,7 +39,7 @@ def _store_kv_kernel(
         tl.store(dst + stride_pool_kv, v, mask=dmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_tr", "stride_tc"])  # they follow the batch size: one compile for all
 def _paged_attention_kernel(
     q_ptr, o_ptr, pool_ptr, q_start_ptr, q_len_ptr, ctx_len_ptr, tables_ptr, work_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_pool_kv, stride_pool_h, stride_pool_s, stride_tr, stride_tc,
