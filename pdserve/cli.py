@@ -95,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
         r.add_argument("--cpu-cores", default="", help="pin to these cores, e.g. 0 or 0-1")
         r.add_argument("--listen", default="tcp://127.0.0.1:0", help="router-facing address")
         r.add_argument("--ready-file", default="")
+        r.add_argument("--host-id", default="", help="nodes with the same host id may share memory (default: "
+                       "hostname and boot id)")  # fmt: skip
         if role == "decode":
             r.add_argument("--kv-listen", default="tcp://127.0.0.1:0", help="where prefill nodes ship KV")
 
@@ -137,7 +139,7 @@ def node_config(a: argparse.Namespace) -> NodeConfig:
     return NodeConfig(
         role=a.verb, engine=engine_config(a, a.device, a.cpu_cores), listen=a.listen,
         kv_listen=getattr(a, "kv_listen", "tcp://127.0.0.1:0"), kv_transport=a.kv_transport,
-        kv_lease_s=a.kv_lease_s, ready_file=a.ready_file,
+        kv_lease_s=a.kv_lease_s, ready_file=a.ready_file, host_id=a.host_id,
     )  # fmt: skip
 
 

@@ -75,12 +75,13 @@ class NodeActor:
         ready = Path(tempfile.mkdtemp(prefix="pdserve-node-")) / "ready.json"
         addrs = ["--listen", f"tcp://{host}:0"] + (["--kv-listen", f"tcp://{host}:0"] if role == "decode" else [])
         env = {**os.environ, **({"OMP_NUM_THREADS": str(spec["threads"])} if spec["threads"] else {})}
+        ray_node_id = ray.get_runtime_context().get_node_id()  # one Ray node per host: it names the host
         cmd = [sys.executable, "-m", "pdserve", "--log-level", spec["log_level"], role, *spec["argv"], *addrs,
-               "--ready-file", str(ready)]  # fmt: skip
+               "--ready-file", str(ready), "--host-id", f"ray:{ray_node_id}"]  # fmt: skip
         self.proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
         node = _wait_ready(self.proc, ready)
         self.entry = {"key": key, "role": role, "listen": node["listen"], "kv_listen": node.get("kv_listen", ""),
-                      "pid": node["pid"], "ray_node_id": ray.get_runtime_context().get_node_id()}  # fmt: skip
+                      "pid": node["pid"], "ray_node_id": ray_node_id}  # fmt: skip
         self.controller = ray.get_actor(controller_name(spec["deployment"]), namespace=RAY_NAMESPACE)
         ray.get(self.controller.renew.remote(self.entry))  # listed before the caller learns we are ready
         threading.Thread(target=self._keep_registered, daemon=True).start()

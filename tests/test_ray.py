@@ -52,7 +52,7 @@ def deployment(cluster):
     port = free_port()
     argv = [sys.executable, "-m", "pdserve", "--log-level", "WARNING", "up", "--ray", cluster.address,
             "--name", DEPLOYMENT, "--model", "tiny", "--port", str(port), "--placement", "spread",
-            "--ray-bind-host", "127.0.0.1", "--num-kv-blocks", "256"]  # fmt: skip
+            "--ray-bind-host", "127.0.0.1", "--num-kv-blocks", "256", "--kv-transport", "auto"]  # fmt: skip
     proc = subprocess.Popen(argv, env=os.environ.copy())
     url = f"http://127.0.0.1:{port}"
     try:
@@ -125,7 +125,7 @@ def test_scaling_decode_up_while_serving_loses_nothing(cluster, deployment, work
     prompts, outs, ref = workload
     long_out = [n + 150 for n in outs]  # still running while the new node starts
     ref_long = hf_greedy(resolve_model("tiny"), prompts, long_out)
-    with ThreadPoolExecutor(len(prompts)) as pool:
+    with ThreadPoolExecutor(2 * len(prompts)) as pool:  # the late requests run beside the long ones
         futures = [pool.submit(_complete, deployment, p, n) for p, n in zip(prompts, long_out, strict=True)]
         _wait(lambda: sum(n["in_flight"] for n in _nodes(deployment, "decode")) > 0, 60)
         scale = subprocess.run([sys.executable, "-m", "pdserve", "--log-level", "WARNING", "scale", "--ray",
@@ -139,15 +139,23 @@ def test_scaling_decode_up_while_serving_loses_nothing(cluster, deployment, work
         got_late = [f.result() for f in late]
     assert [ids for _, ids in got] == ref_long, "a request running across the scale-up lost or changed tokens"
     assert [ids for _, ids in got_late] == ref
-    received = _kv_received(deployment)
-    assert len(received) == 2 and all(received.values()), f"the new decode node served nothing: {received}"
+    received = lambda: _node_counter(deployment, "kv_received", "decode")  # noqa: E731
+    _wait(lambda: len(received()) == 2 and all(received().values()), 10)  # stats arrive every 0.5 s
+    # --kv-transport auto: a decode node on the prefill node's (simulated) host maps its pool, the other gets zmq
+    members = ray.get(_controller().members.remote())
+    [prefill] = [m["ray_node_id"] for m in members if m["role"] == "prefill"]
+    same_host = sum(m["ray_node_id"] == prefill for m in members if m["role"] == "decode")
+    pairings = lambda: {t: sum(_node_counter(deployment, f"kv_pairings_{t}", "prefill").values())  # noqa: E731
+                        for t in ("shm", "zmq")}  # fmt: skip
+    _wait(lambda: sum(pairings().values()) == 2, 10)
+    assert pairings() == {"shm": same_host, "zmq": 2 - same_host}, (pairings(), members)
 
 
-def _kv_received(url: str) -> dict[str, float]:
-    """kv_received per decode node, from /metrics."""
+def _node_counter(url: str, name: str, role: str) -> dict[str, float]:
+    """A node counter per node of `role`, from /metrics."""
     out = {}
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("pdserve:node_kv_received") and 'role="decode"' in line:
+        if line.startswith(f"pdserve:node_{name}_total") and f'role="{role}"' in line:
             out[line.split('node="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
     return out
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 CPU_KERNELS = ("auto", "on", "off")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
-KV_TRANSPORTS = ("zmq", "shm", "cuda_ipc")
+KV_TRANSPORTS = ("zmq", "shm", "cuda_ipc", "auto")  # auto: shm / cuda_ipc on one host, zmq across hosts
 ROLES = ("colocated", "prefill", "decode")
 KV_ROLES = ("prefill", "decode")  # the roles that move KV between nodes
 
@@ -83,6 +83,7 @@ class NodeConfig:
     kv_transport: str = "zmq"
     kv_lease_s: float = 30.0
     ready_file: str = ""  # if set, the node writes its bound addresses here once it serves
+    host_id: str = ""  # nodes with the same host id may share memory ("": hostname and boot id)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -15,7 +15,7 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 2  # 2: KV travels head-major, [2, nkv, n, d] per layer
+PROTOCOL_VERSION = 3  # 2: KV travels head-major, [2, nkv, n, d] per layer; 3: KvHello offers transports
 MAX_HEADER_BYTES = 64 * 1024 * 1024  # one control message; tensor frames are bounded separately
 MAX_LIST_LEN = 4 * 1024 * 1024
 
@@ -125,12 +125,16 @@ class StatsRequest:
 
 @dataclass(frozen=True)
 class KvHello:
-    """Prefill -> decode on connect: the layout both sides must agree on before any KV moves."""
+    """Prefill -> decode on connect: the layout both sides must agree on before any KV moves, and the
+    transports the prefill node can send with, preferred first; the decode node's HelloAck names the one
+    it chose (info["transport"])."""
 
     protocol_version: int
     layout: dict
-    transport: str
+    transport: str  # the prefill node's --kv-transport
     pool_handle: dict = field(default_factory=dict)  # shm / cuda_ipc: how to map the prefill pool
+    host_id: str = ""  # a shared pool is used only between nodes of the same host id
+    transports: list[str] = field(default_factory=list)  # empty: [transport]
 
 
 @dataclass(frozen=True)
@@ -241,7 +245,7 @@ def _build(cls: type, body: Any) -> Any:
 
 _INT_LISTS = ("prompt_token_ids", "token_ids", "shape", "src_blocks", "stop_token_ids", "eos_token_ids")
 _INTS = ("first_token_id", "num_tokens", "layer", "protocol_version", "max_tokens", "top_k")
-_STRS = ("request_id", "dtype", "role", "decode_addr", "transport")
+_STRS = ("request_id", "dtype", "role", "decode_addr", "transport", "host_id")
 
 
 def _check_types(msg: Any) -> None:

@@ -10,6 +10,7 @@ renewing their entry.
 from __future__ import annotations
 
 import logging
+import signal
 from dataclasses import dataclass
 
 from pdserve.common.config import RouterConfig
@@ -55,7 +56,9 @@ class RayMembership:
 
         self._ray = ray
         if not ray.is_initialized():
+            on_term = signal.getsignal(signal.SIGTERM)
             ray.init(address=address, namespace=RAY_NAMESPACE, logging_level=logging.WARNING, log_to_driver=False)
+            signal.signal(signal.SIGTERM, on_term)  # the server's own graceful stop, not Ray's sys.exit
         try:
             self.controller = ray.get_actor(controller_name(deployment), namespace=RAY_NAMESPACE)
         except ValueError:
