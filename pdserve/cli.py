@@ -86,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--decode-cores", default=None, help="cores of each decode node (default: one core each)")
     up.add_argument("--no-pin", action="store_true", help="do not pin nodes to cores")
     add_api_args(up)
+    add_ray_args(up)
 
     for role in ("colocated", "prefill", "decode"):
         r = sub.add_parser(role, help=f"run one {role} node")
@@ -94,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
         r.add_argument("--cpu-cores", default="", help="pin to these cores, e.g. 0 or 0-1")
         r.add_argument("--listen", default="tcp://127.0.0.1:0", help="router-facing address")
         r.add_argument("--ready-file", default="")
+        r.add_argument("--host-id", default="", help="nodes with the same host id may share memory (default: "
+                       "hostname and boot id)")  # fmt: skip
         if role == "decode":
             r.add_argument("--kv-listen", default="tcp://127.0.0.1:0", help="where prefill nodes ship KV")
 
@@ -107,8 +110,28 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("--decode-kv", nargs="*", default=[])
     rt.add_argument("--served-model-name", default="")
     rt.add_argument("--node-timeout-s", type=float, default=10.0)
+    rt.add_argument("--ray", default="", metavar="ADDRESS", help="learn the nodes from this Ray cluster's deployment")
+    rt.add_argument("--ray-deployment", default="pdserve", help="the deployment's --name")
     add_api_args(rt)
+
+    sc = sub.add_parser("scale", help="change the node counts of a deployment on a Ray cluster while it serves")
+    sc.add_argument("--ray", default="auto", metavar="ADDRESS", help="the Ray cluster (default: auto)")
+    sc.add_argument("--name", default="pdserve", help="the deployment's --name")
+    sc.add_argument("--prefill", type=int, default=0, help="prefill nodes wanted (default: as now)")
+    sc.add_argument("--decode", type=int, default=0, help="decode nodes wanted (default: as now)")
     return p
+
+
+def add_ray_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("Ray cluster (pip install pdserve[ray])")
+    g.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                   help="place the nodes on a Ray cluster: 'auto', HOST:PORT, or none to start a local one")
+    g.add_argument("--name", default="pdserve", help="this deployment's name on the cluster (for pdserve scale)")
+    g.add_argument("--placement", default="spread", choices=["pack", "spread"],
+                   help="spread: nodes on as many hosts as can take them; pack: on as few")
+    g.add_argument("--ray-node-cpus", type=int, default=1, help="CPUs each node holds on a CPU device")
+    g.add_argument("--ray-bind-host", default="", help="address nodes bind (default: their host's cluster IP)")
+    g.add_argument("--max-restarts", type=int, default=3, help="how often Ray restarts a node that died")
 
 
 def node_config(a: argparse.Namespace) -> NodeConfig:
@@ -116,7 +139,7 @@ def node_config(a: argparse.Namespace) -> NodeConfig:
     return NodeConfig(
         role=a.verb, engine=engine_config(a, a.device, a.cpu_cores), listen=a.listen,
         kv_listen=getattr(a, "kv_listen", "tcp://127.0.0.1:0"), kv_transport=a.kv_transport,
-        kv_lease_s=a.kv_lease_s, ready_file=a.ready_file,
+        kv_lease_s=a.kv_lease_s, ready_file=a.ready_file, host_id=a.host_id,
     )  # fmt: skip
 
 
@@ -139,7 +162,8 @@ def run_router(a: argparse.Namespace) -> None:
     cfg = RouterConfig(
         model=a.model, host=a.host, port=a.port, colocated=tuple(a.colocated), prefill=tuple(a.prefill),
         decode=tuple(a.decode), decode_kv=tuple(a.decode_kv), served_model_name=a.served_model_name,
-        node_timeout_s=a.node_timeout_s, api_key=a.api_key, max_n=a.max_n,
+        node_timeout_s=a.node_timeout_s, api_key=a.api_key, max_n=a.max_n, ray_address=a.ray,
+        ray_deployment=a.ray_deployment,
     )  # fmt: skip
     uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="warning")
 
@@ -148,10 +172,18 @@ def main(argv: list[str] | None = None) -> None:
     a = build_parser().parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        if a.verb == "up":
+        if a.verb == "up" and a.ray is not None:
+            from pdserve.ray_cluster import launch_on_ray
+
+            sys.exit(launch_on_ray(a))
+        elif a.verb == "up":
             from pdserve.launcher import launch
 
             sys.exit(launch(a))
+        elif a.verb == "scale":
+            from pdserve.ray_cluster import scale
+
+            sys.exit(scale(a))
         elif a.verb == "router":
             run_router(a)
         else:

@@ -154,7 +154,7 @@ class AsyncCopyBackend:
 def test_the_ack_waits_for_the_block_copy(node, monkeypatch):
     layout = node.engine.layout
     source = torch.randn(KVPool.shape_for(layout, 8))
-    node.backend = AsyncCopyBackend(source)
+    node.backends = {"async-copy": AsyncCopyBackend(source)}
     acks: list[tuple[P.KvAck, bool]] = []
     real_send = transport.send
     src_blocks, num_tokens = [5, 2], 20
@@ -176,3 +176,39 @@ def test_the_ack_waits_for_the_block_copy(node, monkeypatch):
     [(ack, landed)] = acks
     assert ack.ok and landed, "the ack went out before the copy out of the prefill pool had finished"
     assert "r1" in node.engine.requests
+
+
+@pytest.fixture
+def auto_node(tiny_models):
+    cfg = NodeConfig("decode", EngineConfig(model=str(tiny_models["qwen3"]), num_kv_blocks=32), kv_transport="auto",
+                     host_id="host-a")  # fmt: skip
+    n = DecodeNode(cfg)
+    yield n
+    n.close()
+
+
+@pytest.mark.parametrize("host_id,chosen", [("host-a", "shm"), ("host-b", "zmq")])
+def test_auto_shares_the_pool_on_one_host_and_ships_over_zmq_across_hosts(auto_node, host_id, chosen):
+    owner = _shm_pool(auto_node)
+    try:
+        peer = Peer(auto_node, b"prefill-0")
+        hello = P.KvHello(P.PROTOCOL_VERSION, auto_node.engine.layout.to_dict(), "auto", owner.handle(), host_id,
+                          ["shm", "zmq"])  # fmt: skip
+        peer.send(hello)
+        ack = peer.recv()
+        assert ack.ok and ack.info == {"transport": chosen}, ack
+        assert auto_node.peer_backends[b"prefill-0"].name == chosen
+        assert _mappings(owner.handle()["name"]) == (2 if chosen == "shm" else 1)  # mapped here only for shm
+    finally:
+        owner.close()
+
+
+def test_a_shared_pool_from_another_host_is_refused(node):
+    owner = _shm_pool(node)
+    try:
+        peer = Peer(node, b"prefill-0")
+        peer.send(P.KvHello(P.PROTOCOL_VERSION, node.engine.layout.to_dict(), "shm", owner.handle(), "elsewhere"))
+        ack = peer.recv()
+        assert not ack.ok and "one host" in ack.reason, ack
+    finally:
+        owner.close()

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 CPU_KERNELS = ("auto", "on", "off")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
-KV_TRANSPORTS = ("zmq", "shm", "cuda_ipc")
+KV_TRANSPORTS = ("zmq", "shm", "cuda_ipc", "auto")  # auto: shm / cuda_ipc on one host, zmq across hosts
 ROLES = ("colocated", "prefill", "decode")
 KV_ROLES = ("prefill", "decode")  # the roles that move KV between nodes
 
@@ -92,6 +92,7 @@ class NodeConfig:
     kv_transport: str = "zmq"
     kv_lease_s: float = 30.0
     ready_file: str = ""  # if set, the node writes its bound addresses here once it serves
+    host_id: str = ""  # nodes with the same host id may share memory ("": hostname and boot id)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -122,13 +123,20 @@ class RouterConfig:
     connect_timeout_s: float = 120.0
     api_key: str = field(default="", repr=False)  # every route but /health then needs it as a Bearer token
     max_n: int = 16  # the most choices (n) one request may ask for
+    ray_address: str = ""  # set: learn prefill and decode nodes from a Ray deployment, not from fixed lists
+    ray_deployment: str = "pdserve"  # the `pdserve up --ray --name` of that deployment
+    membership_interval_s: float = 1.0  # how often the Ray deployment's node list is read
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError("--port must be in 0..65535")
+        if self.ray_address and (self.colocated or self.prefill or self.decode):
+            raise ValueError("with --ray the nodes come from the Ray deployment: give no node addresses")
+        if self.membership_interval_s <= 0:
+            raise ValueError("--membership-interval-s must be positive")
         if self.colocated and (self.prefill or self.decode):
             raise ValueError("give either colocated nodes or prefill + decode nodes, not both")
-        if not self.colocated and not (self.prefill and self.decode):
+        if not self.ray_address and not self.colocated and not (self.prefill and self.decode):
             raise ValueError("the router needs --colocated nodes, or both --prefill and --decode nodes")
         if len(self.decode) != len(self.decode_kv):
             raise ValueError("give one --decode-kv address per --decode node")

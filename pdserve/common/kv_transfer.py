@@ -23,6 +23,7 @@ import _posixshmem
 import enum
 import mmap
 import os
+import socket
 import uuid
 import warnings
 from multiprocessing import shared_memory
@@ -297,6 +298,33 @@ BACKENDS = {"zmq": ZmqBackend, "shm": ShmBackend, "cuda_ipc": CudaIpcBackend}
 
 def make_backend(name: str):
     return BACKENDS[name]()
+
+
+def accepted_transports(configured: str, device: str) -> tuple[str, ...]:
+    """The backends a node configured with `--kv-transport configured` moves KV with, preferred first.
+    auto: a shared pool (shm on the CPU, cuda_ipc on a GPU) with peers on this host, zmq with the others."""
+    if configured == "auto":
+        return ("cuda_ipc" if device.startswith("cuda") else "shm", "zmq")
+    return (configured,)
+
+
+def choose_transport(offered: list[str], accepted: tuple[str, ...], same_host: bool) -> str:
+    """The first transport the prefill node offers that the decode node accepts and that reaches it
+    (a shared pool only on the same host), or "" if there is none."""
+    for name in offered:
+        if name in accepted and (name == "zmq" or same_host):
+            return name
+    return ""
+
+
+def default_host_id() -> str:
+    """What tells two nodes they share a host (and so may share memory): hostname and boot id."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
 
 
 def _numel(shape) -> int:

@@ -18,6 +18,7 @@ from pdserve.common import protocol as P
 from pdserve.common import transport
 from pdserve.common.config import NodeConfig
 from pdserve.common.engine import Engine, TokenOutput, pin_process
+from pdserve.common.kv_transfer import default_host_id
 from pdserve.common.request import Request
 from pdserve.common.sampling import TokenLogprob
 
@@ -43,6 +44,7 @@ class NodeBase:
     def __init__(self, cfg: NodeConfig) -> None:
         pin_process(cfg.engine)
         self.cfg = cfg
+        self.host_id = cfg.host_id or default_host_id()
         self.engine = self.make_engine()
         self.ctx = zmq.Context()
         self.front = self.ctx.socket(zmq.ROUTER)

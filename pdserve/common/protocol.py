@@ -20,7 +20,7 @@ from typing import Any, NewType
 
 import msgpack
 
-PROTOCOL_VERSION = 3  # 2: KV travels head-major, [2, nkv, n, d] per layer; 3: log-probabilities
+PROTOCOL_VERSION = 3  # 2: KV head-major, [2, nkv, n, d] per layer; 3: log-probabilities, KvHello transports
 MAX_LOGPROBS = 20  # the most alternatives per position a request may ask for (OpenAI's limit)
 MAX_HEADER_BYTES = 64 * 1024 * 1024  # one control message; tensor frames are bounded separately
 MAX_LIST_LEN = 4 * 1024 * 1024
@@ -188,12 +188,16 @@ class StatsRequest:
 
 @dataclass(frozen=True)
 class KvHello:
-    """Prefill -> decode on connect: the layout both sides must agree on before any KV moves."""
+    """Prefill -> decode on connect: the layout both sides must agree on before any KV moves, and the
+    transports the prefill node can send with, preferred first; the decode node's HelloAck names the one
+    it chose (info["transport"])."""
 
     protocol_version: int
     layout: dict
-    transport: str
+    transport: str  # the prefill node's --kv-transport
     pool_handle: dict = field(default_factory=dict)  # shm / cuda_ipc: how to map the prefill pool
+    host_id: str = ""  # a shared pool is used only between nodes of the same host id
+    transports: list[str] = field(default_factory=list)  # empty: [transport]
 
 
 @dataclass(frozen=True)

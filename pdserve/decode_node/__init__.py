@@ -27,7 +27,7 @@ import zmq
 from pdserve.common import protocol as P
 from pdserve.common import transport
 from pdserve.common.config import NodeConfig
-from pdserve.common.kv_transfer import TransferError, make_backend
+from pdserve.common.kv_transfer import TransferError, accepted_transports, choose_transport, make_backend
 from pdserve.common.node import NodeBase
 from pdserve.common.request import Request, Status
 
@@ -52,7 +52,8 @@ class DecodeNode(NodeBase):
 
     def __init__(self, cfg: NodeConfig) -> None:
         super().__init__(cfg)
-        self.backend = make_backend(cfg.kv_transport)
+        self.backends = {n: make_backend(n) for n in accepted_transports(cfg.kv_transport, cfg.engine.device)}
+        self.peer_backends: dict[bytes, object] = {}  # paired prefill peers -> the transport chosen at pairing
         self.kv_sock = self.ctx.socket(zmq.ROUTER)
         transport.configure(self.kv_sock)
         self.kv_addr = transport.bind(self.kv_sock, cfg.kv_listen)
@@ -66,13 +67,14 @@ class DecodeNode(NodeBase):
         self._next_notice = 0.0
 
     def ready_info(self) -> dict:
-        return {**super().ready_info(), "kv_listen": self.kv_addr}
+        return {**super().ready_info(), "kv_listen": self.kv_addr, "host_id": self.host_id}
 
     def busy(self) -> bool:
         return bool(self.incoming)
 
     def close(self) -> None:
-        self.backend.close()
+        for backend in self.backends.values():
+            backend.close()
         super().close()
 
     # ---- from prefill nodes --------------------------------------------------------------------
@@ -93,15 +95,27 @@ class DecodeNode(NodeBase):
         handle = msg.pool_handle if isinstance(msg.pool_handle, dict) else {}
         self._drop_superseded(identity, handle)
         reason = self._pairing_mismatch(msg)
+        chosen = "" if reason else self._choose_transport(msg)
+        if not reason and not chosen:
+            reason = f"KV transport {msg.transport!r} there, {self.cfg.kv_transport!r} here"
+            reason += "" if self._same_host(msg) else " (a shared pool needs both nodes on one host)"
         if not reason:
+            backend = self.backends[chosen]
             try:
-                self.sources[identity] = self.backend.attach(handle, self.engine.layout, self.cfg.engine.device)
-                self.handles[identity] = handle
+                self.sources[identity] = backend.attach(handle, self.engine.layout, self.cfg.engine.device)
+                self.handles[identity], self.peer_backends[identity] = handle, backend
             except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
                 reason = f"cannot map the prefill pool: {e!s}"
         if reason:
             log.error("refused a prefill node: %s", reason)
-        transport.send(self.kv_sock, P.HelloAck(not reason, self.role, {}, reason), identity=identity)
+        info = {"transport": chosen} if not reason else {}
+        transport.send(self.kv_sock, P.HelloAck(not reason, self.role, info, reason), identity=identity)
+
+    def _same_host(self, msg: P.KvHello) -> bool:
+        return not msg.host_id or msg.host_id == self.host_id  # no host id (an older peer): as before, try
+
+    def _choose_transport(self, msg: P.KvHello) -> str:
+        return choose_transport(msg.transports or [msg.transport], tuple(self.backends), self._same_host(msg))
 
     def _pairing_mismatch(self, msg: P.KvHello) -> str:
         """Why this prefill node cannot pair with us, or "" if it can."""
@@ -110,10 +124,10 @@ class DecodeNode(NodeBase):
             return f"protocol version {msg.protocol_version} there, {P.PROTOCOL_VERSION} here"
         if not isinstance(msg.layout, dict) or not isinstance(msg.pool_handle, dict):
             return "malformed KvHello (layout and pool handle must be maps)"
+        if not isinstance(msg.transports, list) or not all(isinstance(t, str) for t in msg.transports):
+            return "malformed KvHello (transports must be a list of names)"
         if layout.mismatch(msg.layout):
             return f"KV layout mismatch: {layout.mismatch(msg.layout)}"
-        if msg.transport != self.backend.name:
-            return f"KV transport {msg.transport!r} there, {self.backend.name!r} here"
         return ""
 
     def _on_offer(self, identity: bytes, offer: P.KvOffer) -> None:
@@ -136,7 +150,7 @@ class DecodeNode(NodeBase):
         if inc is None or inc.identity != identity or inc.request.status is not Status.RECEIVING_KV:
             return  # cancelled after the pull (or not this peer's, or not pulled)
         try:
-            inc.layers_landed += self.engine.receive_kv(inc.request, self.backend, header, frames,
+            inc.layers_landed += self.engine.receive_kv(inc.request, self.peer_backends[identity], header, frames,
                                                         self.sources.get(identity))  # fmt: skip
         except TransferError as e:
             self._forget(header.request_id)
@@ -144,7 +158,7 @@ class DecodeNode(NodeBase):
             return
         if inc.layers_landed < self.engine.layout.num_layers:
             return
-        self.engine.kv_landed(inc.request, self.backend)  # after it, our ack lets the prefill node reuse its blocks
+        self.engine.kv_landed(inc.request, self.peer_backends[identity])  # after it, our ack frees the sender's copy
         del self.incoming[header.request_id]
         self.counters["kv_received"] += 1
         transport.send(self.kv_sock, P.KvAck(header.request_id, True), identity=identity)
@@ -186,7 +200,7 @@ class DecodeNode(NodeBase):
     def _drop_gone_peers(self) -> None:
         """Drop the prefill nodes whose pool is gone (shm: unlinked; cuda_ipc: its process ended)."""
         for identity, handle in list(self.handles.items()):
-            if not self.backend.alive(handle):
+            if not self.peer_backends[identity].alive(handle):
                 self._drop_peer(identity, "its pool is gone")
 
     def _drop_superseded(self, identity: bytes, handle: dict) -> None:
@@ -201,7 +215,7 @@ class DecodeNode(NodeBase):
         """Unmap a prefill peer's pool and forget its offers and reservations: their KV will not come."""
         handle = self.handles.pop(identity)
         self.sources.pop(identity, None)
-        self.backend.forget(handle)
+        self.peer_backends.pop(identity).forget(handle)
         dead = [rid for rid, i in self.incoming.items() if i.identity == identity]
         for rid in dead:
             self._forget(rid)

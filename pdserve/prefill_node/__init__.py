@@ -26,7 +26,7 @@ from pdserve.common import protocol as P
 from pdserve.common import transport
 from pdserve.common.config import NodeConfig
 from pdserve.common.engine import Engine, TokenOutput
-from pdserve.common.kv_transfer import TransferState, make_backend
+from pdserve.common.kv_transfer import TransferState, accepted_transports, make_backend
 from pdserve.common.node import NodeBase
 from pdserve.common.request import Request, Status
 
@@ -41,6 +41,7 @@ class DecodePeer:
     paired: bool = False
     refused: str = ""
     queued: list[str] = field(default_factory=list)  # offers waiting for the handshake
+    backend: object = None  # the transport the decode node chose at pairing
 
 
 @dataclass
@@ -56,19 +57,22 @@ class PrefillNode(NodeBase):
     role = "prefill"
 
     def __init__(self, cfg: NodeConfig) -> None:
-        self.backend = make_backend(cfg.kv_transport)
+        self.backends = {n: make_backend(n) for n in accepted_transports(cfg.kv_transport, cfg.engine.device)}
+        self.backend = next(iter(self.backends.values()))  # the preferred one holds the pool (shared if it can)
         super().__init__(cfg)
         self.peers: dict[str, DecodePeer] = {}
         self.transfers: dict[str, Transfer] = {}
         self.decode_addr: dict[str, str] = {}
         self.counters.update(kv_transfers=0, kv_transfer_bytes=0, kv_transfer_time_s=0.0, kv_transfer_failures=0)
+        self.counters.update({f"kv_pairings_{name}": 0 for name in self.backends})
 
     def make_engine(self) -> Engine:
         return Engine(self.cfg.engine, prefill_only=True, pool_storage=self.backend.storage)
 
     def close(self) -> None:
         super().close()
-        self.backend.close()
+        for backend in self.backends.values():
+            backend.close()
 
     # ---- from the router ----------------------------------------------------------------------
     def on_generate(self, msg: P.Generate) -> None:
@@ -140,13 +144,18 @@ class PrefillNode(NodeBase):
                     t.started = now  # still queued there: renew the lease
 
     def _on_pairing(self, peer: DecodePeer, msg: P.HelloAck) -> None:
+        chosen = msg.info.get("transport", self.backend.name) if isinstance(msg.info, dict) else self.backend.name
+        if msg.ok and chosen not in self.backends:
+            msg = P.HelloAck(False, msg.role, {}, f"it chose KV transport {chosen!r}, which this node does not offer")
         if not msg.ok:
             peer.refused = msg.reason
             log.error("decode node %s refused to pair: %s", peer.addr, msg.reason)
             for rid in peer.queued:
                 self._fail(rid, f"decode node {peer.addr} refused to pair: {msg.reason}")
         else:
-            peer.paired, peer.refused = True, ""
+            peer.paired, peer.refused, peer.backend = True, "", self.backends[chosen]
+            self.counters[f"kv_pairings_{chosen}"] += 1
+            log.info("paired with decode node %s; KV goes over %s", peer.addr, chosen)
             for rid in peer.queued:
                 if rid in self.transfers:
                     self._send_offer(self.transfers[rid].request, peer)
@@ -158,7 +167,7 @@ class PrefillNode(NodeBase):
             return
         req = t.request
         t.state, t.pulled_at, t.started = TransferState.TRANSFERRING, time.perf_counter(), time.monotonic()
-        for header, frames in self.engine.send_kv(req, self.backend):
+        for header, frames in self.engine.send_kv(req, t.peer.backend):
             transport.send(t.peer.sock, header, frames)
 
     def _end_transfer(self, t: Transfer, ok: bool, why: str) -> None:
@@ -193,8 +202,8 @@ class PrefillNode(NodeBase):
 
     def _on_peer_event(self, peer: DecodePeer, event: int) -> None:
         if event == zmq.EVENT_CONNECTED:
-            hello = P.KvHello(P.PROTOCOL_VERSION, self.engine.layout.to_dict(), self.backend.name,
-                              self.backend.handle())  # fmt: skip
+            hello = P.KvHello(P.PROTOCOL_VERSION, self.engine.layout.to_dict(), self.cfg.kv_transport,
+                              self.backend.handle(), self.host_id, list(self.backends))  # fmt: skip
             transport.send(peer.sock, hello)
         elif event == zmq.EVENT_DISCONNECTED:
             peer.paired = False

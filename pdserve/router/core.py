@@ -10,6 +10,10 @@ A request's life in the router:
 2. events: the colocated or prefill node sends the first token, the decode node the rest.
 3. end: a final event (stop, length, error), an abort from the client side (disconnect or stop
    string: Abort goes to every node the request touched), or a dead node (an error event).
+
+Which nodes there are comes from a membership source (membership.py): a fixed list, read once, or a
+Ray deployment's registry, read every `membership_interval_s`: new nodes join, gone ones leave (their
+requests fail as a dead node's do).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from zmq.utils.monitor import recv_monitor_message
 from pdserve.common import protocol as P
 from pdserve.common import transport
 from pdserve.common.config import RouterConfig
+from pdserve.router.membership import Member, make_membership
 from pdserve.router.metrics import NodeCollector, RouterMetrics
 
 log = logging.getLogger("pdserve.router")
@@ -49,10 +54,15 @@ class NodeConn:
     info: dict = field(default_factory=dict)
     requests: set[str] = field(default_factory=set)
     ever_up: asyncio.Event = field(default_factory=asyncio.Event)
+    tasks: list[asyncio.Task] = field(default_factory=list)  # its reader and connection monitor
 
     @property
     def name(self) -> str:
         return f"{self.role}@{self.addr}"
+
+    @property
+    def member(self) -> Member:
+        return Member(self.role, self.addr, self.kv_addr)
 
 
 @dataclass
@@ -74,9 +84,8 @@ class RouterCore:
     def __init__(self, cfg: RouterConfig) -> None:
         self.cfg = cfg
         self.ctx = zmq.asyncio.Context()
-        self.nodes: list[NodeConn] = [NodeConn("colocated", a) for a in cfg.colocated]
-        self.nodes += [NodeConn("prefill", a) for a in cfg.prefill]
-        self.nodes += [NodeConn("decode", a, kv) for a, kv in zip(cfg.decode, cfg.decode_kv, strict=True)]
+        self.membership = make_membership(cfg)
+        self.nodes: list[NodeConn] = []  # changed in place only: the metrics collector holds this list
         self.flights: dict[str, Flight] = {}
         self.metrics = RouterMetrics()
         self.metrics.registry.register(NodeCollector(self.nodes))
@@ -86,14 +95,10 @@ class RouterCore:
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
-        for node in self.nodes:
-            node.sock = self.ctx.socket(zmq.DEALER)
-            transport.configure(node.sock)
-            node.sock.setsockopt(zmq.RECONNECT_IVL, 100)
-            mon = node.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-            node.sock.connect(node.addr)
-            self._tasks += [asyncio.create_task(self._reader(node)), asyncio.create_task(self._monitor(node, mon))]
+        await self._sync_members()
         self._tasks.append(asyncio.create_task(self._watchdog()))
+        if self.cfg.ray_address:
+            self._tasks.append(asyncio.create_task(self._follow_members()))
         try:
             await asyncio.wait_for(asyncio.gather(*(n.ever_up.wait() for n in self.nodes)), self.cfg.connect_timeout_s)
         except TimeoutError:
@@ -102,18 +107,67 @@ class RouterCore:
         self._check_pairing()
 
     async def stop(self) -> None:
-        for t in self._tasks:
+        tasks = self._tasks + [t for n in self.nodes for t in n.tasks]
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         self.ctx.destroy(linger=0)
+        self.membership.close()
 
     def _check_pairing(self) -> None:
         """Every node must serve the same model layout, or outputs would be garbage."""
         layouts = {n.name: n.info.get("layout", {}) for n in self.nodes}
+        if not layouts:
+            return
         first_name, first = next(iter(layouts.items()))
         for name, layout in layouts.items():
             if layout.get("model_fingerprint") != first.get("model_fingerprint"):
                 raise RuntimeError(f"{name} serves a different model than {first_name}")
+
+    # ---- membership ---------------------------------------------------------------------------
+    async def _follow_members(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.membership_interval_s)
+            try:
+                await self._sync_members()
+            except Exception as e:  # the registry may be out of reach for a while: keep the nodes we have
+                log.warning("cannot read the node list: %s", e)
+
+    async def _sync_members(self) -> None:
+        wanted = set(await self.membership.members())
+        for node in [n for n in self.nodes if n.member not in wanted]:
+            self._leave(node)
+        have = {n.member for n in self.nodes}
+        for m in sorted(wanted - have, key=lambda m: (m.role, m.addr)):
+            self._join(NodeConn(m.role, m.addr, m.kv_addr))
+
+    def _join(self, node: NodeConn) -> None:
+        node.sock = self.ctx.socket(zmq.DEALER)
+        transport.configure(node.sock)
+        node.sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        mon = node.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        node.sock.connect(node.addr)
+        node.tasks = [asyncio.create_task(self._reader(node)), asyncio.create_task(self._monitor(node, mon))]
+        self.nodes.append(node)
+        log.info("%s joined", node.name)
+
+    def _leave(self, node: NodeConn) -> None:
+        self._node_down(node, "it left the cluster")
+        self.nodes.remove(node)
+        log.info("%s left", node.name)
+        self._tasks.append(asyncio.create_task(self._disconnect(node)))
+
+    async def _disconnect(self, node: NodeConn) -> None:
+        for t in node.tasks:
+            t.cancel()
+        await asyncio.gather(*node.tasks, return_exceptions=True)
+        node.sock.disable_monitor()
+        node.sock.close(linger=0)
+
+    def _same_model(self, node: NodeConn, info: dict) -> bool:
+        """A node that joins must serve the model the others serve, or outputs would be garbage."""
+        theirs = [n.info.get("layout", {}).get("model_fingerprint") for n in self.nodes if n.up and n is not node]
+        return not theirs or info.get("layout", {}).get("model_fingerprint") == theirs[0]
 
     # ---- node I/O -----------------------------------------------------------------------------
     def _hello(self, node: NodeConn) -> None:
@@ -141,6 +195,9 @@ class RouterCore:
     def _on_hello_ack(self, node: NodeConn, msg: P.HelloAck) -> None:
         if not msg.ok or msg.role != node.role:
             log.error("%s refused the router: %s (role %s)", node.name, msg.reason, msg.role)
+            return
+        if not isinstance(msg.info, dict) or not self._same_model(node, msg.info):
+            log.error("%s serves a different model than the other nodes; not using it", node.name)
             return
         node.info = msg.info
         node.up = True

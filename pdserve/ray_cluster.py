@@ -1,0 +1,273 @@
+"""`pdserve up --ray`: prefill and decode nodes placed on a Ray cluster as actors, found by the router.
+
+What runs where:
+1. The launcher (`pdserve up --ray [ADDRESS]`) is a Ray driver. It connects to the cluster (or starts
+   a local one), starts the deployment's controller actor, asks it for the nodes, then runs the router
+   on this host as a child process, as `pdserve up` does.
+2. The controller (a named actor, `<name>-controller` in namespace "pdserve") places the nodes: each
+   scale-up gets a placement group with one bundle per node (one GPU, or --ray-node-cpus CPUs),
+   strategy PACK or SPREAD (`--placement`). It keeps the registry: key -> the node's addresses, renewed
+   by the node every HEARTBEAT_S; an entry not renewed for ENTRY_TTL_S is no longer listed.
+3. A node actor starts the very node process `pdserve prefill|decode` runs, bound to its host's cluster
+   IP on free ports, reads the addresses from the node's ready file and registers them. When the node
+   process exits, the actor exits too, and Ray restarts it (up to --max-restarts): the new node process
+   registers under the same key with its new addresses. When the actor dies, its node process gets
+   SIGTERM (parent-death signal).
+4. The router (`pdserve router --ray ADDRESS`) reads the registry every second (router/membership.py):
+   new nodes join, gone or replaced ones leave, their requests failed as a dead node's are.
+5. `pdserve scale --ray ADDRESS --prefill N --decode M` changes the counts while serving: new nodes join
+   once ready; removed ones (the newest of their role) leave at once, failing their in-flight requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from pdserve.router.membership import RAY_NAMESPACE, controller_name
+
+log = logging.getLogger("pdserve.ray")
+HEARTBEAT_S = 1.0
+ENTRY_TTL_S = 10.0
+READY_TIMEOUT_S = 300.0
+STRATEGIES = {"pack": "PACK", "spread": "SPREAD"}
+
+
+# ---- a node on a Ray worker ----------------------------------------------------------------------
+def _die_with_parent() -> None:
+    """In the node process, before exec: SIGTERM it when the actor that started it dies (Linux)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _wait_ready(proc: subprocess.Popen, ready: Path) -> dict:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while not ready.exists():
+        if proc.poll() is not None:
+            raise RuntimeError(f"the node process exited during start-up (code {proc.returncode})")
+        if time.monotonic() > deadline:
+            raise RuntimeError("the node process did not become ready in time")
+        time.sleep(0.1)
+    return json.loads(ready.read_text())
+
+
+class NodeActor:
+    """One prefill or decode node process on the host Ray placed this actor on."""
+
+    def __init__(self, key: str, role: str, spec: dict) -> None:
+        """spec: the node's flags (argv), log_level, bind_host ("": the host's cluster IP), threads (0: torch's
+        default) and the deployment whose controller lists it."""
+        host = spec["bind_host"] or ray.util.get_node_ip_address()
+        ready = Path(tempfile.mkdtemp(prefix="pdserve-node-")) / "ready.json"
+        addrs = ["--listen", f"tcp://{host}:0"] + (["--kv-listen", f"tcp://{host}:0"] if role == "decode" else [])
+        env = {**os.environ, **({"OMP_NUM_THREADS": str(spec["threads"])} if spec["threads"] else {})}
+        ray_node_id = ray.get_runtime_context().get_node_id()  # one Ray node per host: it names the host
+        cmd = [sys.executable, "-m", "pdserve", "--log-level", spec["log_level"], role, *spec["argv"], *addrs,
+               "--ready-file", str(ready), "--host-id", f"ray:{ray_node_id}"]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
+        node = _wait_ready(self.proc, ready)
+        self.entry = {"key": key, "role": role, "listen": node["listen"], "kv_listen": node.get("kv_listen", ""),
+                      "pid": node["pid"], "ray_node_id": ray_node_id}  # fmt: skip
+        self.controller = ray.get_actor(controller_name(spec["deployment"]), namespace=RAY_NAMESPACE)
+        ray.get(self.controller.renew.remote(self.entry))  # listed before the caller learns we are ready
+        threading.Thread(target=self._keep_registered, daemon=True).start()
+
+    def info(self) -> dict:
+        return self.entry
+
+    def _keep_registered(self) -> None:
+        while self.proc.poll() is None:
+            self.controller.renew.remote(self.entry)
+            time.sleep(HEARTBEAT_S)
+        os._exit(1)  # the node process is gone: end this actor too, so that Ray restarts both
+
+
+RemoteNode = ray.remote(NodeActor)
+
+
+# ---- the controller: placement and registry ------------------------------------------------------
+class Controller:
+    """Places node actors and lists the live ones. Methods run on a small thread pool (max_concurrency)."""
+
+    def __init__(self, deployment: str, node_spec: dict, bundle: dict, placement: str, max_restarts: int) -> None:
+        self.deployment, self.node_spec, self.bundle = deployment, node_spec, bundle  # node_spec: see NodeActor
+        self.placement, self.max_restarts = placement, max_restarts
+        self.lock = threading.Lock()
+        self.entries: dict[str, tuple[dict, float]] = {}  # key -> (entry, last renewal)
+        self.actors: dict[str, tuple[str, object, object]] = {}  # key -> (role, actor, placement group)
+        self.serial = 0
+
+    def renew(self, entry: dict) -> None:
+        with self.lock:
+            if entry["key"] in self.actors:  # a node scaled away may still say hello once
+                self.entries[entry["key"]] = (entry, time.monotonic())
+
+    def members(self) -> list[dict]:
+        now = time.monotonic()
+        with self.lock:
+            return [e for e, t in self.entries.values() if now - t < ENTRY_TTL_S]
+
+    def counts(self) -> dict[str, int]:
+        with self.lock:
+            roles = [role for role, _, _ in self.actors.values()]
+        return {r: roles.count(r) for r in ("prefill", "decode")}
+
+    def scale(self, num_prefill: int, num_decode: int) -> dict[str, int]:
+        """Add or remove nodes until there are this many of each role; returns once the added ones serve."""
+        if num_prefill < 1 or num_decode < 1:
+            raise ValueError("a deployment needs at least one prefill and one decode node")
+        have = self.counts()
+        for role, want in (("prefill", num_prefill), ("decode", num_decode)):
+            for _ in range(have[role] - want):
+                self._remove_newest(role)
+        adds = ["prefill"] * max(0, num_prefill - have["prefill"]) + ["decode"] * max(0, num_decode - have["decode"])
+        if adds:
+            self._add(adds)
+        return self.counts()
+
+    def _add(self, roles: list[str]) -> None:
+        pg = placement_group([dict(self.bundle)] * len(roles), strategy=STRATEGIES[self.placement])
+        if not pg.wait(READY_TIMEOUT_S):
+            remove_placement_group(pg)
+            raise RuntimeError(f"the cluster has no room for {len(roles)} nodes of {self.bundle} each")
+        actors = [self._start_actor(role, pg, i) for i, role in enumerate(roles)]
+        ray.get([a.info.remote() for a in actors], timeout=READY_TIMEOUT_S)
+
+    def _start_actor(self, role: str, pg, index: int):
+        with self.lock:
+            key, self.serial = f"{role}-{self.serial}", self.serial + 1
+        strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)
+        cpus, gpus = self.bundle.get("CPU", 0), self.bundle.get("GPU", 0)
+        actor = RemoteNode.options(
+            num_cpus=cpus, num_gpus=gpus, max_restarts=self.max_restarts, scheduling_strategy=strategy,
+            name=f"{self.deployment}-{key}", namespace=RAY_NAMESPACE,
+        ).remote(key, role, {**self.node_spec, "threads": 0 if gpus else int(cpus)})
+        with self.lock:
+            self.actors[key] = (role, actor, pg)
+        return actor
+
+    def _remove_newest(self, role: str) -> None:
+        with self.lock:
+            key = max((k for k, (r, _, _) in self.actors.items() if r == role), key=lambda k: int(k.split("-")[1]))
+            _, actor, pg = self.actors.pop(key)
+            self.entries.pop(key, None)
+            pg_in_use = any(p is pg for _, _, p in self.actors.values())
+        ray.kill(actor, no_restart=True)
+        if not pg_in_use:
+            remove_placement_group(pg)
+
+
+RemoteController = ray.remote(Controller)
+
+
+# ---- the launcher --------------------------------------------------------------------------------
+def node_bundle(a: argparse.Namespace) -> dict:
+    """What one node holds on its host: a GPU (and a CPU to drive it), or --ray-node-cpus CPUs."""
+    if a.device.startswith("cuda"):
+        return {"GPU": 1, "CPU": 1}
+    return {"CPU": a.ray_node_cpus}
+
+
+def node_spec(a: argparse.Namespace) -> dict:
+    """How every node starts (see NodeActor): the engine's flags, and the device Ray gives it (its GPU is cuda:0)."""
+    from pdserve.cli import engine_argv
+
+    device = "cuda:0" if a.device.startswith("cuda") else "cpu"
+    return {"argv": [*engine_argv(a), "--device", device], "log_level": a.log_level, "bind_host": a.ray_bind_host,
+            "deployment": a.name}  # fmt: skip
+
+
+def check_args(a: argparse.Namespace) -> None:
+    if a.mode != "disagg":
+        raise ValueError("--ray places prefill and decode nodes: use --mode disagg")
+    if a.num_prefill < 1 or a.num_decode < 1:
+        raise ValueError("--ray needs --num-prefill and --num-decode of at least 1")
+    if a.prefill_device or a.decode_device:
+        raise ValueError("with --ray every node gets --device (cpu, or cuda: one GPU per node)")
+    if a.ray_node_cpus < 1:
+        raise ValueError("--ray-node-cpus must be at least 1")
+    if a.kv_transport == "cuda_ipc" and not a.device.startswith("cuda"):
+        raise ValueError("--kv-transport cuda_ipc needs --device cuda")
+    if a.kv_transport == "shm" and a.device != "cpu":
+        raise ValueError("--kv-transport shm is for CPU nodes")
+
+
+def connect(address: str) -> None:
+    """Join the cluster at `address` ('auto', 'host:port'), or start a local one ('local')."""
+    ray.init(address=address, namespace=RAY_NAMESPACE, logging_level=logging.WARNING, log_to_driver=False)
+
+
+def start_controller(a: argparse.Namespace):
+    ctl = RemoteController.options(name=controller_name(a.name), namespace=RAY_NAMESPACE, max_concurrency=16,
+                                   num_cpus=0)  # fmt: skip
+    return ctl.remote(a.name, node_spec(a), node_bundle(a), a.placement, a.max_restarts)
+
+
+def router_argv(a: argparse.Namespace, gcs_address: str) -> list[str]:
+    return [sys.executable, "-m", "pdserve", "--log-level", a.log_level, "router", "--model", a.model,
+            "--host", a.host, "--port", str(a.port), "--max-n", str(a.max_n), "--ray", gcs_address,
+            "--ray-deployment", a.name]  # fmt: skip
+
+
+def launch_on_ray(a: argparse.Namespace) -> int:
+    """`pdserve up --ray`: nodes on the cluster, the router here; stops everything on Ctrl-C / SIGTERM."""
+    from pdserve.launcher import _wait_http, router_env, stop_all
+
+    check_args(a)
+
+    def on_signal(*_):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    procs: list[subprocess.Popen] = []
+    try:
+        connect(a.ray)
+        controller = start_controller(a)
+        counts = ray.get(controller.scale.remote(a.num_prefill, a.num_decode))
+        procs.append(subprocess.Popen(router_argv(a, ray.get_runtime_context().gcs_address), env=router_env(a)))
+        url = f"http://{a.host}:{a.port}"
+        _wait_http(url, procs[0])
+        print(f"pdserve is serving {a.model} at {url}/v1 with {counts['prefill']} prefill and {counts['decode']} "
+              f"decode nodes on the Ray cluster (deployment {a.name!r})", flush=True)  # fmt: skip
+        while procs[0].poll() is None:
+            time.sleep(0.5)
+        print("pdserve: the router exited; stopping the deployment", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    except (RuntimeError, ray.exceptions.RayError) as e:
+        print(f"pdserve: {e}", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        stop_all(procs)
+        ray.shutdown()  # the controller, owned by this driver, goes with it, and its node actors with it
+
+
+def scale(a: argparse.Namespace) -> int:
+    """`pdserve scale --ray ADDRESS --prefill N --decode M`."""
+    connect(a.ray)
+    try:
+        controller = ray.get_actor(controller_name(a.name), namespace=RAY_NAMESPACE)
+    except ValueError:
+        raise ValueError(f"no pdserve deployment {a.name!r} on the Ray cluster at {a.ray}") from None
+    have = ray.get(controller.counts.remote())
+    counts = ray.get(controller.scale.remote(a.prefill or have["prefill"], a.decode or have["decode"]))
+    print(f"pdserve deployment {a.name!r}: {counts['prefill']} prefill and {counts['decode']} decode nodes")
+    ray.shutdown()
+    return 0

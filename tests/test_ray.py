@@ -1,0 +1,188 @@
+"""`pdserve up --ray` on a Ray cluster of simulated hosts (ray.cluster_utils.Cluster) on this machine.
+
+The head holds no CPUs, so every node lands on one of the two simulated hosts, each labelled by a custom
+resource. One deployment serves the whole module; its tests run in order: placement, greedy output,
+scaling decode from 1 to 2 while serving, then a decode actor killed and restarted by Ray.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from helpers import hf_greedy, mixed_workload
+from stack import free_port
+
+from pdserve.common.checkpoint import resolve_model
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from pdserve.router.membership import RAY_NAMESPACE, controller_name  # noqa: E402
+
+DEPLOYMENT = "t"
+HOSTS = ("sim_host_a", "sim_host_b")
+START_TIMEOUT_S = 240
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    try:
+        for host in HOSTS:
+            c.add_node(num_cpus=2, resources={host: 1})
+        c.wait_for_nodes()
+        ray.init(address=c.address, namespace=RAY_NAMESPACE, logging_level="WARNING", log_to_driver=False)
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def deployment(cluster):
+    """`pdserve up --ray` as a user runs it; stopped by PID (SIGTERM) at the end."""
+    port = free_port()
+    argv = [sys.executable, "-m", "pdserve", "--log-level", "WARNING", "up", "--ray", cluster.address,
+            "--name", DEPLOYMENT, "--model", "tiny", "--port", str(port), "--placement", "spread",
+            "--ray-bind-host", "127.0.0.1", "--num-kv-blocks", "256", "--kv-transport", "auto"]  # fmt: skip
+    proc = subprocess.Popen(argv, env=os.environ.copy())
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait(lambda: proc.poll() is not None or _healthy(url), START_TIMEOUT_S)
+        assert proc.poll() is None, f"pdserve up --ray exited with {proc.returncode}"
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _wait(done, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not reached")
+        time.sleep(0.2)
+
+
+def _controller():
+    return ray.get_actor(controller_name(DEPLOYMENT), namespace=RAY_NAMESPACE)
+
+
+def _nodes(url: str, role: str) -> list[dict]:
+    return [n for n in httpx.get(url + "/health", timeout=10).json()["nodes"] if n["role"] == role]
+
+
+def _complete(url: str, prompt: list[int], n: int) -> tuple[int, list[int]]:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}  # fmt: skip
+    r = httpx.post(url + "/v1/completions", json=body, timeout=180)
+    return r.status_code, r.json()["choices"][0]["token_ids"] if r.status_code == 200 else []
+
+
+@pytest.fixture(scope="module")
+def workload():
+    prompts, outs = mixed_workload(8, 512, seed=5, max_prompt=120, max_out=40)
+    return prompts, outs, hf_greedy(resolve_model("tiny"), prompts, outs)
+
+
+def test_spread_places_prefill_and_decode_on_different_hosts(cluster, deployment):
+    host_of = {n["NodeID"]: next((h for h in HOSTS if h in n["Resources"]), "head") for n in ray.nodes()}
+    members = ray.get(_controller().members.remote())
+    where = {m["role"]: host_of[m["ray_node_id"]] for m in members}
+    assert sorted(where) == ["decode", "prefill"], members
+    assert set(where.values()) == set(HOSTS), f"spread placement put the nodes on {where}"
+
+
+def test_greedy_output_over_the_cluster_equals_transformers(deployment, workload):
+    prompts, outs, ref = workload
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(lambda i: _complete(deployment, prompts[i], outs[i]), range(len(prompts))))
+    assert [code for code, _ in got] == [200] * len(prompts)
+    mismatched = [i for i, (_, ids) in enumerate(got) if ids != ref[i]]
+    assert not mismatched, f"requests {mismatched} differ from transformers"
+
+
+def test_scaling_decode_up_while_serving_loses_nothing(cluster, deployment, workload):
+    prompts, outs, ref = workload
+    long_out = [n + 150 for n in outs]  # still running while the new node starts
+    ref_long = hf_greedy(resolve_model("tiny"), prompts, long_out)
+    with ThreadPoolExecutor(2 * len(prompts)) as pool:  # the late requests run beside the long ones
+        futures = [pool.submit(_complete, deployment, p, n) for p, n in zip(prompts, long_out, strict=True)]
+        _wait(lambda: sum(n["in_flight"] for n in _nodes(deployment, "decode")) > 0, 60)
+        scale = subprocess.run([sys.executable, "-m", "pdserve", "--log-level", "WARNING", "scale", "--ray",
+                                cluster.address, "--name", DEPLOYMENT, "--decode", "2"], capture_output=True,
+                               text=True, timeout=START_TIMEOUT_S)  # fmt: skip
+        assert scale.returncode == 0, scale.stderr
+        assert "1 prefill and 2 decode nodes" in scale.stdout
+        _wait(lambda: sum(n["up"] for n in _nodes(deployment, "decode")) == 2, 60)
+        late = [pool.submit(_complete, deployment, p, n) for p, n in zip(prompts, outs, strict=True)]
+        got = [f.result() for f in futures]
+        got_late = [f.result() for f in late]
+    assert [ids for _, ids in got] == ref_long, "a request running across the scale-up lost or changed tokens"
+    assert [ids for _, ids in got_late] == ref
+    received = lambda: _node_counter(deployment, "kv_received", "decode")  # noqa: E731
+    _wait(lambda: len(received()) == 2 and all(received().values()), 10)  # stats arrive every 0.5 s
+    # --kv-transport auto: a decode node on the prefill node's (simulated) host maps its pool, the other gets zmq
+    members = ray.get(_controller().members.remote())
+    [prefill] = [m["ray_node_id"] for m in members if m["role"] == "prefill"]
+    same_host = sum(m["ray_node_id"] == prefill for m in members if m["role"] == "decode")
+    pairings = lambda: {t: sum(_node_counter(deployment, f"kv_pairings_{t}", "prefill").values())  # noqa: E731
+                        for t in ("shm", "zmq")}  # fmt: skip
+    _wait(lambda: sum(pairings().values()) == 2, 10)
+    assert pairings() == {"shm": same_host, "zmq": 2 - same_host}, (pairings(), members)
+
+
+def _node_counter(url: str, name: str, role: str) -> dict[str, float]:
+    """A node counter per node of `role`, from /metrics."""
+    out = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(f"pdserve:node_{name}_total") and f'role="{role}"' in line:
+            out[line.split('node="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_killed_decode_actor_fails_only_its_requests_and_rejoins(deployment):
+    ray.get(_controller().scale.remote(1, 2))  # no-op after the scaling test
+    _wait(lambda: sum(n["up"] for n in _nodes(deployment, "decode")) == 2, 120)
+    results: list[int] = []
+    threads = [threading.Thread(target=lambda: results.append(_complete(deployment, [5, 6, 7], 1500)[0]))
+               for _ in range(4)]  # fmt: skip
+    for t in threads:
+        t.start()
+    _wait(lambda: sum(n["in_flight"] for n in _nodes(deployment, "decode")) == len(threads), 60)
+    in_flight = {n["addr"]: n["in_flight"] for n in _nodes(deployment, "decode")}
+    victim = max((m for m in ray.get(_controller().members.remote()) if m["role"] == "decode"),
+                 key=lambda m: in_flight[m["listen"]])  # fmt: skip
+    ray.kill(ray.get_actor(f"{DEPLOYMENT}-{victim['key']}", namespace=RAY_NAMESPACE), no_restart=False)
+    for t in threads:
+        t.join(timeout=180)
+    lost = in_flight[victim["listen"]]
+    assert sorted(results) == [200] * (len(threads) - lost) + [503] * lost, (results, in_flight)
+    # Ray restarts the actor; its new node registers and the router takes it in, in place of the dead one
+    _wait(lambda: _rejoined(deployment, victim["listen"]), START_TIMEOUT_S)
+    code, ids = _complete(deployment, [1, 2, 3], 4)
+    assert code == 200 and len(ids) == 4
+
+
+def _rejoined(url: str, dead_addr: str) -> bool:
+    nodes = _nodes(url, "decode")
+    return len(nodes) == 2 and all(n["up"] for n in nodes) and dead_addr not in {n["addr"] for n in nodes}
