@@ -83,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("--decode-kv", nargs="*", default=[])
     rt.add_argument("--served-model-name", default="")
     rt.add_argument("--node-timeout-s", type=float, default=10.0)
+    rt.add_argument("--max-request-bytes", type=int, default=4 * 2**20, help="larger bodies get 413")
     return p
 
 
@@ -105,13 +106,15 @@ def run_router(a: argparse.Namespace) -> None:
     import uvicorn
 
     from pdserve.router.api import create_app
+    from pdserve.router.limits import MAX_HEADER_BYTES
 
     cfg = RouterConfig(
         model=a.model, host=a.host, port=a.port, colocated=tuple(a.colocated), prefill=tuple(a.prefill),
         decode=tuple(a.decode), decode_kv=tuple(a.decode_kv), served_model_name=a.served_model_name,
-        node_timeout_s=a.node_timeout_s,
+        node_timeout_s=a.node_timeout_s, max_request_bytes=a.max_request_bytes,
     )  # fmt: skip
-    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="warning")
+    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="warning", http="h11",
+                h11_max_incomplete_event_size=MAX_HEADER_BYTES)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -25,10 +25,11 @@ def free_port() -> int:
 class Stack:
     def __init__(self, tmp: Path, model: str, mode: str = "colocated", transport: str = "zmq",
                  num_prefill: int = 1, num_decode: int = 1, engine_args: tuple[str, ...] = (),
-                 decode_args: tuple[str, ...] = ()) -> None:  # fmt: skip
+                 decode_args: tuple[str, ...] = (), router_args: tuple[str, ...] = ()) -> None:  # fmt: skip
         self.tmp, self.model, self.mode, self.transport = tmp, model, mode, transport
         self.num_prefill, self.num_decode = num_prefill, num_decode
         self.engine_args, self.decode_args = list(engine_args), list(decode_args)
+        self.router_args = list(router_args)
         self.procs: dict[str, subprocess.Popen] = {}
         self.infos: dict[str, dict] = {}
         self.url = ""
@@ -69,7 +70,7 @@ class Stack:
                 )
         port = free_port()
         argv = [sys.executable, "-m", "pdserve", "--log-level", "WARNING", "router", "--model", self.model,
-                "--port", str(port), "--node-timeout-s", "3"]  # fmt: skip
+                "--port", str(port), "--node-timeout-s", "3", *self.router_args]  # fmt: skip
         for role in ("colocated", "prefill", "decode"):
             addrs = [i["listen"] for n, i in self.infos.items() if n.startswith(role)]
             if addrs:
@@ -120,6 +121,13 @@ class Stack:
                 proc.wait()
 
     # ---- observations ------------------------------------------------------------------------------
+    def rss_bytes(self, name: str) -> int:
+        """Resident memory of one of the stack's processes."""
+        for line in Path(f"/proc/{self.procs[name].pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError(f"no VmRSS for {name}")
+
     def kv_used(self) -> dict[str, int]:
         """kv_blocks_used per node, from /metrics."""
         text = httpx.get(self.url + "/metrics", timeout=5).text

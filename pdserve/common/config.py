@@ -101,10 +101,13 @@ class RouterConfig:
     served_model_name: str = ""
     node_timeout_s: float = 10.0
     connect_timeout_s: float = 120.0
+    max_request_bytes: int = 4 * 2**20  # bodies above this are answered 413 before they are parsed
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError("--port must be in 0..65535")
+        if self.max_request_bytes < 1024:
+            raise ValueError("--max-request-bytes must be at least 1024")
         if self.colocated and (self.prefill or self.decode):
             raise ValueError("give either colocated nodes or prefill + decode nodes, not both")
         if not self.colocated and not (self.prefill and self.decode):

@@ -13,19 +13,22 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.common import protocol as P
 from pdserve.common.config import RouterConfig
 from pdserve.router.core import NoNodeAvailable, RouterCore
+from pdserve.router.limits import Offload, RequestLimits, content_chars, stop_problem
 from pdserve.router.text import Detokenizer, ModelInfo, load_model_info
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:  # fmt: skip
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
@@ -87,25 +90,52 @@ class Job:
 # ---- validation ----------------------------------------------------------------------------------
 
 
-def _prompt_ids(body: CompletionBody, info: ModelInfo) -> list[int]:
+def _prompt(body: CompletionBody, info: ModelInfo) -> str | list[int]:
+    """The one prompt of `body`: a string (checked to be short enough to fit) or token ids (checked)."""
     prompt = body.prompt
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt):
         raise ApiError(400, "batched prompts are not supported: send one prompt per request", "prompt")
     if isinstance(prompt, str):
-        ids = info.tokenizer.encode(prompt, add_special_tokens=False)
-    else:
-        ids = list(prompt)
-        bad = [t for t in ids if not 0 <= t < info.vocab_size]
-        if bad:
-            raise ApiError(400, f"token id {bad[0]} is outside the vocabulary [0, {info.vocab_size})", "prompt")
-    return ids
+        _check_chars(len(prompt), info, "prompt")
+        return prompt
+    if len(prompt) >= info.max_model_len:
+        raise ApiError(400, f"the prompt has {len(prompt)} tokens; this model's context is "
+                       f"{info.max_model_len} tokens", "prompt")  # fmt: skip
+    bad = [t for t in prompt if not 0 <= t < info.vocab_size]
+    if bad:
+        raise ApiError(400, f"token id {bad[0]} is outside the vocabulary [0, {info.vocab_size})", "prompt")
+    return list(prompt)
 
 
-def _chat_ids(body: ChatBody, info: ModelInfo) -> list[int]:
+def _check_chars(n: int, info: ModelInfo, param: str) -> None:
+    """Refuse, before tokenizing, text too long to fit the context whatever its tokens."""
+    if n > info.max_prompt_chars:
+        raise ApiError(400, f"the {param} has {n} characters, more than this model's context of "
+                       f"{info.max_model_len} tokens can hold (at most {info.max_prompt_chars})", param)  # fmt: skip
+
+
+async def _prompt_ids(body: CompletionBody, info: ModelInfo, offload: Offload) -> list[int]:
+    prompt = _prompt(body, info)
+    if isinstance(prompt, list):
+        return prompt
+    return await offload.run(len(prompt), _encode, info.tokenizer, prompt)
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+async def _chat_ids(body: ChatBody, info: ModelInfo, offload: Offload) -> list[int]:
     if not body.messages:
         raise ApiError(400, "messages must not be empty", "messages")
+    chars = sum(content_chars(m.content) for m in body.messages)
+    _check_chars(chars, info, "messages")
+    return await offload.run(chars, _apply_template, body, info)
+
+
+def _apply_template(body: ChatBody, info: ModelInfo) -> list[int]:
     messages = [m.model_dump() for m in body.messages]
     try:
         ids = info.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -120,13 +150,9 @@ def make_job(
     body: _Common,
     prompt_ids: list[int],
     info: ModelInfo,
-    served: set[str],
     chat_default: bool = False,
     kv_capacity: int | None = None,
 ) -> Job:
-    if body.model not in served:
-        raise ApiError(404, f"model {body.model!r} does not exist; this server serves {sorted(served)[0]!r}",
-                       "model", "model_not_found")  # fmt: skip
     if not prompt_ids:
         raise ApiError(400, "the prompt is empty", "prompt")
     if body.n != 1:
@@ -138,6 +164,12 @@ def make_job(
     for name, value in (("seed", body.seed), ("top_k", body.top_k), ("max_tokens", max_tokens)):
         if value is not None and not -(2**63) <= value < 2**63:
             raise ApiError(400, f"{name} is out of range", name)
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    problem = stop_problem(stops, body.stop_token_ids)
+    if problem:
+        raise ApiError(400, *problem)
+    if getattr(body, "logit_bias", None):
+        raise ApiError(400, "logit_bias is not supported", "logit_bias")
     bad = [t for t in body.stop_token_ids or () if not 0 <= t < info.vocab_size]
     if bad:
         raise ApiError(
@@ -149,7 +181,6 @@ def make_job(
     if max_tokens >= 1 and len(prompt_ids) + max_tokens > info.max_model_len:
         raise ApiError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
                        f"model's context of {info.max_model_len} tokens", "max_tokens")  # fmt: skip
-    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     try:
         params = P.SamplingParams(
             max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
@@ -278,30 +309,60 @@ async def _stream(core, info, job: Job, chat: bool, flight) -> AsyncIterator[str
 # ---- the app -------------------------------------------------------------------------------------
 
 
+def _parse(raw: bytes, model: type[_Common]) -> _Common:
+    try:
+        data = json.loads(raw)
+    except ValueError as e:  # UnicodeDecodeError included
+        raise ApiError(400, f"invalid request: malformed JSON ({e})") from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise ApiError(400, *_invalid_message(e.errors())) from None
+
+
+def _invalid_message(errors: list) -> tuple[str, str | None]:
+    first = errors[0] if errors else {}
+    where = ".".join(str(x) for x in first.get("loc", ()))
+    return f"invalid request: {where + ': ' if where else ''}{first.get('msg', 'malformed body')}", where or None
+
+
+async def _read(request: Request, model: type[_Common]) -> _Common:
+    """The body, parsed and validated (off the event loop when it is large); the model name checked."""
+    raw = await request.body()  # at most --max-request-bytes: RequestLimits saw it first
+    body = await request.app.state.offload.run(len(raw), _parse, raw, model)
+    served = request.app.state.served
+    if body.model not in served:
+        raise ApiError(404, f"model {body.model!r} does not exist; this server serves {sorted(served)[0]!r}",
+                       "model", "model_not_found")  # fmt: skip
+    return body
+
+
 def create_app(cfg: RouterConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         app.state.info = load_model_info(cfg.model)
         app.state.served = {cfg.served_model_name or cfg.model, cfg.model}
+        app.state.offload = Offload()
         app.state.core = RouterCore(cfg)
         await app.state.core.start()
         try:
             yield
         finally:
             await app.state.core.stop()
+            app.state.offload.close()
 
     app = FastAPI(title="pdserve", lifespan=lifespan)
+    app.add_middleware(RequestLimits, limit=cfg.max_request_bytes)
 
     @app.exception_handler(ApiError)
     async def _api_error(_, e: ApiError):
-        return JSONResponse(error_body(e.status, e.message, e.param, e.code), status_code=e.status)
+        body = error_body(e.status, e.message, e.param, e.code)
+        return JSONResponse(body, status_code=e.status, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_, e: RequestValidationError):
-        first = e.errors()[0] if e.errors() else {}
-        where = ".".join(str(x) for x in first.get("loc", ())[1:])
-        msg = f"invalid request: {where + ': ' if where else ''}{first.get('msg', 'malformed body')}"
-        return JSONResponse(error_body(400, msg, where or None), status_code=400)
+        msg, where = _invalid_message([{**x, "loc": tuple(x.get("loc", ()))[1:]} for x in e.errors()])
+        return JSONResponse(error_body(400, msg, where), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_, e: StarletteHTTPException):
@@ -310,7 +371,7 @@ def create_app(cfg: RouterConfig) -> FastAPI:
     async def serve(request: Request, body: _Common, prompt_ids: list[int], chat: bool):
         st = request.app.state
         caps = [c for c in (st.core.kv_capacity_tokens(r) for r in ("colocated", "decode")) if c]
-        job = make_job(body, prompt_ids, st.info, st.served, chat_default=chat, kv_capacity=min(caps, default=None))
+        job = make_job(body, prompt_ids, st.info, chat_default=chat, kv_capacity=min(caps, default=None))
         check_capacity(st.core, job)
         if job.stream:  # dispatch first, so that a refusal is still an HTTP error, not a 200 stream
             flight = submit(st.core, job)
@@ -318,12 +379,16 @@ def create_app(cfg: RouterConfig) -> FastAPI:
         return await _complete(st.core, st.info, job, chat, request)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionBody, request: Request):
-        return await serve(request, body, _prompt_ids(body, request.app.state.info), chat=False)
+    async def completions(request: Request):
+        st = request.app.state
+        body = await _read(request, CompletionBody)
+        return await serve(request, body, await _prompt_ids(body, st.info, st.offload), chat=False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatBody, request: Request):
-        return await serve(request, body, _chat_ids(body, request.app.state.info), chat=True)
+    async def chat_completions(request: Request):
+        st = request.app.state
+        body = await _read(request, ChatBody)
+        return await serve(request, body, await _chat_ids(body, st.info, st.offload), chat=True)
 
     @app.get("/v1/models")
     async def models(request: Request):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.common.checkpoint import resolve_model
+from pdserve.router.limits import max_prompt_chars, max_token_chars
 
 
 @dataclass(frozen=True)
@@ -13,6 +14,7 @@ class ModelInfo:
     vocab_size: int
     max_model_len: int
     eos_token_ids: tuple[int, ...]
+    max_prompt_chars: int  # longer prompts cannot fit the context, whatever they say
 
 
 def load_model_info(model: str) -> ModelInfo:
@@ -26,7 +28,9 @@ def load_model_info(model: str) -> ModelInfo:
     tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
     eos = config.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-    return ModelInfo(tokenizer, config.vocab_size, max_model_len(config), eos_ids)
+    context = max_model_len(config)
+    limit = max_prompt_chars(context, max_token_chars(tokenizer))
+    return ModelInfo(tokenizer, config.vocab_size, context, eos_ids, limit)
 
 
 class Detokenizer:
