@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from pdserve.common.config import EngineConfig, NodeConfig, RouterConfig, parse_cores
@@ -21,6 +22,33 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-transport", default="zmq", choices=["zmq", "shm", "cuda_ipc"])
     g.add_argument("--kv-lease-s", type=float, default=30.0)
     g.add_argument("--cpu-kernels", default="auto", choices=["auto", "on", "off"])
+    add_shared_args(g)
+
+
+def add_shared_args(g) -> None:
+    """Flags every process of a stack takes, router included."""
+    g.add_argument("--drain-timeout-s", type=float, default=30.0,
+                   help="on SIGTERM: how long requests in flight may take to finish before they fail")  # fmt: skip
+    g.add_argument("--zmq-keys", default="", help="CurveZMQ key folder (make it with `pdserve keys DIR`)")
+
+
+def add_router_limits(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("router limits")
+    g.add_argument("--max-request-bytes", type=int, default=4 * 2**20, help="larger bodies get 413")
+    g.add_argument("--max-queued-requests", type=int, default=1024,
+                   help="requests waiting for a first token; beyond, 429 with Retry-After")  # fmt: skip
+    g.add_argument("--queue-timeout-s", type=float, default=300.0,
+                   help="a request without a first token after this long gets 503")  # fmt: skip
+
+
+def shared_argv(a: argparse.Namespace) -> list[str]:
+    argv = ["--drain-timeout-s", str(a.drain_timeout_s)]
+    return argv + (["--zmq-keys", a.zmq_keys] if a.zmq_keys else [])
+
+
+def router_limits_argv(a: argparse.Namespace) -> list[str]:
+    return ["--max-request-bytes", str(a.max_request_bytes), "--max-queued-requests", str(a.max_queued_requests),
+            "--queue-timeout-s", str(a.queue_timeout_s), *shared_argv(a)]  # fmt: skip
 
 
 def engine_config(a: argparse.Namespace, device: str, cores: str) -> EngineConfig:
@@ -40,7 +68,7 @@ def engine_argv(a: argparse.Namespace) -> list[str]:
             "--kv-lease-s", str(a.kv_lease_s), "--cpu-kernels", a.cpu_kernels]  # fmt: skip
     if a.num_kv_blocks is not None:
         argv += ["--num-kv-blocks", str(a.num_kv_blocks)]
-    return argv
+    return argv + shared_argv(a)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--prefill-cores", default=None, help="cores of each prefill node (default: one core each)")
     up.add_argument("--decode-cores", default=None, help="cores of each decode node (default: one core each)")
     up.add_argument("--no-pin", action="store_true", help="do not pin nodes to cores")
+    add_router_limits(up)
 
     for role in ("colocated", "prefill", "decode"):
         r = sub.add_parser(role, help=f"run one {role} node")
@@ -83,7 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("--decode-kv", nargs="*", default=[])
     rt.add_argument("--served-model-name", default="")
     rt.add_argument("--node-timeout-s", type=float, default=10.0)
-    rt.add_argument("--max-request-bytes", type=int, default=4 * 2**20, help="larger bodies get 413")
+    add_router_limits(rt)
+    add_shared_args(rt)
+
+    keys = sub.add_parser("keys", help="write CurveZMQ keys for --zmq-keys into a new folder")
+    keys.add_argument("dir")
     return p
 
 
@@ -91,7 +124,7 @@ def run_node(a: argparse.Namespace) -> None:
     cfg = NodeConfig(
         role=a.verb, engine=engine_config(a, a.device, a.cpu_cores), listen=a.listen,
         kv_listen=getattr(a, "kv_listen", "tcp://127.0.0.1:0"), kv_transport=a.kv_transport,
-        kv_lease_s=a.kv_lease_s, ready_file=a.ready_file,
+        kv_lease_s=a.kv_lease_s, ready_file=a.ready_file, drain_timeout_s=a.drain_timeout_s, zmq_keys=a.zmq_keys,
     )  # fmt: skip
     if a.verb == "colocated":
         from pdserve.colocated_node import ColocatedNode as Node
@@ -103,18 +136,26 @@ def run_node(a: argparse.Namespace) -> None:
 
 
 def run_router(a: argparse.Namespace) -> None:
-    import uvicorn
-
-    from pdserve.router.api import create_app
-    from pdserve.router.limits import MAX_HEADER_BYTES
+    from pdserve.router.server import serve
 
     cfg = RouterConfig(
         model=a.model, host=a.host, port=a.port, colocated=tuple(a.colocated), prefill=tuple(a.prefill),
         decode=tuple(a.decode), decode_kv=tuple(a.decode_kv), served_model_name=a.served_model_name,
         node_timeout_s=a.node_timeout_s, max_request_bytes=a.max_request_bytes,
+        max_queued_requests=a.max_queued_requests, queue_timeout_s=a.queue_timeout_s,
+        drain_timeout_s=a.drain_timeout_s, zmq_keys=a.zmq_keys,
     )  # fmt: skip
-    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="warning", http="h11",
-                h11_max_incomplete_event_size=MAX_HEADER_BYTES)  # fmt: skip
+    serve(cfg)
+
+
+def make_keys(a: argparse.Namespace) -> None:
+    from pdserve.common.transport import make_keys
+
+    if os.path.exists(a.dir) and os.listdir(a.dir):
+        raise ValueError(f"{a.dir} exists and is not empty; give a new folder")
+    make_keys(a.dir)
+    print(f"CurveZMQ keys written to {a.dir}; give every process of the stack --zmq-keys {a.dir} "
+          "(copy the folder to each host, and keep it private)")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -127,6 +168,8 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(launch(a))
         elif a.verb == "router":
             run_router(a)
+        elif a.verb == "keys":
+            make_keys(a)
         else:
             run_node(a)
     except ValueError as e:  # a config error: say it plainly, no traceback

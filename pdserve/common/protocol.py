@@ -15,7 +15,7 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 2  # 2: KV travels head-major, [2, nkv, n, d] per layer
+PROTOCOL_VERSION = 3  # 2: KV travels head-major, [2, nkv, n, d] per layer; 3: Stats.draining
 MAX_HEADER_BYTES = 64 * 1024 * 1024  # one control message; tensor frames are bounded separately
 MAX_LIST_LEN = 4 * 1024 * 1024
 
@@ -113,6 +113,7 @@ class Stats:
     kv_blocks_used: int
     kv_blocks_free: int
     counters: dict = field(default_factory=dict)
+    draining: bool = False  # shutting down: finishes what it holds, takes nothing new
 
 
 @dataclass(frozen=True)

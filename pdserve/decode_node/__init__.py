@@ -8,7 +8,8 @@ A request's life here:
 3. Reserved: blocks taken, KvPull sent; the KV lands by the chosen backend; KvAck frees the
    prefill node's copy.
 4. WAITING with its KV in place (num_computed_tokens = prompt length, the first token as output),
-   admitted at the next iteration; RUNNING: one token an iteration, streamed to the router.
+   the router told so (an event without tokens), admitted at the next iteration; RUNNING: one token
+   an iteration, streamed to the router.
 5. FINISHED or ABORTED (router's Abort, or the prefill node's KvCancel): KV freed at once. An abort
    that arrives before the offer is remembered, so the late offer is refused.
 """
@@ -52,7 +53,7 @@ class DecodeNode(NodeBase):
         self.backend = make_backend(cfg.kv_transport)
         self.kv_sock = self.ctx.socket(zmq.ROUTER)
         transport.configure(self.kv_sock)
-        self.kv_addr = transport.bind(self.kv_sock, cfg.kv_listen)
+        self.kv_addr = transport.bind(self.kv_sock, cfg.kv_listen, self.keys)
         self.poller.register(self.kv_sock, zmq.POLLIN)
         self.handlers[self.kv_sock] = self.handle_kv
         self.sources: dict[bytes, object] = {}  # paired prefill peers -> mapped pool (or None for zmq)
@@ -68,6 +69,17 @@ class DecodeNode(NodeBase):
 
     def busy(self) -> bool:
         return bool(self.offers)
+
+    def holds_work(self) -> bool:
+        return super().holds_work() or bool(self.offers) or bool(self.reserved)
+
+    def fail_all(self, why: str) -> None:
+        for inc in [*self.offers, *self.reserved.values()]:
+            rid = inc.offer.request_id
+            self._forget(rid)
+            self._refuse(inc.identity, rid, why)
+            self.emit([P.TokenEvent(rid, [], "error", why)])
+        super().fail_all(why)
 
     def close(self) -> None:
         self.backend.close()
@@ -137,6 +149,7 @@ class DecodeNode(NodeBase):
         self.engine.add(req)
         self.counters["kv_received"] += 1
         transport.send(self.kv_sock, P.KvAck(o.request_id, True), identity=identity)
+        self.emit([P.TokenEvent(o.request_id, [], None)])  # "KV landed": the request no longer needs its prefill node
 
     def _refuse(self, identity: bytes, request_id: str, why: str) -> None:
         self.counters["kv_refused"] += 1

@@ -7,7 +7,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.common import protocol as P
 from pdserve.common.config import RouterConfig
-from pdserve.router.core import NoNodeAvailable, RouterCore
+from pdserve.router.core import NoNodeAvailable, Overloaded, RouterCore
 from pdserve.router.limits import Offload, RequestLimits, content_chars, stop_problem
 from pdserve.router.text import Detokenizer, ModelInfo, load_model_info
 
@@ -217,8 +217,17 @@ def check_capacity(core: RouterCore, job: Job) -> None:
 
 
 def submit(core: RouterCore, job: Job):
-    try:
+    with admission_errors():
         return core.submit(job.prompt_ids, job.params)
+
+
+@contextmanager
+def admission_errors():
+    """The router's refusals as HTTP errors: overloaded 429 (with Retry-After), no node or shutting down 503."""
+    try:
+        yield
+    except Overloaded as e:
+        raise ApiError(429, str(e), code="rate_limit_exceeded", headers={"Retry-After": str(e.retry_after)}) from None
     except NoNodeAvailable as e:
         raise ApiError(503, str(e)) from None
 
@@ -232,7 +241,8 @@ async def run_job(core: RouterCore, info: ModelInfo, job: Job, flight=None) -> A
         while not finished:
             ev: P.TokenEvent = await flight.queue.get()
             if ev.finish_reason == "error":
-                raise ApiError(503 if "failed" in ev.error else 500, f"request failed: {ev.error}")
+                status = flight.error_status or (503 if "failed" in ev.error else 500)
+                raise ApiError(status, f"request failed: {ev.error}")
             text, stopped = detok.add(ev.token_ids)
             reason = "stop" if stopped else ev.finish_reason
             if reason is not None:
@@ -328,6 +338,8 @@ def _invalid_message(errors: list) -> tuple[str, str | None]:
 
 async def _read(request: Request, model: type[_Common]) -> _Common:
     """The body, parsed and validated (off the event loop when it is large); the model name checked."""
+    with admission_errors():  # refuse early, before spending anything on the body
+        request.app.state.core.check_admission()
     raw = await request.body()  # at most --max-request-bytes: RequestLimits saw it first
     body = await request.app.state.offload.run(len(raw), _parse, raw, model)
     served = request.app.state.served
@@ -415,6 +427,12 @@ def render_metrics(core: RouterCore) -> str:
         "# TYPE pdserve_requests_total counter", f"pdserve_requests_total {m['requests_total']}",
         "# TYPE pdserve_requests_failed_total counter", f"pdserve_requests_failed_total {m['requests_failed']}",
         "# TYPE pdserve_requests_in_flight gauge", f"pdserve_requests_in_flight {len(core.flights)}",
+        "# TYPE pdserve_requests_waiting gauge", f"pdserve_requests_waiting {len(core.waiting)}",
+        "# TYPE pdserve_requests_rejected_total counter", f"pdserve_requests_rejected_total {m['requests_rejected']}",
+        "# TYPE pdserve_requests_timed_out_total counter",
+        f"pdserve_requests_timed_out_total {m['requests_timed_out']}",
+        "# TYPE pdserve_requests_redispatched_total counter",
+        f"pdserve_requests_redispatched_total {m['requests_redispatched']}",
         "# TYPE pdserve_time_to_first_token_seconds summary",
         f"pdserve_time_to_first_token_seconds_sum {m['ttft_sum']:.6f}",
         f"pdserve_time_to_first_token_seconds_count {m['ttft_count']}",
