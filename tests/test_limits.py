@@ -9,6 +9,7 @@ import time
 
 import httpx
 import pytest
+from helpers import Streamer
 from stack import Stack
 
 HUGE = 64 * 2**20
@@ -23,30 +24,6 @@ def stack(tmp_path_factory):
     s.close()
 
 
-class Streamer(threading.Thread):
-    """One streamed completion; records when each chunk arrived."""
-
-    def __init__(self, url: str, started: threading.Barrier) -> None:
-        super().__init__()
-        self.url, self.started = url, started
-        self.times: list[float] = []
-        self.done = False
-
-    def run(self) -> None:
-        body = {"model": "tiny", "prompt": [3, 4, 5], "max_tokens": STREAM_TOKENS, "ignore_eos": True,
-                "temperature": 0, "stream": True}  # fmt: skip
-        with httpx.stream("POST", self.url + "/v1/completions", json=body, timeout=120) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    self.times.append(time.monotonic())
-                    if len(self.times) == 1:
-                        self.started.wait(timeout=60)
-                self.done = self.done or line == "data: [DONE]"
-
-    def max_gap(self) -> float:
-        return max((b - a for a, b in zip(self.times, self.times[1:], strict=False)), default=0.0)
-
-
 def _chunks(total: int, size: int = 2**20):
     for _ in range(total // size):
         yield b"x" * size
@@ -54,7 +31,7 @@ def _chunks(total: int, size: int = 2**20):
 
 def test_huge_bodies_get_413_while_streams_run(stack):
     started = threading.Barrier(17)
-    streams = [Streamer(stack.url, started) for _ in range(16)]
+    streams = [Streamer(stack.url, STREAM_TOKENS, started) for _ in range(16)]
     for s in streams:
         s.start()
     started.wait(timeout=60)  # every stream is receiving tokens
@@ -72,7 +49,7 @@ def test_huge_bodies_get_413_while_streams_run(stack):
     for s in streams:
         s.join(timeout=120)
     assert any(alive), "every stream had ended before the huge bodies: the test proves nothing"
-    assert all(s.done and len(s.times) == STREAM_TOKENS for s in streams), [len(s.times) for s in streams]
+    assert all(s.complete for s in streams), [(len(s.token_ids), s.error) for s in streams]
     assert max(s.max_gap() for s in streams) < HANG_S
 
 
