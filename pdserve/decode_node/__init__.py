@@ -112,8 +112,8 @@ class DecodeNode(NodeBase):
             try:
                 self.sources[identity] = self.backend.attach(msg.pool_handle, layout, self.cfg.engine.device)
                 self.handles[identity] = msg.pool_handle
-            except (OSError, ValueError, RuntimeError) as e:
-                reason = f"cannot map the prefill pool: {e}"
+            except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:  # a handle from the wire
+                reason = f"cannot map the prefill pool: {e!r}"
         if reason:
             log.error("refused a prefill node: %s", reason)
         transport.send(self.kv_sock, P.HelloAck(not reason, self.role, {}, reason), identity=identity)

@@ -203,6 +203,7 @@ class RouterCore:
             for node in self.nodes:
                 if node.up and now - node.last_seen > self.cfg.node_timeout_s:
                     self._node_down(node, f"silent for {self.cfg.node_timeout_s}s")
+                    self._hello(node)  # if it serves another peer now, win it back
             self._expire_waiting()
 
     def _expire_waiting(self) -> None:
