@@ -4,9 +4,10 @@ The loop: drain every socket that has messages, run one engine step, emit its to
 periodic chores (stats heartbeat, leases). It blocks in poll only when the engine is idle.
 
 Shutdown: SIGINT stops at once. SIGTERM drains: the node says so in its stats (the router stops
-picking it), refuses new Generate requests (the router dispatches them elsewhere), finishes what it
-holds, and exits; what it still holds after --drain-timeout-s is failed with a clear error first.
-A second SIGTERM stops at once.
+picking it and answers with the requests it still routes here, some perhaps still on their way), refuses
+new Generate requests (the router dispatches them elsewhere), finishes what it holds and what the
+router still counts here, and exits; what it still holds after --drain-timeout-s is failed with a
+clear error first. A second SIGTERM stops at once.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class NodeBase:
         self._stop = False
         self.drain_deadline: float | None = None  # set by SIGTERM
         self._drain_announced = False
+        self.router_pending: set[str] | None = None  # while draining: what the router still counts here
 
     def make_engine(self) -> Engine:
         return Engine(self.cfg.engine)
@@ -97,8 +99,9 @@ class NodeBase:
             self.send_stats()
 
     def holds_work(self) -> bool:
-        """Whether requests still depend on this node."""
-        return bool(self.engine.requests)
+        """Whether requests still depend on this node: held here, or routed here and not arrived yet."""
+        waiting_for_router = self.router_id is not None and self.router_pending != set()
+        return bool(self.engine.requests) or waiting_for_router
 
     def fail_all(self, why: str) -> None:
         """End every request held here with an error event."""
@@ -165,6 +168,8 @@ class NodeBase:
             self.on_abort(msg.request_id)
         elif isinstance(msg, P.StatsRequest):
             self.send_stats()
+        elif isinstance(msg, P.Pending):
+            self.router_pending = set(msg.request_ids)
         else:
             log.warning("unexpected %s on the router socket", type(msg).__name__)
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 3  # 2: KV travels head-major, [2, nkv, n, d] per layer; 3: Stats.draining
+PROTOCOL_VERSION = 3  # 2: KV travels head-major, [2, nkv, n, d] per layer; 3: Stats.draining, Pending
 MAX_HEADER_BYTES = 64 * 1024 * 1024  # one control message; tensor frames are bounded separately
 MAX_LIST_LEN = 4 * 1024 * 1024
 
@@ -121,6 +121,13 @@ class StatsRequest:
     pass
 
 
+@dataclass(frozen=True)
+class Pending:
+    """Router -> a draining node: the requests it still counts on that node (some may not have reached it yet)."""
+
+    request_ids: list[str]
+
+
 # ---- prefill node <-> decode node (KV transfer) ------------------------------------------------
 
 
@@ -190,7 +197,7 @@ class KvCancel:
 _REGISTRY: dict[str, type] = {
     cls.__name__: cls
     for cls in (
-        Hello, HelloAck, Generate, Abort, TokenEvent, TokenEvents, Stats, StatsRequest,
+        Hello, HelloAck, Generate, Abort, TokenEvent, TokenEvents, Stats, StatsRequest, Pending,
         KvHello, KvOffer, KvPull, KvData, KvAck, KvWaiting, KvCancel,
     )
 }  # fmt: skip

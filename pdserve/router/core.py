@@ -10,10 +10,12 @@ A request's life in the router:
    Generate (the prefill node also learns the decode node's KV address).
 3. events: the colocated or prefill node sends the first token, the decode node an empty "KV
    landed" event and then the rest.
-4. a node is lost (dead, silent, or refusing because it drains) before the request's first token:
-   the request is dispatched again, under a new id, to other nodes (at most MAX_ATTEMPTS times in
-   all); its old id is aborted on the nodes that remain. Once the first token was streamed, only the
-   decode node can carry it on: lost before its KV landed there, it fails (503).
+4. a node it depends on is lost (dead, silent, or failing it because it drains): the request is
+   dispatched again, under a new id, to other nodes, its old id aborted on the nodes that remain. It
+   resumes where the client's stream stands: the new prompt is the old one plus the tokens already
+   streamed, max_tokens what is left (greedy output is unchanged; a seeded sampler restarts its
+   draws). A request whose KV landed on a decode node no longer depends on its prefill node. At most
+   MAX_ATTEMPTS dispatches in all; with no node left of a role, it fails (503).
 5. end: a final event (stop, length, error), an abort from the client side (disconnect or stop
    string: Abort goes to every node the request touched), no first token within --queue-timeout-s
    (503), or a lost node as above.
@@ -22,6 +24,7 @@ A request's life in the router:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import math
@@ -88,7 +91,7 @@ class Flight:
     nodes: list[NodeConn] = field(default_factory=list)  # [colocated] or [prefill, decode]
     start: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
-    num_tokens: int = 0
+    output: list[int] = field(default_factory=list)  # token ids streamed so far
     attempts: int = 0
     error_status: int = 0  # set when the router itself fails the request
     early: list[P.TokenEvent] = field(default_factory=list)  # decode events that beat the first token
@@ -173,6 +176,8 @@ class RouterCore:
                     self._deliver(ev, node)
             elif isinstance(msg, P.Stats):
                 node.stats, node.draining = msg, msg.draining
+                if msg.draining:  # it may exit once nothing routed to it is left
+                    node.sock.send(P.encode(P.Pending(sorted(node.requests))))
             elif isinstance(msg, P.HelloAck):
                 self._on_hello_ack(node, msg)
 
@@ -247,15 +252,17 @@ class RouterCore:
         return min(live, key=lambda n: (len(n.requests), n.stats.kv_blocks_used if n.stats else 0))
 
     def _dispatch(self, flight: Flight) -> None:
-        """Send the request to the least loaded nodes, under a new id."""
+        """Send the request, from where its stream stands, to the least loaded nodes under a new id."""
         rid = f"{uuid.uuid4().hex[:12]}-{next(self._ids)}"
+        prompt = flight.prompt + flight.output
+        params = dataclasses.replace(flight.params, max_tokens=flight.params.max_tokens - len(flight.output))
         if self.cfg.mode == "colocated":
             nodes = [self._pick("colocated")]
-            msg = P.Generate(rid, flight.prompt, flight.params)
+            msg = P.Generate(rid, prompt, params)
         else:
             prefill, decode = self._pick("prefill"), self._pick("decode")
             nodes = [prefill, decode]
-            msg = P.Generate(rid, flight.prompt, flight.params, decode_addr=decode.kv_addr)
+            msg = P.Generate(rid, prompt, params, decode_addr=decode.kv_addr)
         flight.request_id, flight.nodes = rid, nodes
         flight.attempts += 1
         self.flights[rid] = flight
@@ -264,8 +271,8 @@ class RouterCore:
         nodes[0].sock.send(P.encode(msg))
 
     def _lost(self, flight: Flight, why: str) -> None:
-        """One of the request's nodes is gone: dispatch it again if no token was streamed yet, else fail it."""
-        if flight.first_token_at is not None or flight.attempts >= MAX_ATTEMPTS or self.draining:
+        """A node the request depends on is gone: dispatch it again, from where its stream stands."""
+        if flight.attempts >= MAX_ATTEMPTS or self.draining or len(flight.output) >= flight.params.max_tokens:
             self._fail(flight, why)
             return
         old = flight.request_id
@@ -284,8 +291,8 @@ class RouterCore:
         flight = self.flights.get(ev.request_id)
         if flight is None:
             return  # already ended (aborted, failed, or dispatched again under a new id)
-        if ev.finish_reason == "error" and source.draining and flight.first_token_at is None:
-            self._lost(flight, f"{source.name} is shutting down")
+        if ev.finish_reason == "error" and source.draining:
+            self._lost(flight, f"{source.name}: {ev.error}")
             return
         if source.role == "decode":
             if flight.first_token_at is None and ev.finish_reason != "error":
@@ -314,7 +321,7 @@ class RouterCore:
             self.metrics["ttft_sum"] += now - flight.start
             self.metrics["ttft_count"] += 1
             self._ttft_recent += 0.05 * (now - flight.start - self._ttft_recent)
-        flight.num_tokens += len(ev.token_ids)
+        flight.output += ev.token_ids
         if ev.finish_reason == "error":
             self._abort_on_nodes(flight)  # the nodes that still hold it must let it go
         if ev.finish_reason is not None:
@@ -335,8 +342,8 @@ class RouterCore:
         self.waiting.discard(flight)
         if failed:
             self.metrics["requests_failed"] += 1
-        elif flight.first_token_at is not None and flight.num_tokens > 1:
-            self.metrics["tpot_sum"] += (time.perf_counter() - flight.first_token_at) / (flight.num_tokens - 1)
+        elif flight.first_token_at is not None and len(flight.output) > 1:
+            self.metrics["tpot_sum"] += (time.perf_counter() - flight.first_token_at) / (len(flight.output) - 1)
             self.metrics["tpot_count"] += 1
 
     def abort(self, request_id: str) -> None:
