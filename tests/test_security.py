@@ -6,6 +6,7 @@ import os
 import pickle
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -97,6 +98,11 @@ def test_strangers_without_the_key_get_nothing_through(tmp_path, keys):
         assert _probes([kv_addr], (client_public, client_secret, server_public), [kv_hello]) == [kv_addr]
         r = httpx.post(stack.url + "/v1/completions", json=COMPLETION, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        # counters come with the nodes' periodic stats: wait until one counts our request (and, sent earlier,
+        # any stranger's Generate that ran)
+        deadline = time.monotonic() + 30
+        while _node_counter(stack, "requests", "prefill") < requests_before + 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert _node_counter(stack, "requests", "prefill") == requests_before + 1, "a stranger's Generate ran"
     finally:
         stack.close()
