@@ -34,6 +34,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                    help="auto: Triton kernels on CUDA, pdserve's C kernels on the CPU; torch: SDPA per request")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    add_shared_args(g)
 
 
 def add_api_args(p: argparse.ArgumentParser) -> None:
@@ -41,6 +42,32 @@ def add_api_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY", ""),
                    help="every route but /health needs 'Authorization: Bearer KEY' (default: $PDSERVE_API_KEY)")
     g.add_argument("--max-n", type=int, default=16, help="the most choices (n) one request may ask for")
+
+
+def add_shared_args(g) -> None:
+    """Flags every process of a stack takes, router included."""
+    g.add_argument("--drain-timeout-s", type=float, default=30.0,
+                   help="on SIGTERM: how long requests in flight may take to finish before they fail")  # fmt: skip
+    g.add_argument("--zmq-keys", default="", help="CurveZMQ key folder (make it with `pdserve keys DIR`)")
+
+
+def add_router_limits(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("router limits")
+    g.add_argument("--max-request-bytes", type=int, default=4 * 2**20, help="larger bodies get 413")
+    g.add_argument("--max-queued-requests", type=int, default=1024,
+                   help="requests waiting for a first token; beyond, 429 with Retry-After")  # fmt: skip
+    g.add_argument("--queue-timeout-s", type=float, default=300.0,
+                   help="a request without a first token after this long gets 503")  # fmt: skip
+
+
+def shared_argv(a: argparse.Namespace) -> list[str]:
+    argv = ["--drain-timeout-s", str(a.drain_timeout_s)]
+    return argv + (["--zmq-keys", a.zmq_keys] if a.zmq_keys else [])
+
+
+def router_limits_argv(a: argparse.Namespace) -> list[str]:
+    return ["--max-request-bytes", str(a.max_request_bytes), "--max-queued-requests", str(a.max_queued_requests),
+            "--queue-timeout-s", str(a.queue_timeout_s), *shared_argv(a)]  # fmt: skip
 
 
 def engine_config(a: argparse.Namespace, device: str, cores: str) -> EngineConfig:
@@ -63,7 +90,7 @@ def engine_argv(a: argparse.Namespace) -> list[str]:
         argv.append("--enforce-eager")
     if a.num_kv_blocks is not None:
         argv += ["--num-kv-blocks", str(a.num_kv_blocks)]
-    return argv
+    return argv + shared_argv(a)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--no-pin", action="store_true", help="do not pin nodes to cores")
     add_api_args(up)
     add_ray_args(up)
+    add_router_limits(up)
 
     for role in ("colocated", "prefill", "decode"):
         r = sub.add_parser(role, help=f"run one {role} node")
@@ -113,12 +141,17 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("--ray", default="", metavar="ADDRESS", help="learn the nodes from this Ray cluster's deployment")
     rt.add_argument("--ray-deployment", default="pdserve", help="the deployment's --name")
     add_api_args(rt)
+    add_router_limits(rt)
+    add_shared_args(rt)
 
     sc = sub.add_parser("scale", help="change the node counts of a deployment on a Ray cluster while it serves")
     sc.add_argument("--ray", default="auto", metavar="ADDRESS", help="the Ray cluster (default: auto)")
     sc.add_argument("--name", default="pdserve", help="the deployment's --name")
     sc.add_argument("--prefill", type=int, default=0, help="prefill nodes wanted (default: as now)")
     sc.add_argument("--decode", type=int, default=0, help="decode nodes wanted (default: as now)")
+
+    keys = sub.add_parser("keys", help="write CurveZMQ keys for --zmq-keys into a new folder")
+    keys.add_argument("dir")
     return p
 
 
@@ -139,7 +172,8 @@ def node_config(a: argparse.Namespace) -> NodeConfig:
     return NodeConfig(
         role=a.verb, engine=engine_config(a, a.device, a.cpu_cores), listen=a.listen,
         kv_listen=getattr(a, "kv_listen", "tcp://127.0.0.1:0"), kv_transport=a.kv_transport,
-        kv_lease_s=a.kv_lease_s, ready_file=a.ready_file, host_id=a.host_id,
+        kv_lease_s=a.kv_lease_s, ready_file=a.ready_file, host_id=a.host_id, drain_timeout_s=a.drain_timeout_s,
+        zmq_keys=a.zmq_keys,
     )  # fmt: skip
 
 
@@ -155,17 +189,27 @@ def run_node(a: argparse.Namespace) -> None:
 
 
 def run_router(a: argparse.Namespace) -> None:
-    import uvicorn
-
-    from pdserve.router.api import create_app
+    from pdserve.router.server import serve
 
     cfg = RouterConfig(
         model=a.model, host=a.host, port=a.port, colocated=tuple(a.colocated), prefill=tuple(a.prefill),
         decode=tuple(a.decode), decode_kv=tuple(a.decode_kv), served_model_name=a.served_model_name,
         node_timeout_s=a.node_timeout_s, api_key=a.api_key, max_n=a.max_n, ray_address=a.ray,
-        ray_deployment=a.ray_deployment,
+        ray_deployment=a.ray_deployment, max_request_bytes=a.max_request_bytes,
+        max_queued_requests=a.max_queued_requests, queue_timeout_s=a.queue_timeout_s,
+        drain_timeout_s=a.drain_timeout_s, zmq_keys=a.zmq_keys,
     )  # fmt: skip
-    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="warning")
+    serve(cfg)
+
+
+def make_keys(a: argparse.Namespace) -> None:
+    from pdserve.common.transport import make_keys
+
+    if os.path.exists(a.dir) and os.listdir(a.dir):
+        raise ValueError(f"{a.dir} exists and is not empty; give a new folder")
+    make_keys(a.dir)
+    print(f"CurveZMQ keys written to {a.dir}; give every process of the stack --zmq-keys {a.dir} "
+          "(copy the folder to each host, and keep it private)")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -186,6 +230,8 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(scale(a))
         elif a.verb == "router":
             run_router(a)
+        elif a.verb == "keys":
+            make_keys(a)
         else:
             run_node(a)
     except ValueError as e:  # a config error: say it plainly, no traceback

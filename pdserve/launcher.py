@@ -18,7 +18,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from pdserve.cli import engine_argv
+from pdserve.cli import engine_argv, router_limits_argv
 
 READY_TIMEOUT_S = 300
 
@@ -105,14 +105,14 @@ def _wait_http(url: str, proc: subprocess.Popen) -> None:
     raise RuntimeError("the router did not become ready in time")
 
 
-def stop_all(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM every child, the router (started last) first, so it does not see its nodes vanish."""
+def stop_all(procs: list[subprocess.Popen], drain_s: float = 0.0) -> None:
+    """SIGTERM every child, the router (started last) first: it drains its requests while the nodes still serve."""
     for p in reversed(procs):
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
             if p is procs[-1]:
-                _wait(p, 5)
-    deadline = time.monotonic() + 10
+                _wait(p, drain_s + 5)
+    deadline = time.monotonic() + drain_s + 10
     for p in procs:
         try:
             p.wait(timeout=max(0.1, deadline - time.monotonic()))
@@ -153,7 +153,7 @@ def launch(a: argparse.Namespace) -> int:
                 procs.append(subprocess.Popen([*argv, "--ready-file", str(ready)]))
             infos = _wait_ready(procs, [r for _, _, r in nodes])
             argv = [sys.executable, "-m", "pdserve", "router", "--model", a.model, "--host", a.host,
-                    "--port", str(a.port), "--max-n", str(a.max_n)]  # fmt: skip
+                    "--port", str(a.port), "--max-n", str(a.max_n), *router_limits_argv(a)]  # fmt: skip
             for role in ("colocated", "prefill", "decode"):
                 addrs = [i["listen"] for i in infos if i["role"] == role]
                 if addrs:
@@ -178,4 +178,4 @@ def launch(a: argparse.Namespace) -> int:
         finally:
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown short
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            stop_all(procs)
+            stop_all(procs, a.drain_timeout_s)

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import random
+import threading
+import time
 
+import httpx
 import torch
 import transformers
 
@@ -47,3 +51,55 @@ def import_tokens(pool, block_ids: list[int], kv) -> None:
     """Write a [L, 2, nkv, n, d] tensor into the blocks `block_ids` of `pool`."""
     idx = pool.slots(block_ids, 0, kv.shape[3]).to(pool.data.device)
     pool.data.index_copy_(3, idx, kv.to(pool.data.device))
+class Streamer(threading.Thread):
+    """One streamed completion in a thread: when each chunk came, whether it ended with [DONE] or an error.
+
+    `started` (a barrier, optional) is waited on after the first chunk, so a test can act while streams run.
+    """
+
+    def __init__(self, url: str, max_tokens: int, started: threading.Barrier | None = None,
+                 prompt: list[int] | None = None) -> None:  # fmt: skip
+        super().__init__()
+        self.url, self.started = url, started
+        self.body = {"model": "tiny", "prompt": prompt or [3, 4, 5], "max_tokens": max_tokens, "ignore_eos": True,
+                     "temperature": 0, "stream": True, "return_token_ids": True}  # fmt: skip
+        self.times: list[float] = []
+        self.token_ids: list[int] = []
+        self.done = False
+        self.error = ""
+        self.status = 0
+
+    def run(self) -> None:
+        try:
+            self._read()
+        except httpx.HTTPError as e:
+            self.error = f"{type(e).__name__}: {e}"
+        finally:
+            if self.started is not None and not self.times:
+                self.started.abort()  # never got going: do not leave the test waiting
+
+    def _read(self) -> None:
+        with httpx.stream("POST", self.url + "/v1/completions", json=self.body, timeout=120) as r:
+            self.status = r.status_code
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    self.done = True
+                elif line.startswith("data: "):
+                    self._chunk(json.loads(line[6:]))
+
+    def _chunk(self, chunk: dict) -> None:
+        if "error" in chunk:
+            self.error = chunk["error"]["message"]
+            return
+        self.times.append(time.monotonic())
+        for c in chunk["choices"]:
+            self.token_ids += c.get("token_ids", [])
+        if len(self.times) == 1 and self.started is not None:
+            self.started.wait(timeout=60)
+
+    @property
+    def complete(self) -> bool:
+        return self.done and len(self.token_ids) == self.body["max_tokens"]
+
+    def max_gap(self) -> float:
+        return max((b - a for a, b in zip(self.times, self.times[1:], strict=False)), default=0.0)

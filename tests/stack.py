@@ -124,6 +124,13 @@ class Stack:
                 proc.wait()
 
     # ---- observations ------------------------------------------------------------------------------
+    def rss_bytes(self, name: str) -> int:
+        """Resident memory of one of the stack's processes."""
+        for line in Path(f"/proc/{self.procs[name].pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError(f"no VmRSS for {name}")
+
     def kv_used(self) -> dict[str, int]:
         """kv_blocks_used per node, from /metrics."""
         text = httpx.get(self.url + "/metrics", headers=self.headers, timeout=5).text

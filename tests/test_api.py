@@ -220,6 +220,11 @@ BAD = [
     ({"model": "tiny", "prompt": [[1, 2], [3, 99999]]}, 400, "vocabulary"),
     ({"model": "tiny"}, 400, "prompt"),
     ({"model": "tiny", "prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": "x", "stop": ["a"] * 17}, 400, "stop strings"),
+    ({"model": "tiny", "prompt": "x", "stop": "a" * 500}, 400, "stop string"),
+    ({"model": "tiny", "prompt": "x", "stop_token_ids": [1] * 1000}, 400, "stop token ids"),
+    ({"model": "tiny", "prompt": "x" * 200_000}, 400, "characters"),
+    ({"model": "tiny", "prompt": list(range(1, 5000))}, 400, "context"),
 ]
 
 

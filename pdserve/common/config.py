@@ -34,6 +34,18 @@ def max_model_len(config) -> int:
     return limit
 
 
+KEY_FILES = ("server.key", "server.key_secret", "client.key", "client.key_secret", "authorized")
+
+
+def check_key_dir(path: str) -> None:
+    """A --zmq-keys folder must hold what `pdserve keys` writes."""
+    if not path:
+        return
+    missing = [f for f in KEY_FILES if not os.path.exists(os.path.join(path, f))]
+    if missing:
+        raise ValueError(f"--zmq-keys {path!r} lacks {', '.join(missing)}; make the folder with `pdserve keys DIR`")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "tiny"
@@ -93,6 +105,8 @@ class NodeConfig:
     kv_lease_s: float = 30.0
     ready_file: str = ""  # if set, the node writes its bound addresses here once it serves
     host_id: str = ""  # nodes with the same host id may share memory ("": hostname and boot id)
+    drain_timeout_s: float = 30.0  # on SIGTERM: how long the requests it holds may take to finish
+    zmq_keys: str = ""  # CurveZMQ key folder (`pdserve keys DIR`); "" for plain sockets
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -104,6 +118,9 @@ class NodeConfig:
                              f"--device cuda:N, not {self.engine.device!r}")  # fmt: skip
         if self.kv_lease_s <= 0:
             raise ValueError("--kv-lease-s must be positive")
+        if self.drain_timeout_s <= 0:
+            raise ValueError("--drain-timeout-s must be positive")
+        check_key_dir(self.zmq_keys)
         for addr in (self.listen, self.kv_listen):
             if not addr.startswith(("tcp://", "ipc://")):
                 raise ValueError(f"address {addr!r} must start with tcp:// or ipc://")
@@ -126,6 +143,11 @@ class RouterConfig:
     ray_address: str = ""  # set: learn prefill and decode nodes from a Ray deployment, not from fixed lists
     ray_deployment: str = "pdserve"  # the `pdserve up --ray --name` of that deployment
     membership_interval_s: float = 1.0  # how often the Ray deployment's node list is read
+    max_request_bytes: int = 4 * 2**20  # bodies above this are answered 413 before they are parsed
+    max_queued_requests: int = 1024  # requests without a first token; beyond, 429 with Retry-After
+    queue_timeout_s: float = 300.0  # a request without a first token after this long fails (503)
+    drain_timeout_s: float = 30.0  # on SIGTERM: how long requests in flight may take to finish
+    zmq_keys: str = ""  # CurveZMQ key folder (`pdserve keys DIR`); "" for plain sockets
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -134,6 +156,14 @@ class RouterConfig:
             raise ValueError("with --ray the nodes come from the Ray deployment: give no node addresses")
         if self.membership_interval_s <= 0:
             raise ValueError("--membership-interval-s must be positive")
+        if self.max_request_bytes < 1024:
+            raise ValueError("--max-request-bytes must be at least 1024")
+        if self.max_queued_requests < 1:
+            raise ValueError("--max-queued-requests must be at least 1")
+        for name in ("queue_timeout_s", "drain_timeout_s", "node_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        check_key_dir(self.zmq_keys)
         if self.colocated and (self.prefill or self.decode):
             raise ValueError("give either colocated nodes or prefill + decode nodes, not both")
         if not self.ray_address and not self.colocated and not (self.prefill and self.decode):

@@ -2,6 +2,12 @@
 
 The loop: drain every socket that has messages, run one engine step, emit its tokens, then the
 periodic chores (stats heartbeat, leases). It blocks in poll only when the engine is idle.
+
+Shutdown: SIGINT stops at once. SIGTERM drains: the node says so in its stats (the router stops
+picking it and answers with the requests it still routes here, some perhaps still on their way), refuses
+new Generate requests (the router dispatches them elsewhere), finishes what it holds and what the
+router still counts here, and exits; what it still holds after --drain-timeout-s is failed with a
+clear error first. A second SIGTERM stops at once.
 """
 
 from __future__ import annotations
@@ -47,9 +53,11 @@ class NodeBase:
         self.host_id = cfg.host_id or default_host_id()
         self.engine = self.make_engine()
         self.ctx = zmq.Context()
+        self.keys = transport.load_keys(cfg.zmq_keys) if cfg.zmq_keys else None
+        self.auth = transport.start_authenticator(self.ctx, self.keys)
         self.front = self.ctx.socket(zmq.ROUTER)
         transport.configure(self.front)
-        self.front_addr = transport.bind(self.front, cfg.listen)
+        self.front_addr = transport.bind(self.front, cfg.listen, self.keys)
         self.poller = zmq.Poller()
         self.poller.register(self.front, zmq.POLLIN)
         self.handlers = {self.front: self.handle_front}
@@ -57,20 +65,64 @@ class NodeBase:
         self.counters = {"requests": 0, "tokens_out": 0, "steps": 0, "step_time_s": 0.0}
         self._next_stats = 0.0
         self._stop = False
+        self.drain_deadline: float | None = None  # set by SIGTERM
+        self._drain_announced = False
+        self.router_pending: set[str] | None = None  # while draining: what the router still counts here
 
     def make_engine(self) -> Engine:
         return Engine(self.cfg.engine)
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def run(self) -> None:
-        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGTERM, self._on_term)
         signal.signal(signal.SIGINT, self._on_signal)
         self.write_ready()
         try:
             while not self._stop:
                 self.loop_once()
+                if self.draining:
+                    self._drain_step()
         finally:
             self.close()
+
+    @property
+    def draining(self) -> bool:
+        return self.drain_deadline is not None
+
+    def _on_term(self, *_: object) -> None:
+        if self.draining:
+            self._stop = True
+        else:
+            self.drain_deadline = time.monotonic() + self.cfg.drain_timeout_s
+
+    def _drain_step(self) -> None:
+        self._announce_drain()
+        if not self.holds_work():
+            log.info("%s node drained; exiting", self.role)
+            self._stop = True
+        elif time.monotonic() > self.drain_deadline:
+            why = f"the {self.role} node is shutting down and its drain period of {self.cfg.drain_timeout_s}s ran out"
+            log.warning("%s; failing what it still holds", why)
+            self.fail_all(why)
+            self._stop = True
+
+    def _announce_drain(self) -> None:
+        """Tell the router before refusing anything, so that it knows to dispatch the refused requests elsewhere."""
+        if not self._drain_announced:
+            self._drain_announced = True
+            log.info("%s node draining (SIGTERM): finishing what it holds, taking nothing new", self.role)
+            self.send_stats()
+
+    def holds_work(self) -> bool:
+        """Whether requests still depend on this node: held here, or routed here and not arrived yet."""
+        waiting_for_router = self.router_id is not None and self.router_pending != set()
+        return bool(self.engine.requests) or waiting_for_router
+
+    def fail_all(self, why: str) -> None:
+        """End every request held here with an error event."""
+        for rid in list(self.engine.requests):
+            self.engine.abort(rid)
+            self.emit([P.TokenEvent(rid, [], "error", why)])
 
     def loop_once(self) -> None:
         idle = not (self.engine.has_work() or self.busy())
@@ -103,7 +155,9 @@ class NodeBase:
         log.info("%s node ready: %s", self.role, self.ready_info())
 
     def close(self) -> None:
-        self.ctx.destroy(linger=0)
+        if self.auth is not None:
+            self.auth.stop()
+        self.ctx.destroy(linger=1000 if self.draining else 0)  # a drained node delivers its last messages
 
     # ---- messages -----------------------------------------------------------------------------
     def drain(self, sock: zmq.Socket) -> None:
@@ -115,7 +169,10 @@ class NodeBase:
             except P.ProtocolError as e:
                 log.warning("dropped a malformed message: %s", e)
                 continue
-            handler(identity, msg, frames)
+            try:
+                handler(identity, msg, frames)
+            except Exception:  # one peer's bad message must not take the node down for everyone
+                log.exception("handling a %s failed; dropped it", type(msg).__name__)
 
     def handle_front(self, identity: bytes, msg, frames: list) -> None:
         if isinstance(msg, P.Hello):
@@ -126,6 +183,8 @@ class NodeBase:
             self.on_abort(msg.request_id)
         elif isinstance(msg, P.StatsRequest):
             self.send_stats()
+        elif isinstance(msg, P.Pending):
+            self.router_pending = set(msg.request_ids)
         else:
             log.warning("unexpected %s on the router socket", type(msg).__name__)
 
@@ -140,6 +199,10 @@ class NodeBase:
         self.send_stats()
 
     def on_generate(self, msg: P.Generate) -> None:
+        if self.draining:
+            self._announce_drain()
+            self.emit([P.TokenEvent(msg.request_id, [], "error", f"the {self.role} node is shutting down")])
+            return
         why = self.engine.check_fits(len(msg.prompt_token_ids), msg.params.max_tokens)
         if why:
             self.emit([P.TokenEvent(msg.request_id, [], "error", why)])
@@ -168,7 +231,7 @@ class NodeBase:
     def stats(self) -> P.Stats:
         (running, waiting), (used, free, _) = self.engine.queue_lengths(), self.engine.kv_stats()
         counters = {**self.counters, "preemptions": self.engine.num_preemptions()}
-        return P.Stats(self.role, running, waiting, used, free, counters)
+        return P.Stats(self.role, running, waiting, used, free, counters, self.draining)
 
     def send_stats(self) -> None:
         if self.router_id is not None:

@@ -20,7 +20,8 @@ from typing import Any, NewType
 
 import msgpack
 
-PROTOCOL_VERSION = 3  # 2: KV head-major, [2, nkv, n, d] per layer; 3: log-probabilities, KvHello transports
+# 2: KV head-major, [2, nkv, n, d] per layer; 3: log-probabilities, KvHello transports; 4: Stats.draining, Pending
+PROTOCOL_VERSION = 4
 MAX_LOGPROBS = 20  # the most alternatives per position a request may ask for (OpenAI's limit)
 MAX_HEADER_BYTES = 64 * 1024 * 1024  # one control message; tensor frames are bounded separately
 MAX_LIST_LEN = 4 * 1024 * 1024
@@ -176,11 +177,19 @@ class Stats:
     kv_blocks_used: Id
     kv_blocks_free: Id
     counters: dict = field(default_factory=dict)
+    draining: bool = False  # shutting down: finishes what it holds, takes nothing new
 
 
 @dataclass(frozen=True)
 class StatsRequest:
     pass
+
+
+@dataclass(frozen=True)
+class Pending:
+    """Router -> a draining node: the requests it still counts on that node (some may not have reached it yet)."""
+
+    request_ids: list[str]
 
 
 # ---- prefill node <-> decode node (KV transfer) ------------------------------------------------
@@ -256,7 +265,7 @@ class KvCancel:
 _REGISTRY: dict[str, type] = {
     cls.__name__: cls
     for cls in (
-        Hello, HelloAck, Generate, Abort, TokenEvent, TokenEvents, Stats, StatsRequest,
+        Hello, HelloAck, Generate, Abort, TokenEvent, TokenEvents, Stats, StatsRequest, Pending,
         KvHello, KvOffer, KvPull, KvData, KvAck, KvWaiting, KvCancel,
     )
 }  # fmt: skip

@@ -9,7 +9,8 @@ A request's life here (the engine owns the request, its queue and its blocks; th
 3. RECEIVING_KV: blocks reserved (`engine.reserve_remote()`), KvPull sent; the KV lands by the chosen
    backend (`engine.receive_kv`); once every layer is in, KvAck frees the prefill node's copy.
 4. WAITING with its KV in place (num_computed_tokens = prompt length, the first token as output),
-   admitted at the next iteration; RUNNING: one token an iteration, streamed to the router.
+   the router told so (an event without tokens), admitted at the next iteration; RUNNING: one token
+   an iteration, streamed to the router.
 5. FINISHED or ABORTED (router's Abort, the prefill node's KvCancel, bad KV, a reservation that no KV
    answered): KV freed at once. An abort that arrives before the offer is remembered, so the late offer
    is refused.
@@ -56,7 +57,7 @@ class DecodeNode(NodeBase):
         self.peer_backends: dict[bytes, object] = {}  # paired prefill peers -> the transport chosen at pairing
         self.kv_sock = self.ctx.socket(zmq.ROUTER)
         transport.configure(self.kv_sock)
-        self.kv_addr = transport.bind(self.kv_sock, cfg.kv_listen)
+        self.kv_addr = transport.bind(self.kv_sock, cfg.kv_listen, self.keys)
         self.poller.register(self.kv_sock, zmq.POLLIN)
         self.handlers[self.kv_sock] = self.handle_kv
         self.sources: dict[bytes, object] = {}  # paired prefill peers -> mapped pool (or None for zmq)
@@ -71,6 +72,15 @@ class DecodeNode(NodeBase):
 
     def busy(self) -> bool:
         return bool(self.incoming)
+
+    def holds_work(self) -> bool:
+        return super().holds_work() or bool(self.incoming)
+
+    def fail_all(self, why: str) -> None:
+        for rid, inc in list(self.incoming.items()):  # the engine holds these too: super() ends them
+            del self.incoming[rid]
+            self._refuse(inc.identity, rid, why)
+        super().fail_all(why)
 
     def close(self) -> None:
         for backend in self.backends.values():
@@ -104,8 +114,8 @@ class DecodeNode(NodeBase):
             try:
                 self.sources[identity] = backend.attach(handle, self.engine.layout, self.cfg.engine.device)
                 self.handles[identity], self.peer_backends[identity] = handle, backend
-            except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
-                reason = f"cannot map the prefill pool: {e!s}"
+            except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:  # a handle from the wire
+                reason = f"cannot map the prefill pool: {e!r}"
         if reason:
             log.error("refused a prefill node: %s", reason)
         info = {"transport": chosen} if not reason else {}
@@ -162,6 +172,7 @@ class DecodeNode(NodeBase):
         del self.incoming[header.request_id]
         self.counters["kv_received"] += 1
         transport.send(self.kv_sock, P.KvAck(header.request_id, True), identity=identity)
+        self.emit([P.TokenEvent(header.request_id, [], None)])  # "KV landed": it no longer needs its prefill node
 
     def _refuse(self, identity: bytes, request_id: str, why: str) -> None:
         self.counters["kv_refused"] += 1

@@ -79,8 +79,9 @@ class PrefillNode(NodeBase):
         if not msg.decode_addr.startswith(("tcp://", "ipc://")):
             self.emit([P.TokenEvent(msg.request_id, [], "error", "no decode node address")])
             return
-        self.decode_addr[msg.request_id] = msg.decode_addr
         super().on_generate(msg)
+        if msg.request_id in self.engine.requests:  # taken (not refused)
+            self.decode_addr[msg.request_id] = msg.decode_addr
 
     def on_abort(self, request_id: str) -> None:
         t = self.transfers.get(request_id)
@@ -103,8 +104,9 @@ class PrefillNode(NodeBase):
         if peer is None:
             sock = self.ctx.socket(zmq.DEALER)
             transport.configure(sock)
+            transport.secure_client(sock, self.keys)
             sock.setsockopt(zmq.RECONNECT_IVL, 100)
-            mon = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            mon = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | transport.HANDSHAKE_FAILED)
             sock.connect(addr)
             peer = DecodePeer(addr, sock, mon)
             self.peers[addr] = peer
@@ -122,6 +124,7 @@ class PrefillNode(NodeBase):
             peer.queued.append(req.request_id)
 
     def _send_offer(self, req: Request, peer: DecodePeer) -> None:
+        self.transfers[req.request_id].started = time.monotonic()  # the lease runs from the offer
         offer = P.KvOffer(req.request_id, req.prompt_token_ids, req.output_token_ids[0], req.params,
                           len(req.prompt_token_ids))  # fmt: skip
         transport.send(peer.sock, offer)
@@ -190,12 +193,19 @@ class PrefillNode(NodeBase):
         if t is not None:
             self._end_transfer(t, ok=False, why=why)
 
+    def fail_all(self, why: str) -> None:
+        for t in list(self.transfers.values()):
+            self._end_transfer(t, ok=False, why=why)
+        self.decode_addr.clear()
+        super().fail_all(why)
+
     # ---- chores --------------------------------------------------------------------------------
     def tick(self) -> None:
         super().tick()
-        for peer in self.peers.values():
+        for peer in list(self.peers.values()):
             for event in transport.monitor_events(peer.monitor):
                 self._on_peer_event(peer, event)
+            self.drain(peer.sock)  # lease renewals that came in during a long step count
         now = time.monotonic()
         for t in [t for t in self.transfers.values() if now - t.started > self.cfg.kv_lease_s]:
             self._end_transfer(t, ok=False, why=f"KV transfer lease of {self.cfg.kv_lease_s}s ran out")
@@ -205,6 +215,8 @@ class PrefillNode(NodeBase):
             hello = P.KvHello(P.PROTOCOL_VERSION, self.engine.layout.to_dict(), self.cfg.kv_transport,
                               self.backend.handle(), self.host_id, list(self.backends))  # fmt: skip
             transport.send(peer.sock, hello)
+        elif event & transport.HANDSHAKE_FAILED:
+            log.error("decode node %s: the CurveZMQ handshake failed; check --zmq-keys on both sides", peer.addr)
         elif event == zmq.EVENT_DISCONNECTED:
             peer.paired = False
             for t in [t for t in self.transfers.values() if t.peer is peer]:

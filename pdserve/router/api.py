@@ -7,14 +7,14 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import aclosing, asynccontextmanager
+from contextlib import aclosing, asynccontextmanager, contextmanager
 from dataclasses import dataclass, field, replace
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.common import protocol as P
@@ -22,8 +22,9 @@ from pdserve.common.config import RouterConfig
 from pdserve.router import small_routes
 from pdserve.router.auth import ApiKeyGuard
 from pdserve.router.choices import derive_seed, gather_all, merge
-from pdserve.router.core import NoNodeAvailable, RouterCore
+from pdserve.router.core import NoNodeAvailable, Overloaded, RouterCore
 from pdserve.router.errors import ApiError, error_body
+from pdserve.router.limits import Offload, RequestLimits, content_chars, stop_problem
 from pdserve.router.logprobs import ChoiceExtras, merge_pieces
 from pdserve.router.openai_fields import UnsupportedField, check_fields
 from pdserve.router.text import Detokenizer, ModelInfo, chat_prompt_ids, load_model_info
@@ -106,25 +107,57 @@ class Job:
 # ---- validation ----------------------------------------------------------------------------------
 
 
-def _prompts(body: CompletionBody, info: ModelInfo) -> list[list[int]]:
-    """The token ids of each prompt of the request: a string, a list of ids, or a batch of either."""
+def _prompts(body: CompletionBody, info: ModelInfo) -> list[str | list[int]]:
+    """Each prompt of the request (a string, a list of ids, or a batch of either), strings checked to be short
+    enough to fit and ids to be in the vocabulary."""
     prompt = body.prompt
     batch = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
     return [_one_prompt(p, info) for p in batch]
 
 
-def _one_prompt(prompt: str | list[int], info: ModelInfo) -> list[int]:
+def _one_prompt(prompt: str | list[int], info: ModelInfo) -> str | list[int]:
     if isinstance(prompt, str):
-        return info.tokenizer.encode(prompt, add_special_tokens=False)
+        _check_chars(len(prompt), info, "prompt")
+        return prompt
+    _check_prompt_len(len(prompt), info)
     bad = [t for t in prompt if not 0 <= t < info.vocab_size]
     if bad:
         raise ApiError(400, f"token id {bad[0]} is outside the vocabulary [0, {info.vocab_size})", "prompt")
     return list(prompt)
 
 
-def _chat_ids(body: ChatBody, info: ModelInfo) -> list[int]:
+def _check_chars(n: int, info: ModelInfo, param: str) -> None:
+    """Refuse, before tokenizing, text too long to fit the context whatever its tokens."""
+    if n > info.max_prompt_chars:
+        raise ApiError(400, f"the {param} has {n} characters, more than this model's context of "
+                       f"{info.max_model_len} tokens can hold (at most {info.max_prompt_chars})", param)  # fmt: skip
+
+
+def _check_prompt_len(n: int, info: ModelInfo) -> None:
+    if n >= info.max_model_len:
+        raise ApiError(400, f"the prompt has {n} tokens; this model's context is {info.max_model_len} tokens",
+                       "prompt")  # fmt: skip
+
+
+async def _prompt_ids(body: CompletionBody, info: ModelInfo, offload: Offload) -> list[list[int]]:
+    """The token ids of each prompt; long strings are tokenized off the event loop."""
+    return [p if isinstance(p, list) else await offload.run(len(p), _encode, info.tokenizer, p)
+            for p in _prompts(body, info)]  # fmt: skip
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+async def _chat_ids(body: ChatBody, info: ModelInfo, offload: Offload) -> list[int]:
     if not body.messages:
         raise ApiError(400, "messages must not be empty", "messages")
+    chars = sum(content_chars(m.content) for m in body.messages)
+    _check_chars(chars, info, "messages")
+    return await offload.run(chars, _apply_template, body, info)
+
+
+def _apply_template(body: ChatBody, info: ModelInfo) -> list[int]:
     try:
         return chat_prompt_ids(info.tokenizer, [m.model_dump() for m in body.messages])
     except ValueError as e:
@@ -154,14 +187,10 @@ def make_job(
     body: _Common,
     prompt_ids: list[int],
     info: ModelInfo,
-    served: set[str],
     chat_default: bool = False,
     kv_capacity: int | None = None,
     max_n: int = 1,
 ) -> Job:
-    if body.model not in served:
-        raise ApiError(404, f"model {body.model!r} does not exist; this server serves {sorted(served)[0]!r}",
-                       "model", "model_not_found")  # fmt: skip
     if not prompt_ids:
         raise ApiError(400, "the prompt is empty", "prompt")
     if not 1 <= body.n <= max_n:
@@ -176,18 +205,19 @@ def make_job(
     for name, value in (("seed", body.seed), ("top_k", body.top_k), ("max_tokens", max_tokens)):
         if value is not None and not -(2**63) <= value < 2**63:
             raise ApiError(400, f"{name} is out of range", name)
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    problem = stop_problem(stops, body.stop_token_ids)
+    if problem:
+        raise ApiError(400, *problem)
     bad = [t for t in body.stop_token_ids or () if not 0 <= t < info.vocab_size]
     if bad:
         raise ApiError(
             400, f"stop token id {bad[0]} is outside the vocabulary [0, {info.vocab_size})", "stop_token_ids"
         )
-    if len(prompt_ids) >= info.max_model_len:
-        raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; this model's context is "
-                       f"{info.max_model_len} tokens", "prompt")  # fmt: skip
+    _check_prompt_len(len(prompt_ids), info)
     if max_tokens >= 1 and len(prompt_ids) + max_tokens > info.max_model_len:
         raise ApiError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
                        f"model's context of {info.max_model_len} tokens", "max_tokens")  # fmt: skip
-    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     try:
         params = P.SamplingParams(
             max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
@@ -238,8 +268,17 @@ def check_capacity(core: RouterCore, job: Job) -> None:
 
 
 def submit(core: RouterCore, job: Job):
-    try:
+    with admission_errors():
         return core.submit(job.prompt_ids, job.params)
+
+
+@contextmanager
+def admission_errors():
+    """The router's refusals as HTTP errors: overloaded 429 (with Retry-After), no node or shutting down 503."""
+    try:
+        yield
+    except Overloaded as e:
+        raise ApiError(429, str(e), code="rate_limit_exceeded", headers={"Retry-After": str(e.retry_after)}) from None
     except NoNodeAvailable as e:
         raise ApiError(503, str(e)) from None
 
@@ -254,7 +293,8 @@ async def run_job(core: RouterCore, info: ModelInfo, job: Job, flight=None) -> A
         while not finished:
             ev: P.TokenEvent = await flight.queue.get()
             if ev.finish_reason == "error":
-                raise ApiError(503 if "failed" in ev.error else 500, f"request failed: {ev.error}")
+                status = flight.error_status or (503 if "failed" in ev.error else 500)
+                raise ApiError(status, f"request failed: {ev.error}")
             shown = list(ev.token_ids) if job.show_tokens else []
             text, stopped = detok.add(shown)
             reason = "stop" if stopped else ev.finish_reason
@@ -355,26 +395,57 @@ async def _stream(core, info, jobs: list[Job], chat: bool, flights: list) -> Asy
 # ---- the app -------------------------------------------------------------------------------------
 
 
+def _parse(raw: bytes, model: type[_Common]) -> _Common:
+    try:
+        data = json.loads(raw)
+    except ValueError as e:  # UnicodeDecodeError included
+        raise ApiError(400, f"invalid request: malformed JSON ({e})") from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise ApiError(400, *_invalid_message(e.errors())) from None
+
+
+def _invalid_message(errors: list) -> tuple[str, str | None]:
+    first = errors[0] if errors else {}
+    where = ".".join(str(x) for x in first.get("loc", ()))
+    return f"invalid request: {where + ': ' if where else ''}{first.get('msg', 'malformed body')}", where or None
+
+
+async def _read(request: Request, model: type[_Common]) -> _Common:
+    """The body, parsed and validated (off the event loop when it is large); the model name checked."""
+    with admission_errors():  # refuse early, before spending anything on the body
+        request.app.state.core.check_admission()
+    raw = await request.body()  # at most --max-request-bytes: RequestLimits saw it first
+    body = await request.app.state.offload.run(len(raw), _parse, raw, model)
+    small_routes.check_model(request, body.model)
+    return body
+
+
 def create_app(cfg: RouterConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         app.state.info = load_model_info(cfg.model)
         app.state.served = {cfg.served_model_name or cfg.model, cfg.model}
+        app.state.offload = Offload()
         app.state.core = RouterCore(cfg)
         await app.state.core.start()
         try:
             yield
         finally:
             await app.state.core.stop()
+            app.state.offload.close()
 
     app = FastAPI(title="pdserve", lifespan=lifespan)
     app.include_router(small_routes.router)
-    if cfg.api_key:
+    app.add_middleware(RequestLimits, limit=cfg.max_request_bytes)
+    if cfg.api_key:  # added last, so outermost: a stranger's body is not even read
         app.add_middleware(ApiKeyGuard, api_key=cfg.api_key)
 
     @app.exception_handler(ApiError)
     async def _api_error(_, e: ApiError):
-        return JSONResponse(error_body(e.status, e.message, e.param, e.code), status_code=e.status)
+        body = error_body(e.status, e.message, e.param, e.code)
+        return JSONResponse(body, status_code=e.status, headers=e.headers)
 
     @app.exception_handler(UnsupportedField)
     async def _unsupported(_, e: UnsupportedField):
@@ -382,10 +453,8 @@ def create_app(cfg: RouterConfig) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_, e: RequestValidationError):
-        first = e.errors()[0] if e.errors() else {}
-        where = ".".join(str(x) for x in first.get("loc", ())[1:])
-        msg = f"invalid request: {where + ': ' if where else ''}{first.get('msg', 'malformed body')}"
-        return JSONResponse(error_body(400, msg, where or None), status_code=400)
+        msg, where = _invalid_message([{**x, "loc": tuple(x.get("loc", ()))[1:]} for x in e.errors()])
+        return JSONResponse(error_body(400, msg, where), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_, e: StarletteHTTPException):
@@ -395,7 +464,7 @@ def create_app(cfg: RouterConfig) -> FastAPI:
         st = request.app.state
         check_fields(body.model_extra or {}, body.model_dump())
         caps = [c for c in (st.core.kv_capacity_tokens(r) for r in ("colocated", "decode")) if c]
-        jobs = [make_job(body, ids, st.info, st.served, chat_default=chat, kv_capacity=min(caps, default=None),
+        jobs = [make_job(body, ids, st.info, chat_default=chat, kv_capacity=min(caps, default=None),
                          max_n=cfg.max_n) for ids in prompts]  # fmt: skip
         for job in jobs:
             check_capacity(st.core, job)
@@ -406,12 +475,16 @@ def create_app(cfg: RouterConfig) -> FastAPI:
         return await _complete(st.core, st.info, jobs, chat, request)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionBody, request: Request):
-        return await serve(request, body, _prompts(body, request.app.state.info), chat=False)
+    async def completions(request: Request):
+        st = request.app.state
+        body = await _read(request, CompletionBody)
+        return await serve(request, body, await _prompt_ids(body, st.info, st.offload), chat=False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatBody, request: Request):
-        return await serve(request, body, [_chat_ids(body, request.app.state.info)], chat=True)
+    async def chat_completions(request: Request):
+        st = request.app.state
+        body = await _read(request, ChatBody)
+        return await serve(request, body, [await _chat_ids(body, st.info, st.offload)], chat=True)
 
     @app.get("/v1/models")
     async def models(request: Request):

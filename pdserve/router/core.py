@@ -5,11 +5,20 @@ handlers call `submit` / `abort` and read events from the request's queue; one r
 feeds those queues; one watchdog marks silent or disconnected nodes down and fails their requests.
 
 A request's life in the router:
-1. submit: pick the least loaded live node of each role it needs; send Generate (the prefill node
-   also learns the decode node's KV address).
-2. events: the colocated or prefill node sends the first token, the decode node the rest.
-3. end: a final event (stop, length, error), an abort from the client side (disconnect or stop
-   string: Abort goes to every node the request touched), or a dead node (an error event).
+1. admission: refused (429, Retry-After) while --max-queued-requests requests wait for a first token.
+2. submit: pick the least loaded live node of each role it needs, draining ones excepted; send
+   Generate (the prefill node also learns the decode node's KV address).
+3. events: the colocated or prefill node sends the first token, the decode node an empty "KV
+   landed" event and then the rest.
+4. a node it depends on is lost (dead, silent, or failing it because it drains): the request is
+   dispatched again, under a new id, to other nodes, its old id aborted on the nodes that remain. It
+   resumes where the client's stream stands: the new prompt is the old one plus the tokens already
+   streamed, max_tokens what is left (greedy output is unchanged; a seeded sampler restarts its
+   draws). A request whose KV landed on a decode node no longer depends on its prefill node. At most
+   MAX_ATTEMPTS dispatches in all; with no node left of a role, it fails (503).
+5. end: a final event (stop, length, error), an abort from the client side (disconnect or stop
+   string: Abort goes to every node the request touched), no first token within --queue-timeout-s
+   (503), or a lost node as above.
 
 Which nodes there are comes from a membership source (membership.py): a fixed list, read once, or a
 Ray deployment's registry, read every `membership_interval_s`: new nodes join, gone ones leave (their
@@ -19,8 +28,10 @@ requests fail as a dead node's do).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -36,19 +47,30 @@ from pdserve.router.membership import Member, make_membership
 from pdserve.router.metrics import NodeCollector, RouterMetrics
 
 log = logging.getLogger("pdserve.router")
+MAX_ATTEMPTS = 3  # dispatches of one request, the first included, before a lost node fails it
+MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | transport.HANDSHAKE_FAILED
 
 
 class NoNodeAvailable(RuntimeError):
     pass
 
 
-@dataclass
+class Overloaded(RuntimeError):
+    """Too many requests wait for a first token; the client should come back in `retry_after` seconds."""
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+@dataclass(eq=False)
 class NodeConn:
     role: str
     addr: str
     kv_addr: str = ""
     sock: zmq.asyncio.Socket | None = None
     up: bool = False
+    draining: bool = False  # shutting down: finishes what it holds, takes nothing new
     last_seen: float = 0.0
     stats: P.Stats | None = None
     info: dict = field(default_factory=dict)
@@ -64,20 +86,28 @@ class NodeConn:
     def member(self) -> Member:
         return Member(self.role, self.addr, self.kv_addr)
 
+    def usable(self) -> bool:
+        return self.up and not self.draining
 
-@dataclass
+
+@dataclass(eq=False)
 class Flight:
-    """One request in flight."""
+    """One request in flight. `request_id` changes when the request is dispatched again."""
 
     request_id: str
+    prompt: list[int]
+    params: P.SamplingParams
     queue: asyncio.Queue
-    nodes: list[NodeConn]
+    nodes: list[NodeConn] = field(default_factory=list)  # [colocated] or [prefill, decode]
     start: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     last_token_at: float | None = None
     decode_started: bool = False  # disaggregated: the decode node has sent a token
-    num_tokens: int = 0
-    early: list[P.TokenEvent] = field(default_factory=list)  # decode tokens that beat the first token
+    output: list[int] = field(default_factory=list)  # token ids streamed so far
+    attempts: int = 0
+    error_status: int = 0  # set when the router itself fails the request
+    ended: bool = False
+    early: list[P.TokenEvent] = field(default_factory=list)  # decode events that beat the first token
 
 
 class RouterCore:
@@ -85,11 +115,16 @@ class RouterCore:
         self.cfg = cfg
         self.ctx = zmq.asyncio.Context()
         self.membership = make_membership(cfg)
+        self.keys = transport.load_keys(cfg.zmq_keys) if cfg.zmq_keys else None
         self.nodes: list[NodeConn] = []  # changed in place only: the metrics collector holds this list
         self.flights: dict[str, Flight] = {}
+        self.waiting: set[Flight] = set()  # admitted, no first token yet
+        self.draining = False
         self.metrics = RouterMetrics()
         self.metrics.registry.register(NodeCollector(self.nodes))
         self.metrics.in_flight.set_function(lambda: len(self.flights))
+        self.metrics.waiting.set_function(lambda: len(self.waiting))
+        self._ttft_recent = 1.0  # seconds, a moving average: the Retry-After of a refused request
         self._tasks: list[asyncio.Task] = []
         self._ids = itertools.count()
 
@@ -113,6 +148,15 @@ class RouterCore:
         await asyncio.gather(*tasks, return_exceptions=True)
         self.ctx.destroy(linger=0)
         self.membership.close()
+
+    async def drain(self, grace_s: float) -> None:
+        """Take no new requests; wait up to `grace_s` for those in flight, then fail the rest (503)."""
+        self.draining = True
+        deadline = time.monotonic() + grace_s
+        while self.flights and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for flight in list(self.flights.values()):
+            self._fail(flight, f"the router is shutting down and its drain period of {grace_s}s ran out")
 
     def _check_pairing(self) -> None:
         """Every node must serve the same model layout, or outputs would be garbage."""
@@ -144,8 +188,9 @@ class RouterCore:
     def _join(self, node: NodeConn) -> None:
         node.sock = self.ctx.socket(zmq.DEALER)
         transport.configure(node.sock)
+        transport.secure_client(node.sock, self.keys)
         node.sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        mon = node.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        mon = node.sock.get_monitor_socket(MONITORED)
         node.sock.connect(node.addr)
         node.tasks = [asyncio.create_task(self._reader(node)), asyncio.create_task(self._monitor(node, mon))]
         self.nodes.append(node)
@@ -188,7 +233,9 @@ class RouterCore:
                 for ev in msg.events:
                     self._deliver(ev, node)
             elif isinstance(msg, P.Stats):
-                node.stats = msg
+                node.stats, node.draining = msg, msg.draining
+                if msg.draining:  # it may exit once nothing routed to it is left
+                    node.sock.send(P.encode(P.Pending(sorted(node.requests))))
             elif isinstance(msg, P.HelloAck):
                 self._on_hello_ack(node, msg)
 
@@ -200,7 +247,7 @@ class RouterCore:
             log.error("%s serves a different model than the other nodes; not using it", node.name)
             return
         node.info = msg.info
-        node.up = True
+        node.up, node.draining = True, False
         node.ever_up.set()
         log.info("%s is up", node.name)
 
@@ -212,6 +259,8 @@ class RouterCore:
                 self._hello(node)
             elif event == zmq.EVENT_DISCONNECTED:
                 self._node_down(node, "disconnected")
+            elif event & transport.HANDSHAKE_FAILED:
+                log.error("%s: the CurveZMQ handshake failed; do both sides use the same --zmq-keys?", node.name)
 
     async def _watchdog(self) -> None:
         while True:
@@ -220,56 +269,115 @@ class RouterCore:
             for node in self.nodes:
                 if node.up and now - node.last_seen > self.cfg.node_timeout_s:
                     self._node_down(node, f"silent for {self.cfg.node_timeout_s}s")
+                    self._hello(node)  # if it serves another peer now, win it back
+            self._expire_waiting()
+
+    def _expire_waiting(self) -> None:
+        limit = self.cfg.queue_timeout_s
+        now = time.perf_counter()
+        for flight in [f for f in self.waiting if now - f.start > limit]:
+            self.metrics.timed_out.inc()
+            self._fail(flight, f"no first token within {limit}s (--queue-timeout-s): the server is overloaded")
 
     def _node_down(self, node: NodeConn, why: str) -> None:
         if node.up:
-            log.error("%s is down (%s); failing its %d requests", node.name, why, len(node.requests))
+            log.error("%s is down (%s); %d requests in flight there", node.name, why, len(node.requests))
         node.up = False
         for rid in list(node.requests):
-            self._deliver(P.TokenEvent(rid, [], "error", f"{node.role} node {node.addr} failed ({why})"))
+            flight = self.flights.get(rid)
+            if flight is not None:
+                self._lost(flight, f"{node.role} node {node.addr} failed ({why})")
 
     # ---- requests -----------------------------------------------------------------------------
+    def check_admission(self) -> None:
+        """Raise Overloaded while the queue of requests without a first token is full."""
+        if self.draining:
+            raise NoNodeAvailable("the router is shutting down")
+        if len(self.waiting) >= self.cfg.max_queued_requests:
+            self.metrics.rejected.inc()
+            raise Overloaded(f"{len(self.waiting)} requests are already waiting (--max-queued-requests); "
+                             "retry later", max(1, min(60, math.ceil(self._ttft_recent))))  # fmt: skip
+
+    def submit(self, prompt_token_ids: list[int], params: P.SamplingParams) -> Flight:
+        self.check_admission()
+        flight = Flight("", list(prompt_token_ids), params, asyncio.Queue())
+        self._dispatch(flight)
+        self.waiting.add(flight)
+        self.metrics.requests.inc()
+        self.metrics.prompt_tokens.inc(len(flight.prompt))
+        return flight
+
     def _pick(self, role: str) -> NodeConn:
-        live = [n for n in self.nodes if n.role == role and n.up]
+        live = [n for n in self.nodes if n.role == role and n.usable]
         if not live:
             raise NoNodeAvailable(f"no {role} node is up")
         return min(live, key=lambda n: (len(n.requests), n.stats.kv_blocks_used if n.stats else 0))
 
-    def submit(self, prompt_token_ids: list[int], params: P.SamplingParams) -> Flight:
+    def _dispatch(self, flight: Flight) -> None:
+        """Send the request, from where its stream stands, to the least loaded nodes under a new id."""
         rid = f"{uuid.uuid4().hex[:12]}-{next(self._ids)}"
+        prompt = flight.prompt + flight.output
+        params = self._resumed_params(flight)
         if self.cfg.mode == "colocated":
             nodes = [self._pick("colocated")]
-            msg = P.Generate(rid, prompt_token_ids, params)
+            msg = P.Generate(rid, prompt, params)
         else:
             prefill, decode = self._pick("prefill"), self._pick("decode")
             nodes = [prefill, decode]
-            msg = P.Generate(rid, prompt_token_ids, params, decode_addr=decode.kv_addr)
-        data = P.encode(msg)
-        flight = Flight(rid, asyncio.Queue(), nodes)
+            msg = P.Generate(rid, prompt, params, decode_addr=decode.kv_addr)
+        flight.request_id, flight.nodes = rid, nodes
+        flight.attempts += 1
         self.flights[rid] = flight
         for n in nodes:
             n.requests.add(rid)
-        nodes[0].sock.send(data)
-        self.metrics.requests.inc()
-        self.metrics.prompt_tokens.inc(len(prompt_token_ids))
-        return flight
+        nodes[0].sock.send(P.encode(msg))
 
-    def _deliver(self, ev: P.TokenEvent, source: NodeConn | None = None) -> None:
+    @staticmethod
+    def _resumed_params(flight: Flight) -> P.SamplingParams:
+        """The request's parameters for what is left of it once `flight.output` has been streamed: the tokens
+        left, min_tokens likewise, and no prompt log-probabilities again (they came with the first token)."""
+        done, params = len(flight.output), flight.params
+        if not done:
+            return params
+        return dataclasses.replace(params, max_tokens=params.max_tokens - done,
+                                   min_tokens=max(0, params.min_tokens - done), prompt_logprobs=None)  # fmt: skip
+
+    def _lost(self, flight: Flight, why: str) -> None:
+        """A node the request depends on is gone: dispatch it again, from where its stream stands."""
+        if flight.attempts >= MAX_ATTEMPTS or self.draining or len(flight.output) >= flight.params.max_tokens:
+            self._fail(flight, why)
+            return
+        old = flight.request_id
+        self._abort_on_nodes(flight)  # a decode node remembers the abort, so a late offer is refused
+        self._unlink(flight)
+        flight.early.clear()
+        try:
+            self._dispatch(flight)
+        except NoNodeAvailable as e:
+            self._fail(flight, f"{why}; {e}")
+            return
+        self.metrics.redispatched.inc()
+        log.warning("request %s: %s; dispatched again as %s", old, why, flight.request_id)
+
+    def _deliver(self, ev: P.TokenEvent, source: NodeConn) -> None:
         flight = self.flights.get(ev.request_id)
         if flight is None:
-            return  # already ended (aborted, or failed by a dead node)
-        if source is not None and source.role == "decode":
+            return  # already ended (aborted, failed, or dispatched again under a new id)
+        if ev.finish_reason == "error" and source.draining:
+            self._lost(flight, f"{source.name}: {ev.error}")
+            return
+        if source.role == "decode":
             if flight.first_token_at is None and ev.finish_reason != "error":
                 flight.early.append(ev)  # two sockets: keep the prefill node's first token first
                 return
             self._left_prefill(flight)  # the decode node has it: a prefill failure no longer concerns it
-        self._put(flight, ev, from_decode=source is not None and source.role == "decode")
-        if source is not None and source.role == "prefill" and flight.early:
+            if not ev.token_ids and ev.finish_reason is None:
+                return  # the "KV landed" notice
+        self._put(flight, ev, from_decode=source.role == "decode")
+        if source.role == "prefill" and flight.early:
             early, flight.early = flight.early, []
-            self._left_prefill(flight)
             for e in early:
-                if e.request_id in self.flights:
-                    self._put(flight, e, from_decode=True)
+                self._deliver(e, flight.nodes[1])
 
     @staticmethod
     def _left_prefill(flight: Flight) -> None:
@@ -279,38 +387,50 @@ class RouterCore:
 
     def _put(self, flight: Flight, ev: P.TokenEvent, from_decode: bool = False) -> None:
         if ev.token_ids:
-            self._observe_tokens(flight, len(ev.token_ids), from_decode)
+            self._observe_tokens(flight, ev.token_ids, from_decode)
         if ev.finish_reason == "error":
             self._abort_on_nodes(flight)  # the nodes that still hold it must let it go
         if ev.finish_reason is not None:
             self._end(flight, ev.finish_reason)
         flight.queue.put_nowait(ev)
 
-    def _observe_tokens(self, flight: Flight, n: int, from_decode: bool) -> None:
+    def _observe_tokens(self, flight: Flight, token_ids: list[int], from_decode: bool) -> None:
         now, m = time.perf_counter(), self.metrics
         if flight.first_token_at is None:
             flight.first_token_at = now
+            self.waiting.discard(flight)
             m.ttft.observe(now - flight.start)
+            self._ttft_recent += 0.05 * (now - flight.start - self._ttft_recent)
         elif flight.last_token_at is not None:
             m.itl.observe(now - flight.last_token_at)
         if from_decode and not flight.decode_started:
             flight.decode_started = True
             m.handoff.observe(now - flight.first_token_at)
         flight.last_token_at = now
-        flight.num_tokens += n
-        m.generation_tokens.inc(n)
+        flight.output += token_ids
+        m.generation_tokens.inc(len(token_ids))
 
-    def _end(self, flight: Flight, reason: str = "abort") -> None:
-        if self.flights.pop(flight.request_id, None) is None:
-            return
+    def _fail(self, flight: Flight, why: str, status: int = 503) -> None:
+        flight.error_status = status
+        self._put(flight, P.TokenEvent(flight.request_id, [], "error", why))
+
+    def _unlink(self, flight: Flight) -> None:
+        self.flights.pop(flight.request_id, None)
         for n in flight.nodes:
             n.requests.discard(flight.request_id)
-        m = self.metrics
+
+    def _end(self, flight: Flight, reason: str = "abort") -> None:
+        if flight.ended:
+            return
+        flight.ended = True
+        self._unlink(flight)
+        self.waiting.discard(flight)
+        m, num_tokens = self.metrics, len(flight.output)
         m.success.labels(reason).inc()
         m.e2e.observe(time.perf_counter() - flight.start)
-        if reason != "error" and flight.first_token_at is not None and flight.num_tokens > 1:
+        if reason != "error" and flight.first_token_at is not None and num_tokens > 1:
             m.decode.observe(flight.last_token_at - flight.first_token_at)
-            m.tpot.observe((flight.last_token_at - flight.first_token_at) / (flight.num_tokens - 1))
+            m.tpot.observe((flight.last_token_at - flight.first_token_at) / (num_tokens - 1))
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
         """Stop a request everywhere it lives; its nodes free its KV. `reason`: what the client was told."""
@@ -333,12 +453,11 @@ class RouterCore:
 
     # ---- views --------------------------------------------------------------------------------
     def health(self) -> dict:
-        return {
-            "status": "ok" if self._serving() else "degraded",
-            "mode": self.cfg.mode,
-            "nodes": [{"role": n.role, "addr": n.addr, "up": n.up, "in_flight": len(n.requests)} for n in self.nodes],
-        }
+        nodes = [{"role": n.role, "addr": n.addr, "up": n.up, "draining": n.draining, "in_flight": len(n.requests)}
+                 for n in self.nodes]  # fmt: skip
+        status = "draining" if self.draining else "ok" if self._serving() else "degraded"
+        return {"status": status, "mode": self.cfg.mode, "waiting": len(self.waiting), "nodes": nodes}
 
     def _serving(self) -> bool:
         roles = ("colocated",) if self.cfg.mode == "colocated" else ("prefill", "decode")
-        return all(any(n.up for n in self.nodes if n.role == r) for r in roles)
+        return all(any(n.usable for n in self.nodes if n.role == r) for r in roles)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:  # fmt: skip
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers  # e.g. Retry-After on a 429
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | int | None = None) -> dict:

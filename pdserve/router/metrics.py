@@ -49,6 +49,18 @@ class RouterMetrics:
                                registry=r)  # fmt: skip
         self.requests = Counter("pdserve:requests", "Requests dispatched to the nodes.", registry=r)
         self.in_flight = Gauge("pdserve:num_requests_in_flight", "Requests the router has in flight.", registry=r)
+        self._admission(r)
+
+    def _admission(self, r: CollectorRegistry) -> None:
+        """Admission control and node loss, as the router sees them."""
+        self.waiting = Gauge("pdserve:router_requests_waiting", "Requests admitted that have no first token yet.",
+                             registry=r)  # fmt: skip
+        self.rejected = Counter("pdserve:requests_rejected", "Requests refused (429) while too many waited.",
+                                registry=r)  # fmt: skip
+        self.timed_out = Counter("pdserve:requests_timed_out", "Requests failed (503) for no first token within "
+                                 "--queue-timeout-s.", registry=r)  # fmt: skip
+        self.redispatched = Counter("pdserve:requests_redispatched", "Requests dispatched again after losing a node.",
+                                    registry=r)  # fmt: skip
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -7,6 +7,7 @@ from pydantic import BaseModel, ConfigDict
 
 import pdserve
 from pdserve.router.errors import ApiError
+from pdserve.router.limits import content_chars
 from pdserve.router.text import chat_prompt_ids
 
 router = APIRouter()
@@ -30,7 +31,8 @@ class DetokenizeBody(BaseModel):
     tokens: list[int]
 
 
-def _check_model(request: Request, model: str | None) -> None:
+def check_model(request: Request, model: str | None) -> None:
+    """404 unless `model` (when given) is a name this server serves."""
     served = request.app.state.served
     if model is not None and model not in served:
         raise ApiError(404, f"model {model!r} does not exist; this server serves {sorted(served)[0]!r}", "model",
@@ -50,21 +52,22 @@ def _tokenize(info, body: TokenizeBody) -> list[int]:
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeBody, request: Request) -> dict:
-    _check_model(request, body.model)
+    check_model(request, body.model)
     info = request.app.state.info
-    ids = _tokenize(info, body)
+    size = len(body.prompt or "") + sum(content_chars(m.get("content")) for m in body.messages or ())
+    ids = await request.app.state.offload.run(size, _tokenize, info, body)  # a large input off the event loop
     strs = info.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
     return {"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids, "token_strs": strs}
 
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeBody, request: Request) -> dict:
-    _check_model(request, body.model)
+    check_model(request, body.model)
     info = request.app.state.info
     bad = [t for t in body.tokens if not 0 <= t < info.vocab_size]
     if bad:
         raise ApiError(400, f"token id {bad[0]} is outside the vocabulary [0, {info.vocab_size})", "tokens")
-    return {"prompt": info.tokenizer.decode(body.tokens)}
+    return {"prompt": await request.app.state.offload.run(len(body.tokens), info.tokenizer.decode, body.tokens)}
 
 
 @router.get("/version")

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from pdserve.common.checkpoint import resolve_model
+from pdserve.router.limits import max_prompt_chars, max_token_chars
 
 
 @dataclass(frozen=True)
@@ -15,6 +16,7 @@ class ModelInfo:
     vocab_size: int
     max_model_len: int
     eos_token_ids: tuple[int, ...]
+    max_prompt_chars: int  # longer prompts cannot fit the context, whatever they say
 
 
 def load_model_info(model: str) -> ModelInfo:
@@ -33,7 +35,9 @@ def load_model_info(model: str) -> ModelInfo:
         tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
     eos = getattr(config, "eos_token_id", None)
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-    return ModelInfo(tokenizer, config.vocab_size, max_model_len(config), eos_ids)
+    context = max_model_len(config)
+    limit = max_prompt_chars(context, max_token_chars(tokenizer))
+    return ModelInfo(tokenizer, config.vocab_size, context, eos_ids, limit)
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:

@@ -1,0 +1,53 @@
+"""The router's HTTP server: uvicorn, bounded headers, and a SIGTERM that drains.
+
+On SIGTERM (or Ctrl-C) uvicorn stops accepting connections and waits for the open ones; meanwhile
+`RouterCore.drain` refuses new requests, lets those in flight finish for --drain-timeout-s, then
+fails the rest with a clear error (a 503 body, or an error event ending the stream). The process
+then exits with status 0. A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import FrameType
+
+import uvicorn
+from fastapi import FastAPI
+
+from pdserve.common.config import RouterConfig
+from pdserve.router.api import create_app
+from pdserve.router.limits import MAX_HEADER_BYTES
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, app: FastAPI, drain_s: float) -> None:
+        super().__init__(config)
+        self.app, self.drain_s = app, drain_s
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.drain_task: asyncio.Task | None = None
+
+    async def startup(self, sockets=None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """Unlike uvicorn's own, it does not re-raise the signal once shut down: a drained router exits 0."""
+        if self.should_exit:
+            self.force_exit = True
+            return
+        self.should_exit = True
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        core = getattr(self.app.state, "core", None)
+        if core is not None:
+            self.drain_task = asyncio.create_task(core.drain(self.drain_s))
+
+
+def serve(cfg: RouterConfig) -> None:
+    app = create_app(cfg)
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", http="h11",
+                            h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+                            timeout_graceful_shutdown=cfg.drain_timeout_s + 5)  # fmt: skip
+    DrainingServer(config, app, cfg.drain_timeout_s).run()

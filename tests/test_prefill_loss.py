@@ -1,0 +1,126 @@
+"""A prefill node killed with SIGKILL: its requests go to another prefill node (exact output), or fail
+with 503 when none is left; requests whose KV reached the decode node carry on; a restarted node rejoins."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+from helpers import Streamer, hf_greedy, mixed_workload
+from stack import Stack
+
+from pdserve.common.checkpoint import resolve_model
+
+ENGINE_ARGS = ("--max-num-batched-tokens", "32")  # slow prompts, so that the prefill nodes hold a queue
+NUM_REQUESTS = 16
+
+
+@pytest.fixture(scope="module")
+def workload():
+    prompts, outs = mixed_workload(NUM_REQUESTS, 512, seed=5, max_prompt=400, max_out=12)
+    prompts = [p if len(p) > 100 else p * (100 // len(p) + 1) for p in prompts]  # every prompt takes a while
+    return prompts, outs, hf_greedy(resolve_model("tiny"), prompts, outs)
+
+
+async def _complete(url: str, prompts, outs) -> list[httpx.Response]:
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        bodies = [{"model": "tiny", "prompt": p, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+                   "return_token_ids": True, "n": 2 if i % 4 == 0 else 1}
+                  for i, (p, n) in enumerate(zip(prompts, outs, strict=True))]  # every 4th: two choices, two requests
+
+        return await asyncio.gather(*(client.post("/v1/completions", json=b) for b in bodies))
+
+
+def _in_flight(stack: Stack, addr: str) -> int:
+    nodes = httpx.get(stack.url + "/health", timeout=10).json()["nodes"]
+    return next(n["in_flight"] for n in nodes if n["addr"] == addr)
+
+
+def _wait_for(cond, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting until {what}")
+        time.sleep(0.02)
+
+
+def _metric(stack: Stack, name: str) -> float:
+    for line in httpx.get(stack.url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"no metric {name}")
+
+
+def _token_ids(responses: list[httpx.Response]) -> list[list[int]]:
+    assert [r.status_code for r in responses] == [200] * len(responses), [r.text for r in responses][:3]
+    choices = [r.json()["choices"] for r in responses]
+    assert [len(c) for c in choices] == [2 if i % 4 == 0 else 1 for i in range(len(responses))]
+    for c in choices:  # greedy: each choice (its own engine request, moved on its own) gives the same tokens
+        assert all(x["token_ids"] == c[0]["token_ids"] for x in c), [x["token_ids"] for x in c]
+    return [c[0]["token_ids"] for c in choices]
+
+
+@pytest.mark.parametrize("transport", ["zmq", "shm"])
+def test_prefill_node_loss(tmp_path, transport, workload):
+    prompts, outs, ref = workload
+    stack = Stack(tmp_path, "tiny", mode="disagg", transport=transport, num_prefill=2,
+                  engine_args=ENGINE_ARGS).start()  # fmt: skip
+    try:
+        _requests_move_to_the_other_prefill_node(stack, prompts, outs, ref)
+        _a_restarted_prefill_node_rejoins(stack, prompts[:6], ref[:6])
+        _with_none_left_queued_requests_fail_and_decoding_ones_finish(stack)
+    finally:
+        stack.close()
+
+
+def _requests_move_to_the_other_prefill_node(stack: Stack, prompts, outs, ref) -> None:
+    victim = stack.infos["prefill0"]["listen"]
+    results = asyncio.run(_kill_while_running(stack, ["prefill0"], prompts, outs, 4))
+    assert _token_ids(results) == ref
+    assert _metric(stack, "pdserve:requests_redispatched_total") >= 1, "no request was moved: proves nothing"
+    used = stack.wait_kv_free()
+    assert not any(v for k, v in used.items() if k != victim), used
+
+
+async def _kill_while_running(stack: Stack, victims: list[str], prompts, outs, held: int) -> list[httpx.Response]:
+    """Send the requests; once the first victim holds `held` of them, SIGKILL every victim."""
+    addr = stack.infos[victims[0]]["listen"]
+    task = asyncio.create_task(_complete(stack.url, prompts, outs))
+    await asyncio.to_thread(_wait_for, lambda: _in_flight(stack, addr) >= held, f"{victims[0]} holds requests")
+    for v in victims:
+        stack.kill(v)
+    return await task
+
+
+def _a_restarted_prefill_node_rejoins(stack: Stack, prompts, ref) -> None:
+    victim = stack.infos["prefill0"]["listen"]
+    stack.restart_node("prefill0", "prefill")
+    _wait_for(lambda: all(n["up"] for n in httpx.get(stack.url + "/health", timeout=10).json()["nodes"]),
+              "the restarted prefill node is up")  # fmt: skip
+    assert _token_ids(asyncio.run(_complete(stack.url, prompts, [len(r) for r in ref]))) == ref
+    assert _node_requests(stack, victim) > 0, "the restarted prefill node took no request"
+
+
+def _node_requests(stack: Stack, addr: str) -> int:
+    for line in httpx.get(stack.url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("pdserve:node_requests_total{") and 'role="prefill"' in line and f'node="{addr}"' in line:
+            return int(float(line.rsplit(" ", 1)[1]))
+    return 0
+
+
+def _with_none_left_queued_requests_fail_and_decoding_ones_finish(stack: Stack) -> None:
+    decoding = Streamer(stack.url, 600)
+    decoding.start()
+    _wait_for(lambda: len(decoding.times) >= 2, "a request is decoding")
+    prompts = [[1 + i % 500 for i in range(1200)]] * 6
+    queued = asyncio.run(_kill_while_running(stack, ["prefill0", "prefill1"], prompts, [4] * 6, 3))
+    assert decoding.is_alive(), "the decoding request ended before the kill: the test proves nothing"
+    failed = [r for r in queued if r.status_code == 503]
+    assert failed, "every request was prefilled before the kill: the test proves nothing"
+    assert all("no prefill node is up" in r.json()["error"]["message"] for r in failed)
+    assert all(r.json()["usage"]["completion_tokens"] == 4 for r in queued if r.status_code == 200)
+    assert {r.status_code for r in queued} <= {200, 503}
+    decoding.join(timeout=120)
+    assert decoding.complete, (len(decoding.token_ids), decoding.error)
