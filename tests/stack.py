@@ -70,9 +70,13 @@ class Stack:
                 self.start_node(
                     f"decode{i}", "decode", ["--listen", ports[0], "--kv-listen", ports[1], *self.decode_args]
                 )
+        return self.start_router()
+
+    def start_router(self, extra: tuple[str, ...] = ()) -> Stack:
+        """(Re)start the router on a new port, over the running nodes."""
         port = free_port()
         argv = [sys.executable, "-m", "pdserve", "--log-level", "WARNING", "router", "--model", self.model,
-                "--port", str(port), "--node-timeout-s", "3", *self.router_args]  # fmt: skip
+                "--port", str(port), "--node-timeout-s", "3", *self.router_args, *extra]  # fmt: skip
         for role in ("colocated", "prefill", "decode"):
             addrs = [i["listen"] for n, i in self.infos.items() if n.startswith(role)]
             if addrs:
@@ -105,12 +109,12 @@ class Stack:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
 
-    def restart_node(self, name: str, role: str) -> None:
+    def restart_node(self, name: str, role: str, extra: tuple[str, ...] = ()) -> None:
         info = self.infos[name]
-        extra = ["--listen", info["listen"]]
+        argv = ["--listen", info["listen"]]
         if role == "decode":
-            extra += ["--kv-listen", info["kv_listen"], *self.decode_args]
-        self.start_node(name, role, extra)
+            argv += ["--kv-listen", info["kv_listen"], *self.decode_args]
+        self.start_node(name, role, [*argv, *extra])
 
     def close(self) -> None:
         for proc in self.procs.values():

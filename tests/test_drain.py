@@ -39,8 +39,8 @@ def _refused(url: str) -> bool:
         return True
 
 
-def test_router_sigterm_finishes_streams_then_exits_0(tmp_path):
-    stack = Stack(tmp_path, "tiny", mode="colocated").start()
+def test_router_sigterm_finishes_streams_or_past_its_grace_fails_them_clearly(tmp_path):
+    stack = Stack(tmp_path, "tiny", mode="colocated", router_args=("--drain-timeout-s", "120")).start()
     try:
         streams = _start_streams(stack.url, 4, 600)
         router = stack.procs["router"]
@@ -51,35 +51,13 @@ def test_router_sigterm_finishes_streams_then_exits_0(tmp_path):
         assert all(s.complete for s in streams), [(len(s.token_ids), s.error) for s in streams]
         assert router.wait(timeout=60) == 0
         assert stack.procs["colocated0"].poll() is None  # a router's drain leaves its nodes alone
-    finally:
-        stack.close()
 
-
-def test_router_sigterm_past_its_grace_fails_streams_clearly(tmp_path):
-    stack = Stack(tmp_path, "tiny", mode="colocated", router_args=("--drain-timeout-s", "1")).start()
-    try:
+        stack.start_router(("--drain-timeout-s", "1"))
         streams = _start_streams(stack.url, 2, 1800)
         stack.procs["router"].send_signal(signal.SIGTERM)
         _join(streams)
         assert all(not s.done and "shutting down" in s.error for s in streams), [s.error for s in streams]
         assert stack.procs["router"].wait(timeout=60) == 0
-    finally:
-        stack.close()
-
-
-def test_decode_node_sigterm_finishes_its_streams(tmp_path):
-    stack = Stack(tmp_path, "tiny", mode="disagg").start()
-    try:
-        streams = _start_streams(stack.url, 3, 600)
-        decode = stack.procs["decode0"]
-        decode.send_signal(signal.SIGTERM)
-        _wait_draining(stack, "decode")
-        r = httpx.post(stack.url + "/v1/completions", json=SHORT, timeout=30)  # no other decode node: refused
-        assert r.status_code == 503, r.text
-        _join(streams)
-        assert all(s.complete for s in streams), [(len(s.token_ids), s.error) for s in streams]
-        assert decode.wait(timeout=60) == 0
-        assert stack.procs["prefill0"].poll() is None and stack.procs["router"].poll() is None
     finally:
         stack.close()
 
@@ -95,9 +73,22 @@ def _wait_draining(stack: Stack, role: str) -> None:
     raise AssertionError(f"the router never saw the {role} node drain")
 
 
-def test_decode_node_past_its_grace_fails_streams_clearly(tmp_path):
-    stack = Stack(tmp_path, "tiny", mode="disagg", decode_args=("--drain-timeout-s", "1")).start()
+def test_decode_node_sigterm_finishes_its_streams_or_past_its_grace_fails_them_clearly(tmp_path):
+    stack = Stack(tmp_path, "tiny", mode="disagg", decode_args=("--drain-timeout-s", "120")).start()
     try:
+        streams = _start_streams(stack.url, 3, 600)
+        decode = stack.procs["decode0"]
+        decode.send_signal(signal.SIGTERM)
+        _wait_draining(stack, "decode")
+        r = httpx.post(stack.url + "/v1/completions", json=SHORT, timeout=30)  # no other decode node: refused
+        assert r.status_code == 503, r.text
+        _join(streams)
+        assert all(s.complete for s in streams), [(len(s.token_ids), s.error) for s in streams]
+        assert decode.wait(timeout=60) == 0
+        assert stack.procs["prefill0"].poll() is None and stack.procs["router"].poll() is None
+
+        stack.restart_node("decode0", "decode", ("--drain-timeout-s", "1"))
+        stack.wait_healthy(timeout=60)
         streams = _start_streams(stack.url, 2, 1800)
         stack.procs["decode0"].send_signal(signal.SIGTERM)
         _join(streams)
