@@ -109,7 +109,7 @@ def _decode_nodes(stack: Stack) -> list[dict]:
 
 def test_offers_wait_for_a_full_decode_node_beyond_the_lease(tmp_path):
     """A decode pool that holds one request at a time, a 1 s lease (four KvWaiting notices long, so that a
-    loaded host's scheduling delays do not end it), and 24 requests that each decode for a while: the later
+    loaded host's scheduling delays do not end it), and 64 requests that each decode for a while: the later
     ones wait on the decode node longer than the lease, and must still complete."""
     lease_s = 1.0
     stack = Stack(tmp_path, "tiny", mode="disagg", engine_args=("--kv-lease-s", str(lease_s)),
@@ -119,11 +119,11 @@ def test_offers_wait_for_a_full_decode_node_beyond_the_lease(tmp_path):
 
         async def all_requests():
             async with httpx.AsyncClient(base_url=stack.url, timeout=120) as client:
-                return await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(24)))
+                return await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(64)))
 
         t0 = time.monotonic()
         responses = asyncio.run(all_requests())
-        assert [r.status_code for r in responses] == [200] * 24, [r.text for r in responses if r.status_code != 200]
+        assert [r.status_code for r in responses] == [200] * 64, [r.text for r in responses if r.status_code != 200]
         assert all(r.json()["usage"]["completion_tokens"] == 68 for r in responses)
         assert time.monotonic() - t0 > 1.5 * lease_s, "the queue never outlived the lease: the test proves nothing"
         used = stack.wait_kv_free()
