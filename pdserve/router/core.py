@@ -86,6 +86,7 @@ class NodeConn:
     def member(self) -> Member:
         return Member(self.role, self.addr, self.kv_addr)
 
+    @property
     def usable(self) -> bool:
         return self.up and not self.draining
 
