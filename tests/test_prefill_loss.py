@@ -100,7 +100,8 @@ def _a_restarted_prefill_node_rejoins(stack: Stack, prompts, ref) -> None:
     _wait_for(lambda: all(n["up"] for n in httpx.get(stack.url + "/health", timeout=10).json()["nodes"]),
               "the restarted prefill node is up")  # fmt: skip
     assert _token_ids(asyncio.run(_complete(stack.url, prompts, [len(r) for r in ref]))) == ref
-    assert _node_requests(stack, victim) > 0, "the restarted prefill node took no request"
+    # node counters reach the router with the node's stats, every 0.5 s: wait for them
+    _wait_for(lambda: _node_requests(stack, victim) > 0, "the restarted prefill node took a request")
 
 
 def _node_requests(stack: Stack, addr: str) -> int:

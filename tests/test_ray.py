@@ -160,7 +160,9 @@ def _node_counter(url: str, name: str, role: str) -> dict[str, float]:
     return out
 
 
-def test_killed_decode_actor_fails_only_its_requests_and_rejoins(deployment):
+def test_a_killed_decode_actors_requests_move_on_and_it_rejoins(deployment):
+    """Killing a decode actor: the requests in flight on it are dispatched again to the surviving decode node
+    (the router's node-loss handling) and every one completes; Ray's restart brings the node back."""
     ray.get(_controller().scale.remote(1, 2))  # no-op after the scaling test
     _wait(lambda: sum(n["up"] for n in _nodes(deployment, "decode")) == 2, 120)
     results: list[int] = []
@@ -175,8 +177,8 @@ def test_killed_decode_actor_fails_only_its_requests_and_rejoins(deployment):
     ray.kill(ray.get_actor(f"{DEPLOYMENT}-{victim['key']}", namespace=RAY_NAMESPACE), no_restart=False)
     for t in threads:
         t.join(timeout=180)
-    lost = in_flight[victim["listen"]]
-    assert sorted(results) == [200] * (len(threads) - lost) + [503] * lost, (results, in_flight)
+    assert in_flight[victim["listen"]] > 0, "the victim held no request: the test proves nothing"
+    assert results == [200] * len(threads), (results, in_flight)
     # Ray restarts the actor; its new node registers and the router takes it in, in place of the dead one
     _wait(lambda: _rejoined(deployment, victim["listen"]), START_TIMEOUT_S)
     code, ids = _complete(deployment, [1, 2, 3], 4)
