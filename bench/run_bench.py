@@ -222,7 +222,9 @@ def _records_json(t0: float, records: list[RequestRecord]) -> list[dict]:
 
 def run_workload(slo: SLO, system: str, run: systems.Runner, w: Workload) -> dict:
     try:
+        before = _node_counters(run)
         t0, records = run(w, f"{system}/{w.label}")
+        counters = None if before is None else systems.counters_diff(systems.settled_counters(run), before)
     except Exception as e:  # one workload failing must not end the run
         return _failed(system, w, f"{type(e).__name__}: {e}")
     summary = summarize(records, t0, slo)
@@ -239,9 +241,15 @@ def run_workload(slo: SLO, system: str, run: systems.Runner, w: Workload) -> dic
         "summary": summary,
         "router_cpu_s": router_cpu_s,
         "router_cpu_us_per_token": cpu_per_token_us(router_cpu_s, records),
+        "node_counters": counters,  # pdserve stacks: per role, the nodes' steps and step time during the run
         "records": _records_json(t0, records),
         "tokens": [r.output_token_ids for r in records],
     }
+
+
+def _node_counters(run: systems.Runner) -> dict | None:
+    """A pdserve stack's node counters per role (from its router's /metrics); None for other systems."""
+    return systems.node_counters(run.metrics()) if isinstance(run, systems.StackRunner) else None
 
 
 def warm_up(run: systems.Runner, system: str) -> None:

@@ -34,12 +34,12 @@ import json
 import sys
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from bench.costs import Costs
 from bench.metrics import SLO, RequestRecord, max_rate_within_slo, summarize
-from bench.workloads import WORKLOADS, Workload, make_workload
+from bench.workloads import WORKLOADS, BenchRequest, Workload, make_workload
 
 
 @dataclass(frozen=True)
@@ -275,6 +275,45 @@ def goodput_rate(name: str, costs: Costs, topo: Topology, slo: SLO, rates: list[
     return max_rate_within_slo(att)
 
 
+# ---- validation against a bench run ----------------------------------------------------------------
+
+COMPARED = (("output tok/s", "output_throughput", None), ("TTFT p50", "ttft_s", "p50"), ("TTFT p99", "ttft_s", "p99"),
+            ("TPOT p50", "tpot_s", "p50"), ("TPOT p99", "tpot_s", "p99"))  # fmt: skip
+
+
+def _flag(args: list[str], name: str, default: int) -> int:
+    return int(args[args.index(name) + 1]) if name in args else default
+
+
+def bench_topology(config: dict) -> Topology:
+    """The deployment of a run_bench JSON's disagg stack (its --engine-arg flags)."""
+    args = list(config.get("engine_args", ()))
+    return Topology(_flag(args, "--num-prefill", 1), _flag(args, "--num-decode", 1), config["max_batch"],
+                    config["max_num_batched_tokens"])  # fmt: skip
+
+
+def _stat(summary: dict, key: str, stat: str | None) -> float:
+    return summary[key] if stat is None else summary[key][stat]
+
+
+def validate(run: dict, costs: Costs) -> list[dict]:
+    """Each disagg result of a run_bench JSON beside the simulation of its very requests (send times, lengths),
+    with the router's measured CPU per token: (metric, predicted, measured, error) rows."""
+    rows, topo = [], bench_topology(run["config"])
+    for res in (r for r in run["results"] if r["system"] == "disagg" and r["ok"]):
+        router = (res.get("router_cpu_us_per_token") or 0.0) / 1e6
+        reqs = tuple(BenchRequest(tuple(range(r["prompt_len"])), r["expected_output_len"], r["send_s"])
+                     for r in res["records"])  # fmt: skip
+        slo = SLO(run["config"]["slo_ttft_s"], run["config"]["slo_tpot_s"])
+        sim = summarize(simulate(Workload(res["workload"], reqs), replace(costs, router_s_per_token=router), topo),
+                        0.0, slo)  # fmt: skip
+        for label, key, stat in COMPARED:
+            pred, meas = _stat(sim, key, stat), _stat(res["summary"], key, stat)
+            rows.append({"workload": res["label"], "metric": label, "predicted": pred, "measured": meas,
+                         "error": pred / meas - 1, "router_us_per_token": router * 1e6})  # fmt: skip
+    return rows
+
+
 # ---- command line ----------------------------------------------------------------------------------
 
 
@@ -293,7 +332,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=2048, help="the model's (small: 2048)")
     p.add_argument("--slo-ttft-s", type=float, default=2.0)
     p.add_argument("--slo-tpot-s", type=float, default=0.2)
+    p.add_argument("--validate", type=Path, default=None, help="a run_bench JSON: its disagg runs vs the simulation")
     a = p.parse_args(argv)
+    if a.validate:
+        rows = validate(json.loads(a.validate.read_text()), Costs.load(a.costs))
+        print(json.dumps(rows, indent=1))
+        return 0
     try:
         topo = Topology(a.prefill, a.decode, a.max_num_seqs, a.max_num_batched_tokens)
         w = make_workload(a.workload, a.vocab_size, a.max_model_len, a.seed, a.rate, a.num_requests)
