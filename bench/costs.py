@@ -30,7 +30,7 @@ PREFILL_SHAPES = ((16, 0), (64, 0), (128, 0), (256, 0), (512, 0), (512, 512), (5
                   (128, 1024), (256, 512))  # fmt: skip  # (chunk tokens, past tokens)
 DECODE_BATCHES = (1, 2, 4, 8, 16)
 DECODE_CONTEXTS = (64, 256, 768)
-DECODE_STEPS = 6
+DECODE_STEPS = 12  # the median of these is the sample: steps on a shared machine have outliers
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ def measure_prefill(model: str, repeats: int = 3) -> list[dict]:
 
 
 def measure_decode(model: str) -> list[dict]:
-    """(batch, total context, seconds) of decode steps after the batch's prompts are in."""
+    """(batch, mean total context, median seconds) of decode steps after the batch's prompts are in."""
     samples = []
     engine = _engine(model, prefill_only=False, max_tokens_budget=2048)
     for ctx in DECODE_CONTEXTS:
@@ -129,9 +129,11 @@ def measure_decode(model: str) -> list[dict]:
                 engine.add(req)
             while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in reqs):
                 engine.step()  # prompts (and the first decode step, untimed as a warm-up)
+            contexts, times = [], []
             for _ in range(DECODE_STEPS):
-                context = sum(r.num_tokens for r in reqs)
-                samples.append({"batch": batch, "context": context, "s": _timed_step(engine)})
+                contexts.append(sum(r.num_tokens for r in reqs))
+                times.append(_timed_step(engine))
+            samples.append({"batch": batch, "context": float(np.mean(contexts)), "s": float(np.median(times))})
             while engine.has_work():
                 engine.step()
     return samples

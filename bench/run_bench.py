@@ -249,7 +249,7 @@ def run_workload(slo: SLO, system: str, run: systems.Runner, w: Workload) -> dic
 
 def _node_counters(run: systems.Runner) -> dict | None:
     """A pdserve stack's node counters per role (from its router's /metrics); None for other systems."""
-    return systems.node_counters(run.metrics()) if isinstance(run, systems.StackRunner) else None
+    return systems.settled_counters(run) if isinstance(run, systems.StackRunner) else None
 
 
 def warm_up(run: systems.Runner, system: str) -> None:

@@ -123,6 +123,7 @@ class Node:
         self.running: list[SimRequest] = []
         self.assigned: set[SimRequest] = set()  # the router's view: requests it sent here, not yet gone
         self.asleep = True
+        self.steps, self.step_time_s = 0, 0.0  # as the nodes count them
 
     def deliver(self, msg: tuple[str, SimRequest]) -> None:
         self.inbox.append(msg)
@@ -140,6 +141,8 @@ class Node:
             if not self.asleep:
                 self.clock.at(self.clock.now, self.iterate)
             return
+        self.steps += 1
+        self.step_time_s += duration
         self.clock.at(self.clock.now + duration, lambda: self._end_step(done))
 
     def _end_step(self, done: Callable[[], None]) -> None:
@@ -243,8 +246,9 @@ class DecodeNode(Node):
 # ---- running a workload ----------------------------------------------------------------------------
 
 
-def simulate(workload: Workload, costs: Costs, topo: Topology) -> list[RequestRecord]:
-    """Every request of `workload` through the simulated deployment; times in seconds from its start."""
+def simulate(workload: Workload, costs: Costs, topo: Topology, counters: dict | None = None) -> list[RequestRecord]:
+    """Every request of `workload` through the simulated deployment; times in seconds from its start. `counters`,
+    if given, gets each role's steps and step time summed over its nodes (as bench records the real nodes')."""
     clock = Clock()
     router = Router(clock, costs)
     router.prefill = [PrefillNode(clock, costs, topo, router) for _ in range(topo.num_prefill)]
@@ -253,6 +257,9 @@ def simulate(workload: Workload, costs: Costs, topo: Topology) -> list[RequestRe
     for req in reqs:
         clock.at(req.arrival, lambda req=req: router.submit(req))
     clock.run()
+    if counters is not None:
+        for role, nodes in (("prefill", router.prefill), ("decode", router.decode)):
+            counters[role] = {"steps": sum(n.steps for n in nodes), "step_time_s": sum(n.step_time_s for n in nodes)}
     return [RequestRecord(r.arrival, r.output_len, r.prompt_len, r.token_times) for r in reqs]
 
 
@@ -278,7 +285,8 @@ def goodput_rate(name: str, costs: Costs, topo: Topology, slo: SLO, rates: list[
 # ---- validation against a bench run ----------------------------------------------------------------
 
 COMPARED = (("output tok/s", "output_throughput", None), ("TTFT p50", "ttft_s", "p50"), ("TTFT p99", "ttft_s", "p99"),
-            ("TPOT p50", "tpot_s", "p50"), ("TPOT p99", "tpot_s", "p99"))  # fmt: skip
+            ("TPOT p50", "tpot_s", "p50"), ("TPOT p99", "tpot_s", "p99"), ("prefill mean step", "prefill_step", None),
+            ("decode mean step", "decode_step", None))  # fmt: skip
 
 
 def _flag(args: list[str], name: str, default: int) -> int:
@@ -292,25 +300,60 @@ def bench_topology(config: dict) -> Topology:
                     config["max_num_batched_tokens"])  # fmt: skip
 
 
-def _stat(summary: dict, key: str, stat: str | None) -> float:
-    return summary[key] if stat is None else summary[key][stat]
+def _mean_step(counters: dict, role: str) -> float | None:
+    c = counters.get(role, {})
+    return c["step_time_s"] / c["steps"] if c.get("steps") else None
+
+
+def _ratio(measured: float | None, simulated: float | None) -> float:
+    return measured / simulated if measured and simulated else 1.0
+
+
+def _stat(summary: dict, key: str, stat: str | None) -> float | None:
+    value = summary.get(key)
+    return value if stat is None or value is None else value[stat]
+
+
+def scaled(costs: Costs, prefill: float, decode: float) -> Costs:
+    """`costs` with every prefill term times `prefill` and every decode term times `decode`."""
+    return replace(costs, prefill_base_s=costs.prefill_base_s * prefill,
+                   prefill_per_token_s=costs.prefill_per_token_s * prefill,
+                   prefill_per_token_ctx_s=costs.prefill_per_token_ctx_s * prefill,
+                   decode_base_s=costs.decode_base_s * decode, decode_per_seq_s=costs.decode_per_seq_s * decode,
+                   decode_per_ctx_token_s=costs.decode_per_ctx_token_s * decode)  # fmt: skip
+
+
+def _simulated(res: dict, costs: Costs, topo: Topology, slo: SLO) -> dict:
+    """bench's summary of `res`'s very requests (send times, lengths) simulated, with mean steps per role."""
+    reqs = tuple(BenchRequest(tuple(range(r["prompt_len"])), r["expected_output_len"], r["send_s"])
+                 for r in res["records"])  # fmt: skip
+    counts: dict = {}
+    summary = summarize(simulate(Workload(res["workload"], reqs), costs, topo, counts), 0.0, slo)
+    return {**summary, **{f"{role}_step": _mean_step(counts, role) for role in ("prefill", "decode")}}
 
 
 def validate(run: dict, costs: Costs) -> list[dict]:
-    """Each disagg result of a run_bench JSON beside the simulation of its very requests (send times, lengths),
-    with the router's measured CPU per token: (metric, predicted, measured, error) rows."""
+    """Each disagg result of a run_bench JSON beside the simulation of its very requests, with the router's
+    measured CPU per token: (metric, predicted, measured, error) rows. `calibrated` reruns the simulation with
+    each role's step costs scaled so its mean step equals the one measured in the stack (the CPU the node really
+    got on shared cores): it checks the model's queueing and hand-offs apart from the cost level."""
     rows, topo = [], bench_topology(run["config"])
+    slo = SLO(run["config"]["slo_ttft_s"], run["config"]["slo_tpot_s"])
     for res in (r for r in run["results"] if r["system"] == "disagg" and r["ok"]):
         router = (res.get("router_cpu_us_per_token") or 0.0) / 1e6
-        reqs = tuple(BenchRequest(tuple(range(r["prompt_len"])), r["expected_output_len"], r["send_s"])
-                     for r in res["records"])  # fmt: skip
-        slo = SLO(run["config"]["slo_ttft_s"], run["config"]["slo_tpot_s"])
-        sim = summarize(simulate(Workload(res["workload"], reqs), replace(costs, router_s_per_token=router), topo),
-                        0.0, slo)  # fmt: skip
+        base = replace(costs, router_s_per_token=router)
+        measured = {**res["summary"], **{f"{role}_step": _mean_step(res.get("node_counters") or {}, role)
+                                         for role in ("prefill", "decode")}}  # fmt: skip
+        sim = _simulated(res, base, topo, slo)
+        factor = {role: _ratio(measured[f"{role}_step"], sim[f"{role}_step"]) for role in ("prefill", "decode")}
+        cal = _simulated(res, scaled(base, factor["prefill"], factor["decode"]), topo, slo)
         for label, key, stat in COMPARED:
-            pred, meas = _stat(sim, key, stat), _stat(res["summary"], key, stat)
+            pred, meas, calib = _stat(sim, key, stat), _stat(measured, key, stat), _stat(cal, key, stat)
+            if pred is None or meas is None:
+                continue
             rows.append({"workload": res["label"], "metric": label, "predicted": pred, "measured": meas,
-                         "error": pred / meas - 1, "router_us_per_token": router * 1e6})  # fmt: skip
+                         "error": pred / meas - 1, "calibrated": calib, "calibrated_error": calib / meas - 1,
+                         "router_us_per_token": router * 1e6, "cost_factors": factor})  # fmt: skip
     return rows
 
 
