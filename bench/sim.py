@@ -357,6 +357,24 @@ def validate(run: dict, costs: Costs) -> list[dict]:
     return rows
 
 
+def _fmt(metric: str, value: float) -> str:
+    return f"{value:.1f}" if metric.startswith("output") else f"{value * 1e3:.0f} ms"
+
+
+def validation_markdown(runs: list[tuple[str, dict, list[dict]]]) -> str:
+    """One table: per run (name, run_bench JSON, `validate` rows) and metric, predicted vs measured."""
+    lines = ["| run | load 1-min (start→end) | metric | predicted | measured | error | calibrated | error |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for name, run, rows in runs:
+        env = run["environment"]
+        load = f"{env['loadavg_at_start'][0]:.1f}→{env['loadavg_at_end'][0]:.1f}"
+        for r in rows:
+            m, err, cal_err = r["metric"], r["error"], r["calibrated_error"]
+            lines.append(f"| {name} | {load} | {m} | {_fmt(m, r['predicted'])} | {_fmt(m, r['measured'])} | "
+                         f"{err:+.0%} | {_fmt(m, r['calibrated'])} | {cal_err:+.0%} |")  # fmt: skip
+    return "\n".join(lines)
+
+
 # ---- command line ----------------------------------------------------------------------------------
 
 
@@ -375,11 +393,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=2048, help="the model's (small: 2048)")
     p.add_argument("--slo-ttft-s", type=float, default=2.0)
     p.add_argument("--slo-tpot-s", type=float, default=0.2)
-    p.add_argument("--validate", type=Path, default=None, help="a run_bench JSON: its disagg runs vs the simulation")
+    p.add_argument("--validate", type=Path, nargs="*", default=[], help="run_bench JSONs: disagg runs vs simulation")
+    p.add_argument("--json", action="store_true", help="with --validate: JSON rows instead of a Markdown table")
     a = p.parse_args(argv)
     if a.validate:
-        rows = validate(json.loads(a.validate.read_text()), Costs.load(a.costs))
-        print(json.dumps(rows, indent=1))
+        runs = [(f.stem, run := json.loads(f.read_text()), validate(run, Costs.load(a.costs))) for f in a.validate]
+        print(json.dumps([r for *_, rows in runs for r in rows], indent=1) if a.json else validation_markdown(runs))
         return 0
     try:
         topo = Topology(a.prefill, a.decode, a.max_num_seqs, a.max_num_batched_tokens)
