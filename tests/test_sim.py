@@ -88,3 +88,21 @@ def test_fit_recovers_the_coefficients_of_exact_samples() -> None:
 def test_costs_refuse_a_link_without_bandwidth() -> None:
     with pytest.raises(ValueError, match="bandwidth"):
         Costs(0.0, 1e-3, 0.0, 1e-2, 0.0, 0.0, 10, 0.0)
+
+
+def test_validating_a_run_the_simulator_made_finds_no_error() -> None:
+    from bench.metrics import SLO, summarize
+    from bench.sim import validate
+
+    w = make_workload("sharegpt_like", 1000, 2048, seed=2, rate=3.0, num_requests=24)
+    counts: dict = {}
+    recs = simulate(w, COSTS, Topology(2, 1), counts)
+    records = [{"send_s": r.send_time, "token_s": r.token_times, "expected_output_len": r.expected_output_len,
+                "prompt_len": r.num_prompt_tokens} for r in recs]  # fmt: skip
+    result = {"system": "disagg", "ok": True, "workload": w.name, "label": w.label, "records": records,
+              "summary": summarize(recs, 0.0, SLO(2.0, 0.2)), "node_counters": counts}  # fmt: skip
+    config = {"engine_args": ["--num-prefill", "2"], "max_batch": 16, "max_num_batched_tokens": 512,
+              "slo_ttft_s": 2.0, "slo_tpot_s": 0.2}  # fmt: skip
+    rows = validate({"config": config, "results": [result]}, COSTS)
+    assert len(rows) == 7
+    assert all(abs(r["error"]) < 1e-9 and abs(r["calibrated_error"]) < 1e-9 for r in rows)
