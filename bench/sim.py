@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from bench.costs import Costs
-from bench.metrics import SLO, RequestRecord, max_rate_within_slo, summarize
+from bench.metrics import SLO, RequestRecord, summarize
 from bench.workloads import WORKLOADS, BenchRequest, Workload, make_workload
 
 
@@ -270,16 +270,6 @@ def predict(workload: Workload, costs: Costs, topo: Topology, slo: SLO) -> dict:
     tokens = summary["total_output_tokens"]
     summary["router_busy_share"] = tokens * costs.router_s_per_token / summary["wall_s"] if tokens else 0.0
     return summary
-
-
-def goodput_rate(name: str, costs: Costs, topo: Topology, slo: SLO, rates: list[float], vocab: int,
-                 max_len: int, num_requests: int, seed: int = 0) -> float | None:  # fmt: skip
-    """DistServe's goodput: the highest of `rates` (Poisson) with >= 90% of requests within the SLO."""
-    att = {}
-    for rate in rates:
-        w = make_workload(name, vocab, max_len, seed, rate, num_requests)
-        att[rate] = summarize(simulate(w, costs, topo), 0.0, slo)["slo_attainment"]
-    return max_rate_within_slo(att)
 
 
 # ---- validation against a bench run ----------------------------------------------------------------
