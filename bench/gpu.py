@@ -54,8 +54,6 @@ MIN_SYSTEM_S = 45.0  # a system is not started with less time left than this
 FINISH_MARGIN_S = 15.0  # kept back from each run's time limit, to stop the system and write the report
 COPY_BYTES = 256 * 2**20
 COPY_REPEATS = 20
-METRICS_SETTLE_S = 0.6  # nodes send their counters to the router every 0.5 s
-METRICS_TRIES = 10
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 STEP_HEADER = (
     "| system | node | steps | mean batch | mean step (ms) | weights + KV / step (GB) | floor (ms) | step/floor |"
@@ -232,38 +230,6 @@ def model_figures(config, cfg: GpuBenchConfig, workload: Workload) -> dict:
 # ---- node counters ---------------------------------------------------------------------------------
 
 
-def node_counters(metrics_text: str) -> dict[str, dict[str, float]]:
-    """`pdserve:node_<counter>_total{role=...,node=...} value` lines (the router's /metrics), summed per role."""
-    roles: dict[str, dict[str, float]] = {}
-    for line in metrics_text.splitlines():
-        if not line.startswith("pdserve:node_") or "{" not in line or 'role="' not in line:
-            continue
-        name, rest = line.split("{", 1)
-        role = rest.split('role="', 1)[1].split('"', 1)[0]
-        counters = roles.setdefault(role, {})
-        key = name.removeprefix("pdserve:node_").removesuffix("_total")
-        counters[key] = counters.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
-    return roles
-
-
-def counters_diff(after: dict, before: dict) -> dict[str, dict[str, float]]:
-    return {
-        role: {k: v - before.get(role, {}).get(k, 0.0) for k, v in counts.items()} for role, counts in after.items()
-    }
-
-
-def settled_counters(run: systems.StackRunner) -> dict[str, dict[str, float]]:
-    """The nodes' counters once two reads a stats period apart agree (they reach the router every 0.5 s)."""
-    last = node_counters(run.metrics())
-    for _ in range(METRICS_TRIES):
-        time.sleep(METRICS_SETTLE_S)
-        now = node_counters(run.metrics())
-        if now == last:
-            break
-        last = now
-    return last
-
-
 def decode_step(counts: dict, role: str, figures: dict, hw: dict) -> dict | None:
     """The node's mean step beside its memory floor (weights + mean KV per step over memory bandwidth)."""
     c = counts.get(role, {})
@@ -351,10 +317,10 @@ def run_system(cfg: GpuBenchConfig, system: str, w: Workload, hf: HfModel, ctx: 
     try:
         with open_system(cfg, system, hf, deadline - FINISH_MARGIN_S) as run:
             warm_up(run, system)
-            before = settled_counters(run) if isinstance(run, systems.StackRunner) else {}
+            before = systems.settled_counters(run) if isinstance(run, systems.StackRunner) else {}
             result = run_workload(cfg.slo, system, run, w)
             if isinstance(run, systems.StackRunner):
-                add_node_figures(result, counters_diff(settled_counters(run), before), system, ctx)
+                add_node_figures(result, systems.counters_diff(systems.settled_counters(run), before), system, ctx)
     except Exception as e:  # a system that fails is reported; the others still run
         print(f"bench.gpu: {system} failed: {type(e).__name__}: {e}", file=sys.stderr)
         result = _not_run(system, w, f"{type(e).__name__}: {e}")

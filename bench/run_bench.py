@@ -60,6 +60,7 @@ class BenchConfig:
     slo_ttft_s: float = 2.0
     slo_tpot_s: float = 0.2
     kv_transport: str = "zmq"
+    engine_args: tuple[str, ...] = ()  # extra `pdserve up` flags, e.g. --num-prefill 2
     threads: int = 2
     overhead: bool = True
     name: str = "bench"
@@ -105,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slo-ttft-s", type=float, default=2.0)
     p.add_argument("--slo-tpot-s", type=float, default=0.2)
     p.add_argument("--kv-transport", default="zmq", choices=["zmq", "shm", "cuda_ipc"], help="for disagg")
+    p.add_argument("--engine-arg", action="append", default=[], dest="engine_args", metavar="FLAG",
+                   help="an extra `pdserve up` flag, e.g. --engine-arg=--num-prefill --engine-arg=2")  # fmt: skip
     p.add_argument("--threads", type=int, default=2, help="torch threads of the in-process systems")
     p.add_argument("--no-overhead", action="store_true", help="skip the engine-overhead floor")
     p.add_argument("--name", default=None, help="results file stem (default: <model>[-quick])")
@@ -130,6 +133,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         "systems": tuple(a.systems),
         "external": _external(a.external),
         "rates": tuple(a.rates),
+        "engine_args": tuple(a.engine_args),
         "overhead": not a.no_overhead,
         "name": a.name or (f"{a.model}-quick" if a.quick else a.model),
         "progress": not a.no_progress,
@@ -187,6 +191,7 @@ def open_system(cfg: BenchConfig, system: str, hf: LazyModel) -> AbstractContext
             cfg.kv_cache_gb,
             cfg.kv_transport,
             cfg.out_dir / cfg.name,
+            cfg.engine_args,
         )
         return systems.pdserve_stack(opts, system, cfg.progress)
     if system == "static":
@@ -217,7 +222,9 @@ def _records_json(t0: float, records: list[RequestRecord]) -> list[dict]:
 
 def run_workload(slo: SLO, system: str, run: systems.Runner, w: Workload) -> dict:
     try:
+        before = _node_counters(run)
         t0, records = run(w, f"{system}/{w.label}")
+        counters = None if before is None else systems.counters_diff(systems.settled_counters(run), before)
     except Exception as e:  # one workload failing must not end the run
         return _failed(system, w, f"{type(e).__name__}: {e}")
     summary = summarize(records, t0, slo)
@@ -234,9 +241,15 @@ def run_workload(slo: SLO, system: str, run: systems.Runner, w: Workload) -> dic
         "summary": summary,
         "router_cpu_s": router_cpu_s,
         "router_cpu_us_per_token": cpu_per_token_us(router_cpu_s, records),
+        "node_counters": counters,  # pdserve stacks: per role, the nodes' steps and step time during the run
         "records": _records_json(t0, records),
         "tokens": [r.output_token_ids for r in records],
     }
+
+
+def _node_counters(run: systems.Runner) -> dict | None:
+    """A pdserve stack's node counters per role (from its router's /metrics); None for other systems."""
+    return systems.settled_counters(run) if isinstance(run, systems.StackRunner) else None
 
 
 def warm_up(run: systems.Runner, system: str) -> None:

@@ -40,6 +40,8 @@ Runner = Callable[[Workload, str], tuple[float, list[RequestRecord]]]
 
 CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 METRICS_TIMEOUT_S = 10.0
+METRICS_SETTLE_S = 0.6  # nodes send their counters to the router every 0.5 s
+METRICS_TRIES = 10
 
 
 class SystemFailed(RuntimeError):
@@ -224,6 +226,38 @@ class StackRunner:
 
     def metrics(self) -> str:
         return httpx.get(f"{self.target.base_url}/metrics", timeout=METRICS_TIMEOUT_S).text
+
+
+def node_counters(metrics_text: str) -> dict[str, dict[str, float]]:
+    """`pdserve:node_<counter>_total{role=...,node=...} value` lines (the router's /metrics), summed per role."""
+    roles: dict[str, dict[str, float]] = {}
+    for line in metrics_text.splitlines():
+        if not line.startswith("pdserve:node_") or "{" not in line or 'role="' not in line:
+            continue
+        name, rest = line.split("{", 1)
+        role = rest.split('role="', 1)[1].split('"', 1)[0]
+        counters = roles.setdefault(role, {})
+        key = name.removeprefix("pdserve:node_").removesuffix("_total")
+        counters[key] = counters.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return roles
+
+
+def counters_diff(after: dict, before: dict) -> dict[str, dict[str, float]]:
+    return {
+        role: {k: v - before.get(role, {}).get(k, 0.0) for k, v in counts.items()} for role, counts in after.items()
+    }
+
+
+def settled_counters(run: StackRunner) -> dict[str, dict[str, float]]:
+    """The nodes' counters once two reads a stats period apart agree (they reach the router every 0.5 s)."""
+    last = node_counters(run.metrics())
+    for _ in range(METRICS_TRIES):
+        time.sleep(METRICS_SETTLE_S)
+        now = node_counters(run.metrics())
+        if now == last:
+            break
+        last = now
+    return last
 
 
 @contextmanager

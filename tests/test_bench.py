@@ -40,10 +40,10 @@ def test_decode_context_counts_each_decode_steps_context():
 
 
 def test_node_counters_are_summed_per_role_and_diffed():
-    counts = gpu.node_counters(METRICS)
+    counts = systems.node_counters(METRICS)
     assert counts["decode"] == {"steps": 15.0, "step_time_s": 0.5}
     assert counts["prefill"]["kv_transfer_bytes"] == 3e9
-    diff = gpu.counters_diff(counts, {"decode": {"steps": 5.0, "step_time_s": 0.1}})
+    diff = systems.counters_diff(counts, {"decode": {"steps": 5.0, "step_time_s": 0.1}})
     assert diff["decode"] == {"steps": 10.0, "step_time_s": 0.4} and diff["prefill"] == counts["prefill"]
 
 
@@ -55,7 +55,7 @@ def test_decode_step_floor_is_weights_plus_mean_kv_over_memory_bandwidth():
     assert d["floor_ms"] == pytest.approx(1.02) and d["mean_step_ms"] == pytest.approx(2.04)
     assert d["step_over_floor"] == pytest.approx(2.0) and d["mean_batch"] == 64
     assert gpu.decode_step({}, "decode", figures, hw) is None
-    kv = gpu.kv_transfer(gpu.node_counters(METRICS), hw)
+    kv = gpu.kv_transfer(systems.node_counters(METRICS), hw)
     assert kv["GBps"] == pytest.approx(2.0) and kv["share_of_copy"] == pytest.approx(0.02)
 
 

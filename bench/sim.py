@@ -1,0 +1,404 @@
+"""A discrete-event simulator of a disaggregated pdserve deployment: router, P prefill and D decode nodes, KV links.
+
+    python -m bench.sim --costs bench/results/costs-small.json --prefill 1 --decode 1 --workload sharegpt_like
+
+It plays what pdserve does, step by step, with each step's duration from a cost model measured on the real
+engine (bench/costs.py), and hands back bench's own `RequestRecord`s, so every metric (TTFT, TPOT, throughput,
+goodput) comes from bench/metrics.py. Pure Python, deterministic: the same workload gives the same result.
+
+What it models (pdserve/common/scheduler.py, node.py, prefill_node, decode_node, router/core.py):
+1. Router: a request is sent at its arrival to the least loaded prefill node and decode node (fewest requests
+   assigned; ties to the lower index). A request counts on its prefill node until the decode node's first token
+   reaches the router, on its decode node until it ends. Each token event costs the router `router_s_per_token`
+   of CPU, served FIFO by its one event loop.
+2. A node's loop: drain the messages that came in, run one step, then its chores; while it has no work it
+   waits for a message. Messages that arrive during a step wait for the step's end.
+3. Prefill step: running requests first, then waiting ones FCFS, each as many prompt tokens as the token budget
+   (`max_num_batched_tokens`) leaves, at most `max_num_seqs` running. A request whose prompt completes samples
+   its first token (streamed to the router at the step's end) and offers its KV to its decode node.
+4. Decode node: an offer is drained before a step, its blocks are reserved in the chores after that step, and
+   the pull goes to the prefill node, which sends the KV when it next drains; the KV takes `transfer_s` over the
+   pair's link (one transfer at a time per link), and is landed when the decode node next drains, joining the
+   batch in that iteration (at most `max_num_seqs` running, FCFS). Each decode step makes one token per request.
+
+Not modelled: KV pool capacity and preemption (pools are assumed large enough), the nodes' CPU for packing and
+unpacking KV (the link time stands for it), HTTP and tokenization in the router, the load generator's own CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import itertools
+import json
+import sys
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from bench.costs import Costs
+from bench.metrics import SLO, RequestRecord, summarize
+from bench.workloads import WORKLOADS, BenchRequest, Workload, make_workload
+
+
+@dataclass(frozen=True)
+class Topology:
+    num_prefill: int = 1
+    num_decode: int = 1
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+
+    def __post_init__(self) -> None:
+        if min(self.num_prefill, self.num_decode, self.max_num_seqs, self.max_num_batched_tokens) < 1:
+            raise ValueError("node counts, --max-num-seqs and --max-num-batched-tokens must be at least 1")
+
+
+@dataclass(eq=False)
+class SimRequest:
+    index: int
+    arrival: float
+    prompt_len: int
+    output_len: int
+    computed: int = 0  # tokens whose KV is computed (prompt, then outputs)
+    outputs: int = 0  # tokens sampled
+    prefill: PrefillNode | None = None
+    decode: DecodeNode | None = None
+    token_times: list[float] = field(default_factory=list)  # at the client, after the router
+
+    @property
+    def context(self) -> int:
+        return self.prompt_len + self.outputs
+
+
+class Clock:
+    """The event queue: (time, order, action), run in time order; ties in the order they were scheduled."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._order = itertools.count()
+
+    def at(self, t: float, action: Callable[[], None]) -> None:
+        heapq.heappush(self._heap, (t, next(self._order), action))
+
+    def run(self) -> None:
+        while self._heap:
+            self.now, _, action = heapq.heappop(self._heap)
+            action()
+
+
+class Router:
+    def __init__(self, clock: Clock, costs: Costs) -> None:
+        self.clock, self.costs = clock, costs
+        self.free_at = 0.0  # the event loop's next free moment
+        self.prefill: list[PrefillNode] = []
+        self.decode: list[DecodeNode] = []
+
+    def submit(self, req: SimRequest) -> None:
+        req.prefill = min(self.prefill, key=lambda n: len(n.assigned))
+        req.decode = min(self.decode, key=lambda n: len(n.assigned))
+        req.prefill.assigned.add(req)
+        req.decode.assigned.add(req)
+        req.prefill.deliver(("generate", req))
+
+    def token(self, req: SimRequest, from_decode: bool) -> None:
+        """A token event reaches the router now; the client sees it once the loop has served it."""
+        if from_decode:
+            req.prefill.assigned.discard(req)
+        self.free_at = max(self.clock.now, self.free_at) + self.costs.router_s_per_token
+        req.token_times.append(self.free_at)
+        if req.outputs == req.output_len:
+            req.prefill.assigned.discard(req)
+            req.decode.assigned.discard(req)
+
+
+class Node:
+    """A node's loop: drain, step, chores. `step` returns the step's duration and what to do at its end."""
+
+    def __init__(self, clock: Clock, costs: Costs, topo: Topology, router: Router) -> None:
+        self.clock, self.costs, self.topo, self.router = clock, costs, topo, router
+        self.inbox: deque[tuple[str, SimRequest]] = deque()
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        self.assigned: set[SimRequest] = set()  # the router's view: requests it sent here, not yet gone
+        self.asleep = True
+        self.steps, self.step_time_s = 0, 0.0  # as the nodes count them
+
+    def deliver(self, msg: tuple[str, SimRequest]) -> None:
+        self.inbox.append(msg)
+        if self.asleep:
+            self.asleep = False
+            self.clock.at(self.clock.now, self.iterate)
+
+    def iterate(self) -> None:
+        while self.inbox:
+            self.handle(*self.inbox.popleft())
+        duration, done = self.step()
+        if duration is None:
+            self.chores()
+            self.asleep = not self.inbox
+            if not self.asleep:
+                self.clock.at(self.clock.now, self.iterate)
+            return
+        self.steps += 1
+        self.step_time_s += duration
+        self.clock.at(self.clock.now + duration, lambda: self._end_step(done))
+
+    def _end_step(self, done: Callable[[], None]) -> None:
+        done()
+        self.chores()
+        self.iterate()
+
+    def handle(self, kind: str, req: SimRequest) -> None:
+        raise NotImplementedError
+
+    def step(self) -> tuple[float | None, Callable[[], None]]:
+        raise NotImplementedError
+
+    def chores(self) -> None:
+        pass
+
+
+class PrefillNode(Node):
+    def handle(self, kind: str, req: SimRequest) -> None:
+        if kind == "generate":
+            self.waiting.append(req)
+        else:  # "pull": send the KV over the pair's link
+            req.decode.receive_kv(req)
+
+    def _schedule(self) -> list[tuple[SimRequest, int]]:
+        """(request, new tokens) of one iteration: running first, then waiting FCFS, within the budgets."""
+        chunks, budget = [], self.topo.max_num_batched_tokens
+        for req in self.running:
+            n = min(req.prompt_len - req.computed, budget)
+            if n:
+                chunks.append((req, n))
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.topo.max_num_seqs:
+            req = self.waiting.popleft()
+            self.running.append(req)
+            n = min(req.prompt_len, budget)
+            chunks.append((req, n))
+            budget -= n
+        return chunks
+
+    def step(self) -> tuple[float | None, Callable[[], None]]:
+        chunks = self._schedule()
+        if not chunks:
+            return None, lambda: None
+        cost = self.costs.prefill_step_s([(n, req.computed) for req, n in chunks])
+        return cost, lambda: self._advance(chunks)
+
+    def _advance(self, chunks: list[tuple[SimRequest, int]]) -> None:
+        for req, n in chunks:
+            req.computed += n
+            if req.computed == req.prompt_len:
+                self.running.remove(req)
+                req.outputs = 1
+                self.router.token(req, from_decode=False)
+                if req.output_len > 1:
+                    req.decode.deliver(("offer", req))
+
+
+class DecodeNode(Node):
+    def __init__(self, clock: Clock, costs: Costs, topo: Topology, router: Router) -> None:
+        super().__init__(clock, costs, topo, router)
+        self.offers: deque[SimRequest] = deque()
+        self.links: dict[PrefillNode, float] = {}  # each prefill peer's link: free from this time on
+
+    def handle(self, kind: str, req: SimRequest) -> None:
+        if kind == "offer":
+            self.offers.append(req)
+        else:  # "kv": landed, joins the queue with its prompt computed
+            req.computed = req.prompt_len
+            self.waiting.append(req)
+
+    def chores(self) -> None:
+        while self.offers:  # blocks reserved (room assumed), pulls sent
+            req = self.offers.popleft()
+            req.prefill.deliver(("pull", req))
+
+    def receive_kv(self, req: SimRequest) -> None:
+        """The prefill node sends `req`'s KV now; it reaches this node after the link's queue and its time."""
+        start = max(self.clock.now, self.links.get(req.prefill, 0.0))
+        self.links[req.prefill] = end = start + self.costs.transfer_s(req.prompt_len)
+        self.clock.at(end, lambda: self.deliver(("kv", req)))
+
+    def step(self) -> tuple[float | None, Callable[[], None]]:
+        while self.waiting and len(self.running) < self.topo.max_num_seqs:
+            self.running.append(self.waiting.popleft())
+        if not self.running:
+            return None, lambda: None
+        batch = list(self.running)
+        cost = self.costs.decode_step_s(len(batch), sum(r.context for r in batch))
+        return cost, lambda: self._advance(batch)
+
+    def _advance(self, batch: list[SimRequest]) -> None:
+        for req in batch:
+            req.computed += 1
+            req.outputs += 1
+            if req.outputs == req.output_len:
+                self.running.remove(req)
+            self.router.token(req, from_decode=True)
+
+
+# ---- running a workload ----------------------------------------------------------------------------
+
+
+def simulate(workload: Workload, costs: Costs, topo: Topology, counters: dict | None = None) -> list[RequestRecord]:
+    """Every request of `workload` through the simulated deployment; times in seconds from its start. `counters`,
+    if given, gets each role's steps and step time summed over its nodes (as bench records the real nodes')."""
+    clock = Clock()
+    router = Router(clock, costs)
+    router.prefill = [PrefillNode(clock, costs, topo, router) for _ in range(topo.num_prefill)]
+    router.decode = [DecodeNode(clock, costs, topo, router) for _ in range(topo.num_decode)]
+    reqs = [SimRequest(i, r.arrival_s, len(r.prompt_token_ids), r.output_len) for i, r in enumerate(workload.requests)]
+    for req in reqs:
+        clock.at(req.arrival, lambda req=req: router.submit(req))
+    clock.run()
+    if counters is not None:
+        for role, nodes in (("prefill", router.prefill), ("decode", router.decode)):
+            counters[role] = {"steps": sum(n.steps for n in nodes), "step_time_s": sum(n.step_time_s for n in nodes)}
+    return [RequestRecord(r.arrival, r.output_len, r.prompt_len, r.token_times) for r in reqs]
+
+
+def predict(workload: Workload, costs: Costs, topo: Topology, slo: SLO) -> dict:
+    """bench's summary (bench/metrics.py) of the simulated run, plus the router's busy share."""
+    records = simulate(workload, costs, topo)
+    summary = summarize(records, 0.0, slo)
+    tokens = summary["total_output_tokens"]
+    summary["router_busy_share"] = tokens * costs.router_s_per_token / summary["wall_s"] if tokens else 0.0
+    return summary
+
+
+# ---- validation against a bench run ----------------------------------------------------------------
+
+COMPARED = (("output tok/s", "output_throughput", None), ("TTFT p50", "ttft_s", "p50"), ("TTFT p99", "ttft_s", "p99"),
+            ("TPOT p50", "tpot_s", "p50"), ("TPOT p99", "tpot_s", "p99"), ("prefill mean step", "prefill_step", None),
+            ("decode mean step", "decode_step", None))  # fmt: skip
+
+
+def _flag(args: list[str], name: str, default: int) -> int:
+    return int(args[args.index(name) + 1]) if name in args else default
+
+
+def bench_topology(config: dict) -> Topology:
+    """The deployment of a run_bench JSON's disagg stack (its --engine-arg flags)."""
+    args = list(config.get("engine_args", ()))
+    return Topology(_flag(args, "--num-prefill", 1), _flag(args, "--num-decode", 1), config["max_batch"],
+                    config["max_num_batched_tokens"])  # fmt: skip
+
+
+def _mean_step(counters: dict, role: str) -> float | None:
+    c = counters.get(role, {})
+    return c["step_time_s"] / c["steps"] if c.get("steps") else None
+
+
+def _ratio(measured: float | None, simulated: float | None) -> float:
+    return measured / simulated if measured and simulated else 1.0
+
+
+def _stat(summary: dict, key: str, stat: str | None) -> float | None:
+    value = summary.get(key)
+    return value if stat is None or value is None else value[stat]
+
+
+def scaled(costs: Costs, prefill: float, decode: float) -> Costs:
+    """`costs` with every prefill term times `prefill` and every decode term times `decode`."""
+    return replace(costs, prefill_base_s=costs.prefill_base_s * prefill,
+                   prefill_per_token_s=costs.prefill_per_token_s * prefill,
+                   prefill_per_token_ctx_s=costs.prefill_per_token_ctx_s * prefill,
+                   decode_base_s=costs.decode_base_s * decode, decode_per_seq_s=costs.decode_per_seq_s * decode,
+                   decode_per_ctx_token_s=costs.decode_per_ctx_token_s * decode)  # fmt: skip
+
+
+def _simulated(res: dict, costs: Costs, topo: Topology, slo: SLO) -> dict:
+    """bench's summary of `res`'s very requests (send times, lengths) simulated, with mean steps per role."""
+    reqs = tuple(BenchRequest(tuple(range(r["prompt_len"])), r["expected_output_len"], r["send_s"])
+                 for r in res["records"])  # fmt: skip
+    counts: dict = {}
+    summary = summarize(simulate(Workload(res["workload"], reqs), costs, topo, counts), 0.0, slo)
+    return {**summary, **{f"{role}_step": _mean_step(counts, role) for role in ("prefill", "decode")}}
+
+
+def validate(run: dict, costs: Costs) -> list[dict]:
+    """Each disagg result of a run_bench JSON beside the simulation of its very requests, with the router's
+    measured CPU per token: (metric, predicted, measured, error) rows. `calibrated` reruns the simulation with
+    each role's step costs scaled so its mean step equals the one measured in the stack (the CPU the node really
+    got on shared cores): it checks the model's queueing and hand-offs apart from the cost level."""
+    rows, topo = [], bench_topology(run["config"])
+    slo = SLO(run["config"]["slo_ttft_s"], run["config"]["slo_tpot_s"])
+    for res in (r for r in run["results"] if r["system"] == "disagg" and r["ok"]):
+        router = (res.get("router_cpu_us_per_token") or 0.0) / 1e6
+        base = replace(costs, router_s_per_token=router)
+        measured = {**res["summary"], **{f"{role}_step": _mean_step(res.get("node_counters") or {}, role)
+                                         for role in ("prefill", "decode")}}  # fmt: skip
+        sim = _simulated(res, base, topo, slo)
+        factor = {role: _ratio(measured[f"{role}_step"], sim[f"{role}_step"]) for role in ("prefill", "decode")}
+        cal = _simulated(res, scaled(base, factor["prefill"], factor["decode"]), topo, slo)
+        for label, key, stat in COMPARED:
+            pred, meas, calib = _stat(sim, key, stat), _stat(measured, key, stat), _stat(cal, key, stat)
+            if pred is None or meas is None:
+                continue
+            rows.append({"workload": res["label"], "metric": label, "predicted": pred, "measured": meas,
+                         "error": pred / meas - 1, "calibrated": calib, "calibrated_error": calib / meas - 1,
+                         "router_us_per_token": router * 1e6, "cost_factors": factor})  # fmt: skip
+    return rows
+
+
+def _fmt(metric: str, value: float) -> str:
+    return f"{value:.1f}" if metric.startswith("output") else f"{value * 1e3:.0f} ms"
+
+
+def validation_markdown(runs: list[tuple[str, dict, list[dict]]]) -> str:
+    """One table: per run (name, run_bench JSON, `validate` rows) and metric, predicted vs measured."""
+    lines = ["| run | load 1-min (start→end) | metric | predicted | measured | error | calibrated | error |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for name, run, rows in runs:
+        env = run["environment"]
+        load = f"{env['loadavg_at_start'][0]:.1f}→{env['loadavg_at_end'][0]:.1f}"
+        for r in rows:
+            m, err, cal_err = r["metric"], r["error"], r["calibrated_error"]
+            lines.append(f"| {name} | {load} | {m} | {_fmt(m, r['predicted'])} | {_fmt(m, r['measured'])} | "
+                         f"{err:+.0%} | {_fmt(m, r['calibrated'])} | {cal_err:+.0%} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+# ---- command line ----------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.sim", description=__doc__.split("\n\n")[0])
+    p.add_argument("--costs", type=Path, default=Path(__file__).parent / "results" / "costs-small.json")
+    p.add_argument("--prefill", type=int, default=1)
+    p.add_argument("--decode", type=int, default=1)
+    p.add_argument("--workload", default="sharegpt_like", choices=WORKLOADS)
+    p.add_argument("--rate", type=float, default=None, help="Poisson requests/s (default: closed, all at t=0)")
+    p.add_argument("--num-requests", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--vocab-size", type=int, default=8192, help="the model's (small: 8192)")
+    p.add_argument("--max-model-len", type=int, default=2048, help="the model's (small: 2048)")
+    p.add_argument("--slo-ttft-s", type=float, default=2.0)
+    p.add_argument("--slo-tpot-s", type=float, default=0.2)
+    p.add_argument("--validate", type=Path, nargs="*", default=[], help="run_bench JSONs: disagg runs vs simulation")
+    p.add_argument("--json", action="store_true", help="with --validate: JSON rows instead of a Markdown table")
+    a = p.parse_args(argv)
+    if a.validate:
+        runs = [(f.stem, run := json.loads(f.read_text()), validate(run, Costs.load(a.costs))) for f in a.validate]
+        print(json.dumps([r for *_, rows in runs for r in rows], indent=1) if a.json else validation_markdown(runs))
+        return 0
+    try:
+        topo = Topology(a.prefill, a.decode, a.max_num_seqs, a.max_num_batched_tokens)
+        w = make_workload(a.workload, a.vocab_size, a.max_model_len, a.seed, a.rate, a.num_requests)
+    except ValueError as e:
+        print(f"bench.sim: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(predict(w, Costs.load(a.costs), topo, SLO(a.slo_ttft_s, a.slo_tpot_s)), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""bench/sim.py and bench/costs.py: hand-computable cases and monotonicity, no model, no timing."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.costs import Costs, fit
+from bench.sim import Topology, simulate
+from bench.workloads import BenchRequest, Workload, make_workload
+
+# prefill: 1 ms a token; decode: 10 ms a step; KV: 10 bytes a token over 1000 bytes/s (10 ms a token)
+COSTS = Costs(0.0, 1e-3, 0.0, 10e-3, 0.0, 0.0, kv_bytes_per_token=10, link_bytes_per_s=1000.0)
+
+
+def one(prompt: int, output: int, arrival: float = 0.0) -> BenchRequest:
+    return BenchRequest(tuple(range(prompt)), output, arrival)
+
+
+def workload(*reqs: BenchRequest) -> Workload:
+    return Workload("hand", tuple(reqs))
+
+
+def test_one_request_on_1p1d_is_prefill_then_transfer_then_decode_steps() -> None:
+    (rec,) = simulate(workload(one(100, 3)), COSTS, Topology())
+    ttft, xfer, step = 0.1, 100 * 10 / 1000.0, 10e-3  # the first token is sampled on the prefill node
+    assert rec.token_times == pytest.approx([ttft, ttft + xfer + step, ttft + xfer + 2 * step])
+
+
+def test_a_long_prompt_runs_in_chunks_of_the_token_budget_with_its_attention_cost() -> None:
+    costs = Costs(2e-3, 1e-3, 1e-6, 10e-3, 0.0, 0.0, kv_bytes_per_token=0, link_bytes_per_s=1.0)
+    (rec,) = simulate(workload(one(700, 1)), costs, Topology(max_num_batched_tokens=512))
+    first = 2e-3 + 512e-3 + 1e-6 * 512 * 256
+    second = 2e-3 + 188e-3 + 1e-6 * 188 * (512 + 94)
+    assert rec.token_times == pytest.approx([first + second])
+
+
+def test_router_cpu_delays_every_token_it_streams() -> None:
+    costs = Costs(0.0, 1e-3, 0.0, 10e-3, 0.0, 0.0, 10, 1000.0, router_s_per_token=1e-3)
+    (rec,) = simulate(workload(one(100, 2)), costs, Topology())
+    assert rec.token_times == pytest.approx([0.101, 0.1 + 1.0 + 0.01 + 0.001])
+
+
+def test_the_router_spreads_simultaneous_requests_over_prefill_nodes() -> None:
+    w = workload(one(100, 1), one(100, 1))
+    both = [r.ttft for r in simulate(w, COSTS, Topology(num_prefill=2))]
+    assert both == pytest.approx([0.1, 0.1])
+    assert sorted(r.ttft for r in simulate(w, COSTS, Topology(num_prefill=1))) == pytest.approx([0.2, 0.2])
+
+
+def test_decode_admits_at_most_max_num_seqs() -> None:
+    w = workload(one(10, 3), one(10, 3))
+    recs = simulate(w, Costs(0.0, 1e-3, 0.0, 10e-3, 0.0, 0.0, 0, 1.0), Topology(max_num_seqs=1))
+    ends = sorted(r.token_times[-1] for r in recs)
+    assert ends[1] - ends[0] == pytest.approx(2 * 10e-3)  # the second one's two decode steps follow the first's
+
+
+def test_a_prompt_that_arrives_during_a_step_waits_for_its_end() -> None:
+    (a, b) = simulate(workload(one(100, 1), one(10, 1, arrival=0.05)), COSTS, Topology())
+    assert a.ttft == pytest.approx(0.1)
+    assert b.token_times[0] == pytest.approx(0.1 + 0.01)
+
+
+@pytest.mark.parametrize("p,d", [(2, 1), (1, 2), (2, 2), (3, 3)])
+def test_more_nodes_never_make_a_closed_workload_slower(p: int, d: int) -> None:
+    w = make_workload("sharegpt_like", 1000, 2048, seed=1, num_requests=48)
+    costs = Costs(1e-3, 5e-4, 4e-7, 8e-3, 6e-4, 1.3e-6, 16384, 2.5e9, 0.0, 20e-6)
+    base = max(r.token_times[-1] for r in simulate(w, costs, Topology()))
+    more = max(r.token_times[-1] for r in simulate(w, costs, Topology(p, d)))
+    assert more <= base
+
+
+def test_the_simulation_is_deterministic() -> None:
+    w = make_workload("long_prefill", 1000, 2048, seed=3, rate=4.0)
+    runs = [[r.token_times for r in simulate(w, COSTS, Topology(2, 1))] for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+def test_fit_recovers_the_coefficients_of_exact_samples() -> None:
+    prefill = [{"tokens": n, "past": p, "s": 1e-3 + 5e-4 * n + 2e-7 * n * (p + n / 2)}
+               for n, p in [(16, 0), (128, 0), (512, 0), (512, 512), (256, 1024)]]  # fmt: skip
+    decode = [{"batch": b, "context": c, "s": 8e-3 + 6e-4 * b + 1e-6 * c} for b, c in [(1, 64), (4, 900), (16, 300)]]
+    c = fit(prefill, decode, 16384, 1e9)
+    got = [c.prefill_base_s, c.prefill_per_token_s, c.prefill_per_token_ctx_s, c.decode_base_s, c.decode_per_seq_s,
+           c.decode_per_ctx_token_s]  # fmt: skip
+    assert got == pytest.approx([1e-3, 5e-4, 2e-7, 8e-3, 6e-4, 1e-6], rel=1e-6)
+
+
+def test_costs_refuse_a_link_without_bandwidth() -> None:
+    with pytest.raises(ValueError, match="bandwidth"):
+        Costs(0.0, 1e-3, 0.0, 1e-2, 0.0, 0.0, 10, 0.0)
+
+
+def test_validating_a_run_the_simulator_made_finds_no_error() -> None:
+    from bench.metrics import SLO, summarize
+    from bench.sim import validate
+
+    w = make_workload("sharegpt_like", 1000, 2048, seed=2, rate=3.0, num_requests=24)
+    counts: dict = {}
+    recs = simulate(w, COSTS, Topology(2, 1), counts)
+    records = [{"send_s": r.send_time, "token_s": r.token_times, "expected_output_len": r.expected_output_len,
+                "prompt_len": r.num_prompt_tokens} for r in recs]  # fmt: skip
+    result = {"system": "disagg", "ok": True, "workload": w.name, "label": w.label, "records": records,
+              "summary": summarize(recs, 0.0, SLO(2.0, 0.2)), "node_counters": counts}  # fmt: skip
+    config = {"engine_args": ["--num-prefill", "2"], "max_batch": 16, "max_num_batched_tokens": 512,
+              "slo_ttft_s": 2.0, "slo_tpot_s": 0.2}  # fmt: skip
+    rows = validate({"config": config, "results": [result]}, COSTS)
+    assert len(rows) == 7
+    assert all(abs(r["error"]) < 1e-9 and abs(r["calibrated_error"]) < 1e-9 for r in rows)
