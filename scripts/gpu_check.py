@@ -51,8 +51,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: bench/ and pdserve/ import from the checkout
 
-from bench.gpu import copy_gbps, exit_on_sigterm, node_counters  # noqa: E402
-from bench.systems import Stack, free_port  # noqa: E402
+from bench.gpu import copy_gbps, exit_on_sigterm  # noqa: E402
+from bench.systems import Stack, free_port, node_counters  # noqa: E402
 
 TEMPERATURES = (0.5, 1.0, 1.5)
 TOP_KS = (-1, 1, 20, 100)
