@@ -30,6 +30,7 @@ from pdserve.common.sampling import TokenLogprob
 
 log = logging.getLogger("pdserve.node")
 STATS_INTERVAL_S = 0.5
+ROUTER_ANSWER_S = 3.0  # how long a draining node waits for the router's list of what it still routes here
 
 
 def token_event(o: TokenOutput) -> P.TokenEvent:
@@ -115,7 +116,11 @@ class NodeBase:
 
     def holds_work(self) -> bool:
         """Whether requests still depend on this node: held here, or routed here and not arrived yet."""
-        waiting_for_router = self.router_id is not None and self.router_pending != set()
+        if self.router_pending is None:  # no answer yet: a live router answers our draining stats at once,
+            started = self.drain_deadline - self.cfg.drain_timeout_s  # one that has exited never will
+            waiting_for_router = self.router_id is not None and time.monotonic() - started < ROUTER_ANSWER_S
+        else:
+            waiting_for_router = bool(self.router_pending)
         return bool(self.engine.requests) or waiting_for_router
 
     def fail_all(self, why: str) -> None:
