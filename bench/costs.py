@@ -75,8 +75,8 @@ class Costs:
 
 
 def _engine(model: str, prefill_only: bool, max_tokens_budget: int):
-    from pdserve.common.config import EngineConfig
-    from pdserve.common.engine import Engine
+    from pdserve.config import EngineConfig
+    from pdserve.engine.engine import Engine
 
     cfg = EngineConfig(model=model, dtype="float32", max_num_seqs=16, max_num_batched_tokens=max_tokens_budget,
                        kv_cache_gb=0.25)  # fmt: skip
@@ -84,8 +84,8 @@ def _engine(model: str, prefill_only: bool, max_tokens_budget: int):
 
 
 def _request(rid: str, prompt_len: int, max_tokens: int):
-    from pdserve.common.protocol import SamplingParams
-    from pdserve.common.request import Request
+    from pdserve.engine.request import Request
+    from pdserve.wire.protocol import SamplingParams
 
     ids = [(7 * i + 3) % 4000 + 10 for i in range(prompt_len)]
     return Request(rid, ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
@@ -99,7 +99,7 @@ def _timed_step(engine) -> float:
 
 def measure_prefill(model: str, repeats: int = 3) -> list[dict]:
     """(tokens, past, seconds) of single-chunk prefill steps: past tokens are computed first, untimed."""
-    from pdserve.common.request import Status
+    from pdserve.engine.request import Status
 
     samples, engine = [], _engine(model, prefill_only=True, max_tokens_budget=2048)
     for chunk, past in PREFILL_SHAPES:

@@ -444,8 +444,8 @@ def prepare(cfg: GpuBenchConfig) -> tuple[Path, Workload, dict]:
     """The checkpoint, the workload, and the run's header (config, environment, hardware, model figures)."""
     import transformers
 
-    from pdserve.common.checkpoint import resolve_model
-    from pdserve.common.model import max_model_len
+    from pdserve.engine.checkpoint import resolve_model
+    from pdserve.engine.model import max_model_len
 
     t0 = time.perf_counter()
     path = resolve_model(cfg.model)

@@ -148,13 +148,13 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
 def model_config(model: str):
     import transformers
 
-    from pdserve.common.checkpoint import resolve_model
+    from pdserve.engine.checkpoint import resolve_model
 
     return transformers.AutoConfig.from_pretrained(resolve_model(model), local_files_only=True)
 
 
 def build_workloads(cfg: BenchConfig, config) -> list[Workload]:
-    from pdserve.common.model import max_model_len
+    from pdserve.engine.model import max_model_len
 
     rates = cfg.rates or (None,)
     return [
@@ -176,7 +176,7 @@ class LazyModel:
 
     def get(self):
         if self._model is None:
-            from pdserve.common.checkpoint import resolve_model
+            from pdserve.engine.checkpoint import resolve_model
 
             self._model = load_hf_model(resolve_model(self.name))
         return self._model
@@ -303,8 +303,8 @@ def goodput(results: list[dict]) -> dict[str, float | None]:
 
 
 def run_overhead(cfg: BenchConfig, config) -> dict:
-    from pdserve.common.config import EngineConfig
-    from pdserve.common.model import max_model_len
+    from pdserve.config import EngineConfig
+    from pdserve.engine.model import max_model_len
 
     w = make_workload(
         "short_long_mix",

@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from pdserve.common.config import (
+from pdserve.config import (
     ATTENTION_BACKENDS,
     CPU_KERNELS,
     DTYPE_CHOICES,
@@ -203,7 +203,7 @@ def run_router(a: argparse.Namespace) -> None:
 
 
 def make_keys(a: argparse.Namespace) -> None:
-    from pdserve.common.transport import make_keys
+    from pdserve.wire.transport import make_keys
 
     if os.path.exists(a.dir) and os.listdir(a.dir):
         raise ValueError(f"{a.dir} exists and is not empty; give a new folder")

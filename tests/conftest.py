@@ -12,7 +12,7 @@ if not torch.cuda.is_available():  # the Triton kernels run on the CPU by Triton
 
 import pytest
 
-from pdserve.common.checkpoint import ModelSpec, write_random_checkpoint
+from pdserve.engine.checkpoint import ModelSpec, write_random_checkpoint
 
 TINY_SPECS = {
     "qwen3": ModelSpec("qwen3", 512, 64, 128, 2, 4, 2, 16, 1024, seed=1),

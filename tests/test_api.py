@@ -73,7 +73,7 @@ def hf_tiny():
     import torch
     import transformers
 
-    from pdserve.common.checkpoint import resolve_model
+    from pdserve.engine.checkpoint import resolve_model
 
     model = transformers.AutoModelForCausalLM.from_pretrained(resolve_model("tiny"), dtype=torch.float32).eval()
 

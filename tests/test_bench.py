@@ -15,7 +15,7 @@ import transformers
 from bench import gpu, systems
 from bench.http_client import HttpTarget, run_http
 from bench.workloads import BenchRequest, Workload, make_workload
-from pdserve.common.checkpoint import ModelSpec, hf_config
+from pdserve.engine.checkpoint import ModelSpec, hf_config
 
 METRICS = """# TYPE pdserve:node_steps counter
 pdserve:node_steps_total{role="decode",node="tcp://a"} 10

@@ -10,12 +10,12 @@ import torch
 import zmq
 from helpers import export_tokens
 
-from pdserve.common import protocol as P
-from pdserve.common import transport
-from pdserve.common.config import EngineConfig, NodeConfig
-from pdserve.common.kv_cache import KVPool
-from pdserve.common.kv_transfer import ShmBackend
+from pdserve.config import EngineConfig, NodeConfig
 from pdserve.decode_node import DecodeNode
+from pdserve.engine.kv_cache import KVPool
+from pdserve.wire import protocol as P
+from pdserve.wire import transport
+from pdserve.wire.kv_transfer import ShmBackend
 
 WAIT_MS = 10_000
 

@@ -7,10 +7,10 @@ import dataclasses
 import pytest
 from helpers import hf_greedy, mixed_workload
 
-from pdserve.common.config import EngineConfig
-from pdserve.common.engine import Engine
-from pdserve.common.protocol import SamplingParams
-from pdserve.common.request import Request
+from pdserve.config import EngineConfig
+from pdserve.engine.engine import Engine
+from pdserve.engine.request import Request
+from pdserve.wire.protocol import SamplingParams
 
 
 def run_engine(engine: Engine, requests: list[Request]) -> dict[str, list[int]]:

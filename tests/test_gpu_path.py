@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.common.backends import PREFILL_TILE_M, Chunk
-from pdserve.common.cuda_graphs import bucket_for, bucket_sizes, graphable
-from pdserve.common.protocol import SamplingParams
-from pdserve.common.request import Request
-from pdserve.common.sampling import Sampler
+from pdserve.engine.backends import PREFILL_TILE_M, Chunk
+from pdserve.engine.cuda_graphs import bucket_for, bucket_sizes, graphable
+from pdserve.engine.request import Request
+from pdserve.engine.sampling import Sampler
+from pdserve.wire.protocol import SamplingParams
 
 triton = pytest.importorskip("triton")
 
@@ -39,7 +39,7 @@ def _reference(q, pool, q_start, reqs, tables, bs):
 )
 def test_paged_attention_matches_torch(nh, nkv, d, bs, dtype):
     """Decodes and prompt chunks (first chunks and chunks after a cached past), scattered blocks, GQA."""
-    from pdserve.common import triton_attention as ta
+    from pdserve.engine import triton_attention as ta
 
     g = torch.Generator().manual_seed(nh * d + bs)
     reqs = [(0, 19), (37, 1), (16, 7), (70, 1), (5, 1), (0, 1)]  # (past, new tokens)
@@ -73,7 +73,7 @@ def test_paged_attention_matches_torch(nh, nkv, d, bs, dtype):
 
 def test_paged_attention_reads_only_its_blocks():
     """Garbage outside a request's blocks (and past its length in its last block) does not reach its output."""
-    from pdserve.common import triton_attention as ta
+    from pdserve.engine import triton_attention as ta
 
     nh, nkv, d, bs = 4, 2, 16, 16
     pool = torch.randn(2, nkv, 8 * bs, d)
@@ -92,7 +92,7 @@ def test_paged_attention_reads_only_its_blocks():
 
 
 def test_store_kv_writes_slots_and_skips_padding():
-    from pdserve.common import triton_attention as ta
+    from pdserve.engine import triton_attention as ta
 
     k, v = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
     pool = torch.zeros(2, 2, 64, 16)
@@ -128,8 +128,8 @@ def test_graphable_only_pure_decode_steps():
 def test_packed_inputs_padded_for_a_graph(tiny_models):
     """A decode step packed into a larger bucket: real rows first, padding rows store nowhere, padding
     requests attend to nothing; the views read the packed values back."""
-    from pdserve.common.config import EngineConfig
-    from pdserve.common.engine import Engine
+    from pdserve.config import EngineConfig
+    from pdserve.engine.engine import Engine
 
     engine = Engine(EngineConfig(model=str(tiny_models["qwen3"]), attention_backend="triton", num_kv_blocks=32))
     backend = engine.runner.backend
@@ -150,8 +150,8 @@ def test_packed_inputs_padded_for_a_graph(tiny_models):
 
 
 def test_packed_inputs_of_a_mixed_step(tiny_models):
-    from pdserve.common.config import EngineConfig
-    from pdserve.common.engine import Engine
+    from pdserve.config import EngineConfig
+    from pdserve.engine.engine import Engine
 
     engine = Engine(EngineConfig(model=str(tiny_models["qwen3"]), attention_backend="triton", num_kv_blocks=32))
     backend = engine.runner.backend  # tiny: 4 heads, 2 KV heads, so 2 query rows per token
@@ -241,9 +241,9 @@ def test_graph_replay_path_equals_transformers(tiny_models):
     from helpers import hf_greedy, mixed_workload
     from test_engine import greedy_requests, run_engine
 
-    from pdserve.common.config import EngineConfig
-    from pdserve.common.cuda_graphs import Captured, DecodeGraphs
-    from pdserve.common.engine import Engine
+    from pdserve.config import EngineConfig
+    from pdserve.engine.cuda_graphs import Captured, DecodeGraphs
+    from pdserve.engine.engine import Engine
 
     engine = Engine(EngineConfig(model=str(tiny_models["qwen3"]), attention_backend="triton", max_num_seqs=6))
     runner = engine.runner

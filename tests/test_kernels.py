@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.common import kernels
+from pdserve.engine import kernels
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,10 @@ import torch
 import zmq
 from helpers import export_tokens, import_tokens
 
-from pdserve.common import protocol as P
-from pdserve.common import transport
-from pdserve.common.kv_cache import KVLayout, KVPool
-from pdserve.common.kv_transfer import TransferError, local_device_index, make_backend, process_owner
+from pdserve.engine.kv_cache import KVLayout, KVPool
+from pdserve.wire import protocol as P
+from pdserve.wire import transport
+from pdserve.wire.kv_transfer import TransferError, local_device_index, make_backend, process_owner
 
 LAYOUT = KVLayout(3, 2, 8, 4, "float32", "fp")
 

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from pdserve.common.checkpoint import resolve_model
+from pdserve.engine.checkpoint import resolve_model
 
 
 def test_the_router_loads_its_model_facts_without_torch():

@@ -11,7 +11,7 @@ import pytest
 from helpers import Streamer, hf_greedy, mixed_workload
 from stack import Stack
 
-from pdserve.common.checkpoint import resolve_model
+from pdserve.engine.checkpoint import resolve_model
 
 ENGINE_ARGS = ("--max-num-batched-tokens", "32")  # slow prompts, so that the prefill nodes hold a queue
 NUM_REQUESTS = 16

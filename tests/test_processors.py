@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.common.protocol import SamplingParams
-from pdserve.common.request import Request
-from pdserve.common.sampling import Sampler, apply_processors, process_rows
+from pdserve.engine.request import Request
+from pdserve.engine.sampling import Sampler, apply_processors, process_rows
+from pdserve.wire.protocol import SamplingParams
 
 
 def _req(prompt, output, **kw) -> Request:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from pdserve.common import protocol as P
+from pdserve.wire import protocol as P
 
 
 def test_round_trip_of_every_message():

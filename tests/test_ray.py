@@ -20,7 +20,7 @@ import pytest
 from helpers import hf_greedy, mixed_workload
 from stack import free_port
 
-from pdserve.common.checkpoint import resolve_model
+from pdserve.engine.checkpoint import resolve_model
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.common.block_allocator import BlockAllocator
-from pdserve.common.protocol import SamplingParams
-from pdserve.common.request import IllegalTransition, Request, Status
-from pdserve.common.scheduler import Scheduler
+from pdserve.engine.block_allocator import BlockAllocator
+from pdserve.engine.request import IllegalTransition, Request, Status
+from pdserve.engine.scheduler import Scheduler
+from pdserve.wire.protocol import SamplingParams
 
 
 def req(rid: str, prompt_len: int, max_tokens: int = 8) -> Request:

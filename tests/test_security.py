@@ -15,8 +15,8 @@ import zmq
 import zmq.auth
 from stack import Stack
 
-from pdserve.common import protocol as P
-from pdserve.common.config import KEY_FILES
+from pdserve.config import KEY_FILES
+from pdserve.wire import protocol as P
 
 PROBE_WAIT_MS = 2000  # how long a stranger listens for an answer (a negative result needs some wait)
 COMPLETION = {"model": "tiny", "prompt": "still serving", "max_tokens": 4, "temperature": 0}
@@ -109,8 +109,8 @@ def test_strangers_without_the_key_get_nothing_through(tmp_path, keys):
 
 
 def _real_layout() -> dict:
-    from pdserve.common.checkpoint import resolve_model
-    from pdserve.common.model import kv_layout, load_model
+    from pdserve.engine.checkpoint import resolve_model
+    from pdserve.engine.model import kv_layout, load_model
 
     return kv_layout(load_model(resolve_model("tiny"), "float32", "cpu"), 16, "float32").to_dict()
 

@@ -9,7 +9,7 @@ import pytest
 from helpers import hf_greedy, mixed_workload
 from stack import Stack
 
-from pdserve.common.checkpoint import resolve_model
+from pdserve.engine.checkpoint import resolve_model
 
 ENGINE_ARGS = ("--max-num-batched-tokens", "128", "--num-kv-blocks", "200")  # chunked prompts, a tight pool
 MODES = {

@@ -7,7 +7,7 @@ import random
 import pytest
 import transformers
 
-from pdserve.common.checkpoint import resolve_model
+from pdserve.engine.checkpoint import resolve_model
 from pdserve.router.text import Detokenizer
 
 

@@ -17,8 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pdserve.common import protocol as P
-from pdserve.common.config import RouterConfig
+from pdserve.config import RouterConfig
 from pdserve.router import small_routes
 from pdserve.router.auth import ApiKeyGuard
 from pdserve.router.choices import derive_seed, gather_all, merge
@@ -28,6 +27,7 @@ from pdserve.router.limits import Offload, RequestLimits, content_chars, stop_pr
 from pdserve.router.logprobs import ChoiceExtras, merge_pieces
 from pdserve.router.openai_fields import UnsupportedField, check_fields
 from pdserve.router.text import Detokenizer, ModelInfo, chat_prompt_ids, load_model_info
+from pdserve.wire import protocol as P
 
 # ---- request bodies ------------------------------------------------------------------------------
 

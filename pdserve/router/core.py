@@ -40,11 +40,11 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
-from pdserve.common import protocol as P
-from pdserve.common import transport
-from pdserve.common.config import RouterConfig
+from pdserve.config import RouterConfig
 from pdserve.router.membership import Member, make_membership
 from pdserve.router.metrics import NodeCollector, RouterMetrics
+from pdserve.wire import protocol as P
+from pdserve.wire import transport
 
 log = logging.getLogger("pdserve.router")
 MAX_ATTEMPTS = 3  # dispatches of one request, the first included, before a lost node fails it

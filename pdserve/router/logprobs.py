@@ -5,13 +5,13 @@ Completions: `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`, one 
 one (as vLLM does); `text_offset` counts characters from the start of the choice's text (the
 prompt's, with echo). An echoed prompt's first token has no log-probability: `null` in both lists.
 Chat: `{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}`.
-The values come from the nodes (the raw model distribution, see common/sampling.py); `-inf` is sent
+The values come from the nodes (the raw model distribution, see engine/sampling.py); `-inf` is sent
 as -9999.0, since JSON has no infinity.
 """
 
 from __future__ import annotations
 
-from pdserve.common import protocol as P
+from pdserve.wire import protocol as P
 
 FLOOR = -9999.0
 

@@ -13,7 +13,7 @@ import logging
 import signal
 from dataclasses import dataclass
 
-from pdserve.common.config import RouterConfig
+from pdserve.config import RouterConfig
 
 log = logging.getLogger("pdserve.router")
 RAY_NAMESPACE = "pdserve"

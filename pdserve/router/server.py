@@ -14,7 +14,7 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
-from pdserve.common.config import RouterConfig
+from pdserve.config import RouterConfig
 from pdserve.router.api import create_app
 from pdserve.router.limits import MAX_HEADER_BYTES
 

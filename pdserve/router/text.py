@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-from pdserve.common.checkpoint import resolve_model
+from pdserve.engine.checkpoint import resolve_model
 from pdserve.router.limits import max_prompt_chars, max_token_chars
 
 
@@ -25,7 +25,7 @@ def load_model_info(model: str) -> ModelInfo:
     import torch); a checkpoint without one falls back to AutoTokenizer."""
     import transformers
 
-    from pdserve.common.config import max_model_len
+    from pdserve.config import max_model_len
 
     path = resolve_model(model)
     config = SimpleNamespace(**json.loads((path / "config.json").read_text()))

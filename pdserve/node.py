@@ -20,13 +20,13 @@ import time
 
 import zmq
 
-from pdserve.common import protocol as P
-from pdserve.common import transport
-from pdserve.common.config import NodeConfig
-from pdserve.common.engine import Engine, TokenOutput, pin_process
-from pdserve.common.kv_transfer import default_host_id
-from pdserve.common.request import Request
-from pdserve.common.sampling import TokenLogprob
+from pdserve.config import NodeConfig
+from pdserve.engine.engine import Engine, TokenOutput, pin_process
+from pdserve.engine.request import Request
+from pdserve.engine.sampling import TokenLogprob
+from pdserve.wire import protocol as P
+from pdserve.wire import transport
+from pdserve.wire.kv_transfer import default_host_id
 
 log = logging.getLogger("pdserve.node")
 STATS_INTERVAL_S = 0.5

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from pdserve.common.block_allocator import BlockAllocator
+from pdserve.engine.block_allocator import BlockAllocator
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

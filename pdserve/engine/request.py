@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from pdserve.common.protocol import SamplingParams
+from pdserve.wire.protocol import SamplingParams
 
 
 class Status(enum.Enum):

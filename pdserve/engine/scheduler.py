@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from pdserve.common.block_allocator import BlockAllocator
-from pdserve.common.request import Request, Status
+from pdserve.engine.block_allocator import BlockAllocator
+from pdserve.engine.request import Request, Status
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.common import kernels
-from pdserve.common.block_allocator import blocks_for, cdiv
-from pdserve.common.kv_cache import KVPool
+from pdserve.engine import kernels
+from pdserve.engine.block_allocator import blocks_for, cdiv
+from pdserve.engine.kv_cache import KVPool
 
 DECODE_TILE_M = 16  # query rows of a decode tile: the query heads of one KV head (tl.dot needs >= 16)
 PREFILL_TILE_M = 64  # query rows of a prompt-chunk tile: (token, query head) pairs
@@ -263,7 +263,7 @@ class TritonBackend(TorchBackend):
 
     def __init__(self, pool: KVPool, scale: float, apply_rope, device: torch.device, num_heads: int) -> None:
         super().__init__(pool, scale, apply_rope, device)
-        from pdserve.common import triton_attention
+        from pdserve.engine import triton_attention
 
         self.ta = triton_attention
         self.group = num_heads // pool.layout.num_kv_heads  # query heads per KV head

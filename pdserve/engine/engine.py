@@ -14,14 +14,14 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.common.block_allocator import blocks_for
-from pdserve.common.checkpoint import resolve_model
-from pdserve.common.config import EngineConfig
-from pdserve.common.kv_cache import KVPool
-from pdserve.common.model import ModelRunner, kv_layout, load_model, max_model_len
-from pdserve.common.request import Request, Status
-from pdserve.common.sampling import Drawn, Sampler, TokenLogprob, finish_reason
-from pdserve.common.scheduler import Batch, Scheduler
+from pdserve.config import EngineConfig
+from pdserve.engine.block_allocator import blocks_for
+from pdserve.engine.checkpoint import resolve_model
+from pdserve.engine.kv_cache import KVPool
+from pdserve.engine.model import ModelRunner, kv_layout, load_model, max_model_len
+from pdserve.engine.request import Request, Status
+from pdserve.engine.sampling import Drawn, Sampler, TokenLogprob, finish_reason
+from pdserve.engine.scheduler import Batch, Scheduler
 
 log = logging.getLogger("pdserve.engine")
 

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.common.protocol import SamplingParams
-from pdserve.common.request import Request
+from pdserve.engine.request import Request
+from pdserve.wire.protocol import SamplingParams
 
 _M32 = 0xFFFFFFFF
 _M64 = 0xFFFFFFFFFFFFFFFF

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.common.backends import Chunk, ForwardInputs, PackLayout
+from pdserve.engine.backends import Chunk, ForwardInputs, PackLayout
 
 log = logging.getLogger("pdserve.graphs")
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.common.checkpoint import cache_dir
+from pdserve.engine.checkpoint import cache_dir
 
 log = logging.getLogger("pdserve.kernels")
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("decode_attention.c", "elementwise.c")]

@@ -30,8 +30,8 @@ from multiprocessing import shared_memory
 
 import torch
 
-from pdserve.common import protocol as P
-from pdserve.common.kv_cache import DTYPES, KVLayout, KVPool
+from pdserve.engine.kv_cache import DTYPES, KVLayout, KVPool
+from pdserve.wire import protocol as P
 
 
 class TransferState(enum.Enum):

@@ -24,11 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.common.backends import Chunk, ForwardInputs, make_backend
-from pdserve.common.block_allocator import blocks_for
-from pdserve.common.config import max_model_len
-from pdserve.common.kv_cache import DTYPES, KVLayout, KVPool
-from pdserve.common.scheduler import Batch
+from pdserve.config import max_model_len
+from pdserve.engine.backends import Chunk, ForwardInputs, make_backend
+from pdserve.engine.block_allocator import blocks_for
+from pdserve.engine.kv_cache import DTYPES, KVLayout, KVPool
+from pdserve.engine.scheduler import Batch
 
 log = logging.getLogger("pdserve.model")
 
@@ -144,7 +144,7 @@ class ModelRunner:
         self.head_dim = pool.layout.head_dim
         self.graphs = None
         if graphs and self.device.type == "cuda" and self.backend.name == "triton":
-            from pdserve.common.cuda_graphs import DecodeGraphs
+            from pdserve.engine.cuda_graphs import DecodeGraphs
 
             longest = blocks_for(max_model_len(model.config), pool.block_size)  # blocks of the longest request
             self.graphs = DecodeGraphs(self, max_batch, max_blocks=min(pool.num_blocks, longest))

@@ -1,0 +1,241 @@
+"""The decode node: receives prompts' KV from prefill nodes and generates the rest of each answer.
+
+A request's life here (the engine owns the request, its queue and its blocks; this node moves messages):
+1. Pairing: a prefill node's KvHello is checked (protocol, model fingerprint, dtype, layer and
+   head layout, block size, transport); any mismatch is refused with the reason.
+2. KvOffer: the request joins the engine as WAITING_FOR_KV, queued FCFS until the scheduler reserves
+   blocks for its KV; never dropped. While it waits, a KvWaiting notice renews the prefill node's
+   lease on that KV every WAITING_NOTICE_S.
+3. RECEIVING_KV: blocks reserved (`engine.reserve_remote()`), KvPull sent; the KV lands by the chosen
+   backend (`engine.receive_kv`); once every layer is in, KvAck frees the prefill node's copy.
+4. WAITING with its KV in place (num_computed_tokens = prompt length, the first token as output),
+   the router told so (an event without tokens), admitted at the next iteration; RUNNING: one token
+   an iteration, streamed to the router.
+5. FINISHED or ABORTED (router's Abort, the prefill node's KvCancel, bad KV, a reservation that no KV
+   answered): KV freed at once. An abort that arrives before the offer is remembered, so the late offer
+   is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import zmq
+
+from pdserve.config import NodeConfig
+from pdserve.engine.request import Request, Status
+from pdserve.node import NodeBase
+from pdserve.wire import protocol as P
+from pdserve.wire import transport
+from pdserve.wire.kv_transfer import TransferError, accepted_transports, choose_transport, make_backend
+
+log = logging.getLogger("pdserve.decode")
+REMEMBER_ABORTS = 4096
+WAITING_NOTICE_S = 0.25
+RESERVATION_TIMEOUT_S = 60.0  # blocks reserved for a pull that no KV answered are freed after this
+
+
+@dataclass
+class Incoming:
+    """Where an offered request's KV comes from, and how much of it has landed."""
+
+    identity: bytes  # the prefill peer
+    request: Request
+    layers_landed: int = 0
+    reserved_at: float = 0.0
+
+
+class DecodeNode(NodeBase):
+    role = "decode"
+
+    def __init__(self, cfg: NodeConfig) -> None:
+        super().__init__(cfg)
+        self.backends = {n: make_backend(n) for n in accepted_transports(cfg.kv_transport, cfg.engine.device)}
+        self.peer_backends: dict[bytes, object] = {}  # paired prefill peers -> the transport chosen at pairing
+        self.kv_sock = self.ctx.socket(zmq.ROUTER)
+        transport.configure(self.kv_sock)
+        self.kv_addr = transport.bind(self.kv_sock, cfg.kv_listen, self.keys)
+        self.poller.register(self.kv_sock, zmq.POLLIN)
+        self.handlers[self.kv_sock] = self.handle_kv
+        self.sources: dict[bytes, object] = {}  # paired prefill peers -> mapped pool (or None for zmq)
+        self.handles: dict[bytes, dict] = {}  # paired prefill peers -> how their pool was mapped
+        self.incoming: dict[str, Incoming] = {}  # offered, KV not landed yet (the engine holds the request)
+        self.aborted: OrderedDict[str, None] = OrderedDict()
+        self.counters.update(kv_received=0, kv_refused=0)
+        self._next_notice = 0.0
+
+    def ready_info(self) -> dict:
+        return {**super().ready_info(), "kv_listen": self.kv_addr, "host_id": self.host_id}
+
+    def busy(self) -> bool:
+        return bool(self.incoming)
+
+    def holds_work(self) -> bool:
+        return super().holds_work() or bool(self.incoming)
+
+    def fail_all(self, why: str) -> None:
+        for rid, inc in list(self.incoming.items()):  # the engine holds these too: super() ends them
+            del self.incoming[rid]
+            self._refuse(inc.identity, rid, why)
+        super().fail_all(why)
+
+    def close(self) -> None:
+        for backend in self.backends.values():
+            backend.close()
+        super().close()
+
+    # ---- from prefill nodes --------------------------------------------------------------------
+    def handle_kv(self, identity: bytes, msg, frames: list) -> None:
+        if isinstance(msg, P.KvHello):
+            self._on_pairing(identity, msg)
+        elif identity not in self.sources:
+            if isinstance(msg, P.KvOffer):
+                self._refuse(identity, msg.request_id, "no pairing handshake on this connection")
+        elif isinstance(msg, P.KvOffer):
+            self._on_offer(identity, msg)
+        elif isinstance(msg, P.KvData):
+            self._on_data(identity, msg, frames)
+        elif isinstance(msg, P.KvCancel):
+            self._forget(msg.request_id)
+
+    def _on_pairing(self, identity: bytes, msg: P.KvHello) -> None:
+        handle = msg.pool_handle if isinstance(msg.pool_handle, dict) else {}
+        self._drop_superseded(identity, handle)
+        reason = self._pairing_mismatch(msg)
+        chosen = "" if reason else self._choose_transport(msg)
+        if not reason and not chosen:
+            reason = f"KV transport {msg.transport!r} there, {self.cfg.kv_transport!r} here"
+            reason += "" if self._same_host(msg) else " (a shared pool needs both nodes on one host)"
+        if not reason:
+            backend = self.backends[chosen]
+            try:
+                self.sources[identity] = backend.attach(handle, self.engine.layout, self.cfg.engine.device)
+                self.handles[identity], self.peer_backends[identity] = handle, backend
+            except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:  # a handle from the wire
+                reason = f"cannot map the prefill pool: {e!r}"
+        if reason:
+            log.error("refused a prefill node: %s", reason)
+        info = {"transport": chosen} if not reason else {}
+        transport.send(self.kv_sock, P.HelloAck(not reason, self.role, info, reason), identity=identity)
+
+    def _same_host(self, msg: P.KvHello) -> bool:
+        return not msg.host_id or msg.host_id == self.host_id  # no host id (an older peer): as before, try
+
+    def _choose_transport(self, msg: P.KvHello) -> str:
+        return choose_transport(msg.transports or [msg.transport], tuple(self.backends), self._same_host(msg))
+
+    def _pairing_mismatch(self, msg: P.KvHello) -> str:
+        """Why this prefill node cannot pair with us, or "" if it can."""
+        layout = self.engine.layout
+        if msg.protocol_version != P.PROTOCOL_VERSION:
+            return f"protocol version {msg.protocol_version} there, {P.PROTOCOL_VERSION} here"
+        if not isinstance(msg.layout, dict) or not isinstance(msg.pool_handle, dict):
+            return "malformed KvHello (layout and pool handle must be maps)"
+        if not isinstance(msg.transports, list) or not all(isinstance(t, str) for t in msg.transports):
+            return "malformed KvHello (transports must be a list of names)"
+        if layout.mismatch(msg.layout):
+            return f"KV layout mismatch: {layout.mismatch(msg.layout)}"
+        return ""
+
+    def _on_offer(self, identity: bytes, offer: P.KvOffer) -> None:
+        why = self.engine.check_fits(offer.num_tokens, offer.params.max_tokens)
+        rid = offer.request_id
+        if rid in self.engine.requests:
+            why = f"request {rid} is already here"
+        if offer.num_tokens != len(offer.prompt_token_ids):
+            why = f"an offer of {offer.num_tokens} tokens of KV for a prompt of {len(offer.prompt_token_ids)}"
+        if rid in self.aborted or why:
+            self._refuse(identity, rid, why)
+            return
+        req = Request(rid, list(offer.prompt_token_ids), offer.params, output_token_ids=[offer.first_token_id],
+                      status=Status.WAITING_FOR_KV, arrival=time.time())  # fmt: skip
+        self.engine.add(req)
+        self.incoming[rid] = Incoming(identity, req)
+
+    def _on_data(self, identity: bytes, header: P.KvData, frames: list) -> None:
+        inc = self.incoming.get(header.request_id)
+        if inc is None or inc.identity != identity or inc.request.status is not Status.RECEIVING_KV:
+            return  # cancelled after the pull (or not this peer's, or not pulled)
+        try:
+            inc.layers_landed += self.engine.receive_kv(inc.request, self.peer_backends[identity], header, frames,
+                                                        self.sources.get(identity))  # fmt: skip
+        except TransferError as e:
+            self._forget(header.request_id)
+            self._refuse(identity, header.request_id, f"bad KV: {e}")
+            return
+        if inc.layers_landed < self.engine.layout.num_layers:
+            return
+        self.engine.kv_landed(inc.request, self.peer_backends[identity])  # after it, our ack frees the sender's copy
+        del self.incoming[header.request_id]
+        self.counters["kv_received"] += 1
+        transport.send(self.kv_sock, P.KvAck(header.request_id, True), identity=identity)
+        self.emit([P.TokenEvent(header.request_id, [], None)])  # "KV landed": it no longer needs its prefill node
+
+    def _refuse(self, identity: bytes, request_id: str, why: str) -> None:
+        self.counters["kv_refused"] += 1
+        transport.send(self.kv_sock, P.KvAck(request_id, False, why), identity=identity)
+
+    # ---- from the router -----------------------------------------------------------------------
+    def on_abort(self, request_id: str) -> None:
+        if not self._forget(request_id):
+            self.aborted[request_id] = None  # its offer may still be on the way
+            while len(self.aborted) > REMEMBER_ABORTS:
+                self.aborted.popitem(last=False)
+
+    def _forget(self, request_id: str) -> bool:
+        """Drop a request wherever it is here; True if it was here."""
+        self.incoming.pop(request_id, None)
+        return self.engine.abort(request_id) is not None
+
+    # ---- chores --------------------------------------------------------------------------------
+    def tick(self) -> None:
+        super().tick()
+        now = time.monotonic()
+        for req in self.engine.reserve_remote():
+            inc = self.incoming[req.request_id]
+            inc.reserved_at = now
+            transport.send(self.kv_sock, P.KvPull(req.request_id), identity=inc.identity)
+        late = [i for i in self.incoming.values() if i.reserved_at and now - i.reserved_at > RESERVATION_TIMEOUT_S]
+        for inc in late:
+            rid = inc.request.request_id
+            log.warning("no KV arrived for %s in %ss; freeing its blocks", rid, RESERVATION_TIMEOUT_S)
+            self._forget(rid)
+        if now >= self._next_notice:
+            self._next_notice = now + WAITING_NOTICE_S
+            self._notify_waiting()
+            self._drop_gone_peers()
+
+    def _drop_gone_peers(self) -> None:
+        """Drop the prefill nodes whose pool is gone (shm: unlinked; cuda_ipc: its process ended)."""
+        for identity, handle in list(self.handles.items()):
+            if not self.peer_backends[identity].alive(handle):
+                self._drop_peer(identity, "its pool is gone")
+
+    def _drop_superseded(self, identity: bytes, handle: dict) -> None:
+        """A KvHello replaces the pairing of the same connection, and any older pairing of the same pool
+        (the prefill node reconnected): that side has failed the old pairing's transfers already."""
+        pool_id = handle.get("pool_id")
+        for other, old in list(self.handles.items()):
+            if other == identity or (pool_id and old.get("pool_id") == pool_id):
+                self._drop_peer(other, "it paired again")
+
+    def _drop_peer(self, identity: bytes, why: str) -> None:
+        """Unmap a prefill peer's pool and forget its offers and reservations: their KV will not come."""
+        handle = self.handles.pop(identity)
+        self.sources.pop(identity, None)
+        self.peer_backends.pop(identity).forget(handle)
+        dead = [rid for rid, i in self.incoming.items() if i.identity == identity]
+        for rid in dead:
+            self._forget(rid)
+        log.info("dropped a prefill node's pairing (%s) and %d of its transfers", why, len(dead))
+
+    def _notify_waiting(self) -> None:
+        """Tell each prefill node which of its offers still wait here, so its leases do not run out."""
+        waiting: dict[bytes, list[str]] = {}
+        for req in self.engine.waiting_for_kv():
+            waiting.setdefault(self.incoming[req.request_id].identity, []).append(req.request_id)
+        for identity, ids in waiting.items():
+            transport.send(self.kv_sock, P.KvWaiting(ids), identity=identity)

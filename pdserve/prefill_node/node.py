@@ -1,0 +1,224 @@
+"""The prefill node: computes prompts, samples the first token, ships the KV to a decode node.
+
+A request's life here:
+1. Generate arrives from the router with the address of the decode node the router picked.
+2. WAITING, then RUNNING: its prompt is computed in chunks, flattened with other requests' chunks
+   under the token budget.
+3. The first token is sampled and streamed to the router. If it already ends the request (EOS,
+   stop token, max_tokens=1), the KV is freed and nothing is shipped.
+4. TRANSFERRING: a KvOffer goes to the decode node (after the pairing handshake). The decode node
+   reserves blocks and pulls; the KV goes out by the chosen backend; its KvAck frees our copy.
+   If the decode node goes quiet about it for --kv-lease-s (no pull, no ack, no KvWaiting notice
+   that it is still queued for blocks there), or disconnects or refuses, the KV is freed and the
+   router is told the request failed. No block is ever stranded, and no waiting offer is dropped.
+5. An Abort from the router at any point frees the KV and cancels the transfer on the decode node.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from pdserve.config import NodeConfig
+from pdserve.engine.engine import Engine, TokenOutput
+from pdserve.engine.request import Request, Status
+from pdserve.node import NodeBase
+from pdserve.wire import protocol as P
+from pdserve.wire import transport
+from pdserve.wire.kv_transfer import TransferState, accepted_transports, make_backend
+
+log = logging.getLogger("pdserve.prefill")
+
+
+@dataclass
+class DecodePeer:
+    addr: str
+    sock: zmq.Socket
+    monitor: zmq.Socket
+    paired: bool = False
+    refused: str = ""
+    queued: list[str] = field(default_factory=list)  # offers waiting for the handshake
+    backend: object = None  # the transport the decode node chose at pairing
+
+
+@dataclass
+class Transfer:
+    request: Request
+    peer: DecodePeer
+    state: TransferState = TransferState.PENDING
+    started: float = field(default_factory=time.monotonic)  # lease start; renewed by KvWaiting
+    pulled_at: float = 0.0
+
+
+class PrefillNode(NodeBase):
+    role = "prefill"
+
+    def __init__(self, cfg: NodeConfig) -> None:
+        self.backends = {n: make_backend(n) for n in accepted_transports(cfg.kv_transport, cfg.engine.device)}
+        self.backend = next(iter(self.backends.values()))  # the preferred one holds the pool (shared if it can)
+        super().__init__(cfg)
+        self.peers: dict[str, DecodePeer] = {}
+        self.transfers: dict[str, Transfer] = {}
+        self.decode_addr: dict[str, str] = {}
+        self.counters.update(kv_transfers=0, kv_transfer_bytes=0, kv_transfer_time_s=0.0, kv_transfer_failures=0)
+        self.counters.update({f"kv_pairings_{name}": 0 for name in self.backends})
+
+    def make_engine(self) -> Engine:
+        return Engine(self.cfg.engine, prefill_only=True, pool_storage=self.backend.storage)
+
+    def close(self) -> None:
+        super().close()
+        for backend in self.backends.values():
+            backend.close()
+
+    # ---- from the router ----------------------------------------------------------------------
+    def on_generate(self, msg: P.Generate) -> None:
+        if not msg.decode_addr.startswith(("tcp://", "ipc://")):
+            self.emit([P.TokenEvent(msg.request_id, [], "error", "no decode node address")])
+            return
+        super().on_generate(msg)
+        if msg.request_id in self.engine.requests:  # taken (not refused)
+            self.decode_addr[msg.request_id] = msg.decode_addr
+
+    def on_abort(self, request_id: str) -> None:
+        t = self.transfers.get(request_id)
+        if t is not None:
+            self._end_transfer(t, ok=False, why="")
+        else:
+            self.engine.abort(request_id)
+        self.decode_addr.pop(request_id, None)
+
+    # ---- after a step: first tokens ------------------------------------------------------------
+    def on_outputs(self, outputs: list[TokenOutput]) -> None:
+        super().on_outputs(outputs)
+        for o in outputs:
+            addr = self.decode_addr.pop(o.request.request_id, "")
+            if o.finish_reason is None:
+                self._offer(o.request, self._peer(addr))
+
+    def _peer(self, addr: str) -> DecodePeer:
+        peer = self.peers.get(addr)
+        if peer is None:
+            sock = self.ctx.socket(zmq.DEALER)
+            transport.configure(sock)
+            transport.secure_client(sock, self.keys)
+            sock.setsockopt(zmq.RECONNECT_IVL, 100)
+            mon = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | transport.HANDSHAKE_FAILED)
+            sock.connect(addr)
+            peer = DecodePeer(addr, sock, mon)
+            self.peers[addr] = peer
+            self.poller.register(sock, zmq.POLLIN)  # the monitor is read in tick(), every loop
+            self.handlers[sock] = lambda _id, msg, frames, p=peer: self.handle_kv(p, msg, frames)
+        return peer
+
+    def _offer(self, req: Request, peer: DecodePeer) -> None:
+        self.transfers[req.request_id] = Transfer(req, peer)
+        if peer.refused:
+            self._fail(req.request_id, f"decode node {peer.addr} refused to pair: {peer.refused}")
+        elif peer.paired:
+            self._send_offer(req, peer)
+        else:
+            peer.queued.append(req.request_id)
+
+    def _send_offer(self, req: Request, peer: DecodePeer) -> None:
+        self.transfers[req.request_id].started = time.monotonic()  # the lease runs from the offer
+        offer = P.KvOffer(req.request_id, req.prompt_token_ids, req.output_token_ids[0], req.params,
+                          len(req.prompt_token_ids))  # fmt: skip
+        transport.send(peer.sock, offer)
+
+    # ---- from decode nodes ---------------------------------------------------------------------
+    def handle_kv(self, peer: DecodePeer, msg, frames: list) -> None:
+        if isinstance(msg, P.HelloAck):
+            self._on_pairing(peer, msg)
+        elif isinstance(msg, P.KvPull):
+            self._on_pull(msg.request_id)
+        elif isinstance(msg, P.KvAck):
+            t = self.transfers.get(msg.request_id)
+            if t is not None:
+                self._end_transfer(t, msg.ok, msg.reason)
+        elif isinstance(msg, P.KvWaiting):
+            now = time.monotonic()
+            for rid in msg.request_ids:
+                t = self.transfers.get(rid)
+                if t is not None and t.peer is peer:
+                    t.started = now  # still queued there: renew the lease
+
+    def _on_pairing(self, peer: DecodePeer, msg: P.HelloAck) -> None:
+        chosen = msg.info.get("transport", self.backend.name) if isinstance(msg.info, dict) else self.backend.name
+        if msg.ok and chosen not in self.backends:
+            msg = P.HelloAck(False, msg.role, {}, f"it chose KV transport {chosen!r}, which this node does not offer")
+        if not msg.ok:
+            peer.refused = msg.reason
+            log.error("decode node %s refused to pair: %s", peer.addr, msg.reason)
+            for rid in peer.queued:
+                self._fail(rid, f"decode node {peer.addr} refused to pair: {msg.reason}")
+        else:
+            peer.paired, peer.refused, peer.backend = True, "", self.backends[chosen]
+            self.counters[f"kv_pairings_{chosen}"] += 1
+            log.info("paired with decode node %s; KV goes over %s", peer.addr, chosen)
+            for rid in peer.queued:
+                if rid in self.transfers:
+                    self._send_offer(self.transfers[rid].request, peer)
+        peer.queued.clear()
+
+    def _on_pull(self, request_id: str) -> None:
+        t = self.transfers.get(request_id)
+        if t is None:  # aborted meanwhile; the decode node got a KvCancel
+            return
+        req = t.request
+        t.state, t.pulled_at, t.started = TransferState.TRANSFERRING, time.perf_counter(), time.monotonic()
+        for header, frames in self.engine.send_kv(req, t.peer.backend):
+            transport.send(t.peer.sock, header, frames)
+
+    def _end_transfer(self, t: Transfer, ok: bool, why: str) -> None:
+        rid = t.request.request_id
+        self.transfers.pop(rid, None)
+        t.state = TransferState.DONE if ok else TransferState.FAILED
+        if ok and t.pulled_at:
+            self.counters["kv_transfers"] += 1
+            self.counters["kv_transfer_bytes"] += len(t.request.prompt_token_ids) * self.engine.layout.bytes_per_token()
+            self.counters["kv_transfer_time_s"] += time.perf_counter() - t.pulled_at
+        self.engine.release(t.request, Status.FINISHED if ok else Status.ABORTED, "transferred" if ok else "abort")
+        if not ok and t.peer.paired:  # the decode node may still hold an offer or blocks for it
+            transport.send(t.peer.sock, P.KvCancel(rid))
+        if not ok and why:
+            self.counters["kv_transfer_failures"] += 1
+            self.emit([P.TokenEvent(rid, [], "error", why)])
+
+    def _fail(self, request_id: str, why: str) -> None:
+        t = self.transfers.get(request_id)
+        if t is not None:
+            self._end_transfer(t, ok=False, why=why)
+
+    def fail_all(self, why: str) -> None:
+        for t in list(self.transfers.values()):
+            self._end_transfer(t, ok=False, why=why)
+        self.decode_addr.clear()
+        super().fail_all(why)
+
+    # ---- chores --------------------------------------------------------------------------------
+    def tick(self) -> None:
+        super().tick()
+        for peer in list(self.peers.values()):
+            for event in transport.monitor_events(peer.monitor):
+                self._on_peer_event(peer, event)
+            self.drain(peer.sock)  # lease renewals that came in during a long step count
+        now = time.monotonic()
+        for t in [t for t in self.transfers.values() if now - t.started > self.cfg.kv_lease_s]:
+            self._end_transfer(t, ok=False, why=f"KV transfer lease of {self.cfg.kv_lease_s}s ran out")
+
+    def _on_peer_event(self, peer: DecodePeer, event: int) -> None:
+        if event == zmq.EVENT_CONNECTED:
+            hello = P.KvHello(P.PROTOCOL_VERSION, self.engine.layout.to_dict(), self.cfg.kv_transport,
+                              self.backend.handle(), self.host_id, list(self.backends))  # fmt: skip
+            transport.send(peer.sock, hello)
+        elif event & transport.HANDSHAKE_FAILED:
+            log.error("decode node %s: the CurveZMQ handshake failed; check --zmq-keys on both sides", peer.addr)
+        elif event == zmq.EVENT_DISCONNECTED:
+            peer.paired = False
+            for t in [t for t in self.transfers.values() if t.peer is peer]:
+                if t.request.request_id not in peer.queued:
+                    self._end_transfer(t, ok=False, why=f"decode node {peer.addr} disconnected")

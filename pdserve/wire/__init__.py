@@ -1,0 +1,1 @@
+"""What crosses a socket: the message protocol, the ZeroMQ transport, the KV transfer backends."""
