@@ -108,10 +108,10 @@ def _decode_nodes(stack: Stack) -> list[dict]:
 
 
 def test_offers_wait_for_a_full_decode_node_beyond_the_lease(tmp_path):
-    """A decode pool that holds one request at a time, a 1 s lease (four KvWaiting notices long, so that a
+    """A decode pool that holds one request at a time, a 2 s lease (eight KvWaiting notices long, so that a
     loaded host's scheduling delays do not end it), and 64 requests that each decode for a while: the later
     ones wait on the decode node longer than the lease, and must still complete."""
-    lease_s = 1.0
+    lease_s = 2.0
     stack = Stack(tmp_path, "tiny", mode="disagg", engine_args=("--kv-lease-s", str(lease_s)),
                   decode_args=("--num-kv-blocks", "8")).start()  # fmt: skip
     try:
