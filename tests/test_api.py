@@ -332,7 +332,7 @@ def test_bench_load_generator_reads_every_token(stack):
 
 REFUSED = [
     ("best_of", 3), ("suffix", "tail"), ("top_logprobs", 2), ("prompt_logprobs", 1), ("use_beam_search", True),
-    ("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
+    ("response_format", {"type": "grammar"}), ("tools", [{"type": "function"}]),
     ("tool_choice", "auto"), ("audio", {"voice": "x"}), ("guided_json", {"type": "object"}),
 ]  # fmt: skip
 
