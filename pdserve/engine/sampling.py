@@ -2,8 +2,9 @@
 
 Rows that set a logits processor (`min_tokens`, `logit_bias`, repetition, frequency and presence
 penalties, as vLLM defines them) have their logits changed first, together, on the device: greedy
-rows too; then the rows of guided requests lose every token their grammar forbids (engine/grammar.py). Greedy rows are then one argmax over the batch. The rows that sample (temperature, top-k, top-p) are
-drawn together: temperature scaling, the min-p mask, top-k and top-p masks in one sort, then the Gumbel-max trick
+rows too; then the rows of guided requests lose every token their grammar forbids (engine/grammar.py).
+Greedy rows are then one argmax over the batch. The rows that sample (temperature, top-k, top-p) are drawn
+together: temperature scaling, the min-p mask, top-k and top-p masks in one sort, then the Gumbel-max trick
 (`argmax(log p - log E)` with `E` exponential noise), which draws exactly from the masked
 distribution. The noise comes from a counter-based hash of (request key, token index, vocabulary
 id), computed on the device: a seeded request draws its i-th token from (seed, i) alone, so it
