@@ -68,9 +68,9 @@ class Guide:
 
     def advance(self, token: int) -> None:
         """The request drew `token`: the matcher takes it (a refusal leaves it where only EOS is allowed)."""
-        if not self.matcher.consume_token(token):
-            log.warning("request %s: the grammar refused token %d: %s", self.request_id, token,
-                        self.matcher.get_error())  # fmt: skip
+        if not self.matcher.is_error() and not self.matcher.consume_token(token):
+            why = self.matcher.get_error().splitlines()[0]
+            log.warning("request %s: the grammar refused token %d: %s", self.request_id, token, why)
 
     def allowed(self, V: int) -> torch.Tensor:
         """The tokens the grammar allows next: [V] bool (ids beyond the tokenizer's vocabulary never)."""
