@@ -449,6 +449,9 @@ PERSON = {"type": "object", "additionalProperties": False, "required": ["name", 
                                                     "items": {"enum": ["red", "green"]}}}}  # fmt: skip
 
 
+JSON_SEED = 3  # the random tiny model, sampled with this seed, closes its JSON object within max_tokens
+
+
 def test_response_format_json_schema_and_json_object(client):
     """Greedy, n=3 sampled and streamed, and json_object: every answer parses, and is an instance of its schema."""
     jsonschema = pytest.importorskip("jsonschema")
