@@ -334,6 +334,7 @@ REFUSED = [
     ("best_of", 3), ("suffix", "tail"), ("top_logprobs", 2), ("prompt_logprobs", 1), ("use_beam_search", True),
     ("response_format", {"type": "grammar"}), ("tools", [{"type": "function"}]),
     ("tool_choice", "auto"), ("audio", {"voice": "x"}), ("guided_json", {"type": "object"}),
+    ("stream_options", {"include_usage": True, "continuous_usage_stats": True}),
 ]  # fmt: skip
 
 

@@ -185,6 +185,17 @@ def _logit_bias(body: _Common, vocab_size: int) -> tuple[tuple[int, float], ...]
     return tuple(pairs)
 
 
+STREAM_OPTIONS = ("include_usage", "include_obfuscation")  # honoured; accepted and ignored (no padding is sent)
+
+
+def _stream_options(opts: dict | None) -> dict:
+    """stream_options, refusing any key that asks for something pdserve does not do (vLLM's continuous usage)."""
+    asks = [k for k, v in (opts or {}).items() if k not in STREAM_OPTIONS and v not in (None, False)]
+    if asks:
+        raise ApiError(400, f"stream_options.{asks[0]} is not supported by pdserve", "stream_options")
+    return opts or {}
+
+
 def make_job(
     body: _Common,
     prompt_ids: list[int],
@@ -233,7 +244,7 @@ def make_job(
         )  # fmt: skip
     except ValueError as e:
         raise ApiError(400, str(e)) from None
-    opts = body.stream_options or {}
+    opts = _stream_options(body.stream_options)
     return Job(prompt_ids, params, [s for s in stops if s], body.stream, bool(opts.get("include_usage")),
                body.return_token_ids, body.model, chat=chat_default, logprobs=top, echo=echo,
                show_tokens=show_tokens, include_stop=bool(body.include_stop_str_in_output),
