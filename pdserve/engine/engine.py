@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.config import EngineConfig
+from pdserve.config import EngineConfig, eos_token_ids
 from pdserve.engine.block_allocator import blocks_for
 from pdserve.engine.checkpoint import resolve_model
 from pdserve.engine.grammar import Guides
@@ -49,7 +49,7 @@ class Engine:
         self.cfg = cfg
         self.prefill_only = prefill_only
         self.model = load_model(resolve_model(cfg.model), cfg.dtype, cfg.device)
-        self.guides = Guides(resolve_model(cfg.model), self.model.config.vocab_size, _eos_ids(self.model.config))
+        self.guides = Guides(resolve_model(cfg.model), self.model.config.vocab_size, eos_token_ids(self.model.config))
         self.layout = kv_layout(self.model, cfg.block_size, cfg.dtype)
         num_blocks = cfg.num_blocks_for(self.layout.bytes_per_token())
         storage = pool_storage(self.layout, num_blocks, cfg.device) if pool_storage else None
@@ -170,9 +170,3 @@ class Engine:
             echo = req.prompt_logprobs if first else None
             outputs.append(TokenOutput(req, token, reason, logprob=lp, prompt_logprobs=echo))
         return outputs
-
-
-def _eos_ids(config) -> tuple[int, ...]:
-    """The model's EOS ids from its config (as the router reads them), for guided decoding."""
-    eos = getattr(config, "eos_token_id", None)
-    return tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))

@@ -50,14 +50,25 @@ class Guides:
         req.guide = Guide(req.request_id, matcher, self.tokenizer().vocab_size)
 
     def tokenizer(self):
+        """llguidance's view of the checkpoint's (fast) tokenizer, built once: about a second for 150k ids."""
         if self._tokenizer is None:
-            import transformers
-
             ll = _llguidance()
-            hf = transformers.PreTrainedTokenizerFast.from_pretrained(self.checkpoint, local_files_only=True)
-            eos = list(self.eos_token_ids) or hf.eos_token_id
-            self._tokenizer = ll.hf.from_tokenizer(hf, n_vocab=max(self.vocab_size, len(hf)), eos_token=eos)
+            try:
+                hf = _hf_tokenizer(self.checkpoint)
+                eos = list(self.eos_token_ids) or hf.eos_token_id
+                self._tokenizer = ll.hf.from_tokenizer(hf, n_vocab=max(self.vocab_size, len(hf)), eos_token=eos)
+            except Exception as e:  # noqa: BLE001 - whatever the tokenizer files raise, the request gets it
+                raise GrammarError(f"guided decoding: cannot load this model's tokenizer: {e}") from None
         return self._tokenizer
+
+
+def _hf_tokenizer(checkpoint: Path):
+    """The checkpoint's fast tokenizer, as the router loads it."""
+    import transformers
+
+    if (checkpoint / "tokenizer.json").is_file():
+        return transformers.PreTrainedTokenizerFast.from_pretrained(checkpoint, local_files_only=True)
+    return transformers.AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
 
 
 class Guide:
