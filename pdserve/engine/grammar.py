@@ -41,13 +41,15 @@ class Guides:
         """Give a guided request its matcher, advanced over the tokens it already has (GrammarError if it can't)."""
         if not req.params.grammar:
             return
-        ll = _llguidance()
-        matcher = ll.LLMatcher(self.tokenizer(), req.params.grammar, log_level=0)
-        prefix = req.params.grammar_prefix
-        replay = (req.prompt_token_ids[len(req.prompt_token_ids) - prefix :] if prefix else []) + req.output_token_ids
+        prompt, prefix = req.prompt_token_ids, req.params.grammar_prefix
+        if prefix > len(prompt):
+            raise GrammarError(f"guided decoding: grammar_prefix {prefix} is longer than the prompt")
+        tokenizer = self.tokenizer()
+        matcher = _llguidance().LLMatcher(tokenizer, req.params.grammar, log_level=0)
+        replay = prompt[len(prompt) - prefix :] + req.output_token_ids
         if matcher.is_error() or (replay and not matcher.consume_tokens(replay)):
-            raise GrammarError(f"guided decoding: {matcher.get_error()}")
-        req.guide = Guide(req.request_id, matcher, self.tokenizer().vocab_size)
+            raise GrammarError(f"guided decoding: {matcher.get_error().splitlines()[0]}")
+        req.guide = Guide(req.request_id, matcher, tokenizer.vocab_size)
 
     def tokenizer(self):
         """llguidance's view of the checkpoint's (fast) tokenizer, built once: about a second for 150k ids."""
