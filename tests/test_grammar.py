@@ -133,3 +133,14 @@ def test_a_grammar_cannot_go_with_ignore_eos_or_min_tokens():
     for kw in ({"ignore_eos": True}, {"min_tokens": 2}):
         with pytest.raises(ValueError, match="grammar"):
             SamplingParams(grammar=compile_schema({"type": "object"}), **kw)
+
+
+def test_a_redispatched_guided_request_replays_what_was_streamed():
+    """The router sends a request again as prompt + streamed tokens: its grammar must take those as matched."""
+    from pdserve.router.core import Flight, RouterCore
+
+    grammar = compile_schema({"type": "object"})
+    flight = Flight("", [1, 2], SamplingParams(max_tokens=10, grammar=grammar), None, output=[5, 6, 7])
+    assert RouterCore._resumed_params(flight).grammar_prefix == 3
+    plain = Flight("", [1, 2], SamplingParams(max_tokens=10), None, output=[5, 6, 7])
+    assert RouterCore._resumed_params(plain).grammar_prefix == 0
