@@ -34,6 +34,12 @@ def max_model_len(config) -> int:
     return limit
 
 
+def eos_token_ids(config) -> tuple[int, ...]:
+    """The model's EOS ids, as its config lists them (one id, a list, or none)."""
+    eos = getattr(config, "eos_token_id", None)
+    return tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+
+
 KEY_FILES = ("server.key", "server.key_secret", "client.key", "client.key_secret", "authorized")
 
 

@@ -213,7 +213,10 @@ class NodeBase:
             self.emit([P.TokenEvent(msg.request_id, [], "error", why)])
             return
         self.counters["requests"] += 1
-        self.engine.add(Request(msg.request_id, list(msg.prompt_token_ids), msg.params, arrival=time.time()))
+        try:
+            self.engine.add(Request(msg.request_id, list(msg.prompt_token_ids), msg.params, arrival=time.time()))
+        except ValueError as e:  # a duplicate id, or a grammar this node cannot use
+            self.emit([P.TokenEvent(msg.request_id, [], "error", str(e))])
 
     def on_abort(self, request_id: str) -> None:
         self.engine.abort(request_id)

@@ -332,8 +332,9 @@ def test_bench_load_generator_reads_every_token(stack):
 
 REFUSED = [
     ("best_of", 3), ("suffix", "tail"), ("top_logprobs", 2), ("prompt_logprobs", 1), ("use_beam_search", True),
-    ("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
+    ("response_format", {"type": "grammar"}), ("tools", [{"type": "function"}]),
     ("tool_choice", "auto"), ("audio", {"voice": "x"}), ("guided_json", {"type": "object"}),
+    ("stream_options", {"include_usage": True, "continuous_usage_stats": True}),
 ]  # fmt: skip
 
 
@@ -441,3 +442,49 @@ def test_streamed_batch_and_n_reassemble_by_index(client):
             reasons[ch.index] = ch.finish_reason or reasons.get(ch.index)
     assert texts == {c.index: c.text for c in whole.choices} and set(reasons.values()) == {"length"}
     assert chunks[-1].usage.completion_tokens == 24 and len({c.id for c in chunks}) == 1
+
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "colors"],
+          "properties": {"name": {"type": "string", "maxLength": 6}, "age": {"type": "integer", "minimum": 0,
+                         "maximum": 99}, "colors": {"type": "array", "maxItems": 2,
+                                                    "items": {"enum": ["red", "green"]}}}}  # fmt: skip
+
+
+JSON_SEED = 3  # the random tiny model, sampled with this seed, closes its JSON object within max_tokens
+
+
+def test_response_format_json_schema_and_json_object(client):
+    """Greedy, n=3 sampled and streamed, and json_object: every answer parses, and is an instance of its schema."""
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("llguidance")
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "a person, as JSON"}], max_tokens=120)
+    schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    greedy = client.chat.completions.create(response_format=schema, temperature=0, **kw)
+    answers = [greedy.choices[0]]
+    streamed = client.chat.completions.create(response_format=schema, n=3, temperature=1.0, seed=4, stream=True, **kw)
+    texts, reasons = {}, {}
+    for chunk in streamed:
+        for ch in chunk.choices:
+            texts[ch.index] = texts.get(ch.index, "") + (ch.delta.content or "")
+            reasons[ch.index] = ch.finish_reason or reasons.get(ch.index)
+    assert sorted(texts) == [0, 1, 2] and set(reasons.values()) == {"stop"}
+    assert greedy.choices[0].finish_reason == "stop"
+    for text in [a.message.content for a in answers] + list(texts.values()):
+        jsonschema.validate(json.loads(text), PERSON)
+    obj = client.chat.completions.create(response_format={"type": "json_object"}, temperature=1.0, seed=JSON_SEED,
+                                         **kw)  # fmt: skip
+    assert obj.choices[0].finish_reason == "stop" and isinstance(json.loads(obj.choices[0].message.content), dict)
+    done = client.completions.create(model="tiny", prompt="[", max_tokens=60, temperature=0,
+                                     extra_body={"response_format": {"type": "json_schema", "json_schema": {
+                                         "name": "list", "schema": {"type": "array", "items": {"type": "boolean"},
+                                                                    "maxItems": 3}}}})  # fmt: skip
+    assert all(type(x) is bool for x in json.loads(done.choices[0].text))
+
+
+def test_bad_schema_is_a_clear_400(client):
+    pytest.importorskip("llguidance")
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "required": 3}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], response_format=bad)
+    err = e.value.body
+    assert err["param"] == "response_format" and "JSON schema" in err["message"], err

@@ -9,7 +9,7 @@ from pdserve.router.openai_fields import UnsupportedField, check_fields
 
 
 @pytest.mark.parametrize("extra", [{"user": "x", "store": True}, {"best_of": 2, "n": 2}, {"top_logprobs": 0},
-                                   {"tool_choice": "none"}, {"response_format": {"type": "text"}},
+                                   {"tool_choice": "none"}, {"modalities": ["text"]},
                                    {"anything_else": None}, {"use_beam_search": False}])  # fmt: skip
 def test_neutral_values_pass(extra):
     check_fields({k: v for k, v in extra.items() if k != "n"}, extra)

@@ -152,7 +152,11 @@ class DecodeNode(NodeBase):
             return
         req = Request(rid, list(offer.prompt_token_ids), offer.params, output_token_ids=[offer.first_token_id],
                       status=Status.WAITING_FOR_KV, arrival=time.time())  # fmt: skip
-        self.engine.add(req)
+        try:
+            self.engine.add(req)
+        except ValueError as e:  # a grammar this node cannot use
+            self._refuse(identity, rid, str(e))
+            return
         self.incoming[rid] = Incoming(identity, req)
 
     def _on_data(self, identity: bytes, header: P.KvData, frames: list) -> None:

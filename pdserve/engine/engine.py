@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.config import EngineConfig
+from pdserve.config import EngineConfig, eos_token_ids
 from pdserve.engine.block_allocator import blocks_for
 from pdserve.engine.checkpoint import resolve_model
+from pdserve.engine.grammar import Guides
 from pdserve.engine.kv_cache import KVPool
 from pdserve.engine.model import ModelRunner, kv_layout, load_model, max_model_len
 from pdserve.engine.request import Request, Status
@@ -48,6 +49,7 @@ class Engine:
         self.cfg = cfg
         self.prefill_only = prefill_only
         self.model = load_model(resolve_model(cfg.model), cfg.dtype, cfg.device)
+        self.guides = Guides(resolve_model(cfg.model), self.model.config.vocab_size, eos_token_ids(self.model.config))
         self.layout = kv_layout(self.model, cfg.block_size, cfg.dtype)
         num_blocks = cfg.num_blocks_for(self.layout.bytes_per_token())
         storage = pool_storage(self.layout, num_blocks, cfg.device) if pool_storage else None
@@ -70,9 +72,11 @@ class Engine:
 
     def add(self, req: Request) -> None:
         """A new request, or (status WAITING_FOR_KV, its first token as output) one whose prompt's KV a
-        prefill node will send: the scheduler reserves its blocks (`reserve_remote`), then it lands."""
+        prefill node will send: the scheduler reserves its blocks (`reserve_remote`), then it lands. A guided request
+        gets its grammar's matcher here, over the tokens it has (GrammarError, a ValueError, if it cannot)."""
         if req.request_id in self.requests:
             raise ValueError(f"duplicate request id {req.request_id}")
+        self.guides.attach(req)
         self.requests[req.request_id] = req
         self.scheduler.add(req)
 
@@ -155,6 +159,8 @@ class Engine:
         outputs = []
         for req, token, lp in zip(sampled, drawn.tokens, drawn.logprobs, strict=True):
             req.output_token_ids.append(token)
+            if req.guide is not None:
+                req.guide.advance(token)
             reason = finish_reason(req, req.params, self.max_model_len)
             if reason:
                 self.release(req, Status.FINISHED, reason)

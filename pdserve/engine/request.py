@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdserve.wire.protocol import SamplingParams
 
@@ -55,6 +56,7 @@ class Request:
     arrival: float = 0.0
     num_preemptions: int = 0
     prompt_logprobs: list = field(default_factory=list)  # echo: the scores of prompt tokens 1.. so far
+    guide: Any = None  # a guided request's grammar state (engine.grammar.Guide), built when it joins an engine
 
     def prompt_logprob_positions(self, past: int, n: int) -> range:
         """The positions of a chunk [past, past + n) whose logits score a prompt token not scored yet (position p

@@ -2,8 +2,9 @@
 
 Rows that set a logits processor (`min_tokens`, `logit_bias`, repetition, frequency and presence
 penalties, as vLLM defines them) have their logits changed first, together, on the device: greedy
-rows too. Greedy rows are then one argmax over the batch. The rows that sample (temperature, top-k, top-p) are
-drawn together: temperature scaling, the min-p mask, top-k and top-p masks in one sort, then the Gumbel-max trick
+rows too; then the rows of guided requests lose every token their grammar forbids (engine/grammar.py).
+Greedy rows are then one argmax over the batch. The rows that sample (temperature, top-k, top-p) are drawn
+together: temperature scaling, the min-p mask, top-k and top-p masks in one sort, then the Gumbel-max trick
 (`argmax(log p - log E)` with `E` exponential noise), which draws exactly from the masked
 distribution. The noise comes from a counter-based hash of (request key, token index, vocabulary
 id), computed on the device: a seeded request draws its i-th token from (seed, i) alone, so it
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.grammar import mask_rows
 from pdserve.engine.request import Request
 from pdserve.wire.protocol import SamplingParams
 
@@ -83,7 +85,7 @@ class Sampler:
 
     def draw(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """logits: [S, V] -> one token id per request, [S] on the device."""
-        logits = process_rows(logits, requests)
+        logits = mask_rows(process_rows(logits, requests), requests)  # guided rows: what their grammar allows
         tokens = logits.argmax(dim=-1)  # [S]
         rows = [i for i, req in enumerate(requests) if not req.params.greedy]
         if rows:

@@ -26,6 +26,7 @@ from pdserve.router.errors import ApiError, error_body
 from pdserve.router.limits import Offload, RequestLimits, content_chars, stop_problem
 from pdserve.router.logprobs import ChoiceExtras, merge_pieces
 from pdserve.router.openai_fields import UnsupportedField, check_fields
+from pdserve.router.response_format import grammar_for, schema_size
 from pdserve.router.text import Detokenizer, ModelInfo, chat_prompt_ids, load_model_info
 from pdserve.wire import protocol as P
 
@@ -56,6 +57,7 @@ class _Common(BaseModel):
     min_tokens: int | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    response_format: dict | None = None  # text, json_object or json_schema (guided decoding)
 
 
 class CompletionBody(_Common):
@@ -183,6 +185,17 @@ def _logit_bias(body: _Common, vocab_size: int) -> tuple[tuple[int, float], ...]
     return tuple(pairs)
 
 
+STREAM_OPTIONS = ("include_usage", "include_obfuscation")  # honoured; accepted and ignored (no padding is sent)
+
+
+def _stream_options(opts: dict | None) -> dict:
+    """stream_options, refusing any key that asks for something pdserve does not do (vLLM's continuous usage)."""
+    asks = [k for k, v in (opts or {}).items() if k not in STREAM_OPTIONS and v not in (None, False)]
+    if asks:
+        raise ApiError(400, f"stream_options.{asks[0]} is not supported by pdserve", "stream_options")
+    return opts or {}
+
+
 def make_job(
     body: _Common,
     prompt_ids: list[int],
@@ -190,6 +203,7 @@ def make_job(
     chat_default: bool = False,
     kv_capacity: int | None = None,
     max_n: int = 1,
+    grammar: str = "",
 ) -> Job:
     if not prompt_ids:
         raise ApiError(400, "the prompt is empty", "prompt")
@@ -226,10 +240,11 @@ def make_job(
             presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
             min_p=body.min_p or 0.0, logit_bias=_logit_bias(body, info.vocab_size), min_tokens=body.min_tokens or 0,
+            grammar=grammar,
         )  # fmt: skip
     except ValueError as e:
         raise ApiError(400, str(e)) from None
-    opts = body.stream_options or {}
+    opts = _stream_options(body.stream_options)
     return Job(prompt_ids, params, [s for s in stops if s], body.stream, bool(opts.get("include_usage")),
                body.return_token_ids, body.model, chat=chat_default, logprobs=top, echo=echo,
                show_tokens=show_tokens, include_stop=bool(body.include_stop_str_in_output),
@@ -464,8 +479,9 @@ def create_app(cfg: RouterConfig) -> FastAPI:
         st = request.app.state
         check_fields(body.model_extra or {}, body.model_dump())
         caps = [c for c in (st.core.kv_capacity_tokens(r) for r in ("colocated", "decode")) if c]
+        grammar = await st.offload.run(schema_size(body.response_format), grammar_for, body.response_format)
         jobs = [make_job(body, ids, st.info, chat_default=chat, kv_capacity=min(caps, default=None),
-                         max_n=cfg.max_n) for ids in prompts]  # fmt: skip
+                         max_n=cfg.max_n, grammar=grammar) for ids in prompts]  # fmt: skip
         for job in jobs:
             check_capacity(st.core, job)
         jobs = expand(jobs, body.n)

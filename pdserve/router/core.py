@@ -336,12 +336,14 @@ class RouterCore:
     @staticmethod
     def _resumed_params(flight: Flight) -> P.SamplingParams:
         """The request's parameters for what is left of it once `flight.output` has been streamed: the tokens
-        left, min_tokens likewise, and no prompt log-probabilities again (they came with the first token)."""
+        left, min_tokens likewise, no prompt log-probabilities again (they came with the first token), and for a guided
+        request the grammar told to replay the streamed tokens, now the prompt's tail."""
         done, params = len(flight.output), flight.params
         if not done:
             return params
         return dataclasses.replace(params, max_tokens=params.max_tokens - done,
-                                   min_tokens=max(0, params.min_tokens - done), prompt_logprobs=None)  # fmt: skip
+                                   min_tokens=max(0, params.min_tokens - done), prompt_logprobs=None,
+                                   grammar_prefix=done if params.grammar else 0)  # fmt: skip
 
     def _lost(self, flight: Flight, why: str) -> None:
         """A node the request depends on is gone: dispatch it again, from where its stream stands."""

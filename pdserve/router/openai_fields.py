@@ -25,10 +25,6 @@ def _best_of(value: object, body: dict) -> bool:
     return value is None or value == body.get("n", 1)
 
 
-def _response_format(value: object, body: dict) -> bool:
-    return value is None or (isinstance(value, dict) and value.get("type") == "text")
-
-
 # Known fields pdserve does not implement, each with the test that its value asks for nothing.
 NOT_IMPLEMENTED: dict[str, Callable[[object, dict], bool]] = {
     "best_of": _best_of,
@@ -36,7 +32,6 @@ NOT_IMPLEMENTED: dict[str, Callable[[object, dict], bool]] = {
     "echo": _empty,  # chat (completions declare it)
     "top_logprobs": _empty,  # completions (chat declares it)
     "prompt_logprobs": _is(),
-    "response_format": _response_format,
     "tools": _empty,
     "tool_choice": _is("none"),
     "functions": _empty,

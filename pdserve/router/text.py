@@ -25,7 +25,7 @@ def load_model_info(model: str) -> ModelInfo:
     import torch); a checkpoint without one falls back to AutoTokenizer."""
     import transformers
 
-    from pdserve.config import max_model_len
+    from pdserve.config import eos_token_ids, max_model_len
 
     path = resolve_model(model)
     config = SimpleNamespace(**json.loads((path / "config.json").read_text()))
@@ -33,8 +33,7 @@ def load_model_info(model: str) -> ModelInfo:
         tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
     else:
         tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
-    eos = getattr(config, "eos_token_id", None)
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    eos_ids = eos_token_ids(config)
     context = max_model_len(config)
     limit = max_prompt_chars(context, max_token_chars(tokenizer))
     return ModelInfo(tokenizer, config.vocab_size, context, eos_ids, limit)

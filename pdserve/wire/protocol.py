@@ -20,8 +20,9 @@ from typing import Any, NewType
 
 import msgpack
 
-# 2: KV head-major, [2, nkv, n, d] per layer; 3: log-probabilities, KvHello transports; 4: Stats.draining, Pending
-PROTOCOL_VERSION = 4
+# 2: KV head-major, [2, nkv, n, d] per layer; 3: log-probabilities, KvHello transports; 4: Stats.draining, Pending;
+# 5: SamplingParams.grammar and grammar_prefix (guided decoding)
+PROTOCOL_VERSION = 5
 MAX_LOGPROBS = 20  # the most alternatives per position a request may ask for (OpenAI's limit)
 MAX_HEADER_BYTES = 64 * 1024 * 1024  # one control message; tensor frames are bounded separately
 MAX_LIST_LEN = 4 * 1024 * 1024
@@ -52,6 +53,8 @@ class SamplingParams:
     min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one (sampled rows)
     logit_bias: tuple[tuple[Id, float], ...] = ()  # (token id, added to its logit)
     min_tokens: int = 0  # EOS and stop token ids are masked until this many tokens are generated
+    grammar: str = ""  # guided decoding: an llguidance grammar (JSON text, never code) the output must match
+    grammar_prefix: Id = 0  # how many of the prompt's last tokens the grammar has matched (a request resumed)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -80,6 +83,9 @@ class SamplingParams:
             raise ValueError("logit_bias maps token ids to biases in [-100, 100]")
         if type(self.min_tokens) is not int or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError("min_tokens must be an integer from 0 to max_tokens")
+        if self.grammar and (self.ignore_eos or self.min_tokens):
+            raise ValueError("a grammar (response_format) ends the output at EOS: it cannot be combined with "
+                             "ignore_eos or min_tokens")
 
     @property
     def processed(self) -> bool:
