@@ -311,9 +311,23 @@ def test_tiny_temperature_is_greedy(client):
     )
 
 
-def test_chat_without_max_tokens_runs_to_the_end(client):
-    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], temperature=0)
-    assert chat.usage.completion_tokens > 16 or chat.choices[0].finish_reason == "stop"
+def _chat_tokens(stack, content: str) -> int:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": content}]}
+    return httpx.post(stack.url + "/tokenize", json=body, timeout=30).json()["count"]
+
+
+def test_chat_without_max_tokens_runs_to_the_end(stack, client):
+    """Without max_tokens a chat may run to the end of the context: a prompt that leaves about 24 tokens of it."""
+    empty, hundred = _chat_tokens(stack, ""), _chat_tokens(stack, "hi " * 100)
+    content = "hi " * int(100 * (2048 - 24 - empty) / (hundred - empty))
+    prompt_len = _chat_tokens(stack, content)
+    assert 2048 - 48 < prompt_len < 2048
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": content}], temperature=0)
+    assert chat.usage.prompt_tokens == prompt_len
+    if chat.choices[0].finish_reason == "length":
+        assert chat.usage.completion_tokens == 2048 - prompt_len
+    else:
+        assert chat.choices[0].finish_reason == "stop" and chat.usage.completion_tokens < 2048 - prompt_len
 
 
 def test_bench_load_generator_reads_every_token(stack):
