@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from pdserve.engine.block_allocator import BlockAllocator
+from pdserve.engine.copies import to_device
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -80,7 +81,7 @@ class KVPool:
         if is_run(block_ids):
             first = block_ids[0] * self.block_size
             return slice(first, first + length)
-        return self.slots(block_ids, 0, length).to(self.data.device)
+        return to_device(self.slots(block_ids, 0, length), self.data.device)
 
     def export_blocks(self, layer: int, block_ids: list[int]) -> torch.Tensor:
         """Whole blocks of one layer as a contiguous [2, nkv, n_blocks * bs, d] tensor."""
