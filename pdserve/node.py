@@ -143,7 +143,7 @@ class NodeBase:
         for sock, _ in self.poller.poll(50 if idle else 0):
             self.drain(sock)
         outputs = self.engine.finish(step)
-        if outputs:
+        if outputs:  # a step's time runs from its launch to its finish, the I/O between included
             self.counters["steps"] += 1
             self.counters["step_time_s"] += time.perf_counter() - t0
         self.held.extend(outputs)
