@@ -189,24 +189,31 @@ def check_order(trace: list, overlapped: bool) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_launch_never_waits_for_the_device(tiny_models):
-    """On a GPU, launch() queues the whole step without one synchronizing call (torch raises on any, in this
-    mode): greedy, sampled and penalised rows, log-probabilities, prompt chunks and graph-replayed decodes."""
+    """On a GPU, launch() queues the whole step without one synchronizing call (torch raises on any in this
+    mode): prompt chunks beside decodes (eager), pure decodes (graphs), greedy, sampled and penalised rows,
+    log-probabilities of samples and of prompts."""
     import dataclasses
 
     engine = Engine(EngineConfig(model=str(tiny_models["qwen3"]), device="cuda:0", max_num_seqs=8))
     prompts, outs = mixed_workload(8, 512, seed=12, max_prompt=60, max_out=12)
     reqs = greedy_requests(prompts, outs)
-    sampled = dict(temperature=0.8, top_k=20, top_p=0.9, seed=3, repetition_penalty=1.1, logprobs=2)
-    reqs[1].params = dataclasses.replace(reqs[1].params, **sampled)
-    for r in reqs:
+    reqs[5].params = dataclasses.replace(reqs[5].params, temperature=0.8, top_k=20, top_p=0.9, seed=3,
+                                         repetition_penalty=1.1, logprobs=2)  # fmt: skip
+    reqs[6].params = dataclasses.replace(reqs[6].params, prompt_logprobs=1)
+    for r in reqs[:4]:
         engine.add(r)
-    engine.step()  # first steps: Triton's compilation, the caching allocators' first buffers
+    engine.step()  # the first steps compile Triton's kernels and fill the caching allocators
     engine.step()
+    for r in reqs[4:]:  # their prompts run beside the first four's decodes
+        engine.add(r)
+    launched = 0
     while engine.has_work():
         torch.cuda.set_sync_debug_mode("error")
         try:
             step = engine.launch()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        engine.finish(step)
-    assert engine.pool.allocator.num_free == engine.pool.num_blocks
+        assert not step.error, step.error
+        launched += 1
+        assert not any(o.finish_reason == "error" for o in engine.finish(step))
+    assert launched > 5 and engine.pool.allocator.num_free == engine.pool.num_blocks
