@@ -90,9 +90,10 @@ class KVPool:
         return src[:, :, idx].contiguous() if isinstance(idx, slice) else src.index_select(2, idx)
 
     def import_blocks(self, layer: int, block_ids: list[int], kv: torch.Tensor) -> None:
-        """Write whole blocks of one layer ([2, nkv, n_blocks * bs, d]) into `block_ids`."""
+        """Write whole blocks of one layer ([2, nkv, n_blocks * bs, d], on the host) into `block_ids`; on a GPU
+        without waiting for the step in flight (through pinned memory: `kv` may be reused once this returns)."""
         dst = self.data[layer]  # [2, nkv, S, d]
-        kv = kv.to(self.data.device)
+        kv = to_device(kv, self.data.device)
         idx = self.context_slots(block_ids, len(block_ids) * self.block_size)
         if isinstance(idx, slice):
             dst[:, :, idx].copy_(kv)
