@@ -1,7 +1,11 @@
 """What every node process shares: the router-facing socket, the loop, stats and shutdown.
 
-The loop: drain every socket that has messages, run one engine step, emit its tokens, then the
-periodic chores (stats heartbeat, leases). It blocks in poll only when the engine is idle.
+The loop: launch an engine step, drain every socket that has messages, finish the step and emit its
+tokens, then the periodic chores (stats heartbeat, leases). It blocks in poll only when the engine is
+idle. On a GPU the launch returns while the device computes the step, so the host's share of the
+iteration runs meanwhile: the messages are read and handled (new requests, aborts, KV transfers), and
+the previous step's tokens, held back until the next launch, are sent to the router. On the CPU a
+step's tokens go out as soon as it finishes, before the next one is computed.
 
 Shutdown: SIGINT stops at once. SIGTERM drains: the node says so in its stats (the router stops
 picking it and answers with the requests it still routes here, some perhaps still on their way), refuses
@@ -64,6 +68,7 @@ class NodeBase:
         self.handlers = {self.front: self.handle_front}
         self.router_id: bytes | None = None
         self.counters = {"requests": 0, "tokens_out": 0, "steps": 0, "step_time_s": 0.0}
+        self.held: list[TokenOutput] = []  # a step's outputs, not published yet
         self._next_stats = 0.0
         self._stop = False
         self.drain_deadline: float | None = None  # set by SIGTERM
@@ -121,25 +126,36 @@ class NodeBase:
             waiting_for_router = self.router_id is not None and time.monotonic() - started < ROUTER_ANSWER_S
         else:
             waiting_for_router = bool(self.router_pending)
-        return bool(self.engine.requests) or waiting_for_router
+        return bool(self.engine.requests or self.held) or waiting_for_router
 
     def fail_all(self, why: str) -> None:
-        """End every request held here with an error event."""
+        """End every request held here with an error event (after the tokens it has)."""
+        self.flush()
         for rid in list(self.engine.requests):
             self.engine.abort(rid)
             self.emit([P.TokenEvent(rid, [], "error", why)])
 
     def loop_once(self) -> None:
-        idle = not (self.engine.has_work() or self.busy())
+        t0 = time.perf_counter()
+        step = self.engine.launch()  # on a GPU: returns while the device computes it
+        self.flush()  # the previous step's tokens, held back (GPU) to go out while this one computes
+        idle = step is None and not (self.engine.has_work() or self.busy())
         for sock, _ in self.poller.poll(50 if idle else 0):
             self.drain(sock)
-        t0 = time.perf_counter()
-        outputs = self.engine.step()
-        if outputs:
+        outputs = self.engine.finish(step)
+        if outputs:  # a step's time runs from its launch to its finish, the I/O between included
             self.counters["steps"] += 1
             self.counters["step_time_s"] += time.perf_counter() - t0
-            self.on_outputs(outputs)
+        self.held.extend(outputs)
+        if not self.engine.overlapped:  # the CPU has computed the step already: nothing to overlap
+            self.flush()
         self.tick()
+
+    def flush(self) -> None:
+        """Publish the outputs held back from the last step."""
+        held, self.held = self.held, []
+        if held:
+            self.on_outputs(held)
 
     def busy(self) -> bool:
         """Work outside the engine that should keep the loop from sleeping."""

@@ -27,6 +27,7 @@ from torch import nn
 
 from pdserve.engine import kernels
 from pdserve.engine.block_allocator import blocks_for, cdiv
+from pdserve.engine.copies import to_device
 from pdserve.engine.kv_cache import KVPool
 
 DECODE_TILE_M = 16  # query rows of a decode tile: the query heads of one KV head (tl.dot needs >= 16)
@@ -93,10 +94,10 @@ class TorchBackend:
                chunks: list[Chunk]) -> ForwardInputs:  # fmt: skip
         dev = self.device
         return ForwardInputs(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            sample_index=torch.tensor(sample, dtype=torch.long, device=dev),
+            input_ids=to_device(ids, dev, torch.long),
+            positions=to_device(positions, dev, torch.long),
+            slot_mapping=to_device(slots, dev, torch.long),
+            sample_index=to_device(sample, dev, torch.long),
             attn=SpanMeta([self._span(c) for c in chunks]),
         )
 
@@ -104,7 +105,7 @@ class TorchBackend:
         bs, total = self.pool.block_size, c.past + c.length
         ctx = self.pool.context_slots(c.block_ids[: blocks_for(total, bs)], total)
         mask = _chunk_mask(c.past, c.length)
-        return Span(c.start, c.length, c.past, ctx, None if mask is None else mask.to(self.device))
+        return Span(c.start, c.length, c.past, ctx, None if mask is None else to_device(mask, self.device))
 
     # ---- the layer's small ops ------------------------------------------------------------------
     def norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -4,13 +4,20 @@ Shared by all three node roles. A prefill-only engine stops each request after i
 and parks it in TRANSFERRING, KV held, for the prefill node to ship. A step that raises (a kernel
 error, a bad input that slipped through) fails the requests of that step with the error and frees
 their KV; the engine, and the node around it, keep serving.
+
+An iteration is two calls, so that the node's host work runs while the device computes:
+`launch()` schedules, builds the inputs and queues the forward, the sampling and the copy of the
+sampled ids to the host; `finish(step)` waits for those ids and takes them in (`update`). On a GPU,
+launch returns while the device works (`overlapped`); on the CPU it returns with the work done. Between
+the two, requests may come and go: one aborted meanwhile gets no output from the step, and its blocks
+go back to the pool only at finish, once the device is done writing them. `step()` is both at once.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,7 +28,7 @@ from pdserve.engine.grammar import Guides
 from pdserve.engine.kv_cache import KVPool
 from pdserve.engine.model import ModelRunner, kv_layout, load_model, max_model_len
 from pdserve.engine.request import Request, Status
-from pdserve.engine.sampling import Drawn, Sampler, TokenLogprob, finish_reason
+from pdserve.engine.sampling import Drawn, PendingDraw, Sampler, TokenLogprob, finish_reason
 from pdserve.engine.scheduler import Batch, Scheduler
 
 log = logging.getLogger("pdserve.engine")
@@ -35,6 +42,20 @@ class TokenOutput:
     error: str = ""
     logprob: TokenLogprob | None = None  # when the request asked for logprobs
     prompt_logprobs: list[TokenLogprob] | None = None  # echo with logprobs: prompt tokens 1.., on the first token
+
+
+@dataclass
+class Step:
+    """One iteration between `launch()` and `finish()`."""
+
+    batch: Batch
+    scored: list[Request]  # the request of each prompt row scored (echo with logprobs)
+    draw: PendingDraw | None  # its sampling, queued on the device; None when launching it failed
+    error: str = ""  # why it failed
+    members: set[Request] = field(init=False)  # the batch's requests
+
+    def __post_init__(self) -> None:
+        self.members = {s.request for s in self.batch.scheduled}
 
 
 def pin_process(cfg: EngineConfig) -> None:
@@ -60,6 +81,9 @@ class Engine:
         self.sampler = Sampler()
         self.max_model_len = max_model_len(self.model.config)
         self.requests: dict[str, Request] = {}
+        self.in_flight: Step | None = None  # launched, not finished
+        self._parked: list[list[int]] = []  # blocks of requests released while a step that writes them ran
+        self.overlapped = self.runner.device.type == "cuda"  # launch() returns before the device is done
 
     # ---- requests -----------------------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> str:
@@ -122,7 +146,10 @@ class Engine:
         return req
 
     def release(self, req: Request, status: Status, reason: str) -> None:
-        """End a request for good: out of the queues, KV freed."""
+        """End a request for good: out of the queues, KV freed (once the step in flight, if it holds it, is done)."""
+        if self.in_flight is not None and req in self.in_flight.members:
+            self._parked.append(req.block_ids)
+            req.block_ids = []
         self.scheduler.finish(req, status, reason)
         self.requests.pop(req.request_id, None)
 
@@ -131,23 +158,53 @@ class Engine:
 
     # ---- one iteration ------------------------------------------------------------------------
     def step(self) -> list[TokenOutput]:
+        """One whole iteration."""
+        return self.finish(self.launch())
+
+    def launch(self) -> Step | None:
+        """Schedule an iteration and queue its forward, sampling and copy back on the device; None when nothing
+        runs. On a GPU it returns while the device computes; on the CPU, once it has."""
+        if self.in_flight is not None:
+            raise RuntimeError("launch() while a step is in flight: finish() it first")
         batch = self.scheduler.schedule()
         if not batch:
-            return []
+            return None
         sampled = [s.request for s in batch.scheduled if s.samples]
         scored = [(req, req.prompt_token_ids[pos + 1]) for _, req, pos in batch.prompt_logprob_rows()]
+        step = Step(batch, [req for req, _ in scored], None)
         try:
-            drawn = self.sampler(self.runner.run(batch), sampled, scored)
+            step.draw = self.sampler.launch(self.runner.run(batch), sampled, scored)
         except Exception as e:  # noqa: BLE001 - one bad step must not take the node down
-            log.exception("a step of %d requests failed", len(batch.scheduled))
-            return self.fail(batch, f"the engine raised an error while running this request: {type(e).__name__}: {e}")
-        return self.update(batch, drawn, [req for req, _ in scored])
+            step.error = self.step_error(batch, e)
+        self.in_flight = step
+        return step
+
+    def finish(self, step: Step | None) -> list[TokenOutput]:
+        """Wait for a launched step's tokens and take them in: an output per sampled request still here."""
+        if step is None:
+            return []
+        try:
+            drawn = step.draw.wait() if step.draw is not None else None
+        except Exception as e:  # noqa: BLE001 - a device error surfaces here, when the step is waited for
+            drawn, step.error = None, self.step_error(step.batch, e)
+        self.in_flight = None
+        for blocks in self._parked:
+            self.pool.allocator.free(blocks)
+        self._parked.clear()
+        if drawn is None:
+            return self.fail(step.batch, step.error)
+        return self.update(step.batch, drawn, step.scored)
+
+    def step_error(self, batch: Batch, e: Exception) -> str:
+        log.exception("a step of %d requests failed", len(batch.scheduled))
+        return f"the engine raised an error while running this request: {type(e).__name__}: {e}"
 
     def fail(self, batch: Batch, why: str) -> list[TokenOutput]:
-        """End every request of a failed step with an error; their KV is freed."""
-        for s in batch.scheduled:
-            self.release(s.request, Status.ABORTED, "error")
-        return [TokenOutput(s.request, None, "error", why) for s in batch.scheduled]
+        """End every request of a failed step with an error (those still here); their KV is freed."""
+        failed = [s.request for s in batch.scheduled if not s.request.is_finished]
+        for req in failed:
+            self.release(req, Status.ABORTED, "error")
+        return [TokenOutput(req, None, "error", why) for req in failed]
 
     def update(self, batch: Batch, drawn: Drawn, scored: list[Request] = ()) -> list[TokenOutput]:
         """Count the step's computed tokens and take in its sampled ones (one per sampled request), and the scores of
@@ -158,6 +215,8 @@ class Engine:
         sampled = [s.request for s in batch.scheduled if s.samples]
         outputs = []
         for req, token, lp in zip(sampled, drawn.tokens, drawn.logprobs, strict=True):
+            if req.is_finished:  # aborted while the step ran: the token is dropped
+                continue
             req.output_token_ids.append(token)
             if req.guide is not None:
                 req.guide.advance(token)

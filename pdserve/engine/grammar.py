@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from pdserve.engine.copies import to_device
 from pdserve.engine.request import Request
 
 log = logging.getLogger("pdserve.engine")
@@ -105,7 +106,7 @@ def mask_rows(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     forbid = torch.zeros(S, V, dtype=torch.bool)  # [S, V]; unguided rows stay all False
     for i in rows:
         forbid[i] = ~requests[i].guide.allowed(V)
-    return logits.masked_fill(forbid.to(logits.device, non_blocking=True), float("-inf"))
+    return logits.masked_fill(to_device(forbid, logits.device), float("-inf"))  # pinned: no wait for the stream
 
 
 def _llguidance():

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from pdserve.engine.block_allocator import BlockAllocator
+from pdserve.engine.copies import to_device
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -80,7 +81,7 @@ class KVPool:
         if is_run(block_ids):
             first = block_ids[0] * self.block_size
             return slice(first, first + length)
-        return self.slots(block_ids, 0, length).to(self.data.device)
+        return to_device(self.slots(block_ids, 0, length), self.data.device)
 
     def export_blocks(self, layer: int, block_ids: list[int]) -> torch.Tensor:
         """Whole blocks of one layer as a contiguous [2, nkv, n_blocks * bs, d] tensor."""
@@ -89,9 +90,10 @@ class KVPool:
         return src[:, :, idx].contiguous() if isinstance(idx, slice) else src.index_select(2, idx)
 
     def import_blocks(self, layer: int, block_ids: list[int], kv: torch.Tensor) -> None:
-        """Write whole blocks of one layer ([2, nkv, n_blocks * bs, d]) into `block_ids`."""
+        """Write whole blocks of one layer ([2, nkv, n_blocks * bs, d], on the host) into `block_ids`; on a GPU
+        without waiting for the step in flight (through pinned memory: `kv` may be reused once this returns)."""
         dst = self.data[layer]  # [2, nkv, S, d]
-        kv = kv.to(self.data.device)
+        kv = to_device(kv, self.data.device)
         idx = self.context_slots(block_ids, len(block_ids) * self.block_size)
         if isinstance(idx, slice):
             dst[:, :, idx].copy_(kv)

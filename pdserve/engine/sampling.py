@@ -19,6 +19,10 @@ device: the requested rows' log-softmax, the drawn or prompt token's value, and 
 largest number of alternatives asked, all packed with the sampled ids into one host copy.
 
 When no row asks for log-probabilities, the sampled ids are the step's only device-to-host copy.
+`Sampler.launch` queues all of it on the device and starts that copy (into pinned memory) without
+waiting; its `PendingDraw.wait()` returns the tokens once they are on the host. The small host
+inputs (row indices, the rows' parameters, penalties' counts) go to the device through pinned memory
+without waiting either (`copies.py`), so launching a step never waits for the device.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.copies import HostCopy, to_device
 from pdserve.engine.grammar import mask_rows
 from pdserve.engine.request import Request
 from pdserve.wire.protocol import SamplingParams
@@ -58,6 +63,27 @@ class Drawn:
     prompt_logprobs: list[TokenLogprob]
 
 
+@dataclass
+class PendingDraw:
+    """A step's sampling, queued on the device: `wait()` gives its result once the host copy has landed."""
+
+    copy: HostCopy  # [S] token ids; or, when any row is scored, `_pack_scores`'s float64 vector
+    num_tokens: int  # S
+    asked: list[int]  # the sampling rows that asked for log-probabilities
+    ks: list[int]  # alternatives of each scored row: the asked rows, then the prompt rows
+
+    def wait(self) -> Drawn:
+        host = self.copy.wait().tolist()
+        S = self.num_tokens
+        if not self.ks:
+            return Drawn(host, [None] * S, [])
+        scored = _unpack_scores(host[S:], self.ks)
+        logprobs: list[TokenLogprob | None] = [None] * S
+        for i, lp in zip(self.asked, scored[: len(self.asked)], strict=True):
+            logprobs[i] = lp
+        return Drawn([int(t) for t in host[:S]], logprobs, scored[len(self.asked) :])
+
+
 class Sampler:
     def __init__(self) -> None:
         self._salt = random.SystemRandom().getrandbits(64)
@@ -65,23 +91,26 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[Request],
                  prompt_rows: list[tuple[Request, int]] = ()) -> Drawn:  # fmt: skip
+        """`launch`, then wait for its result."""
+        return self.launch(logits, requests, prompt_rows).wait()
+
+    def launch(self, logits: torch.Tensor, requests: list[Request],
+               prompt_rows: list[tuple[Request, int]] = ()) -> PendingDraw:  # fmt: skip
         """logits: [S + P, V], the S sampling requests' rows then P prompt rows, each given as (request, the prompt
-        token its logits score) -> one token id per request, and the log-probabilities asked for."""
+        token its logits score) -> one token id per request, and the log-probabilities asked for, queued on the
+        logits' device with their one copy to the host."""
         S = len(requests)
         tokens = self.draw(logits[:S], requests)  # [S]
         asked = [i for i, req in enumerate(requests) if req.params.logprobs is not None]
         if not asked and not prompt_rows:
-            return Drawn(tokens.tolist(), [None] * S, [])
+            return PendingDraw(HostCopy.of(tokens), S, [], [])
         ks = [requests[i].params.logprobs for i in asked] + [req.params.prompt_logprobs for req, _ in prompt_rows]
-        rows = torch.tensor(asked + list(range(S, S + len(prompt_rows))), device=logits.device)  # [A + P]
-        prompt_targets = torch.tensor([t for _, t in prompt_rows], dtype=torch.long).to(logits.device)
+        dev = logits.device
+        rows = to_device(asked + list(range(S, S + len(prompt_rows))), dev, torch.long)  # [A + P]
+        prompt_targets = to_device([t for _, t in prompt_rows], dev, torch.long)
         targets = torch.cat((tokens.index_select(0, rows[: len(asked)]), prompt_targets))  # [A + P]
-        host = _pack_scores(tokens, logits.index_select(0, rows), targets, max(ks)).tolist()  # the one copy
-        scored = _unpack_scores(host[S:], ks)
-        logprobs: list[TokenLogprob | None] = [None] * S
-        for i, lp in zip(asked, scored[: len(asked)], strict=True):
-            logprobs[i] = lp
-        return Drawn([int(t) for t in host[:S]], logprobs, scored[len(asked) :])
+        packed = _pack_scores(tokens, logits.index_select(0, rows), targets, max(ks))
+        return PendingDraw(HostCopy.of(packed), S, asked, ks)  # the one copy
 
     def draw(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """logits: [S, V] -> one token id per request, [S] on the device."""
@@ -89,7 +118,7 @@ class Sampler:
         tokens = logits.argmax(dim=-1)  # [S]
         rows = [i for i, req in enumerate(requests) if not req.params.greedy]
         if rows:
-            idx = torch.tensor(rows, device=logits.device)
+            idx = to_device(rows, logits.device, torch.long)
             drawn = self.sample(logits.index_select(0, idx), [self.row_params(requests[i]) for i in rows])
             tokens = tokens.index_copy(0, idx, drawn)
         return tokens
@@ -105,9 +134,8 @@ class Sampler:
         """logits [R, V], one (temperature, top_k, top_p, key[, min_p]) per row -> token ids [R] (on the device)."""
         R, V = logits.shape
         params = [(*row, 0.0)[:5] for row in params]
-        packed = torch.tensor([[_f32_bits(t), k if k > 0 else V, _f32_bits(p), key, _f32_bits(m)]
-                               for t, k, p, key, m in params],
-                              dtype=torch.int64).to(logits.device, non_blocking=True)  # [R, 5]: one copy
+        packed = to_device([[_f32_bits(t), k if k > 0 else V, _f32_bits(p), key, _f32_bits(m)]
+                            for t, k, p, key, m in params], logits.device, torch.int64)  # [R, 5]: one copy
         as_f32 = packed.to(torch.int32).view(torch.float32)  # temperature, top_p, min_p travelled as their bits
         temperature, top_p, min_p = as_f32[:, 0], as_f32[:, 2], as_f32[:, 4]
         top_k, keys = packed[:, 1], packed[:, 3]
@@ -142,7 +170,7 @@ def process_rows(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     rows = [i for i, req in enumerate(requests) if req.params.processed]
     if not rows:
         return logits
-    idx = torch.tensor(rows, device=logits.device)
+    idx = to_device(rows, logits.device, torch.long)
     done = apply_processors(logits.index_select(0, idx).float(), [requests[i] for i in rows])  # [R, V]
     return logits.float().index_copy(0, idx, done)
 
@@ -158,13 +186,13 @@ def apply_processors(logits: torch.Tensor, requests: list[Request]) -> torch.Ten
             for t in (*req.params.stop_token_ids, *(() if req.params.ignore_eos else req.params.eos_token_ids))]
     bias = [(r, t, b) for r, p in enumerate(params) for t, b in p.logit_bias if t < V]
     if bans:
-        logits[tuple(torch.tensor(bans, device=dev).T)] = float("-inf")
+        logits[tuple(to_device(bans, dev, torch.long).T)] = float("-inf")
     if bias:
-        at = torch.tensor([(r, t) for r, t, _ in bias], device=dev).T
-        logits.index_put_(tuple(at), torch.tensor([b for *_, b in bias], device=dev), accumulate=True)
+        at = to_device([(r, t) for r, t, _ in bias], dev, torch.long).T
+        logits.index_put_(tuple(at), to_device([b for *_, b in bias], dev, torch.float32), accumulate=True)
     counts = _token_counts([r.output_token_ids for r in requests], V, dev)  # [R, V]
-    scale = torch.tensor([[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in params],
-                         device=dev)  # [R, 3]
+    scale = to_device([[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in params], dev,
+                      torch.float32)  # [R, 3]
     if any(p.repetition_penalty != 1.0 for p in params):
         seen = (counts + _token_counts([r.prompt_token_ids for r in requests], V, dev)) > 0  # [R, V]
         rep = scale[:, :1]  # [R, 1]
@@ -175,7 +203,7 @@ def apply_processors(logits: torch.Tensor, requests: list[Request]) -> torch.Ten
 def _token_counts(id_lists: list[list[int]], V: int, device: torch.device) -> torch.Tensor:
     """How often each vocabulary id occurs in each row's list: [R, V] float32 (one padded copy to the device)."""
     width = max((len(ids) for ids in id_lists), default=0)
-    padded = torch.tensor([ids + [V] * (width - len(ids)) for ids in id_lists], dtype=torch.long).to(device)
+    padded = to_device([ids + [V] * (width - len(ids)) for ids in id_lists], device, torch.long)
     counts = torch.zeros(len(id_lists), V + 1, device=device)  # [R, V + 1]: column V counts the padding
     return counts.scatter_add_(1, padded.view(len(id_lists), width), torch.ones(padded.shape, device=device))[:, :V]
 

@@ -94,7 +94,8 @@ class ZmqBackend:
 
     def wait_landed(self, pool: KVPool) -> None:
         """Return once the KV that unpack() landed no longer reads the sender's memory (then the ack may
-        go). Here unpack() read our own copy of the frames, and a blocking copy to a GPU has returned."""
+        go). Here unpack() read our own copy of the frames, which it has copied out (into pinned memory on a
+        GPU) by the time it returns."""
 
     def close(self) -> None:
         pass
