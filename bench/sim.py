@@ -21,8 +21,14 @@ What it models (pdserve/engine/scheduler.py, node.py, prefill_node, decode_node,
    pair's link (one transfer at a time per link), and is landed when the decode node next drains, joining the
    batch in that iteration (at most `max_num_seqs` running, FCFS). Each decode step makes one token per request.
 
+5. Cores (`Topology.cores`, for a run on one CPU host; empty: every node has a device to itself): a step is
+   work in seconds of a core to itself. It progresses at 1/k of a core while k nodes pinned to its core step,
+   and `corun_slowdown_<role>` times slower while a node on another core steps too (bench/costs.py measures
+   that slowdown: the cores of one host share caches and memory bandwidth).
+
 Not modelled: KV pool capacity and preemption (pools are assumed large enough), the nodes' CPU for packing and
-unpacking KV (the link time stands for it), HTTP and tokenization in the router, the load generator's own CPU.
+unpacking KV (the link time stands for it), HTTP and tokenization in the router, the CPU the router and the load
+generator take from the nodes' cores, and other processes on the host.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from bench.costs import Costs
-from bench.metrics import SLO, RequestRecord, summarize
+from bench.metrics import SLO, RequestRecord, distribution, summarize
 from bench.workloads import WORKLOADS, BenchRequest, Workload, make_workload
 
 
@@ -48,10 +54,13 @@ class Topology:
     num_decode: int = 1
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
+    cores: tuple[int, ...] = ()  # the core of each node, prefill nodes first; (): each node has its own device
 
     def __post_init__(self) -> None:
         if min(self.num_prefill, self.num_decode, self.max_num_seqs, self.max_num_batched_tokens) < 1:
             raise ValueError("node counts, --max-num-seqs and --max-num-batched-tokens must be at least 1")
+        if self.cores and len(self.cores) != self.num_prefill + self.num_decode:
+            raise ValueError("give one core per node, prefill nodes first, or none")
 
 
 @dataclass(eq=False)
@@ -88,6 +97,59 @@ class Clock:
             action()
 
 
+@dataclass(eq=False)
+class _Work:
+    remaining: float  # seconds of a core to itself
+    done: Callable[[], None]
+    rate: float = 1.0
+    version: int = 0
+
+
+class Cores:
+    """Where node steps run (see 5. above): with no cores given, a step takes its cost."""
+
+    def __init__(self, clock: Clock, costs: Costs, shared: bool) -> None:
+        self.clock, self.costs, self.shared = clock, costs, shared
+        self.running: dict[Node, _Work] = {}
+        self.updated = 0.0
+
+    def run(self, node: Node, work: float, done: Callable[[], None]) -> None:
+        if not self.shared:
+            self.clock.at(self.clock.now + work, done)
+            return
+        self._advance()
+        self.running[node] = _Work(work, done)
+        self._reschedule()
+
+    def _advance(self) -> None:
+        """Each running step's remaining work, as of now, at the rate it had since the last change."""
+        for w in self.running.values():
+            w.remaining -= (self.clock.now - self.updated) * w.rate
+        self.updated = self.clock.now
+
+    def _rate(self, node: Node) -> float:
+        sharing = sum(n.core == node.core for n in self.running)
+        beside = any(n.core != node.core for n in self.running)
+        costs = self.costs
+        slowdown = costs.corun_slowdown_prefill if isinstance(node, PrefillNode) else costs.corun_slowdown_decode
+        return 1.0 / (sharing * (slowdown if beside else 1.0))
+
+    def _reschedule(self) -> None:
+        for node, w in self.running.items():
+            w.rate, w.version = self._rate(node), w.version + 1
+            end = self.clock.now + max(0.0, w.remaining) / w.rate
+            self.clock.at(end, lambda node=node, version=w.version: self._finish(node, version))
+
+    def _finish(self, node: Node, version: int) -> None:
+        w = self.running.get(node)
+        if w is None or w.version != version:
+            return  # rescheduled since
+        self._advance()
+        del self.running[node]
+        self._reschedule()
+        w.done()
+
+
 class Router:
     def __init__(self, clock: Clock, costs: Costs) -> None:
         self.clock, self.costs = clock, costs
@@ -116,8 +178,9 @@ class Router:
 class Node:
     """A node's loop: drain, step, chores. `step` returns the step's duration and what to do at its end."""
 
-    def __init__(self, clock: Clock, costs: Costs, topo: Topology, router: Router) -> None:
+    def __init__(self, clock: Clock, costs: Costs, topo: Topology, router: Router, cores: Cores, core: int) -> None:
         self.clock, self.costs, self.topo, self.router = clock, costs, topo, router
+        self.cores, self.core = cores, core
         self.inbox: deque[tuple[str, SimRequest]] = deque()
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
@@ -141,11 +204,12 @@ class Node:
             if not self.asleep:
                 self.clock.at(self.clock.now, self.iterate)
             return
-        self.steps += 1
-        self.step_time_s += duration
-        self.clock.at(self.clock.now + duration, lambda: self._end_step(done))
+        started = self.clock.now
+        self.cores.run(self, duration, lambda: self._end_step(done, started))
 
-    def _end_step(self, done: Callable[[], None]) -> None:
+    def _end_step(self, done: Callable[[], None], started: float) -> None:
+        self.steps += 1
+        self.step_time_s += self.clock.now - started  # wall time, as the nodes count it
         done()
         self.chores()
         self.iterate()
@@ -202,8 +266,8 @@ class PrefillNode(Node):
 
 
 class DecodeNode(Node):
-    def __init__(self, clock: Clock, costs: Costs, topo: Topology, router: Router) -> None:
-        super().__init__(clock, costs, topo, router)
+    def __init__(self, clock: Clock, costs: Costs, topo: Topology, router: Router, cores: Cores, core: int) -> None:
+        super().__init__(clock, costs, topo, router, cores, core)
         self.offers: deque[SimRequest] = deque()
         self.links: dict[PrefillNode, float] = {}  # each prefill peer's link: free from this time on
 
@@ -250,9 +314,10 @@ def simulate(workload: Workload, costs: Costs, topo: Topology, counters: dict | 
     """Every request of `workload` through the simulated deployment; times in seconds from its start. `counters`,
     if given, gets each role's steps and step time summed over its nodes (as bench records the real nodes')."""
     clock = Clock()
-    router = Router(clock, costs)
-    router.prefill = [PrefillNode(clock, costs, topo, router) for _ in range(topo.num_prefill)]
-    router.decode = [DecodeNode(clock, costs, topo, router) for _ in range(topo.num_decode)]
+    router, cores = Router(clock, costs), Cores(clock, costs, shared=bool(topo.cores))
+    core = list(topo.cores) or list(range(topo.num_prefill + topo.num_decode))
+    router.prefill = [PrefillNode(clock, costs, topo, router, cores, core.pop(0)) for _ in range(topo.num_prefill)]
+    router.decode = [DecodeNode(clock, costs, topo, router, cores, core.pop(0)) for _ in range(topo.num_decode)]
     reqs = [SimRequest(i, r.arrival_s, len(r.prompt_token_ids), r.output_len) for i, r in enumerate(workload.requests)]
     for req in reqs:
         clock.at(req.arrival, lambda req=req: router.submit(req))
@@ -275,19 +340,31 @@ def predict(workload: Workload, costs: Costs, topo: Topology, slo: SLO) -> dict:
 # ---- validation against a bench run ----------------------------------------------------------------
 
 COMPARED = (("output tok/s", "output_throughput", None), ("TTFT p50", "ttft_s", "p50"), ("TTFT p99", "ttft_s", "p99"),
-            ("TPOT p50", "tpot_s", "p50"), ("TPOT p99", "tpot_s", "p99"), ("prefill mean step", "prefill_step", None),
+            ("TPOT p50", "tpot_s", "p50"), ("TPOT p99", "tpot_s", "p99"), ("hand-off p50", "handoff_s", "p50"),
+            ("decode ITL p50", "decode_itl_s", "p50"), ("prefill mean step", "prefill_step", None),
             ("decode mean step", "decode_step", None))  # fmt: skip
+
+
+def stages(token_times: list[list[float]]) -> dict:
+    """A request's timeline in two stages after its first token: the hand-off (first token, from the prefill node,
+    to the second, from the decode node: KV pull, transfer, admission, one step) and its decode inter-token
+    latency (the mean interval after the second token); each's distribution over the requests."""
+    handoff = [t[1] - t[0] for t in token_times if len(t) > 1]
+    itl = [(t[-1] - t[1]) / (len(t) - 2) for t in token_times if len(t) > 2]
+    return {"handoff_s": distribution(handoff), "decode_itl_s": distribution(itl)}
 
 
 def _flag(args: list[str], name: str, default: int) -> int:
     return int(args[args.index(name) + 1]) if name in args else default
 
 
-def bench_topology(config: dict) -> Topology:
-    """The deployment of a run_bench JSON's disagg stack (its --engine-arg flags)."""
+def bench_topology(config: dict, cpu_count: int) -> Topology:
+    """The deployment of a run_bench JSON's disagg stack (its --engine-arg flags), its nodes on the cores
+    `pdserve up` pins them to: node i (prefill nodes first) on core i mod the host's cores."""
     args = list(config.get("engine_args", ()))
-    return Topology(_flag(args, "--num-prefill", 1), _flag(args, "--num-decode", 1), config["max_batch"],
-                    config["max_num_batched_tokens"])  # fmt: skip
+    p, d = _flag(args, "--num-prefill", 1), _flag(args, "--num-decode", 1)
+    cores = () if "--no-pin" in args else tuple(i % cpu_count for i in range(p + d))
+    return Topology(p, d, config["max_batch"], config["max_num_batched_tokens"], cores)
 
 
 def _mean_step(counters: dict, role: str) -> float | None:
@@ -318,7 +395,8 @@ def _simulated(res: dict, costs: Costs, topo: Topology, slo: SLO) -> dict:
     reqs = tuple(BenchRequest(tuple(range(r["prompt_len"])), r["expected_output_len"], r["send_s"])
                  for r in res["records"])  # fmt: skip
     counts: dict = {}
-    summary = summarize(simulate(Workload(res["workload"], reqs), costs, topo, counts), 0.0, slo)
+    records = simulate(Workload(res["workload"], reqs), costs, topo, counts)
+    summary = {**summarize(records, 0.0, slo), **stages([r.token_times for r in records])}
     return {**summary, **{f"{role}_step": _mean_step(counts, role) for role in ("prefill", "decode")}}
 
 
@@ -327,13 +405,14 @@ def validate(run: dict, costs: Costs) -> list[dict]:
     measured CPU per token: (metric, predicted, measured, error) rows. `calibrated` reruns the simulation with
     each role's step costs scaled so its mean step equals the one measured in the stack (the CPU the node really
     got on shared cores): it checks the model's queueing and hand-offs apart from the cost level."""
-    rows, topo = [], bench_topology(run["config"])
+    rows, topo = [], bench_topology(run["config"], run["environment"]["cpu_count"])
     slo = SLO(run["config"]["slo_ttft_s"], run["config"]["slo_tpot_s"])
     for res in (r for r in run["results"] if r["system"] == "disagg" and r["ok"]):
         router = (res.get("router_cpu_us_per_token") or 0.0) / 1e6
         base = replace(costs, router_s_per_token=router)
-        measured = {**res["summary"], **{f"{role}_step": _mean_step(res.get("node_counters") or {}, role)
-                                         for role in ("prefill", "decode")}}  # fmt: skip
+        counters = res.get("node_counters") or {}
+        measured = {**res["summary"], **stages([r["token_s"] for r in res["records"]]),
+                    **{f"{role}_step": _mean_step(counters, role) for role in ("prefill", "decode")}}
         sim = _simulated(res, base, topo, slo)
         factor = {role: _ratio(measured[f"{role}_step"], sim[f"{role}_step"]) for role in ("prefill", "decode")}
         cal = _simulated(res, scaled(base, factor["prefill"], factor["decode"]), topo, slo)
