@@ -225,6 +225,8 @@ def measure_corun(model: str, other_core: int) -> dict:
         neighbour = Neighbour(model, other, other_core)
         try:
             beside = measure[role](f"{role}-beside")
+            if neighbour.proc.poll() is not None:
+                raise RuntimeError(f"the co-run neighbour exited (code {neighbour.proc.returncode})")
         finally:
             neighbour.stop()
         after = measure[role](f"{role}-alone-1")

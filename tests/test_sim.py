@@ -87,6 +87,15 @@ def test_fit_recovers_the_coefficients_of_exact_samples() -> None:
     assert got == pytest.approx([1e-3, 5e-4, 2e-7, 8e-3, 6e-4, 1e-6], rel=1e-6)
 
 
+def test_fit_takes_the_measured_corun_slowdowns_and_costs_refuse_a_speedup() -> None:
+    samples = [{"tokens": 16, "past": 0, "s": 1e-3}], [{"batch": 1, "context": 64, "s": 8e-3}]
+    c = fit(*samples, 16384, 1e9, corun={"prefill": {"slowdown": 1.7}, "decode": {"slowdown": 2.1}})
+    assert (c.corun_slowdown_prefill, c.corun_slowdown_decode) == (1.7, 2.1)
+    assert fit(*samples, 16384, 1e9).corun_slowdown_decode == 1.0
+    with pytest.raises(ValueError, match="slowdown"):
+        replace(c, corun_slowdown_decode=0.5)
+
+
 def test_costs_refuse_a_link_without_bandwidth() -> None:
     with pytest.raises(ValueError, match="bandwidth"):
         Costs(0.0, 1e-3, 0.0, 1e-2, 0.0, 0.0, 10, 0.0)
