@@ -102,7 +102,7 @@ class _Work:
     remaining: float  # seconds of a core to itself
     done: Callable[[], None]
     rate: float = 1.0
-    version: int = 0
+    version: int = 0  # of its last scheduled end: an end scheduled before is stale
 
 
 class Cores:
@@ -138,12 +138,11 @@ class Cores:
         for node, w in self.running.items():
             w.rate, w.version = self._rate(node), w.version + 1
             end = self.clock.now + max(0.0, w.remaining) / w.rate
-            self.clock.at(end, lambda node=node, version=w.version: self._finish(node, version))
+            self.clock.at(end, lambda node=node, w=w, version=w.version: self._finish(node, w, version))
 
-    def _finish(self, node: Node, version: int) -> None:
-        w = self.running.get(node)
-        if w is None or w.version != version:
-            return  # rescheduled since
+    def _finish(self, node: Node, w: _Work, version: int) -> None:
+        if self.running.get(node) is not w or w.version != version:
+            return  # rescheduled since, or a step before
         self._advance()
         del self.running[node]
         self._reschedule()

@@ -112,6 +112,21 @@ def test_steps_on_one_host_slow_each_other(cores: tuple[int, int], slowdown: flo
     assert b.token_times == pytest.approx([0.050])
 
 
+def test_steps_keep_their_cost_when_the_cores_around_them_change_pace() -> None:
+    """Every decode step lasts at least its cost, however often the prefill steps beside it start and end."""
+    w = make_workload("sharegpt_like", 1000, 2048, seed=4, num_requests=32)
+    costs = Costs(1e-3, 5e-4, 4e-7, 8e-3, 6e-4, 1.3e-6, 16384, 2.5e9, corun_slowdown_prefill=1.6,
+                  corun_slowdown_decode=1.6)  # fmt: skip
+    counts: dict = {}
+    recs = simulate(w, costs, Topology(cores=(0, 1)), counts)
+    itl = [(r.token_times[-1] - r.token_times[1]) / (len(r.token_times) - 2) for r in recs if len(r.token_times) > 2]
+    assert min(itl) >= costs.decode_step_s(1, 0)
+    alone: dict = {}
+    simulate(w, replace(costs, corun_slowdown_prefill=1.0, corun_slowdown_decode=1.0), Topology(cores=(0, 1)), alone)
+    assert counts["decode"]["step_time_s"] / counts["decode"]["steps"] > alone["decode"]["step_time_s"] / alone[
+        "decode"]["steps"]  # fmt: skip
+
+
 def test_without_cores_each_node_has_its_own_device() -> None:
     costs = replace(COSTS, kv_bytes_per_token=0, corun_slowdown_prefill=2.0, corun_slowdown_decode=2.0)
     a, b = simulate(workload(one(10, 3), one(20, 1, arrival=0.011)), costs, Topology())
