@@ -39,6 +39,9 @@ PREFILL_SHAPES = ((16, 0), (64, 0), (128, 0), (256, 0), (512, 0), (512, 512), (5
                   (128, 1024), (256, 512))  # fmt: skip  # (chunk tokens, past tokens)
 DECODE_BATCHES = (1, 2, 4, 8, 16)
 DECODE_CONTEXTS = (64, 256, 768)
+QUICK_PREFILL_SHAPES = ((16, 0), (128, 0), (512, 0), (512, 512), (256, 1024))  # --quick: costs right before a run
+QUICK_DECODE_BATCHES = (1, 4, 16)
+QUICK_DECODE_CONTEXTS = (64, 512)
 DECODE_STEPS = 12  # the median of these is the sample: steps on a shared machine have outliers
 CORUN_DECODE = (8, 256)  # (batch, prompt tokens) of the decode steps timed alone and beside a neighbour
 CORUN_PREFILL = 256  # prompt tokens of the prefill steps timed alone and beside a neighbour
@@ -113,12 +116,12 @@ def _timed_step(engine) -> float:
     return time.perf_counter() - t0
 
 
-def measure_prefill(model: str, repeats: int = 3) -> list[dict]:
+def measure_prefill(model: str, repeats: int = 3, shapes: tuple = PREFILL_SHAPES) -> list[dict]:
     """(tokens, past, seconds) of single-chunk prefill steps: past tokens are computed first, untimed."""
     from pdserve.engine.request import Status
 
     samples, engine = [], _engine(model, prefill_only=True, max_tokens_budget=2048)
-    for chunk, past in PREFILL_SHAPES:
+    for chunk, past in shapes:
         times = []
         for r in range(repeats + 1):  # the first is a warm-up
             req = _request(f"p{chunk}-{past}-{r}", past + chunk, 2)
@@ -134,12 +137,12 @@ def measure_prefill(model: str, repeats: int = 3) -> list[dict]:
     return samples
 
 
-def measure_decode(model: str) -> list[dict]:
+def measure_decode(model: str, batches: tuple = DECODE_BATCHES, contexts: tuple = DECODE_CONTEXTS) -> list[dict]:
     """(batch, mean total context, median seconds) of decode steps after the batch's prompts are in."""
     samples = []
     engine = _engine(model, prefill_only=False, max_tokens_budget=2048)
-    for ctx in DECODE_CONTEXTS:
-        for batch in DECODE_BATCHES:
+    for ctx in contexts:
+        for batch in batches:
             reqs = [_request(f"d{ctx}-{batch}-{i}", ctx, DECODE_STEPS + 4) for i in range(batch)]
             for req in reqs:
                 engine.add(req)
@@ -284,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--link-latency-s", type=float, default=0.0)
     p.add_argument("--router-us-per-token", type=float, default=0.0)
     p.add_argument("--corun-core", type=int, default=None, help="measure the co-run slowdowns beside this core")
+    p.add_argument("--quick", action="store_true", help="fewer shapes: costs measured right before a run")
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "costs-small.json")
     p.add_argument("--busy", choices=["prefill", "decode"], help=argparse.SUPPRESS)  # the co-run neighbour
     a = p.parse_args(argv)
@@ -299,7 +303,11 @@ def main(argv: list[str] | None = None) -> int:
         print("bench.costs: give --link-gbps or a --kv-bandwidth JSON", file=sys.stderr)
         return 2
     load_before = os.getloadavg()
-    prefill, decode = measure_prefill(a.model), measure_decode(a.model)
+    if a.quick:
+        prefill = measure_prefill(a.model, 2, QUICK_PREFILL_SHAPES)
+        decode = measure_decode(a.model, QUICK_DECODE_BATCHES, QUICK_DECODE_CONTEXTS)
+    else:
+        prefill, decode = measure_prefill(a.model), measure_decode(a.model)
     corun = measure_corun(a.model, a.corun_core) if a.corun_core is not None else None
     costs = fit(prefill, decode, kv_bytes_per_token(a.model), link, a.link_latency_s, a.router_us_per_token / 1e6,
                 corun)  # fmt: skip

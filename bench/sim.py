@@ -399,12 +399,13 @@ def _simulated(res: dict, costs: Costs, topo: Topology, slo: SLO) -> dict:
     return {**summary, **{f"{role}_step": _mean_step(counts, role) for role in ("prefill", "decode")}}
 
 
-def validate(run: dict, costs: Costs) -> list[dict]:
+def validate(run: dict, costs: Costs, on_cores: bool = True) -> list[dict]:
     """Each disagg result of a run_bench JSON beside the simulation of its very requests, with the router's
     measured CPU per token: (metric, predicted, measured, error) rows. `calibrated` reruns the simulation with
     each role's step costs scaled so its mean step equals the one measured in the stack (the CPU the node really
     got on shared cores): it checks the model's queueing and hand-offs apart from the cost level."""
     rows, topo = [], bench_topology(run["config"], run["environment"]["cpu_count"])
+    topo = topo if on_cores else replace(topo, cores=())  # on_cores False: each node on a device of its own
     slo = SLO(run["config"]["slo_ttft_s"], run["config"]["slo_tpot_s"])
     for res in (r for r in run["results"] if r["system"] == "disagg" and r["ok"]):
         router = (res.get("router_cpu_us_per_token") or 0.0) / 1e6
@@ -463,9 +464,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slo-tpot-s", type=float, default=0.2)
     p.add_argument("--validate", type=Path, nargs="*", default=[], help="run_bench JSONs: disagg runs vs simulation")
     p.add_argument("--json", action="store_true", help="with --validate: JSON rows instead of a Markdown table")
+    p.add_argument("--own-devices", action="store_true", help="with --validate: ignore the host's cores (each node "
+                   "on a device of its own, as the model was before it had cores)")  # fmt: skip
     a = p.parse_args(argv)
     if a.validate:
-        runs = [(f.stem, run := json.loads(f.read_text()), validate(run, Costs.load(a.costs))) for f in a.validate]
+        runs = [(f.stem, run := json.loads(f.read_text()), validate(run, Costs.load(a.costs), not a.own_devices))
+                for f in a.validate]  # fmt: skip
         print(json.dumps([r for *_, rows in runs for r in rows], indent=1) if a.json else validation_markdown(runs))
         return 0
     try:
