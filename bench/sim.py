@@ -464,11 +464,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slo-tpot-s", type=float, default=0.2)
     p.add_argument("--validate", type=Path, nargs="*", default=[], help="run_bench JSONs: disagg runs vs simulation")
     p.add_argument("--json", action="store_true", help="with --validate: JSON rows instead of a Markdown table")
+    p.add_argument("--costs-beside", action="store_true", help="with --validate: each run X.json with the costs "
+                   "measured right before it, costs-X.json beside it")  # fmt: skip
     p.add_argument("--own-devices", action="store_true", help="with --validate: ignore the host's cores (each node "
                    "on a device of its own, as the model was before it had cores)")  # fmt: skip
     a = p.parse_args(argv)
     if a.validate:
-        runs = [(f.stem, run := json.loads(f.read_text()), validate(run, Costs.load(a.costs), not a.own_devices))
+        costs = {f: Costs.load(f.with_name(f"costs-{f.name}") if a.costs_beside else a.costs) for f in a.validate}
+        runs = [(f.stem, run := json.loads(f.read_text()), validate(run, costs[f], not a.own_devices))
                 for f in a.validate]  # fmt: skip
         print(json.dumps([r for *_, rows in runs for r in rows], indent=1) if a.json else validation_markdown(runs))
         return 0
