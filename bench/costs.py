@@ -64,6 +64,8 @@ class Costs:
     router_s_per_token: float = 0.0  # the router's CPU per streamed token (bench's router_cpu_us_per_token)
     corun_slowdown_prefill: float = 1.0  # a prefill step's time while another core computes, over its time alone
     corun_slowdown_decode: float = 1.0  # the same for a decode step
+    decode_iteration_s: float = 0.0  # a decode node's time per iteration outside its step (its loop; not measured
+    # here: a run's nodes report it, busy_time_s - step_time_s)
 
     def __post_init__(self) -> None:
         if self.link_bytes_per_s <= 0 or self.kv_bytes_per_token < 0:

@@ -26,6 +26,9 @@ What it models (pdserve/engine/scheduler.py, node.py, prefill_node, decode_node,
    and `corun_slowdown_<role>` times slower while a node on another core steps too (bench/costs.py measures
    that slowdown: the cores of one host share caches and memory bandwidth).
 
+6. A decode node's loop outside its steps (`decode_iteration_s`: messages, emitting tokens, chores, and time it
+   lost its core; wall time, as the nodes report it) passes after each step, before the next iteration.
+
 Not modelled: KV pool capacity and preemption (pools are assumed large enough), the nodes' CPU for packing and
 unpacking KV (the link time stands for it), HTTP and tokenization in the router, the CPU the router and the load
 generator take from the nodes' cores, and other processes on the host.
@@ -185,7 +188,7 @@ class Node:
         self.running: list[SimRequest] = []
         self.assigned: set[SimRequest] = set()  # the router's view: requests it sent here, not yet gone
         self.asleep = True
-        self.steps, self.step_time_s = 0, 0.0  # as the nodes count them
+        self.steps, self.step_time_s, self.busy_time_s = 0, 0.0, 0.0  # as the nodes count them
 
     def deliver(self, msg: tuple[str, SimRequest]) -> None:
         self.inbox.append(msg)
@@ -209,9 +212,22 @@ class Node:
     def _end_step(self, done: Callable[[], None], started: float) -> None:
         self.steps += 1
         self.step_time_s += self.clock.now - started  # wall time, as the nodes count it
+        self.busy_time_s += self.clock.now - started
         done()
         self.chores()
+        if self.iteration_s():
+            begun = self.clock.now
+            self.clock.at(begun + self.iteration_s(), lambda: self._end_loop(begun))
+        else:
+            self.iterate()
+
+    def _end_loop(self, started: float) -> None:
+        self.busy_time_s += self.clock.now - started
         self.iterate()
+
+    def iteration_s(self) -> float:
+        """The loop's wall time per iteration outside the step (it does not load the node's core in the model)."""
+        return 0.0
 
     def handle(self, kind: str, req: SimRequest) -> None:
         raise NotImplementedError
@@ -282,6 +298,9 @@ class DecodeNode(Node):
             req = self.offers.popleft()
             req.prefill.deliver(("pull", req))
 
+    def iteration_s(self) -> float:
+        return self.costs.decode_iteration_s
+
     def receive_kv(self, req: SimRequest) -> None:
         """The prefill node sends `req`'s KV now; it reaches this node after the link's queue and its time."""
         start = max(self.clock.now, self.links.get(req.prefill, 0.0))
@@ -323,7 +342,8 @@ def simulate(workload: Workload, costs: Costs, topo: Topology, counters: dict | 
     clock.run()
     if counters is not None:
         for role, nodes in (("prefill", router.prefill), ("decode", router.decode)):
-            counters[role] = {"steps": sum(n.steps for n in nodes), "step_time_s": sum(n.step_time_s for n in nodes)}
+            counters[role] = {"steps": sum(n.steps for n in nodes), "step_time_s": sum(n.step_time_s for n in nodes),
+                              "busy_time_s": sum(n.busy_time_s for n in nodes)}  # fmt: skip
     return [RequestRecord(r.arrival, r.output_len, r.prompt_len, r.token_times) for r in reqs]
 
 
@@ -341,7 +361,7 @@ def predict(workload: Workload, costs: Costs, topo: Topology, slo: SLO) -> dict:
 COMPARED = (("output tok/s", "output_throughput", None), ("TTFT p50", "ttft_s", "p50"), ("TTFT p99", "ttft_s", "p99"),
             ("TPOT p50", "tpot_s", "p50"), ("TPOT p99", "tpot_s", "p99"), ("hand-off p50", "handoff_s", "p50"),
             ("decode ITL p50", "decode_itl_s", "p50"), ("prefill mean step", "prefill_step", None),
-            ("decode mean step", "decode_step", None))  # fmt: skip
+            ("decode mean step", "decode_step", None), ("decode outside steps", "decode_outside", None))  # fmt: skip
 
 
 def stages(token_times: list[list[float]]) -> dict:
@@ -371,6 +391,12 @@ def _mean_step(counters: dict, role: str) -> float | None:
     return c["step_time_s"] / c["steps"] if c.get("steps") else None
 
 
+def _outside_steps(counters: dict) -> float | None:
+    """A decode node's mean time per iteration outside its step, from its counters (None if not reported)."""
+    c = counters.get("decode", {})
+    return (c["busy_time_s"] - c["step_time_s"]) / c["steps"] if c.get("steps") and "busy_time_s" in c else None
+
+
 def _ratio(measured: float | None, simulated: float | None) -> float:
     return measured / simulated if measured and simulated else 1.0
 
@@ -396,14 +422,16 @@ def _simulated(res: dict, costs: Costs, topo: Topology, slo: SLO) -> dict:
     counts: dict = {}
     records = simulate(Workload(res["workload"], reqs), costs, topo, counts)
     summary = {**summarize(records, 0.0, slo), **stages([r.token_times for r in records])}
-    return {**summary, **{f"{role}_step": _mean_step(counts, role) for role in ("prefill", "decode")}}
+    steps = {f"{role}_step": _mean_step(counts, role) for role in ("prefill", "decode")}
+    return {**summary, **steps, "decode_outside": _outside_steps(counts)}
 
 
 def validate(run: dict, costs: Costs, on_cores: bool = True) -> list[dict]:
     """Each disagg result of a run_bench JSON beside the simulation of its very requests, with the router's
     measured CPU per token: (metric, predicted, measured, error) rows. `calibrated` reruns the simulation with
     each role's step costs scaled so its mean step equals the one measured in the stack (the CPU the node really
-    got on shared cores): it checks the model's queueing and hand-offs apart from the cost level."""
+    got on shared cores), and the decode loop's time outside its steps as the nodes reported it (if they did): it
+    checks the model's queueing and hand-offs apart from the cost level."""
     rows, topo = [], bench_topology(run["config"], run["environment"]["cpu_count"])
     topo = topo if on_cores else replace(topo, cores=())  # on_cores False: each node on a device of its own
     slo = SLO(run["config"]["slo_ttft_s"], run["config"]["slo_tpot_s"])
@@ -412,13 +440,17 @@ def validate(run: dict, costs: Costs, on_cores: bool = True) -> list[dict]:
         base = replace(costs, router_s_per_token=router)
         counters = res.get("node_counters") or {}
         measured = {**res["summary"], **stages([r["token_s"] for r in res["records"]]),
-                    **{f"{role}_step": _mean_step(counters, role) for role in ("prefill", "decode")}}
+                    **{f"{role}_step": _mean_step(counters, role) for role in ("prefill", "decode")},
+                    "decode_outside": _outside_steps(counters)}  # fmt: skip
         sim = _simulated(res, base, topo, slo)
         factor = {role: _ratio(measured[f"{role}_step"], sim[f"{role}_step"]) for role in ("prefill", "decode")}
-        cal = _simulated(res, scaled(base, factor["prefill"], factor["decode"]), topo, slo)
+        cal_costs = scaled(base, factor["prefill"], factor["decode"])
+        if measured["decode_outside"] is not None:
+            cal_costs = replace(cal_costs, decode_iteration_s=max(0.0, measured["decode_outside"]))
+        cal = _simulated(res, cal_costs, topo, slo)
         for label, key, stat in COMPARED:
             pred, meas, calib = _stat(sim, key, stat), _stat(measured, key, stat), _stat(cal, key, stat)
-            if pred is None or meas is None:
+            if pred is None or not meas or calib is None:
                 continue
             rows.append({"workload": res["label"], "metric": label, "predicted": pred, "measured": meas,
                          "error": pred / meas - 1, "calibrated": calib, "calibrated_error": calib / meas - 1,

@@ -1,7 +1,10 @@
 """What every node process shares: the router-facing socket, the loop, stats and shutdown.
 
 The loop: drain every socket that has messages, run one engine step, emit its tokens, then the
-periodic chores (stats heartbeat, leases). It blocks in poll only when the engine is idle.
+periodic chores (stats heartbeat, leases). It blocks in poll only when the engine is idle. Counters:
+step_time_s is the wall time inside engine steps, busy_time_s that of whole iterations with work; the
+difference is what a busy node spends outside its steps (messages, KV landing, tokens out, chores, and
+time it lost its core).
 
 Shutdown: SIGINT stops at once. SIGTERM drains: the node says so in its stats (the router stops
 picking it and answers with the requests it still routes here, some perhaps still on their way), refuses
@@ -63,7 +66,7 @@ class NodeBase:
         self.poller.register(self.front, zmq.POLLIN)
         self.handlers = {self.front: self.handle_front}
         self.router_id: bytes | None = None
-        self.counters = {"requests": 0, "tokens_out": 0, "steps": 0, "step_time_s": 0.0}
+        self.counters = {"requests": 0, "tokens_out": 0, "steps": 0, "step_time_s": 0.0, "busy_time_s": 0.0}
         self._next_stats = 0.0
         self._stop = False
         self.drain_deadline: float | None = None  # set by SIGTERM
@@ -131,7 +134,9 @@ class NodeBase:
 
     def loop_once(self) -> None:
         idle = not (self.engine.has_work() or self.busy())
-        for sock, _ in self.poller.poll(50 if idle else 0):
+        ready = self.poller.poll(50 if idle else 0)
+        started = time.perf_counter()  # an idle node's wait for a message is not busy time
+        for sock, _ in ready:
             self.drain(sock)
         t0 = time.perf_counter()
         outputs = self.engine.step()
@@ -140,6 +145,8 @@ class NodeBase:
             self.counters["step_time_s"] += time.perf_counter() - t0
             self.on_outputs(outputs)
         self.tick()
+        if outputs or not idle:
+            self.counters["busy_time_s"] += time.perf_counter() - started
 
     def busy(self) -> bool:
         """Work outside the engine that should keep the loop from sleeping."""

@@ -204,14 +204,24 @@ def test_scaling_decode_up_while_serving_loses_nothing(cluster, deployment, work
                         for t in ("shm", "zmq")}  # fmt: skip
     _wait(lambda: sum(pairings().values()) == 2, 10)
     assert pairings() == {"shm": same_host, "zmq": 2 - same_host}, (pairings(), members)
+    # each node's busy time (whole loop iterations with work) holds its step time, both from one stats message
+    _wait(lambda: all(_node_counters(deployment, "decode")["step_time_s"].values()), 10)
+    counters = _node_counters(deployment, "decode")
+    assert all(counters["busy_time_s"][n] >= t for n, t in counters["step_time_s"].items()), counters
 
 
 def _node_counter(url: str, name: str, role: str) -> dict[str, float]:
     """A node counter per node of `role`, from /metrics."""
-    out = {}
+    return _node_counters(url, role).get(name, {})
+
+
+def _node_counters(url: str, role: str) -> dict[str, dict[str, float]]:
+    """Every node counter, per node of `role`, from one scrape of /metrics."""
+    out: dict[str, dict[str, float]] = {}
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(f"pdserve:node_{name}_total") and f'role="{role}"' in line:
-            out[line.split('node="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+        if line.startswith("pdserve:node_") and "_total{" in line and f'role="{role}"' in line:
+            name = line[len("pdserve:node_") : line.index("_total{")]
+            out.setdefault(name, {})[line.split('node="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
     return out
 
 
@@ -248,7 +258,7 @@ def _rejoined(url: str, dead_addr: str) -> bool:
 def test_scaling_decode_down_while_serving_drains_the_removed_node(cluster, deployment):
     """2 -> 1 decode nodes with requests running on both: the removed one finishes its own (no request fails
     or is dispatched again), then leaves; the one that stays serves on."""
-    prompts, n = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]], 300
+    prompts, n = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]], 1000
     ref = hf_greedy(resolve_model("tiny"), prompts, [n] * len(prompts))
     redispatched = _router_counter(deployment, "pdserve:requests_redispatched_total")
     with ThreadPoolExecutor(len(prompts)) as pool:

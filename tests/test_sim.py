@@ -127,6 +127,14 @@ def test_steps_keep_their_cost_when_the_cores_around_them_change_pace() -> None:
         "decode"]["steps"]  # fmt: skip
 
 
+def test_the_decode_loop_outside_its_steps_delays_the_next_step() -> None:
+    costs = replace(COSTS, kv_bytes_per_token=0, decode_iteration_s=3e-3)
+    counts: dict = {}
+    (rec,) = simulate(workload(one(10, 3)), costs, Topology(), counts)
+    assert rec.token_times == pytest.approx([0.010, 0.020, 0.033])  # step, loop, step
+    assert counts["decode"] == pytest.approx({"steps": 2, "step_time_s": 0.020, "busy_time_s": 0.026})
+
+
 def test_without_cores_each_node_has_its_own_device() -> None:
     costs = replace(COSTS, kv_bytes_per_token=0, corun_slowdown_prefill=2.0, corun_slowdown_decode=2.0)
     a, b = simulate(workload(one(10, 3), one(20, 1, arrival=0.011)), costs, Topology())
@@ -140,7 +148,7 @@ def test_validating_a_run_the_simulator_made_finds_no_error() -> None:
 
     w = make_workload("sharegpt_like", 1000, 2048, seed=2, rate=3.0, num_requests=24)
     counts: dict = {}
-    costs = replace(COSTS, corun_slowdown_prefill=1.5, corun_slowdown_decode=1.3)
+    costs = replace(COSTS, corun_slowdown_prefill=1.5, corun_slowdown_decode=1.3, decode_iteration_s=2e-3)
     recs = simulate(w, costs, Topology(2, 1, cores=(0, 1, 0)), counts)
     records = [{"send_s": r.send_time, "token_s": r.token_times, "expected_output_len": r.expected_output_len,
                 "prompt_len": r.num_prompt_tokens} for r in recs]  # fmt: skip
@@ -149,5 +157,5 @@ def test_validating_a_run_the_simulator_made_finds_no_error() -> None:
     config = {"engine_args": ["--num-prefill", "2"], "max_batch": 16, "max_num_batched_tokens": 512,
               "slo_ttft_s": 2.0, "slo_tpot_s": 0.2}  # fmt: skip
     rows = validate({"config": config, "environment": {"cpu_count": 2}, "results": [result]}, costs)
-    assert len(rows) == 9
+    assert len(rows) == 10
     assert all(abs(r["error"]) < 1e-9 and abs(r["calibrated_error"]) < 1e-9 for r in rows)
