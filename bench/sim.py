@@ -364,6 +364,9 @@ COMPARED = (("output tok/s", "output_throughput", None), ("TTFT p50", "ttft_s", 
             ("decode mean step", "decode_step", None), ("decode outside steps", "decode_outside", None))  # fmt: skip
 
 
+CALIBRATION_ROUNDS = 3
+
+
 def stages(token_times: list[list[float]]) -> dict:
     """A request's timeline in two stages after its first token: the hand-off (first token, from the prefill node,
     to the second, from the decode node: KV pull, transfer, admission, one step) and its decode inter-token
@@ -426,6 +429,19 @@ def _simulated(res: dict, costs: Costs, topo: Topology, slo: SLO) -> dict:
     return {**summary, **steps, "decode_outside": _outside_steps(counts)}
 
 
+def _calibrated(res: dict, base: Costs, topo: Topology, slo: SLO, measured: dict) -> tuple[dict, dict]:
+    """`res` simulated with the decode loop's time outside its steps as measured (if reported), and each role's
+    step costs scaled until its mean step is the one measured: steps beside each other slow each other, so the
+    scales are refined CALIBRATION_ROUNDS times. The summary, and the scales."""
+    if measured["decode_outside"] is not None:
+        base = replace(base, decode_iteration_s=max(0.0, measured["decode_outside"]))
+    factor = {"prefill": 1.0, "decode": 1.0}
+    for _ in range(CALIBRATION_ROUNDS):
+        cal = _simulated(res, scaled(base, factor["prefill"], factor["decode"]), topo, slo)
+        factor = {r: f * _ratio(measured[f"{r}_step"], cal[f"{r}_step"]) for r, f in factor.items()}
+    return _simulated(res, scaled(base, factor["prefill"], factor["decode"]), topo, slo), factor
+
+
 def validate(run: dict, costs: Costs, on_cores: bool = True) -> list[dict]:
     """Each disagg result of a run_bench JSON beside the simulation of its very requests, with the router's
     measured CPU per token: (metric, predicted, measured, error) rows. `calibrated` reruns the simulation with
@@ -443,11 +459,7 @@ def validate(run: dict, costs: Costs, on_cores: bool = True) -> list[dict]:
                     **{f"{role}_step": _mean_step(counters, role) for role in ("prefill", "decode")},
                     "decode_outside": _outside_steps(counters)}  # fmt: skip
         sim = _simulated(res, base, topo, slo)
-        factor = {role: _ratio(measured[f"{role}_step"], sim[f"{role}_step"]) for role in ("prefill", "decode")}
-        cal_costs = scaled(base, factor["prefill"], factor["decode"])
-        if measured["decode_outside"] is not None:
-            cal_costs = replace(cal_costs, decode_iteration_s=max(0.0, measured["decode_outside"]))
-        cal = _simulated(res, cal_costs, topo, slo)
+        cal, factor = _calibrated(res, base, topo, slo, measured)
         for label, key, stat in COMPARED:
             pred, meas, calib = _stat(sim, key, stat), _stat(measured, key, stat), _stat(cal, key, stat)
             if pred is None or not meas or calib is None:
