@@ -63,6 +63,7 @@ class BenchConfig:
     engine_args: tuple[str, ...] = ()  # extra `pdserve up` flags, e.g. --num-prefill 2
     threads: int = 2
     overhead: bool = True
+    kv_bandwidth: bool = True  # after a disagg run: bench/kv_bandwidth.py
     name: str = "bench"
     out_dir: Path = field(default=RESULTS_DIR)
     progress: bool = True
@@ -110,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an extra `pdserve up` flag, e.g. --engine-arg=--num-prefill --engine-arg=2")  # fmt: skip
     p.add_argument("--threads", type=int, default=2, help="torch threads of the in-process systems")
     p.add_argument("--no-overhead", action="store_true", help="skip the engine-overhead floor")
+    p.add_argument("--no-kv-bandwidth", action="store_true", help="skip the KV bandwidth run after disagg")
     p.add_argument("--name", default=None, help="results file stem (default: <model>[-quick])")
     p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     p.add_argument("--no-progress", action="store_true")
@@ -135,6 +137,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         "rates": tuple(a.rates),
         "engine_args": tuple(a.engine_args),
         "overhead": not a.no_overhead,
+        "kv_bandwidth": not a.no_kv_bandwidth,
         "name": a.name or (f"{a.model}-quick" if a.quick else a.model),
         "progress": not a.no_progress,
     }
@@ -404,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.overhead:
         run["engine_overhead"] = run_overhead(cfg, config)
     run["environment"]["loadavg_at_end"] = os.getloadavg()
-    if "disagg" in cfg.systems:
+    if "disagg" in cfg.systems and cfg.kv_bandwidth:
         run["kv_bandwidth"] = run_kv_bandwidth(cfg)
     paths = report.write_all(run, cfg.out_dir, cfg.name)
     print(report.markdown(run))

@@ -21,8 +21,17 @@ What it models (pdserve/engine/scheduler.py, node.py, prefill_node, decode_node,
    pair's link (one transfer at a time per link), and is landed when the decode node next drains, joining the
    batch in that iteration (at most `max_num_seqs` running, FCFS). Each decode step makes one token per request.
 
+5. Cores (`Topology.cores`, for a run on one CPU host; empty: every node has a device to itself): a step is
+   work in seconds of a core to itself. It progresses at 1/k of a core while k nodes pinned to its core step,
+   and `corun_slowdown_<role>` times slower while a node on another core steps too (bench/costs.py measures
+   that slowdown: the cores of one host share caches and memory bandwidth).
+
+6. A decode node's loop outside its steps (`decode_iteration_s`: messages, emitting tokens, chores, and time it
+   lost its core; wall time, as the nodes report it) passes after each step, before the next iteration.
+
 Not modelled: KV pool capacity and preemption (pools are assumed large enough), the nodes' CPU for packing and
-unpacking KV (the link time stands for it), HTTP and tokenization in the router, the load generator's own CPU.
+unpacking KV (the link time stands for it), HTTP and tokenization in the router, the CPU the router and the load
+generator take from the nodes' cores, and other processes on the host.
 """
 
 from __future__ import annotations
@@ -38,7 +47,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from bench.costs import Costs
-from bench.metrics import SLO, RequestRecord, summarize
+from bench.metrics import SLO, RequestRecord, distribution, summarize
 from bench.workloads import WORKLOADS, BenchRequest, Workload, make_workload
 
 
@@ -48,10 +57,13 @@ class Topology:
     num_decode: int = 1
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
+    cores: tuple[int, ...] = ()  # the core of each node, prefill nodes first; (): each node has its own device
 
     def __post_init__(self) -> None:
         if min(self.num_prefill, self.num_decode, self.max_num_seqs, self.max_num_batched_tokens) < 1:
             raise ValueError("node counts, --max-num-seqs and --max-num-batched-tokens must be at least 1")
+        if self.cores and len(self.cores) != self.num_prefill + self.num_decode:
+            raise ValueError("give one core per node, prefill nodes first, or none")
 
 
 @dataclass(eq=False)
@@ -88,6 +100,58 @@ class Clock:
             action()
 
 
+@dataclass(eq=False)
+class _Work:
+    remaining: float  # seconds of a core to itself
+    done: Callable[[], None]
+    rate: float = 1.0
+    version: int = 0  # of its last scheduled end: an end scheduled before is stale
+
+
+class Cores:
+    """Where node steps run (see 5. above): with no cores given, a step takes its cost."""
+
+    def __init__(self, clock: Clock, costs: Costs, shared: bool) -> None:
+        self.clock, self.costs, self.shared = clock, costs, shared
+        self.running: dict[Node, _Work] = {}
+        self.updated = 0.0
+
+    def run(self, node: Node, work: float, done: Callable[[], None]) -> None:
+        if not self.shared:
+            self.clock.at(self.clock.now + work, done)
+            return
+        self._advance()
+        self.running[node] = _Work(work, done)
+        self._reschedule()
+
+    def _advance(self) -> None:
+        """Each running step's remaining work, as of now, at the rate it had since the last change."""
+        for w in self.running.values():
+            w.remaining -= (self.clock.now - self.updated) * w.rate
+        self.updated = self.clock.now
+
+    def _rate(self, node: Node) -> float:
+        sharing = sum(n.core == node.core for n in self.running)
+        beside = any(n.core != node.core for n in self.running)
+        costs = self.costs
+        slowdown = costs.corun_slowdown_prefill if isinstance(node, PrefillNode) else costs.corun_slowdown_decode
+        return 1.0 / (sharing * (slowdown if beside else 1.0))
+
+    def _reschedule(self) -> None:
+        for node, w in self.running.items():
+            w.rate, w.version = self._rate(node), w.version + 1
+            end = self.clock.now + max(0.0, w.remaining) / w.rate
+            self.clock.at(end, lambda node=node, w=w, version=w.version: self._finish(node, w, version))
+
+    def _finish(self, node: Node, w: _Work, version: int) -> None:
+        if self.running.get(node) is not w or w.version != version:
+            return  # rescheduled since, or a step before
+        self._advance()
+        del self.running[node]
+        self._reschedule()
+        w.done()
+
+
 class Router:
     def __init__(self, clock: Clock, costs: Costs) -> None:
         self.clock, self.costs = clock, costs
@@ -116,14 +180,15 @@ class Router:
 class Node:
     """A node's loop: drain, step, chores. `step` returns the step's duration and what to do at its end."""
 
-    def __init__(self, clock: Clock, costs: Costs, topo: Topology, router: Router) -> None:
+    def __init__(self, clock: Clock, costs: Costs, topo: Topology, router: Router, cores: Cores, core: int) -> None:
         self.clock, self.costs, self.topo, self.router = clock, costs, topo, router
+        self.cores, self.core = cores, core
         self.inbox: deque[tuple[str, SimRequest]] = deque()
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.assigned: set[SimRequest] = set()  # the router's view: requests it sent here, not yet gone
         self.asleep = True
-        self.steps, self.step_time_s = 0, 0.0  # as the nodes count them
+        self.steps, self.step_time_s, self.busy_time_s = 0, 0.0, 0.0  # as the nodes count them
 
     def deliver(self, msg: tuple[str, SimRequest]) -> None:
         self.inbox.append(msg)
@@ -141,14 +206,28 @@ class Node:
             if not self.asleep:
                 self.clock.at(self.clock.now, self.iterate)
             return
-        self.steps += 1
-        self.step_time_s += duration
-        self.clock.at(self.clock.now + duration, lambda: self._end_step(done))
+        started = self.clock.now
+        self.cores.run(self, duration, lambda: self._end_step(done, started))
 
-    def _end_step(self, done: Callable[[], None]) -> None:
+    def _end_step(self, done: Callable[[], None], started: float) -> None:
+        self.steps += 1
+        self.step_time_s += self.clock.now - started  # wall time, as the nodes count it
+        self.busy_time_s += self.clock.now - started
         done()
         self.chores()
+        if self.iteration_s():
+            begun = self.clock.now
+            self.clock.at(begun + self.iteration_s(), lambda: self._end_loop(begun))
+        else:
+            self.iterate()
+
+    def _end_loop(self, started: float) -> None:
+        self.busy_time_s += self.clock.now - started
         self.iterate()
+
+    def iteration_s(self) -> float:
+        """The loop's wall time per iteration outside the step (it does not load the node's core in the model)."""
+        return 0.0
 
     def handle(self, kind: str, req: SimRequest) -> None:
         raise NotImplementedError
@@ -202,8 +281,8 @@ class PrefillNode(Node):
 
 
 class DecodeNode(Node):
-    def __init__(self, clock: Clock, costs: Costs, topo: Topology, router: Router) -> None:
-        super().__init__(clock, costs, topo, router)
+    def __init__(self, clock: Clock, costs: Costs, topo: Topology, router: Router, cores: Cores, core: int) -> None:
+        super().__init__(clock, costs, topo, router, cores, core)
         self.offers: deque[SimRequest] = deque()
         self.links: dict[PrefillNode, float] = {}  # each prefill peer's link: free from this time on
 
@@ -218,6 +297,9 @@ class DecodeNode(Node):
         while self.offers:  # blocks reserved (room assumed), pulls sent
             req = self.offers.popleft()
             req.prefill.deliver(("pull", req))
+
+    def iteration_s(self) -> float:
+        return self.costs.decode_iteration_s
 
     def receive_kv(self, req: SimRequest) -> None:
         """The prefill node sends `req`'s KV now; it reaches this node after the link's queue and its time."""
@@ -250,16 +332,18 @@ def simulate(workload: Workload, costs: Costs, topo: Topology, counters: dict | 
     """Every request of `workload` through the simulated deployment; times in seconds from its start. `counters`,
     if given, gets each role's steps and step time summed over its nodes (as bench records the real nodes')."""
     clock = Clock()
-    router = Router(clock, costs)
-    router.prefill = [PrefillNode(clock, costs, topo, router) for _ in range(topo.num_prefill)]
-    router.decode = [DecodeNode(clock, costs, topo, router) for _ in range(topo.num_decode)]
+    router, cores = Router(clock, costs), Cores(clock, costs, shared=bool(topo.cores))
+    core = list(topo.cores) or list(range(topo.num_prefill + topo.num_decode))
+    router.prefill = [PrefillNode(clock, costs, topo, router, cores, core.pop(0)) for _ in range(topo.num_prefill)]
+    router.decode = [DecodeNode(clock, costs, topo, router, cores, core.pop(0)) for _ in range(topo.num_decode)]
     reqs = [SimRequest(i, r.arrival_s, len(r.prompt_token_ids), r.output_len) for i, r in enumerate(workload.requests)]
     for req in reqs:
         clock.at(req.arrival, lambda req=req: router.submit(req))
     clock.run()
     if counters is not None:
         for role, nodes in (("prefill", router.prefill), ("decode", router.decode)):
-            counters[role] = {"steps": sum(n.steps for n in nodes), "step_time_s": sum(n.step_time_s for n in nodes)}
+            counters[role] = {"steps": sum(n.steps for n in nodes), "step_time_s": sum(n.step_time_s for n in nodes),
+                              "busy_time_s": sum(n.busy_time_s for n in nodes)}  # fmt: skip
     return [RequestRecord(r.arrival, r.output_len, r.prompt_len, r.token_times) for r in reqs]
 
 
@@ -275,24 +359,45 @@ def predict(workload: Workload, costs: Costs, topo: Topology, slo: SLO) -> dict:
 # ---- validation against a bench run ----------------------------------------------------------------
 
 COMPARED = (("output tok/s", "output_throughput", None), ("TTFT p50", "ttft_s", "p50"), ("TTFT p99", "ttft_s", "p99"),
-            ("TPOT p50", "tpot_s", "p50"), ("TPOT p99", "tpot_s", "p99"), ("prefill mean step", "prefill_step", None),
-            ("decode mean step", "decode_step", None))  # fmt: skip
+            ("TPOT p50", "tpot_s", "p50"), ("TPOT p99", "tpot_s", "p99"), ("hand-off p50", "handoff_s", "p50"),
+            ("decode ITL p50", "decode_itl_s", "p50"), ("prefill mean step", "prefill_step", None),
+            ("decode mean step", "decode_step", None), ("decode outside steps", "decode_outside", None))  # fmt: skip
+
+
+CALIBRATION_ROUNDS = 3
+
+
+def stages(token_times: list[list[float]]) -> dict:
+    """A request's timeline in two stages after its first token: the hand-off (first token, from the prefill node,
+    to the second, from the decode node: KV pull, transfer, admission, one step) and its decode inter-token
+    latency (the mean interval after the second token); each's distribution over the requests."""
+    handoff = [t[1] - t[0] for t in token_times if len(t) > 1]
+    itl = [(t[-1] - t[1]) / (len(t) - 2) for t in token_times if len(t) > 2]
+    return {"handoff_s": distribution(handoff), "decode_itl_s": distribution(itl)}
 
 
 def _flag(args: list[str], name: str, default: int) -> int:
     return int(args[args.index(name) + 1]) if name in args else default
 
 
-def bench_topology(config: dict) -> Topology:
-    """The deployment of a run_bench JSON's disagg stack (its --engine-arg flags)."""
+def bench_topology(config: dict, cpu_count: int) -> Topology:
+    """The deployment of a run_bench JSON's disagg stack (its --engine-arg flags), its nodes on the cores
+    `pdserve up` pins them to: node i (prefill nodes first) on core i mod the host's cores."""
     args = list(config.get("engine_args", ()))
-    return Topology(_flag(args, "--num-prefill", 1), _flag(args, "--num-decode", 1), config["max_batch"],
-                    config["max_num_batched_tokens"])  # fmt: skip
+    p, d = _flag(args, "--num-prefill", 1), _flag(args, "--num-decode", 1)
+    cores = () if "--no-pin" in args else tuple(i % cpu_count for i in range(p + d))
+    return Topology(p, d, config["max_batch"], config["max_num_batched_tokens"], cores)
 
 
 def _mean_step(counters: dict, role: str) -> float | None:
     c = counters.get(role, {})
     return c["step_time_s"] / c["steps"] if c.get("steps") else None
+
+
+def _outside_steps(counters: dict) -> float | None:
+    """A decode node's mean time per iteration outside its step, from its counters (None if not reported)."""
+    c = counters.get("decode", {})
+    return (c["busy_time_s"] - c["step_time_s"]) / c["steps"] if c.get("steps") and "busy_time_s" in c else None
 
 
 def _ratio(measured: float | None, simulated: float | None) -> float:
@@ -318,28 +423,46 @@ def _simulated(res: dict, costs: Costs, topo: Topology, slo: SLO) -> dict:
     reqs = tuple(BenchRequest(tuple(range(r["prompt_len"])), r["expected_output_len"], r["send_s"])
                  for r in res["records"])  # fmt: skip
     counts: dict = {}
-    summary = summarize(simulate(Workload(res["workload"], reqs), costs, topo, counts), 0.0, slo)
-    return {**summary, **{f"{role}_step": _mean_step(counts, role) for role in ("prefill", "decode")}}
+    records = simulate(Workload(res["workload"], reqs), costs, topo, counts)
+    summary = {**summarize(records, 0.0, slo), **stages([r.token_times for r in records])}
+    steps = {f"{role}_step": _mean_step(counts, role) for role in ("prefill", "decode")}
+    return {**summary, **steps, "decode_outside": _outside_steps(counts)}
 
 
-def validate(run: dict, costs: Costs) -> list[dict]:
+def _calibrated(res: dict, base: Costs, topo: Topology, slo: SLO, measured: dict) -> tuple[dict, dict]:
+    """`res` simulated with the decode loop's time outside its steps as measured (if reported), and each role's
+    step costs scaled until its mean step is the one measured: steps beside each other slow each other, so the
+    scales are refined CALIBRATION_ROUNDS times. The summary, and the scales."""
+    if measured["decode_outside"] is not None:
+        base = replace(base, decode_iteration_s=max(0.0, measured["decode_outside"]))
+    factor = {"prefill": 1.0, "decode": 1.0}
+    for _ in range(CALIBRATION_ROUNDS):
+        cal = _simulated(res, scaled(base, factor["prefill"], factor["decode"]), topo, slo)
+        factor = {r: f * _ratio(measured[f"{r}_step"], cal[f"{r}_step"]) for r, f in factor.items()}
+    return _simulated(res, scaled(base, factor["prefill"], factor["decode"]), topo, slo), factor
+
+
+def validate(run: dict, costs: Costs, on_cores: bool = True) -> list[dict]:
     """Each disagg result of a run_bench JSON beside the simulation of its very requests, with the router's
     measured CPU per token: (metric, predicted, measured, error) rows. `calibrated` reruns the simulation with
     each role's step costs scaled so its mean step equals the one measured in the stack (the CPU the node really
-    got on shared cores): it checks the model's queueing and hand-offs apart from the cost level."""
-    rows, topo = [], bench_topology(run["config"])
+    got on shared cores), and the decode loop's time outside its steps as the nodes reported it (if they did): it
+    checks the model's queueing and hand-offs apart from the cost level."""
+    rows, topo = [], bench_topology(run["config"], run["environment"]["cpu_count"])
+    topo = topo if on_cores else replace(topo, cores=())  # on_cores False: each node on a device of its own
     slo = SLO(run["config"]["slo_ttft_s"], run["config"]["slo_tpot_s"])
     for res in (r for r in run["results"] if r["system"] == "disagg" and r["ok"]):
         router = (res.get("router_cpu_us_per_token") or 0.0) / 1e6
         base = replace(costs, router_s_per_token=router)
-        measured = {**res["summary"], **{f"{role}_step": _mean_step(res.get("node_counters") or {}, role)
-                                         for role in ("prefill", "decode")}}  # fmt: skip
+        counters = res.get("node_counters") or {}
+        measured = {**res["summary"], **stages([r["token_s"] for r in res["records"]]),
+                    **{f"{role}_step": _mean_step(counters, role) for role in ("prefill", "decode")},
+                    "decode_outside": _outside_steps(counters)}  # fmt: skip
         sim = _simulated(res, base, topo, slo)
-        factor = {role: _ratio(measured[f"{role}_step"], sim[f"{role}_step"]) for role in ("prefill", "decode")}
-        cal = _simulated(res, scaled(base, factor["prefill"], factor["decode"]), topo, slo)
+        cal, factor = _calibrated(res, base, topo, slo, measured)
         for label, key, stat in COMPARED:
             pred, meas, calib = _stat(sim, key, stat), _stat(measured, key, stat), _stat(cal, key, stat)
-            if pred is None or meas is None:
+            if pred is None or not meas or calib is None:
                 continue
             rows.append({"workload": res["label"], "metric": label, "predicted": pred, "measured": meas,
                          "error": pred / meas - 1, "calibrated": calib, "calibrated_error": calib / meas - 1,
@@ -385,9 +508,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slo-tpot-s", type=float, default=0.2)
     p.add_argument("--validate", type=Path, nargs="*", default=[], help="run_bench JSONs: disagg runs vs simulation")
     p.add_argument("--json", action="store_true", help="with --validate: JSON rows instead of a Markdown table")
+    p.add_argument("--costs-beside", action="store_true", help="with --validate: each run X.json with the costs "
+                   "measured right before it, costs-X.json beside it")  # fmt: skip
+    p.add_argument("--own-devices", action="store_true", help="with --validate: ignore the host's cores (each node "
+                   "on a device of its own, as the model was before it had cores)")  # fmt: skip
     a = p.parse_args(argv)
     if a.validate:
-        runs = [(f.stem, run := json.loads(f.read_text()), validate(run, Costs.load(a.costs))) for f in a.validate]
+        costs = {f: Costs.load(f.with_name(f"costs-{f.name}") if a.costs_beside else a.costs) for f in a.validate}
+        runs = [(f.stem, run := json.loads(f.read_text()), validate(run, costs[f], not a.own_devices))
+                for f in a.validate]  # fmt: skip
         print(json.dumps([r for *_, rows in runs for r in rows], indent=1) if a.json else validation_markdown(runs))
         return 0
     try:

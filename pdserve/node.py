@@ -5,7 +5,10 @@ tokens, then the periodic chores (stats heartbeat, leases). It blocks in poll on
 idle. On a GPU the launch returns while the device computes the step, so the host's share of the
 iteration runs meanwhile: the messages are read and handled (new requests, aborts, KV transfers), and
 the previous step's tokens, held back until the next launch, are sent to the router. On the CPU a
-step's tokens go out as soon as it finishes, before the next one is computed.
+step's tokens go out as soon as it finishes, before the next one is computed. Counters:
+step_time_s is the wall time from a step's launch to its finish (the I/O between included),
+busy_time_s that of whole iterations with work; the difference is what a busy node spends outside its
+steps (tokens out on the CPU, chores, and time it lost its core).
 
 Shutdown: SIGINT stops at once. SIGTERM drains: the node says so in its stats (the router stops
 picking it and answers with the requests it still routes here, some perhaps still on their way), refuses
@@ -67,7 +70,7 @@ class NodeBase:
         self.poller.register(self.front, zmq.POLLIN)
         self.handlers = {self.front: self.handle_front}
         self.router_id: bytes | None = None
-        self.counters = {"requests": 0, "tokens_out": 0, "steps": 0, "step_time_s": 0.0}
+        self.counters = {"requests": 0, "tokens_out": 0, "steps": 0, "step_time_s": 0.0, "busy_time_s": 0.0}
         self.held: list[TokenOutput] = []  # a step's outputs, not published yet
         self._next_stats = 0.0
         self._stop = False
@@ -140,7 +143,9 @@ class NodeBase:
         step = self.engine.launch()  # on a GPU: returns while the device computes it
         self.flush()  # the previous step's tokens, held back (GPU) to go out while this one computes
         idle = step is None and not (self.engine.has_work() or self.busy())
-        for sock, _ in self.poller.poll(50 if idle else 0):
+        ready = self.poller.poll(50 if idle else 0)
+        started = time.perf_counter() if idle else t0  # an idle node's wait for a message is not busy time
+        for sock, _ in ready:
             self.drain(sock)
         outputs = self.engine.finish(step)
         if outputs:  # a step's time runs from its launch to its finish, the I/O between included
@@ -150,6 +155,8 @@ class NodeBase:
         if not self.engine.overlapped:  # the CPU has computed the step already: nothing to overlap
             self.flush()
         self.tick()
+        if outputs or not idle:
+            self.counters["busy_time_s"] += time.perf_counter() - started
 
     def flush(self) -> None:
         """Publish the outputs held back from the last step."""

@@ -16,7 +16,11 @@ What runs where:
 4. The router (`pdserve router --ray ADDRESS`) reads the registry every second (router/membership.py):
    new nodes join, gone or replaced ones leave, their requests failed as a dead node's are.
 5. `pdserve scale --ray ADDRESS --prefill N --decode M` changes the counts while serving: new nodes join
-   once ready; removed ones (the newest of their role) leave at once, failing their in-flight requests.
+   once ready; removed ones (the newest of their role) drain: their node process gets SIGTERM (pdserve/node.py:
+   it takes nothing new and finishes what it holds, the router dispatching elsewhere meanwhile) and stays
+   listed until it exits, then its actor and placement group go. The call returns once both are done.
+6. With --zmq-keys, every node and the router use the CurveZMQ keys in that folder (an absolute path, which
+   must hold the same keys on every host): a process without them gets nothing from any node socket.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ log = logging.getLogger("pdserve.ray")
 HEARTBEAT_S = 1.0
 ENTRY_TTL_S = 10.0
 READY_TIMEOUT_S = 300.0
+DRAIN_MARGIN_S = 15.0  # beyond the nodes' --drain-timeout-s: their wait for the router's answer, and exiting
 STRATEGIES = {"pack": "PACK", "spread": "SPREAD"}
 
 
@@ -70,7 +75,7 @@ class NodeActor:
 
     def __init__(self, key: str, role: str, spec: dict) -> None:
         """spec: the node's flags (argv), log_level, bind_host ("": the host's cluster IP), threads (0: torch's
-        default) and the deployment whose controller lists it."""
+        default), drain_timeout_s and the deployment whose controller lists it."""
         host = spec["bind_host"] or ray.util.get_node_ip_address()
         ready = Path(tempfile.mkdtemp(prefix="pdserve-node-")) / "ready.json"
         addrs = ["--listen", f"tcp://{host}:0"] + (["--kv-listen", f"tcp://{host}:0"] if role == "decode" else [])
@@ -84,16 +89,29 @@ class NodeActor:
                       "pid": node["pid"], "ray_node_id": ray_node_id}  # fmt: skip
         self.controller = ray.get_actor(controller_name(spec["deployment"]), namespace=RAY_NAMESPACE)
         ray.get(self.controller.renew.remote(self.entry))  # listed before the caller learns we are ready
+        self.leaving = False
         threading.Thread(target=self._keep_registered, daemon=True).start()
 
     def info(self) -> dict:
         return self.entry
 
+    def drain(self, timeout_s: float) -> int | None:
+        """SIGTERM the node process, which finishes what it holds and takes nothing new, and wait until it exits
+        (killed after `timeout_s`); its exit code. It stays registered meanwhile: the router keeps its requests."""
+        self.leaving = True
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
     def _keep_registered(self) -> None:
         while self.proc.poll() is None:
             self.controller.renew.remote(self.entry)
             time.sleep(HEARTBEAT_S)
-        os._exit(1)  # the node process is gone: end this actor too, so that Ray restarts both
+        if not self.leaving:
+            os._exit(1)  # the node process died: end this actor too, so that Ray restarts both
 
 
 RemoteNode = ray.remote(NodeActor)
@@ -109,11 +127,12 @@ class Controller:
         self.lock = threading.Lock()
         self.entries: dict[str, tuple[dict, float]] = {}  # key -> (entry, last renewal)
         self.actors: dict[str, tuple[str, object, object]] = {}  # key -> (role, actor, placement group)
+        self.leaving: dict[str, tuple[str, object, object]] = {}  # scaled away, draining: still listed
         self.serial = 0
 
     def renew(self, entry: dict) -> None:
         with self.lock:
-            if entry["key"] in self.actors:  # a node scaled away may still say hello once
+            if entry["key"] in self.actors or entry["key"] in self.leaving:  # a node gone may say hello once more
                 self.entries[entry["key"]] = (entry, time.monotonic())
 
     def members(self) -> list[dict]:
@@ -127,13 +146,13 @@ class Controller:
         return {r: roles.count(r) for r in ("prefill", "decode")}
 
     def scale(self, num_prefill: int, num_decode: int) -> dict[str, int]:
-        """Add or remove nodes until there are this many of each role; returns once the added ones serve."""
+        """Add or remove nodes until there are this many of each role; returns once the added ones serve and
+        the removed ones (the newest of their role) have drained."""
         if num_prefill < 1 or num_decode < 1:
             raise ValueError("a deployment needs at least one prefill and one decode node")
         have = self.counts()
-        for role, want in (("prefill", num_prefill), ("decode", num_decode)):
-            for _ in range(have[role] - want):
-                self._remove_newest(role)
+        wants = (("prefill", num_prefill), ("decode", num_decode))
+        self._drain([self._take_newest(role) for role, want in wants for _ in range(have[role] - want)])
         adds = ["prefill"] * max(0, num_prefill - have["prefill"]) + ["decode"] * max(0, num_decode - have["decode"])
         if adds:
             self._add(adds)
@@ -160,12 +179,38 @@ class Controller:
             self.actors[key] = (role, actor, pg)
         return actor
 
-    def _remove_newest(self, role: str) -> None:
+    def stop(self) -> None:
+        """Drain every node and end its actor (`pdserve up --ray` stopping)."""
+        with self.lock:
+            keys = list(self.actors)
+            self.leaving.update(self.actors)
+            self.actors.clear()
+        self._drain(keys)
+
+    def _take_newest(self, role: str) -> str:
+        """Move the newest node of `role` from the deployment's count to the leaving ones; its key."""
         with self.lock:
             key = max((k for k, (r, _, _) in self.actors.items() if r == role), key=lambda k: int(k.split("-")[1]))
-            _, actor, pg = self.actors.pop(key)
+            self.leaving[key] = self.actors.pop(key)
+        return key
+
+    def _drain(self, keys: list[str]) -> None:
+        """Drain the nodes of `keys` together (listed until their process exits), then end their actors."""
+        if not keys:
+            return
+        timeout = self.node_spec["drain_timeout_s"] + DRAIN_MARGIN_S
+        try:
+            ray.get([self.leaving[k][1].drain.remote(timeout) for k in keys], timeout=timeout + DRAIN_MARGIN_S)
+        except ray.exceptions.RayError as e:  # an actor that died meanwhile, or one stuck: end it all the same
+            log.warning("draining %s: %s", keys, e)
+        for key in keys:
+            self._end(key)
+
+    def _end(self, key: str) -> None:
+        with self.lock:
+            _, actor, pg = self.leaving.pop(key)
             self.entries.pop(key, None)
-            pg_in_use = any(p is pg for _, _, p in self.actors.values())
+            pg_in_use = any(p is pg for _, _, p in [*self.actors.values(), *self.leaving.values()])
         ray.kill(actor, no_restart=True)
         if not pg_in_use:
             remove_placement_group(pg)
@@ -188,7 +233,7 @@ def node_spec(a: argparse.Namespace) -> dict:
 
     device = "cuda:0" if a.device.startswith("cuda") else "cpu"
     return {"argv": [*engine_argv(a), "--device", device], "log_level": a.log_level, "bind_host": a.ray_bind_host,
-            "deployment": a.name}  # fmt: skip
+            "drain_timeout_s": a.drain_timeout_s, "deployment": a.name}  # fmt: skip
 
 
 def check_args(a: argparse.Namespace) -> None:
@@ -218,9 +263,24 @@ def start_controller(a: argparse.Namespace):
 
 
 def router_argv(a: argparse.Namespace, gcs_address: str) -> list[str]:
+    from pdserve.cli import router_limits_argv
+
     return [sys.executable, "-m", "pdserve", "--log-level", a.log_level, "router", "--model", a.model,
             "--host", a.host, "--port", str(a.port), "--max-n", str(a.max_n), "--ray", gcs_address,
-            "--ray-deployment", a.name]  # fmt: skip
+            "--ray-deployment", a.name, *router_limits_argv(a)]  # fmt: skip
+
+
+def with_absolute_paths(a: argparse.Namespace) -> argparse.Namespace:
+    """`a` with its --zmq-keys folder absolute: node processes start in their Ray worker's folder."""
+    return argparse.Namespace(**{**vars(a), "zmq_keys": os.path.abspath(a.zmq_keys) if a.zmq_keys else ""})
+
+
+def stop_nodes(controller, timeout_s: float) -> None:
+    """Drain the deployment's nodes (the router stopped first) and end their actors; give up after `timeout_s`."""
+    try:
+        ray.get(controller.stop.remote(), timeout=timeout_s)
+    except ray.exceptions.RayError as e:
+        log.warning("stopping the nodes: %s", e)
 
 
 def launch_on_ray(a: argparse.Namespace) -> int:
@@ -228,12 +288,14 @@ def launch_on_ray(a: argparse.Namespace) -> int:
     from pdserve.launcher import _wait_http, router_env, stop_all
 
     check_args(a)
+    a = with_absolute_paths(a)
 
     def on_signal(*_):
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
     procs: list[subprocess.Popen] = []
+    controller = None
     try:
         connect(a.ray)
         controller = start_controller(a)
@@ -255,8 +317,10 @@ def launch_on_ray(a: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        stop_all(procs)
-        ray.shutdown()  # the controller, owned by this driver, goes with it, and its node actors with it
+        stop_all(procs, a.drain_timeout_s)
+        if controller is not None:
+            stop_nodes(controller, a.drain_timeout_s + 2 * DRAIN_MARGIN_S)
+        ray.shutdown()  # the controller, owned by this driver, goes with it (and its node actors, if any are left)
 
 
 def scale(a: argparse.Namespace) -> int:

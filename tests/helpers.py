@@ -1,4 +1,4 @@
-"""Shared helpers: reference outputs from transformers, and a mixed workload."""
+"""Shared helpers: reference outputs from transformers, a mixed workload, and a stranger probing node sockets."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import time
 import httpx
 import torch
 import transformers
+import zmq
 
 
 def hf_greedy(model_path, prompts: list[list[int]], max_new: list[int]) -> list[list[int]]:
@@ -39,6 +40,31 @@ def mixed_workload(n: int, vocab: int, seed: int = 0, max_prompt: int = 300, max
     outs = [max_out, 1] + [rng.randint(1, max_out) for _ in range(n - 2)]
     prompts = [[rng.randrange(vocab - 3) for _ in range(L)] for L in lens]
     return prompts, outs
+
+
+def probe_answers(addrs: list[str], curve: tuple[bytes, bytes, bytes] | None, messages: list[list[bytes]],
+                  wait_ms: int) -> list[str]:  # fmt: skip
+    """Connect a stranger DEALER (CURVE keys (public, secret, server's public), or none) to each address, send
+    `messages`, and return the addresses that answered within `wait_ms` (a negative result needs some wait)."""
+    ctx = zmq.Context()
+    socks = {}
+    try:
+        for addr in addrs:
+            s = ctx.socket(zmq.DEALER)
+            s.linger = 0
+            if curve is not None:
+                s.curve_publickey, s.curve_secretkey, s.curve_serverkey = curve
+            s.connect(addr)
+            for m in messages:
+                s.send_multipart(m, flags=zmq.NOBLOCK)
+            socks[addr] = s
+        poller = zmq.Poller()
+        for s in socks.values():
+            poller.register(s, zmq.POLLIN)
+        answered = dict(poller.poll(wait_ms))
+        return [a for a, s in socks.items() if s in answered]
+    finally:
+        ctx.destroy(linger=0)
 
 
 def export_tokens(pool, block_ids: list[int], num_tokens: int):

@@ -1,8 +1,10 @@
 """`pdserve up --ray` on a Ray cluster of simulated hosts (ray.cluster_utils.Cluster) on this machine.
 
 The head holds no CPUs, so every node lands on one of the two simulated hosts, each labelled by a custom
-resource. One deployment serves the whole module; its tests run in order: placement, greedy output,
-scaling decode from 1 to 2 while serving, then a decode actor killed and restarted by Ray.
+resource. First a controller alone places two nodes with `--placement pack`; then one deployment, with CurveZMQ
+keys, serves the rest of the module; its tests run in order: spread placement, greedy output, strangers kept
+out, scaling decode from 1 to 2 while serving, a decode actor killed and restarted by Ray, then scaling decode
+from 2 to 1 while serving (the removed node drains).
 """
 
 from __future__ import annotations
@@ -17,19 +19,25 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from helpers import hf_greedy, mixed_workload
+import zmq
+import zmq.auth
+from helpers import hf_greedy, mixed_workload, probe_answers
 from stack import free_port
 
+from pdserve.cli import build_parser
 from pdserve.engine.checkpoint import resolve_model
+from pdserve.wire import protocol as P
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
+from pdserve.ray_cluster import start_controller  # noqa: E402
 from pdserve.router.membership import RAY_NAMESPACE, controller_name  # noqa: E402
 
 DEPLOYMENT = "t"
 HOSTS = ("sim_host_a", "sim_host_b")
 START_TIMEOUT_S = 240
+PROBE_WAIT_MS = 2000
 
 
 @pytest.fixture(scope="module")
@@ -47,12 +55,20 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def deployment(cluster):
+def keys(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("keys") / "deployment"
+    subprocess.run([sys.executable, "-m", "pdserve", "keys", str(folder)], check=True, capture_output=True)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def deployment(cluster, keys):
     """`pdserve up --ray` as a user runs it; stopped by PID (SIGTERM) at the end."""
     port = free_port()
     argv = [sys.executable, "-m", "pdserve", "--log-level", "WARNING", "up", "--ray", cluster.address,
             "--name", DEPLOYMENT, "--model", "tiny", "--port", str(port), "--placement", "spread",
-            "--ray-bind-host", "127.0.0.1", "--num-kv-blocks", "256", "--kv-transport", "auto"]  # fmt: skip
+            "--ray-bind-host", "127.0.0.1", "--num-kv-blocks", "256", "--kv-transport", "auto",
+            "--zmq-keys", str(keys)]  # fmt: skip
     proc = subprocess.Popen(argv, env=os.environ.copy())
     url = f"http://127.0.0.1:{port}"
     try:
@@ -104,10 +120,34 @@ def workload():
     return prompts, outs, hf_greedy(resolve_model("tiny"), prompts, outs)
 
 
+def _host_of() -> dict[str, str]:
+    """Ray node id -> the simulated host's label."""
+    return {n["NodeID"]: next((h for h in HOSTS if h in n["Resources"]), "head") for n in ray.nodes()}
+
+
+def test_pack_places_a_prefill_and_a_decode_node_on_one_host(cluster):
+    """A controller of its own (the deployment below comes after it): both nodes on one simulated host."""
+    a = build_parser().parse_args(["up", "--ray", cluster.address, "--name", "packed", "--model", "tiny",
+                                   "--placement", "pack", "--ray-bind-host", "127.0.0.1", "--num-kv-blocks", "64",
+                                   "--drain-timeout-s", "5"])  # fmt: skip
+    controller = start_controller(a)
+    try:
+        assert ray.get(controller.scale.remote(1, 1), timeout=START_TIMEOUT_S) == {"prefill": 1, "decode": 1}
+        members = ray.get(controller.members.remote())
+        where = {m["role"]: _host_of()[m["ray_node_id"]] for m in members}
+        assert sorted(where) == ["decode", "prefill"], members
+        assert len(set(where.values())) == 1 and set(where.values()) <= set(HOSTS), f"pack put them on {where}"
+    finally:
+        ray.get(controller.stop.remote(), timeout=60)  # drains (idle: at once), frees the placement group
+        ray.kill(controller)
+    assert ray.util.placement_group_table() == {} or all(
+        pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values()
+    ), "the controller left a placement group behind"
+
+
 def test_spread_places_prefill_and_decode_on_different_hosts(cluster, deployment):
-    host_of = {n["NodeID"]: next((h for h in HOSTS if h in n["Resources"]), "head") for n in ray.nodes()}
     members = ray.get(_controller().members.remote())
-    where = {m["role"]: host_of[m["ray_node_id"]] for m in members}
+    where = {m["role"]: _host_of()[m["ray_node_id"]] for m in members}
     assert sorted(where) == ["decode", "prefill"], members
     assert set(where.values()) == set(HOSTS), f"spread placement put the nodes on {where}"
 
@@ -119,6 +159,21 @@ def test_greedy_output_over_the_cluster_equals_transformers(deployment, workload
     assert [code for code, _ in got] == [200] * len(prompts)
     mismatched = [i for i, (_, ids) in enumerate(got) if ids != ref[i]]
     assert not mismatched, f"requests {mismatched} differ from transformers"
+
+
+def test_strangers_without_the_deployments_keys_get_nothing_from_its_nodes(deployment, keys):
+    members = ray.get(_controller().members.remote())
+    addrs = [m["listen"] for m in members] + [m["kv_listen"] for m in members if m["kv_listen"]]
+    hello = [P.encode(P.Hello(P.PROTOCOL_VERSION, "router"))]
+    kv_hello = [P.encode(P.KvHello(P.PROTOCOL_VERSION, {}, "zmq"))]
+    server_public, _ = zmq.auth.load_certificate(keys / "server.key")
+    stranger = (*zmq.curve_keypair(), server_public)
+    for curve in (None, stranger):
+        assert probe_answers(addrs, curve, [hello, kv_hello], PROBE_WAIT_MS) == [], "a stranger got an answer"
+    # the probe itself works: with the deployment's client key, the decode node answers a KvHello
+    client_public, client_secret = zmq.auth.load_certificate(keys / "client.key_secret")
+    [kv_addr] = [m["kv_listen"] for m in members if m["kv_listen"]]
+    assert probe_answers([kv_addr], (client_public, client_secret, server_public), [kv_hello], 30_000) == [kv_addr]
 
 
 def test_scaling_decode_up_while_serving_loses_nothing(cluster, deployment, workload):
@@ -149,14 +204,24 @@ def test_scaling_decode_up_while_serving_loses_nothing(cluster, deployment, work
                         for t in ("shm", "zmq")}  # fmt: skip
     _wait(lambda: sum(pairings().values()) == 2, 10)
     assert pairings() == {"shm": same_host, "zmq": 2 - same_host}, (pairings(), members)
+    # each node's busy time (whole loop iterations with work) holds its step time, both from one stats message
+    _wait(lambda: all(_node_counters(deployment, "decode")["step_time_s"].values()), 10)
+    counters = _node_counters(deployment, "decode")
+    assert all(counters["busy_time_s"][n] >= t for n, t in counters["step_time_s"].items()), counters
 
 
 def _node_counter(url: str, name: str, role: str) -> dict[str, float]:
     """A node counter per node of `role`, from /metrics."""
-    out = {}
+    return _node_counters(url, role).get(name, {})
+
+
+def _node_counters(url: str, role: str) -> dict[str, dict[str, float]]:
+    """Every node counter, per node of `role`, from one scrape of /metrics."""
+    out: dict[str, dict[str, float]] = {}
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(f"pdserve:node_{name}_total") and f'role="{role}"' in line:
-            out[line.split('node="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+        if line.startswith("pdserve:node_") and "_total{" in line and f'role="{role}"' in line:
+            name = line[len("pdserve:node_") : line.index("_total{")]
+            out.setdefault(name, {})[line.split('node="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
     return out
 
 
@@ -188,3 +253,44 @@ def test_a_killed_decode_actors_requests_move_on_and_it_rejoins(deployment):
 def _rejoined(url: str, dead_addr: str) -> bool:
     nodes = _nodes(url, "decode")
     return len(nodes) == 2 and all(n["up"] for n in nodes) and dead_addr not in {n["addr"] for n in nodes}
+
+
+def test_scaling_decode_down_while_serving_drains_the_removed_node(cluster, deployment):
+    """2 -> 1 decode nodes with requests running on both: the removed one finishes its own (no request fails
+    or is dispatched again), then leaves; the one that stays serves on."""
+    prompts, n = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]], 1000
+    ref = hf_greedy(resolve_model("tiny"), prompts, [n] * len(prompts))
+    redispatched = _router_counter(deployment, "pdserve:requests_redispatched_total")
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(_complete, deployment, p, n) for p in prompts]
+        _wait(lambda: [n["in_flight"] for n in _nodes(deployment, "decode")] == [2, 2], 60)
+        newest = max((m for m in ray.get(_controller().members.remote()) if m["role"] == "decode"),
+                     key=lambda m: int(m["key"].split("-")[1]))  # fmt: skip
+        seen, stop = [], threading.Event()  # the router's view of the removed node while it leaves
+        watcher = threading.Thread(target=_watch, args=(deployment, newest["listen"], seen, stop))
+        watcher.start()
+        try:
+            counts = ray.get(_controller().scale.remote(1, 1), timeout=START_TIMEOUT_S)
+        finally:
+            stop.set()
+            watcher.join()
+        assert counts == {"prefill": 1, "decode": 1}
+        got = [f.result() for f in futures]
+    assert any(n["draining"] and n["in_flight"] for n in seen), f"never seen draining with requests: {seen}"
+    assert [ids for _, ids in got] == ref, "a request on the drained node lost or changed tokens"
+    assert _router_counter(deployment, "pdserve:requests_redispatched_total") == redispatched
+    assert newest["key"] not in {m["key"] for m in ray.get(_controller().members.remote())}
+    _wait(lambda: [n["addr"] != newest["listen"] and n["up"] for n in _nodes(deployment, "decode")] == [True], 30)
+    assert _complete(deployment, prompts[0], 4)[0] == 200
+
+
+def _watch(url: str, addr: str, seen: list[dict], stop: threading.Event) -> None:
+    while not stop.wait(0.1):
+        seen += [n for n in _nodes(url, "decode") if n["addr"] == addr]
+
+
+def _router_counter(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(f"the router has no metric {name}")

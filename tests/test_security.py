@@ -13,6 +13,7 @@ import httpx
 import pytest
 import zmq
 import zmq.auth
+from helpers import probe_answers
 from stack import Stack
 
 from pdserve.config import KEY_FILES
@@ -42,26 +43,7 @@ def _node_counter(stack: Stack, name: str, role: str) -> int:
 
 
 def _probes(addrs: list[str], curve: tuple[bytes, bytes, bytes] | None, messages: list[list[bytes]]) -> list[str]:
-    """Connect a stranger DEALER to each address, send `messages`, and return the addresses that answered."""
-    ctx = zmq.Context()
-    socks = {}
-    try:
-        for addr in addrs:
-            s = ctx.socket(zmq.DEALER)
-            s.linger = 0
-            if curve is not None:
-                s.curve_publickey, s.curve_secretkey, s.curve_serverkey = curve
-            s.connect(addr)
-            for m in messages:
-                s.send_multipart(m, flags=zmq.NOBLOCK)
-            socks[addr] = s
-        poller = zmq.Poller()
-        for s in socks.values():
-            poller.register(s, zmq.POLLIN)
-        answered = dict(poller.poll(PROBE_WAIT_MS))
-        return [a for a, s in socks.items() if s in answered]
-    finally:
-        ctx.destroy(linger=0)
+    return probe_answers(addrs, curve, messages, PROBE_WAIT_MS)
 
 
 def _keyed_stack(tmp_path: Path, keys: Path) -> Stack:

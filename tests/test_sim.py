@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from bench.costs import Costs, fit
@@ -85,9 +87,59 @@ def test_fit_recovers_the_coefficients_of_exact_samples() -> None:
     assert got == pytest.approx([1e-3, 5e-4, 2e-7, 8e-3, 6e-4, 1e-6], rel=1e-6)
 
 
+def test_fit_takes_the_measured_corun_slowdowns_and_costs_refuse_a_speedup() -> None:
+    samples = [{"tokens": 16, "past": 0, "s": 1e-3}], [{"batch": 1, "context": 64, "s": 8e-3}]
+    c = fit(*samples, 16384, 1e9, corun={"prefill": {"slowdown": 1.7}, "decode": {"slowdown": 2.1}})
+    assert (c.corun_slowdown_prefill, c.corun_slowdown_decode) == (1.7, 2.1)
+    assert fit(*samples, 16384, 1e9).corun_slowdown_decode == 1.0
+    with pytest.raises(ValueError, match="slowdown"):
+        replace(c, corun_slowdown_decode=0.5)
+
+
 def test_costs_refuse_a_link_without_bandwidth() -> None:
     with pytest.raises(ValueError, match="bandwidth"):
         Costs(0.0, 1e-3, 0.0, 1e-2, 0.0, 0.0, 10, 0.0)
+
+
+@pytest.mark.parametrize("cores,slowdown", [((0, 1), 2.0), ((0, 0), 5.0)])
+def test_steps_on_one_host_slow_each_other(cores: tuple[int, int], slowdown: float) -> None:
+    """A decode step (10 ms) runs from 10 ms; a prefill step (20 ms) starts beside it at 11 ms. Either on another
+    core with a co-run slowdown of 2, or on the same core (then the slowdown does not apply): each at half speed
+    while both run, so the decode steps end at 29 and 49 ms and the prefill at 50 ms."""
+    costs = replace(COSTS, kv_bytes_per_token=0, corun_slowdown_prefill=slowdown, corun_slowdown_decode=slowdown)
+    a, b = simulate(workload(one(10, 3), one(20, 1, arrival=0.011)), costs, Topology(cores=cores))
+    assert a.token_times == pytest.approx([0.010, 0.029, 0.049])
+    assert b.token_times == pytest.approx([0.050])
+
+
+def test_steps_keep_their_cost_when_the_cores_around_them_change_pace() -> None:
+    """Every decode step lasts at least its cost, however often the prefill steps beside it start and end."""
+    w = make_workload("sharegpt_like", 1000, 2048, seed=4, num_requests=32)
+    costs = Costs(1e-3, 5e-4, 4e-7, 8e-3, 6e-4, 1.3e-6, 16384, 2.5e9, corun_slowdown_prefill=1.6,
+                  corun_slowdown_decode=1.6)  # fmt: skip
+    counts: dict = {}
+    recs = simulate(w, costs, Topology(cores=(0, 1)), counts)
+    itl = [(r.token_times[-1] - r.token_times[1]) / (len(r.token_times) - 2) for r in recs if len(r.token_times) > 2]
+    assert min(itl) >= costs.decode_step_s(1, 0)
+    alone: dict = {}
+    simulate(w, replace(costs, corun_slowdown_prefill=1.0, corun_slowdown_decode=1.0), Topology(cores=(0, 1)), alone)
+    assert counts["decode"]["step_time_s"] / counts["decode"]["steps"] > alone["decode"]["step_time_s"] / alone[
+        "decode"]["steps"]  # fmt: skip
+
+
+def test_the_decode_loop_outside_its_steps_delays_the_next_step() -> None:
+    costs = replace(COSTS, kv_bytes_per_token=0, decode_iteration_s=3e-3)
+    counts: dict = {}
+    (rec,) = simulate(workload(one(10, 3)), costs, Topology(), counts)
+    assert rec.token_times == pytest.approx([0.010, 0.020, 0.033])  # step, loop, step
+    assert counts["decode"] == pytest.approx({"steps": 2, "step_time_s": 0.020, "busy_time_s": 0.026})
+
+
+def test_without_cores_each_node_has_its_own_device() -> None:
+    costs = replace(COSTS, kv_bytes_per_token=0, corun_slowdown_prefill=2.0, corun_slowdown_decode=2.0)
+    a, b = simulate(workload(one(10, 3), one(20, 1, arrival=0.011)), costs, Topology())
+    assert a.token_times == pytest.approx([0.010, 0.020, 0.030])
+    assert b.token_times == pytest.approx([0.031])
 
 
 def test_validating_a_run_the_simulator_made_finds_no_error() -> None:
@@ -96,13 +148,14 @@ def test_validating_a_run_the_simulator_made_finds_no_error() -> None:
 
     w = make_workload("sharegpt_like", 1000, 2048, seed=2, rate=3.0, num_requests=24)
     counts: dict = {}
-    recs = simulate(w, COSTS, Topology(2, 1), counts)
+    costs = replace(COSTS, corun_slowdown_prefill=1.5, corun_slowdown_decode=1.3, decode_iteration_s=2e-3)
+    recs = simulate(w, costs, Topology(2, 1, cores=(0, 1, 0)), counts)
     records = [{"send_s": r.send_time, "token_s": r.token_times, "expected_output_len": r.expected_output_len,
                 "prompt_len": r.num_prompt_tokens} for r in recs]  # fmt: skip
     result = {"system": "disagg", "ok": True, "workload": w.name, "label": w.label, "records": records,
               "summary": summarize(recs, 0.0, SLO(2.0, 0.2)), "node_counters": counts}  # fmt: skip
     config = {"engine_args": ["--num-prefill", "2"], "max_batch": 16, "max_num_batched_tokens": 512,
               "slo_ttft_s": 2.0, "slo_tpot_s": 0.2}  # fmt: skip
-    rows = validate({"config": config, "results": [result]}, COSTS)
-    assert len(rows) == 7
+    rows = validate({"config": config, "environment": {"cpu_count": 2}, "results": [result]}, costs)
+    assert len(rows) == 10
     assert all(abs(r["error"]) < 1e-9 and abs(r["calibrated_error"]) < 1e-9 for r in rows)
