@@ -20,8 +20,9 @@ from typing import Any, NewType
 
 import msgpack
 
-# 2: KV head-major, [2, nkv, n, d] per layer; 3: log-probabilities, KvHello transports; 4: Stats.draining, Pending
-PROTOCOL_VERSION = 4
+# 2: KV head-major, [2, nkv, n, d] per layer; 3: log-probabilities, KvHello transports; 4: Stats.draining, Pending;
+# 5: KvOffer.kv_checksums
+PROTOCOL_VERSION = 5
 MAX_LOGPROBS = 20  # the most alternatives per position a request may ask for (OpenAI's limit)
 MAX_HEADER_BYTES = 64 * 1024 * 1024  # one control message; tensor frames are bounded separately
 MAX_LIST_LEN = 4 * 1024 * 1024
@@ -218,6 +219,7 @@ class KvOffer:
     first_token_id: Id
     params: SamplingParams
     num_tokens: Id  # tokens whose KV is shipped (the prompt)
+    kv_checksums: list[Id] = field(default_factory=list)  # a CRC-32 per layer of that KV ([]: none, a GPU pool)
 
 
 @dataclass(frozen=True)
