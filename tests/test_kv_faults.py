@@ -23,10 +23,12 @@ FAULTS = ("--kv-fault-rate", "0.05", "--kv-lease-s", "4")  # a lost transfer is 
 
 @pytest.fixture(scope="module")
 def workload():
-    prompts, outs = mixed_workload(NUM_REQUESTS, 512, seed=9, max_prompt=120, max_out=6)
+    """NUM_REQUESTS requests cycling through 50 distinct prompts (the reference is computed once per prompt)."""
+    prompts, outs = mixed_workload(50, 512, seed=9, max_prompt=120, max_out=6)
+    ref = hf_greedy(resolve_model("tiny"), prompts, outs)
     bodies = [{"model": "tiny", "prompt": p, "max_tokens": n, "temperature": 0, "ignore_eos": True,
                "return_token_ids": True} for p, n in zip(prompts, outs, strict=True)]  # fmt: skip
-    return bodies, hf_greedy(resolve_model("tiny"), prompts, outs)
+    return [bodies[i % 50] for i in range(NUM_REQUESTS)], [ref[i % 50] for i in range(NUM_REQUESTS)]
 
 
 async def _post_all(url: str, bodies: list[dict], concurrency: int = 32) -> list[httpx.Response]:
