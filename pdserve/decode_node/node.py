@@ -78,6 +78,9 @@ class DecodeNode(NodeBase):
     def busy(self) -> bool:
         return bool(self.incoming)
 
+    def num_held(self) -> int:
+        return super().num_held() + len(self.incoming)
+
     def holds_work(self) -> bool:
         return super().holds_work() or bool(self.incoming)
 

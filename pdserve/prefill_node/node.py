@@ -77,6 +77,9 @@ class PrefillNode(NodeBase):
     def make_engine(self) -> Engine:
         return Engine(self.cfg.engine, prefill_only=True, pool_storage=self.backend.storage)
 
+    def num_held(self) -> int:
+        return super().num_held() + len(self.transfers) + len(self.decode_addr) + len(self.delayed)
+
     def close(self) -> None:
         super().close()
         for backend in self.backends.values():
