@@ -75,7 +75,9 @@ class Linear:
 
     On the CPU in float32 the weight is reordered once into oneDNN's blocked layout, which measured
     1.4-2.5x faster than `F.linear` at decode sizes (M = 1..40 rows, 2 threads) and the same at
-    prefill sizes; elsewhere it is a plain `F.linear`.
+    prefill sizes; elsewhere it is a plain `F.linear`. oneDNN builds (and keeps) code per row count:
+    rows beyond UNPADDED_ROWS are padded up to a bucket (`padded_rows`), so that the iterations' many
+    token counts make a bounded set of shapes (each new one cost a node about 1 MB for good).
     """
 
     def __init__(self, *modules: nn.Linear) -> None:
@@ -96,9 +98,23 @@ class Linear:
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight) if self.packed else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
-        if self.packed:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        if not self.packed:
+            return F.linear(x, self.weight, self.bias)
+        rows = x.shape[0]
+        if padded_rows(rows) != rows:
+            x = F.pad(x, (0, 0, 0, padded_rows(rows) - rows))  # [T', K], zero rows after the real ones
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")[:rows]
+
+
+UNPADDED_ROWS = 16  # row counts up to this (decode batches of the default --max-num-seqs) run as they are
+
+
+def padded_rows(rows: int) -> int:
+    """`rows` rounded up to a bucket: 16 buckets an octave (at most 1/16 more rows), multiples of 8."""
+    if rows <= UNPADDED_ROWS:
+        return rows
+    step = max(8, (1 << (rows.bit_length() - 1)) // 16)
+    return -(-rows // step) * step
 
 
 @dataclass
