@@ -68,7 +68,8 @@ def _healthy_and_whole(stack: Stack) -> None:
 @pytest.mark.parametrize("transport", ["zmq", "shm"])
 def test_damaged_transfers_are_recomputed_exactly_or_failed_by_policy(tmp_path, transport, workload):
     bodies, ref = workload
-    stack = Stack(tmp_path, "tiny", mode="disagg", transport=transport, engine_args=FAULTS).start()
+    stack = Stack(tmp_path, "tiny", mode="disagg", transport=transport, engine_args=FAULTS,
+                  router_args=("--node-timeout-s", "15")).start()  # a starved node (busy host) is not lost
     try:
         responses = asyncio.run(_post_all(stack.url, bodies))
         assert [r.status_code for r in responses] == [200] * NUM_REQUESTS, [r.text for r in responses][:3]

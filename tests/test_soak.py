@@ -16,6 +16,7 @@ import pytest
 from stack import Stack
 
 WARMUP = 200
+PATIENT_ROUTER = ("--node-timeout-s", "15")  # a node starved for a few seconds on a busy host is not lost
 EMPTY_GAUGES = (
     "pdserve:num_requests_running{", "pdserve:num_requests_waiting{", "pdserve:node_requests_held{",
     "pdserve:kv_blocks_used{", "pdserve:num_requests_in_flight ", "pdserve:router_requests_waiting ",
@@ -65,7 +66,7 @@ def _not_empty(stack: Stack) -> list[str]:
 @pytest.mark.slow
 def test_soak_leaves_no_requests_kv_descriptors_or_memory_behind(tmp_path, request):
     n = request.config.getoption("--soak-requests")
-    stack = Stack(tmp_path, "tiny", mode="disagg").start()
+    stack = Stack(tmp_path, "tiny", mode="disagg", router_args=PATIENT_ROUTER).start()
     try:
         assert set(asyncio.run(_wave(stack.url, WARMUP, 0))) == {200}
         stack.wait_kv_free()
