@@ -63,6 +63,7 @@ class Engine:
         self.scheduler = Scheduler(self.pool.allocator, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.pool, cfg.attention_backend, cfg.cpu_kernels,
                                   graphs=not (cfg.enforce_eager or prefill_only), max_batch=cfg.max_num_seqs)
+        self.runner.warm_up(cfg.max_num_batched_tokens, cfg.max_num_seqs)
         self.sampler = Sampler()
         self.max_model_len = max_model_len(self.model.config)
         self.requests: dict[str, Request] = {}
