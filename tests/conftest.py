@@ -22,7 +22,7 @@ TINY_SPECS = {
 
 
 def pytest_addoption(parser) -> None:
-    parser.addoption("--soak-requests", type=int, default=400, help="length of the slow soak test (tests/test_soak.py)")
+    parser.addoption("--soak-requests", type=int, default=300, help="length of the slow soak test (tests/test_soak.py)")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from stack import Stack
 
-WARMUP = 200
+WARMUP = 100
 PATIENT_ROUTER = ("--node-timeout-s", "15")  # a node starved for a few seconds on a busy host is not lost
 EMPTY_GAUGES = (
     "pdserve:num_requests_running{", "pdserve:num_requests_waiting{", "pdserve:node_requests_held{",
