@@ -11,6 +11,8 @@ from pdserve.config import (
     ATTENTION_BACKENDS,
     CPU_KERNELS,
     DTYPE_CHOICES,
+    KV_FAILURE_POLICIES,
+    KV_FAULT_KINDS,
     KV_TRANSPORTS,
     EngineConfig,
     NodeConfig,
@@ -34,6 +36,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                    help="auto: Triton kernels on CUDA, pdserve's C kernels on the CPU; torch: SDPA per request")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    g.add_argument("--kv-failure", default="recompute", choices=KV_FAILURE_POLICIES,
+                   help="decode node, a prompt's KV lost or damaged on the way: recompute it there, or fail it")
+    g.add_argument("--kv-fault-rate", type=float, default=0.0,
+                   help="prefill node, for tests and drills: damage this share of KV transfers on purpose")
+    g.add_argument("--kv-fault-kinds", default=",".join(KV_FAULT_KINDS), help="comma-separated: drop, delay, "
+                   "truncate, corrupt (with --kv-fault-rate)")  # fmt: skip
     add_shared_args(g)
 
 
@@ -85,7 +93,8 @@ def engine_argv(a: argparse.Namespace) -> list[str]:
             "--max-num-batched-tokens", str(a.max_num_batched_tokens), "--block-size", str(a.block_size),
             "--kv-cache-gb", str(a.kv_cache_gb), "--kv-transport", a.kv_transport,
             "--kv-lease-s", str(a.kv_lease_s), "--cpu-kernels", a.cpu_kernels,
-            "--attention-backend", a.attention_backend]  # fmt: skip
+            "--attention-backend", a.attention_backend, "--kv-failure", a.kv_failure,
+            "--kv-fault-rate", str(a.kv_fault_rate), "--kv-fault-kinds", a.kv_fault_kinds]  # fmt: skip
     if a.enforce_eager:
         argv.append("--enforce-eager")
     if a.num_kv_blocks is not None:
@@ -173,7 +182,8 @@ def node_config(a: argparse.Namespace) -> NodeConfig:
         role=a.verb, engine=engine_config(a, a.device, a.cpu_cores), listen=a.listen,
         kv_listen=getattr(a, "kv_listen", "tcp://127.0.0.1:0"), kv_transport=a.kv_transport,
         kv_lease_s=a.kv_lease_s, ready_file=a.ready_file, host_id=a.host_id, drain_timeout_s=a.drain_timeout_s,
-        zmq_keys=a.zmq_keys,
+        zmq_keys=a.zmq_keys, kv_failure=a.kv_failure, kv_fault_rate=a.kv_fault_rate,
+        kv_fault_kinds=tuple(k for k in a.kv_fault_kinds.split(",") if k),
     )  # fmt: skip
 
 

@@ -11,6 +11,8 @@ ATTENTION_BACKENDS = ("auto", "triton", "torch")
 KV_TRANSPORTS = ("zmq", "shm", "cuda_ipc", "auto")  # auto: shm / cuda_ipc on one host, zmq across hosts
 ROLES = ("colocated", "prefill", "decode")
 KV_ROLES = ("prefill", "decode")  # the roles that move KV between nodes
+KV_FAILURE_POLICIES = ("recompute", "fail")
+KV_FAULT_KINDS = ("drop", "delay", "truncate", "corrupt")
 
 
 def parse_cores(spec: str) -> tuple[int, ...]:
@@ -113,6 +115,9 @@ class NodeConfig:
     host_id: str = ""  # nodes with the same host id may share memory ("": hostname and boot id)
     drain_timeout_s: float = 30.0  # on SIGTERM: how long the requests it holds may take to finish
     zmq_keys: str = ""  # CurveZMQ key folder (`pdserve keys DIR`); "" for plain sockets
+    kv_failure: str = "recompute"  # decode node, a prompt's KV lost or damaged on the way: recompute it here, or fail
+    kv_fault_rate: float = 0.0  # prefill node, tests and drills: the share of KV transfers damaged on purpose
+    kv_fault_kinds: tuple[str, ...] = KV_FAULT_KINDS  # how they are damaged (one picked at random each time)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -126,10 +131,19 @@ class NodeConfig:
             raise ValueError("--kv-lease-s must be positive")
         if self.drain_timeout_s <= 0:
             raise ValueError("--drain-timeout-s must be positive")
+        self._check_kv_faults()
         check_key_dir(self.zmq_keys)
         for addr in (self.listen, self.kv_listen):
             if not addr.startswith(("tcp://", "ipc://")):
                 raise ValueError(f"address {addr!r} must start with tcp:// or ipc://")
+
+    def _check_kv_faults(self) -> None:
+        if self.kv_failure not in KV_FAILURE_POLICIES:
+            raise ValueError(f"--kv-failure must be one of {', '.join(KV_FAILURE_POLICIES)}")
+        if not 0 <= self.kv_fault_rate <= 1:
+            raise ValueError("--kv-fault-rate must be in [0, 1]")
+        if not self.kv_fault_kinds or set(self.kv_fault_kinds) - set(KV_FAULT_KINDS):
+            raise ValueError(f"--kv-fault-kinds takes a comma-separated list of {', '.join(KV_FAULT_KINDS)}")
 
 
 @dataclass(frozen=True)

@@ -262,7 +262,11 @@ class NodeBase:
     def stats(self) -> P.Stats:
         (running, waiting), (used, free, _) = self.engine.queue_lengths(), self.engine.kv_stats()
         counters = {**self.counters, "preemptions": self.engine.num_preemptions()}
-        return P.Stats(self.role, running, waiting, used, free, counters, self.draining)
+        return P.Stats(self.role, running, waiting, used, free, counters, self.draining, self.num_held())
+
+    def num_held(self) -> int:
+        """Entries in this node's request tables (the engine's, and its role's own)."""
+        return len(self.engine.requests)
 
     def send_stats(self) -> None:
         if self.router_id is not None:

@@ -21,6 +21,10 @@ TINY_SPECS = {
 }
 
 
+def pytest_addoption(parser) -> None:
+    parser.addoption("--soak-requests", type=int, default=300, help="length of the slow soak test (tests/test_soak.py)")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _model_cache(tmp_path_factory) -> Path:
     """Built-in models go to a per-session cache unless PDSERVE_CACHE is set already."""

@@ -5,10 +5,12 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 from helpers import hf_greedy, mixed_workload
 
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine
+from pdserve.engine.model import UNPADDED_ROWS, Linear, padded_rows
 from pdserve.engine.request import Request
 from pdserve.wire.protocol import SamplingParams
 
@@ -174,3 +176,16 @@ def test_a_failed_step_fails_its_requests_and_the_engine_serves_on(tiny_models, 
     assert engine.pool.allocator.num_free == 64 and not engine.requests
     ref = hf_greedy(tiny_models["qwen3"], prompts[:1], outs[:1])
     assert run_engine(engine, greedy_requests(prompts[:1], outs[:1]))["0"] == ref[0]  # still serving, exactly
+
+
+def test_packed_linears_pad_rows_to_a_bounded_set_of_shapes_and_keep_the_real_rows():
+    shapes = {padded_rows(t) for t in range(1, 513)}
+    assert len(shapes) <= 64 and all(padded_rows(t) == t for t in range(1, UNPADDED_ROWS + 1))
+    assert all(t <= padded_rows(t) <= t + max(7, t // 16) for t in range(1, 4097))
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(32, 48)
+    packed, x = Linear(lin), torch.randn(100, 32)  # 100 rows run as 104
+    assert packed.packed or not torch.backends.mkldnn.is_available()
+    with torch.no_grad():
+        torch.testing.assert_close(packed(x), lin(x), rtol=1e-5, atol=1e-5)
+    assert packed(x).shape == (100, 48)

@@ -15,6 +15,7 @@ from helpers import export_tokens, import_tokens
 from pdserve.engine.kv_cache import KVLayout, KVPool
 from pdserve.wire import protocol as P
 from pdserve.wire import transport
+from pdserve.wire.kv_faults import FaultInjector
 from pdserve.wire.kv_transfer import TransferError, local_device_index, make_backend, process_owner
 
 LAYOUT = KVLayout(3, 2, 8, 4, "float32", "fp")
@@ -177,3 +178,33 @@ def test_cuda_ipc_moves_blocks_between_processes():
         parent.send("done")
         owner.join(timeout=60)
     assert not receiver.alive(handle)
+
+
+def test_checksums_follow_the_kv_not_its_blocks_and_see_one_flipped_byte():
+    src, dst = _filled_pool(), KVPool(LAYOUT, 16)
+    import_tokens(dst, [9, 0, 4], export_tokens(src, [2, 3, 4], 10))
+    sums = src.checksums([2, 3, 4], 10)
+    assert len(sums) == LAYOUT.num_layers and dst.checksums([9, 0, 4], 10) == sums
+    dst.data[0, 0, 0, 4 * 4 + 1, 0] += 1  # the last token (10th, in block 4) is at slot 4 * 4 + 1
+    assert [a == b for a, b in zip(dst.checksums([9, 0, 4], 10), sums, strict=True)] == [False, True, True]
+    dst.data[1, 1, 1, 4 * 4 + 2, 0] += 1  # past the 10 tokens: not the request's KV
+    assert dst.checksums([9, 0, 4], 10)[1:] == sums[1:]
+
+
+@pytest.mark.parametrize("name", ["zmq", "shm"])
+@pytest.mark.parametrize("kind", ["truncate", "corrupt"])
+def test_an_injected_fault_is_refused_or_fails_the_checksums(name, kind):
+    backend = make_backend(name)
+    src = _filled_pool(backend)
+    dst, blocks = KVPool(LAYOUT, 16), [3, 8, 1]
+    messages = FaultInjector(1.0, (kind,)).damage(kind, list(backend.pack(src, "r", blocks, 10)), 10, 16)
+    try:
+        for header, frames in messages:
+            got_header, got_frames = _through_zmq(header, frames)
+            backend.unpack(dst, [4, 5, 12], 10, got_header, got_frames, src.data)
+    except TransferError:
+        assert kind == "truncate"
+    else:
+        assert kind == "corrupt" and dst.checksums([4, 5, 12], 10) != src.checksums(blocks, 10)
+    finally:
+        backend.close()

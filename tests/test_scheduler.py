@@ -160,3 +160,16 @@ def test_a_request_waiting_for_kv_can_only_be_aborted_or_reserved():
         r.move_to(Status.RUNNING)
     s.finish(r, Status.ABORTED, "abort")
     assert not s.waiting_for_kv and s.allocator.num_free == 64
+
+
+def test_a_request_whose_kv_was_lost_recomputes_its_prompt_and_first_token_in_its_blocks():
+    s = sched(blocks=8, block_size=4, budget=64)
+    r = remote("r", 10)
+    s.add(r)
+    assert s.reserve_remote() == [r]
+    blocks = list(r.block_ids)
+    s.kv_lost(r)
+    assert r.status is Status.WAITING and r.num_computed_tokens == 0 and r.block_ids == blocks
+    batch = run(s)
+    assert [(x.request, x.num_new_tokens, x.samples) for x in batch.scheduled] == [(r, 11, True)]
+    assert r.output_token_ids == [7, 0] and not s.receiving_kv

@@ -7,12 +7,17 @@ A request's life here (the engine owns the request, its queue and its blocks; th
    blocks for its KV; never dropped. While it waits, a KvWaiting notice renews the prefill node's
    lease on that KV every WAITING_NOTICE_S.
 3. RECEIVING_KV: blocks reserved (`engine.reserve_remote()`), KvPull sent; the KV lands by the chosen
-   backend (`engine.receive_kv`); once every layer is in, KvAck frees the prefill node's copy.
+   backend (`engine.receive_kv`); once every layer is in, it is checked against the offer's per-layer
+   checksums (`engine.kv_landed`) and KvAck frees the prefill node's copy. KV that the backend refuses
+   (wrong shape, size, blocks), that fails its checksums, or that has not all arrived within half the
+   lease of the pull is never decoded from: by --kv-failure the request recomputes its prompt here
+   (`engine.kv_lost`: WAITING with nothing computed, like a preempted request; the prefill node gets a
+   KvAck all the same), or it is refused, which fails it with the reason.
 4. WAITING with its KV in place (num_computed_tokens = prompt length, the first token as output),
    the router told so (an event without tokens), admitted at the next iteration; RUNNING: one token
    an iteration, streamed to the router.
-5. FINISHED or ABORTED (router's Abort, the prefill node's KvCancel, bad KV, a reservation that no KV
-   answered): KV freed at once. An abort that arrives before the offer is remembered, so the late offer
+5. FINISHED or ABORTED (router's Abort, the prefill node's KvCancel, bad KV under --kv-failure fail):
+   KV freed at once. An abort that arrives before the offer is remembered, so the late offer
    is refused.
 """
 
@@ -35,7 +40,6 @@ from pdserve.wire.kv_transfer import TransferError, accepted_transports, choose_
 log = logging.getLogger("pdserve.decode")
 REMEMBER_ABORTS = 4096
 WAITING_NOTICE_S = 0.25
-RESERVATION_TIMEOUT_S = 60.0  # blocks reserved for a pull that no KV answered are freed after this
 
 
 @dataclass
@@ -44,6 +48,7 @@ class Incoming:
 
     identity: bytes  # the prefill peer
     request: Request
+    checksums: list[int]  # the sender's CRC-32 per layer ([]: none to check)
     layers_landed: int = 0
     reserved_at: float = 0.0
 
@@ -64,7 +69,7 @@ class DecodeNode(NodeBase):
         self.handles: dict[bytes, dict] = {}  # paired prefill peers -> how their pool was mapped
         self.incoming: dict[str, Incoming] = {}  # offered, KV not landed yet (the engine holds the request)
         self.aborted: OrderedDict[str, None] = OrderedDict()
-        self.counters.update(kv_received=0, kv_refused=0)
+        self.counters.update(kv_received=0, kv_refused=0, kv_bad=0, kv_recomputed=0)
         self._next_notice = 0.0
 
     def ready_info(self) -> dict:
@@ -72,6 +77,9 @@ class DecodeNode(NodeBase):
 
     def busy(self) -> bool:
         return bool(self.incoming)
+
+    def num_held(self) -> int:
+        return super().num_held() + len(self.incoming)
 
     def holds_work(self) -> bool:
         return super().holds_work() or bool(self.incoming)
@@ -157,7 +165,7 @@ class DecodeNode(NodeBase):
         except ValueError as e:  # a grammar this node cannot use
             self._refuse(identity, rid, str(e))
             return
-        self.incoming[rid] = Incoming(identity, req)
+        self.incoming[rid] = Incoming(identity, req, list(offer.kv_checksums))
 
     def _on_data(self, identity: bytes, header: P.KvData, frames: list) -> None:
         inc = self.incoming.get(header.request_id)
@@ -167,16 +175,37 @@ class DecodeNode(NodeBase):
             inc.layers_landed += self.engine.receive_kv(inc.request, self.peer_backends[identity], header, frames,
                                                         self.sources.get(identity))  # fmt: skip
         except TransferError as e:
-            self._forget(header.request_id)
-            self._refuse(identity, header.request_id, f"bad KV: {e}")
+            self._kv_failed(inc, f"bad KV: {e}")
             return
         if inc.layers_landed < self.engine.layout.num_layers:
             return
-        self.engine.kv_landed(inc.request, self.peer_backends[identity])  # after it, our ack frees the sender's copy
+        why = self.engine.kv_landed(inc.request, self.peer_backends[identity], inc.checksums)
+        if why:
+            self._kv_failed(inc, why)
+            return
         del self.incoming[header.request_id]
         self.counters["kv_received"] += 1
-        transport.send(self.kv_sock, P.KvAck(header.request_id, True), identity=identity)
-        self.emit([P.TokenEvent(header.request_id, [], None)])  # "KV landed": it no longer needs its prefill node
+        self._let_prefill_go(inc, P.KvAck(header.request_id, True))  # after kv_landed: it frees the sender's copy
+
+    def _let_prefill_go(self, inc: Incoming, ack: P.KvAck) -> None:
+        """Free the prefill node's copy of a request's KV, and tell the router it no longer needs that node."""
+        transport.send(self.kv_sock, ack, identity=inc.identity)
+        self.emit([P.TokenEvent(ack.request_id, [], None)])  # "KV landed", an event without tokens
+
+    def _kv_failed(self, inc: Incoming, why: str) -> None:
+        """A pulled request's KV is lost or damaged: never decode from it; recompute it here, or fail it."""
+        rid = inc.request.request_id
+        del self.incoming[rid]
+        self.counters["kv_bad"] += 1
+        recompute = self.cfg.kv_failure == "recompute"
+        log.warning("request %s: %s; %s", rid, why, "recomputing its prompt here" if recompute else "failing it")
+        if not recompute:
+            self.engine.abort(rid)
+            self._refuse(inc.identity, rid, f"the KV transfer failed ({why}; --kv-failure fail)")
+            return
+        self.counters["kv_recomputed"] += 1
+        self.engine.kv_lost(inc.request)
+        self._let_prefill_go(inc, P.KvAck(rid, True, f"recomputed on the decode node: {why}"))
 
     def _refuse(self, identity: bytes, request_id: str, why: str) -> None:
         self.counters["kv_refused"] += 1
@@ -202,11 +231,9 @@ class DecodeNode(NodeBase):
             inc = self.incoming[req.request_id]
             inc.reserved_at = now
             transport.send(self.kv_sock, P.KvPull(req.request_id), identity=inc.identity)
-        late = [i for i in self.incoming.values() if i.reserved_at and now - i.reserved_at > RESERVATION_TIMEOUT_S]
-        for inc in late:
-            rid = inc.request.request_id
-            log.warning("no KV arrived for %s in %ss; freeing its blocks", rid, RESERVATION_TIMEOUT_S)
-            self._forget(rid)
+        wait = self.cfg.kv_lease_s / 2  # well before the prefill node's lease on the KV runs out
+        for inc in [i for i in self.incoming.values() if i.reserved_at and now - i.reserved_at > wait]:
+            self._kv_failed(inc, f"not all of its KV arrived within {wait:g}s of the pull")
         if now >= self._next_notice:
             self._next_notice = now + WAITING_NOTICE_S
             self._notify_waiting()

@@ -65,6 +65,14 @@ def pin_process(cfg: EngineConfig) -> None:
         torch.set_num_threads(len(cfg.cpu_cores))
 
 
+def checksum_mismatch(got: list[int], want: list[int]) -> str:
+    """Why per-layer checksums `got` (here) differ from `want` (the sender's); "" when they agree or `got` is []."""
+    if not got or got == want:
+        return ""
+    bad = [i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b]
+    return f"KV checksum mismatch in layer {bad[0] if bad else min(len(got), len(want))}"
+
+
 class Engine:
     def __init__(self, cfg: EngineConfig, prefill_only: bool = False, pool_storage=None) -> None:
         self.cfg = cfg
@@ -78,6 +86,7 @@ class Engine:
         self.scheduler = Scheduler(self.pool.allocator, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.pool, cfg.attention_backend, cfg.cpu_kernels,
                                   graphs=not (cfg.enforce_eager or prefill_only), max_batch=cfg.max_num_seqs)
+        self.runner.warm_up(cfg.max_num_batched_tokens, cfg.max_num_seqs)
         self.sampler = Sampler()
         self.max_model_len = max_model_len(self.model.config)
         self.requests: dict[str, Request] = {}
@@ -117,10 +126,23 @@ class Engine:
         """Land part of a request's KV (RECEIVING_KV) in its blocks; return how many layers it carried."""
         return backend.unpack(self.pool, req.block_ids, len(req.prompt_token_ids), header, frames, source)
 
-    def kv_landed(self, req: Request, backend) -> None:
-        """Every layer is in: once the copies have read the sender's memory, the request joins the queue."""
+    def kv_landed(self, req: Request, backend, checksums: list[int]) -> str:
+        """Every layer is in: once the copies have read the sender's memory, the KV is checked against the sender's
+        per-layer `checksums` ([]: none to check). If it matches, the request joins the queue and "" is returned;
+        else why not, and the request stays RECEIVING_KV (then `kv_lost` or `abort`): never decoded from."""
         backend.wait_landed(self.pool)
-        self.scheduler.kv_landed(req)
+        why = checksum_mismatch(self.kv_checksums(req), checksums) if checksums else ""
+        if not why:
+            self.scheduler.kv_landed(req)
+        return why
+
+    def kv_checksums(self, req: Request) -> list[int]:
+        """A CRC-32 per layer of a request's prompt KV as it lies in the pool ([] for a pool off the CPU)."""
+        return self.pool.checksums(req.block_ids, len(req.prompt_token_ids))
+
+    def kv_lost(self, req: Request) -> None:
+        """A RECEIVING_KV request whose KV was lost or damaged: it waits to recompute its prompt here."""
+        self.scheduler.kv_lost(req)
 
     def send_kv(self, req: Request, backend):
         """A held request's KV for shipping: (header, frames) messages from the backend."""

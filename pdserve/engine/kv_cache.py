@@ -11,6 +11,7 @@ of a prefill node's pool.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import asdict, dataclass
 
 import torch
@@ -100,6 +101,21 @@ class KVPool:
         else:
             dst.index_copy_(2, idx, kv)
 
+    def checksums(self, block_ids: list[int], num_tokens: int) -> list[int]:
+        """A CRC-32 per layer of the KV of tokens 0..num_tokens-1 (K then V, head by head, in token order), whatever
+        blocks hold them: two pools agree exactly when the request's KV is the same. [] for a pool off the CPU."""
+        if self.data.device.type != "cpu":
+            return []
+        runs = _token_runs(block_ids, self.block_size, num_tokens)
+        sums = []
+        for layer in self.data.view(torch.uint8):  # [2, nkv, S, d * itemsize]
+            crc = 0
+            for rows in layer.flatten(0, 1):  # [S, d], one K or V head
+                for start, n in runs:
+                    crc = zlib.crc32(rows[start : start + n].numpy(), crc)
+            sums.append(crc)
+        return sums
+
     def copy_blocks_from(self, src: torch.Tensor, src_blocks: list[int], dst_blocks: list[int]) -> None:
         """Copy whole blocks out of another pool's storage `src` (same layout), one slice per run."""
         bs = self.block_size
@@ -114,6 +130,18 @@ def is_run(block_ids: list[int]) -> bool:
         and block_ids[-1] - block_ids[0] == len(block_ids) - 1
         and all(b - a == 1 for a, b in zip(block_ids, block_ids[1:], strict=False))
     )
+
+
+def _token_runs(block_ids: list[int], block_size: int, num_tokens: int) -> list[tuple[int, int]]:
+    """(first slot, length) of the pool runs holding tokens 0..num_tokens-1, in token order."""
+    runs: list[tuple[int, int]] = []
+    for i, block in enumerate(block_ids[: -(-num_tokens // block_size)]):
+        start, n = block * block_size, min(block_size, num_tokens - i * block_size)
+        if runs and runs[-1][0] + runs[-1][1] == start:
+            runs[-1] = (runs[-1][0], runs[-1][1] + n)
+        else:
+            runs.append((start, n))
+    return runs
 
 
 def _runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:

@@ -75,7 +75,10 @@ class Linear:
 
     On the CPU in float32 the weight is reordered once into oneDNN's blocked layout, which measured
     1.4-2.5x faster than `F.linear` at decode sizes (M = 1..40 rows, 2 threads) and the same at
-    prefill sizes; elsewhere it is a plain `F.linear`.
+    prefill sizes; elsewhere it is a plain `F.linear`. oneDNN builds (and keeps) code per row count:
+    rows beyond UNPADDED_ROWS are padded up to a bucket (`padded_rows`), so that the iterations' many
+    token counts make a bounded set of shapes (each new one cost a node about 1 MB for good), and the
+    runner builds them all at start (`ModelRunner.warm_up`).
     """
 
     def __init__(self, *modules: nn.Linear) -> None:
@@ -90,15 +93,31 @@ class Linear:
             ]
             self.bias = torch.cat(parts)
         self.splits = [m.out_features for m in modules]
+        self.in_features = weight.shape[1]
         self.packed = (
             weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
         )
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight) if self.packed else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
-        if self.packed:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        if not self.packed:
+            return F.linear(x, self.weight, self.bias)
+        rows = x.shape[0]
+        if padded_rows(rows) != rows:
+            x = F.pad(x, (0, 0, 0, padded_rows(rows) - rows))  # [T', K], zero rows after the real ones
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")[:rows]
+
+
+WARM_UP_ROWS = 512  # beyond, the few buckets (32+ rows wide) are built when first met
+UNPADDED_ROWS = 16  # row counts up to this (decode batches of the default --max-num-seqs) run as they are
+
+
+def padded_rows(rows: int) -> int:
+    """`rows` rounded up to a bucket: 16 buckets an octave (at most 1/16 more rows), multiples of 8."""
+    if rows <= UNPADDED_ROWS:
+        return rows
+    step = max(8, (1 << (rows.bit_length() - 1)) // 16)
+    return -(-rows // step) * step
 
 
 @dataclass
@@ -149,6 +168,17 @@ class ModelRunner:
             longest = blocks_for(max_model_len(model.config), pool.block_size)  # blocks of the longest request
             self.graphs = DecodeGraphs(self, max_batch, max_blocks=min(pool.num_blocks, longest))
             self.graphs.capture()
+
+    @torch.inference_mode()
+    def warm_up(self, max_rows: int, max_samples: int) -> None:
+        """Run each distinct packed projection once at every padded row count it will see (the layers' up to
+        `max_rows` = the token budget, capped at WARM_UP_ROWS; the LM head's up to `max_samples`), so that oneDNN
+        builds the code it keeps now, at start, and a node's memory does not grow with the shapes it meets."""
+        layers = {lin.weight.shape: lin for w in self.weights for lin in (w.qkv, w.o, w.gate_up, w.down)}
+        limits = [(lin, min(max_rows, WARM_UP_ROWS)) for lin in layers.values()] + [(self.lm_head, max_samples)]
+        for lin, limit in limits:
+            for rows in sorted({padded_rows(t) for t in range(1, limit + 1)}) if lin.packed else ():
+                lin(torch.zeros(rows, lin.in_features))  # [rows, K]
 
     # ---- inputs ----------------------------------------------------------------------------------
     @staticmethod

@@ -111,6 +111,14 @@ class Scheduler:
         req.move_to(Status.WAITING)
         self.waiting.append(req)
 
+    def kv_lost(self, req: Request) -> None:
+        """A request's KV was lost or damaged on the way: it joins the queue with nothing computed and recomputes its
+        prompt (and first token) in the blocks it holds, like a preempted request."""
+        del self.receiving_kv[req.request_id]
+        req.num_computed_tokens = 0
+        req.move_to(Status.WAITING)
+        self.waiting.append(req)
+
     def hold_for_transfer(self, req: Request) -> None:
         """Prefill node: a request whose first token is out leaves the batch, its KV held for shipping."""
         self.running.remove(req)

@@ -11,6 +11,10 @@ A request's life here:
    If the decode node goes quiet about it for --kv-lease-s (no pull, no ack, no KvWaiting notice
    that it is still queued for blocks there), or disconnects or refuses, the KV is freed and the
    router is told the request failed. No block is ever stranded, and no waiting offer is dropped.
+   The offer carries a CRC-32 per layer of the KV, computed here over our pool, which the decode node
+   checks once the KV has landed there. `--kv-fault-rate` damages a share of the transfers on purpose
+   (wire/kv_faults.py), for tests and drills; a decode node that recomputes a damaged request's KV
+   acknowledges it all the same (with the reason), and our copy is freed.
 5. An Abort from the router at any point frees the KV and cancels the transfer on the decode node.
 """
 
@@ -28,6 +32,7 @@ from pdserve.engine.request import Request, Status
 from pdserve.node import NodeBase
 from pdserve.wire import protocol as P
 from pdserve.wire import transport
+from pdserve.wire.kv_faults import DELAY_S, FaultInjector
 from pdserve.wire.kv_transfer import TransferState, accepted_transports, make_backend
 
 log = logging.getLogger("pdserve.prefill")
@@ -63,11 +68,17 @@ class PrefillNode(NodeBase):
         self.peers: dict[str, DecodePeer] = {}
         self.transfers: dict[str, Transfer] = {}
         self.decode_addr: dict[str, str] = {}
-        self.counters.update(kv_transfers=0, kv_transfer_bytes=0, kv_transfer_time_s=0.0, kv_transfer_failures=0)
+        self.counters.update(kv_transfers=0, kv_transfer_bytes=0, kv_transfer_time_s=0.0, kv_transfer_failures=0,
+                             kv_faults_injected=0)  # fmt: skip
+        self.faults = FaultInjector(cfg.kv_fault_rate, cfg.kv_fault_kinds)
+        self.delayed: list[tuple[float, str, list]] = []  # (when, request id, messages): transfers delayed on purpose
         self.counters.update({f"kv_pairings_{name}": 0 for name in self.backends})
 
     def make_engine(self) -> Engine:
         return Engine(self.cfg.engine, prefill_only=True, pool_storage=self.backend.storage)
+
+    def num_held(self) -> int:
+        return super().num_held() + len(self.transfers) + len(self.decode_addr) + len(self.delayed)
 
     def close(self) -> None:
         super().close()
@@ -126,7 +137,7 @@ class PrefillNode(NodeBase):
     def _send_offer(self, req: Request, peer: DecodePeer) -> None:
         self.transfers[req.request_id].started = time.monotonic()  # the lease runs from the offer
         offer = P.KvOffer(req.request_id, req.prompt_token_ids, req.output_token_ids[0], req.params,
-                          len(req.prompt_token_ids))  # fmt: skip
+                          len(req.prompt_token_ids), self.engine.kv_checksums(req))  # fmt: skip
         transport.send(peer.sock, offer)
 
     # ---- from decode nodes ---------------------------------------------------------------------
@@ -170,14 +181,37 @@ class PrefillNode(NodeBase):
             return
         req = t.request
         t.state, t.pulled_at, t.started = TransferState.TRANSFERRING, time.perf_counter(), time.monotonic()
-        for header, frames in self.engine.send_kv(req, t.peer.backend):
+        messages = self.engine.send_kv(req, t.peer.backend)
+        kind = self.faults.pick()
+        if kind is not None:
+            messages = self._inject(kind, request_id, list(messages), len(req.prompt_token_ids))
+        for header, frames in messages:
             transport.send(t.peer.sock, header, frames)
+
+    def _inject(self, kind: str, request_id: str, messages: list, num_tokens: int) -> list:
+        """Damage one transfer on purpose (--kv-fault-rate); a delayed one is sent later by tick()."""
+        self.counters["kv_faults_injected"] += 1
+        log.info("injecting a KV transfer fault: %s %s", kind, request_id)
+        if kind == "delay":
+            self.delayed.append((time.monotonic() + DELAY_S, request_id, messages))
+            return []
+        used, free, _ = self.engine.kv_stats()
+        return self.faults.damage(kind, messages, num_tokens, used + free)
+
+    def _send_delayed(self) -> None:
+        now = time.monotonic()
+        due = [d for d in self.delayed if d[0] <= now]
+        self.delayed = [d for d in self.delayed if d[0] > now]
+        for _, rid, messages in due:
+            t = self.transfers.get(rid)  # (gone: aborted or failed meanwhile)
+            for header, frames in messages if t is not None else ():
+                transport.send(t.peer.sock, header, frames)
 
     def _end_transfer(self, t: Transfer, ok: bool, why: str) -> None:
         rid = t.request.request_id
         self.transfers.pop(rid, None)
         t.state = TransferState.DONE if ok else TransferState.FAILED
-        if ok and t.pulled_at:
+        if ok and t.pulled_at and not why:  # (ok with a reason: the decode node recomputed the KV)
             self.counters["kv_transfers"] += 1
             self.counters["kv_transfer_bytes"] += len(t.request.prompt_token_ids) * self.engine.layout.bytes_per_token()
             self.counters["kv_transfer_time_s"] += time.perf_counter() - t.pulled_at
@@ -206,6 +240,8 @@ class PrefillNode(NodeBase):
             for event in transport.monitor_events(peer.monitor):
                 self._on_peer_event(peer, event)
             self.drain(peer.sock)  # lease renewals that came in during a long step count
+        if self.delayed:
+            self._send_delayed()
         now = time.monotonic()
         for t in [t for t in self.transfers.values() if now - t.started > self.cfg.kv_lease_s]:
             self._end_transfer(t, ok=False, why=f"KV transfer lease of {self.cfg.kv_lease_s}s ran out")

@@ -22,7 +22,8 @@ FAST = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.
 SLOW = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
         960.0)  # fmt: skip
 NODE_GAUGES = {"num_running": "pdserve:num_requests_running", "num_waiting": "pdserve:num_requests_waiting",
-               "kv_blocks_used": "pdserve:kv_blocks_used", "kv_blocks_free": "pdserve:kv_blocks_free"}  # fmt: skip
+               "kv_blocks_used": "pdserve:kv_blocks_used", "kv_blocks_free": "pdserve:kv_blocks_free",
+               "num_held": "pdserve:node_requests_held"}  # fmt: skip
 
 
 class RouterMetrics:

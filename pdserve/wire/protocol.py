@@ -21,7 +21,7 @@ from typing import Any, NewType
 import msgpack
 
 # 2: KV head-major, [2, nkv, n, d] per layer; 3: log-probabilities, KvHello transports; 4: Stats.draining, Pending;
-# 5: SamplingParams.grammar and grammar_prefix (guided decoding)
+# 5: SamplingParams.grammar and grammar_prefix (guided decoding), KvOffer.kv_checksums, Stats.num_held
 PROTOCOL_VERSION = 5
 MAX_LOGPROBS = 20  # the most alternatives per position a request may ask for (OpenAI's limit)
 MAX_HEADER_BYTES = 64 * 1024 * 1024  # one control message; tensor frames are bounded separately
@@ -184,6 +184,7 @@ class Stats:
     kv_blocks_free: Id
     counters: dict = field(default_factory=dict)
     draining: bool = False  # shutting down: finishes what it holds, takes nothing new
+    num_held: Id = 0  # entries in the node's request tables (0 when it holds nothing: no leak)
 
 
 @dataclass(frozen=True)
@@ -224,6 +225,7 @@ class KvOffer:
     first_token_id: Id
     params: SamplingParams
     num_tokens: Id  # tokens whose KV is shipped (the prompt)
+    kv_checksums: list[Id] = field(default_factory=list)  # a CRC-32 per layer of that KV ([]: none, a GPU pool)
 
 
 @dataclass(frozen=True)

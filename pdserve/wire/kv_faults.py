@@ -1,0 +1,73 @@
+"""Deliberate KV transfer faults, for tests and drills (`--kv-fault-rate`, off by default).
+
+A prefill node with a fault rate damages that share of its transfers on the real path of whichever
+backend carries them, after the backend packed them and before they reach the socket:
+- drop: one message never goes (zmq: one layer; shm: the whole transfer);
+- delay: the transfer goes DELAY_S late;
+- truncate: one message loses data (zmq: half a layer's frame; shm: the last source block id);
+- corrupt: one message's data is wrong (zmq: one byte of a layer's real rows flipped; shm: one source
+  block id names another block of the pool).
+The decode node must notice each (a missing layer by its wait for the KV, a wrong size by the backend,
+wrong data by the per-layer checksums of the offer) and never decode from such KV. Torch-free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+from pdserve.wire import protocol as P
+
+DELAY_S = 0.3
+Message = tuple[P.KvData, list]  # (header, frames) as a backend's pack() yields them
+
+
+class FaultInjector:
+    """Picks the transfers to damage, and damages their messages."""
+
+    def __init__(self, rate: float, kinds: tuple[str, ...], seed: int = 0) -> None:
+        self.rate, self.kinds = rate, kinds
+        self.rng = random.Random(seed)
+
+    def pick(self) -> str | None:
+        """The fault for the next transfer, or None to leave it alone."""
+        if self.rate <= 0 or self.rng.random() >= self.rate:
+            return None
+        return self.rng.choice(self.kinds)
+
+    def damage(self, kind: str, messages: list[Message], num_tokens: int, pool_blocks: int) -> list[Message]:
+        """`messages` with one of them dropped, truncated or corrupted (a delay is the caller's to make)."""
+        i = self.rng.randrange(len(messages))
+        header, frames = messages[i]
+        if kind == "drop":
+            return messages[:i] + messages[i + 1 :]
+        if kind == "truncate":
+            messages[i] = _truncated(header, frames)
+        elif kind == "corrupt":
+            messages[i] = self._corrupted(header, frames, num_tokens, pool_blocks)
+        return messages
+
+    def _corrupted(self, header: P.KvData, frames: list, num_tokens: int, pool_blocks: int) -> Message:
+        if not frames:  # a shared pool: name a wrong source block
+            blocks = list(header.src_blocks)
+            j = self.rng.randrange(len(blocks))
+            blocks[j] = (blocks[j] + 1 + self.rng.randrange(max(1, pool_blocks - 1))) % max(1, pool_blocks)
+            return dataclasses.replace(header, src_blocks=blocks), frames
+        data = bytearray(memoryview(frames[0]).cast("B"))  # [2, nkv, n_blocks * bs, d] as bytes
+        row_bytes = len(data) // (_numel(header.shape) // header.shape[-1])
+        data[self.rng.randrange(max(1, num_tokens * row_bytes))] ^= 0xFF  # within the first head's real rows
+        return header, [data, *frames[1:]]
+
+
+def _truncated(header: P.KvData, frames: list) -> Message:
+    if not frames:
+        return dataclasses.replace(header, src_blocks=list(header.src_blocks)[:-1]), frames
+    data = memoryview(frames[0]).cast("B")
+    return header, [data[: len(data) // 2], *frames[1:]]
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

@@ -1,0 +1,100 @@
+"""KV transfers damaged on purpose (dropped, delayed, truncated, corrupted) on the real zmq and shm paths.
+
+With --kv-failure recompute (the default) the decode node recomputes a damaged request's prompt itself and
+every answer is exactly the greedy reference; with --kv-failure fail such a request fails with 503 and the
+reason. Either way no token comes from bad KV, the stack stays healthy and every KV pool ends empty."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+from helpers import hf_greedy, mixed_workload
+from stack import Stack
+
+from pdserve.engine.checkpoint import resolve_model
+
+NUM_REQUESTS = 200
+NUM_FAIL_PHASE = 60
+FAULTS = ("--kv-fault-rate", "0.05", "--kv-lease-s", "4")  # a lost transfer is given up after 2 s
+
+
+@pytest.fixture(scope="module")
+def workload():
+    """NUM_REQUESTS requests cycling through 50 distinct prompts (the reference is computed once per prompt)."""
+    prompts, outs = mixed_workload(50, 512, seed=9, max_prompt=120, max_out=6)
+    ref = hf_greedy(resolve_model("tiny"), prompts, outs)
+    bodies = [{"model": "tiny", "prompt": p, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+               "return_token_ids": True} for p, n in zip(prompts, outs, strict=True)]  # fmt: skip
+    return [bodies[i % 50] for i in range(NUM_REQUESTS)], [ref[i % 50] for i in range(NUM_REQUESTS)]
+
+
+async def _post_all(url: str, bodies: list[dict], concurrency: int = 32) -> list[httpx.Response]:
+    gate = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+
+        async def one(body: dict) -> httpx.Response:
+            async with gate:
+                return await client.post("/v1/completions", json=body)
+
+        return await asyncio.gather(*(one(b) for b in bodies))
+
+
+def _counters(stack: Stack) -> dict[str, int]:
+    """Node counters ("..._total") summed over the nodes, from /metrics."""
+    sums: dict[str, int] = {}
+    for line in httpx.get(stack.url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("pdserve:node_") and "{" in line:
+            name = line[len("pdserve:node_") : line.index("{")]
+            sums[name] = sums.get(name, 0) + int(float(line.rsplit(" ", 1)[1]))
+    return sums
+
+
+def _wait_for_nodes_up(stack: Stack) -> None:
+    deadline = time.monotonic() + 60
+    while not all(n["up"] for n in httpx.get(stack.url + "/health", timeout=10).json()["nodes"]):
+        assert time.monotonic() < deadline, "the restarted nodes did not come up"
+        time.sleep(0.05)
+
+
+def _healthy_and_whole(stack: Stack) -> None:
+    assert httpx.get(stack.url + "/health", timeout=10).json()["status"] == "ok"
+    used = stack.wait_kv_free()
+    assert used and not any(used.values()), f"KV still held: {used}"
+
+
+@pytest.mark.parametrize("transport", ["zmq", "shm"])
+def test_damaged_transfers_are_recomputed_exactly_or_failed_by_policy(tmp_path, transport, workload):
+    bodies, ref = workload
+    stack = Stack(tmp_path, "tiny", mode="disagg", transport=transport, engine_args=FAULTS,
+                  router_args=("--node-timeout-s", "15")).start()  # a starved node (busy host) is not lost
+    try:
+        responses = asyncio.run(_post_all(stack.url, bodies))
+        assert [r.status_code for r in responses] == [200] * NUM_REQUESTS, [r.text for r in responses][:3]
+        assert [r.json()["choices"][0]["token_ids"] for r in responses] == ref
+        _healthy_and_whole(stack)
+        seen = _counters(stack)
+        assert seen.get("kv_faults_injected_total", 0) >= 3 and seen.get("kv_recomputed_total", 0) >= 2, seen
+
+        if transport == "zmq":  # (one transport is enough for the policy: the failure paths are the decode node's)
+            _under_fail_policy_damaged_requests_fail_with_the_reason(stack, bodies[:NUM_FAIL_PHASE], ref)
+    finally:
+        stack.close()
+
+
+def _under_fail_policy_damaged_requests_fail_with_the_reason(stack: Stack, bodies: list[dict], ref) -> None:
+    """A prefill node that damages a fifth of its transfers, a decode node with --kv-failure fail."""
+    for name, role, extra in (("prefill0", "prefill", ("--kv-fault-rate", "0.2")),
+                              ("decode0", "decode", ("--kv-failure", "fail"))):  # fmt: skip
+        stack.kill(name)
+        stack.restart_node(name, role, extra)
+    _wait_for_nodes_up(stack)
+    responses = asyncio.run(_post_all(stack.url, bodies))
+    failed = [r for r in responses if r.status_code != 200]
+    assert failed, "no transfer failed under --kv-failure fail: the test proves nothing"
+    assert all(r.status_code == 503 and "KV transfer failed" in r.text for r in failed), failed[0].text
+    answered = [(r, want) for r, want in zip(responses, ref[: len(bodies)], strict=True) if r.status_code == 200]
+    assert answered and all(r.json()["choices"][0]["token_ids"] == want for r, want in answered)
+    _healthy_and_whole(stack)
