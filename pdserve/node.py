@@ -38,7 +38,12 @@ def token_event(o: TokenOutput) -> P.TokenEvent:
     logprobs = None if o.logprob is None else wire_logprobs([o.logprob])
     prompt = None if o.prompt_logprobs is None else wire_logprobs(o.prompt_logprobs)
     tokens = [] if o.token_id is None else [o.token_id]
-    return P.TokenEvent(o.request.request_id, tokens, o.finish_reason, o.error, logprobs, prompt)
+    return P.TokenEvent(o.request.request_id, tokens, o.finish_reason, o.error, logprobs, prompt, o.error_code)
+
+
+def error_event(request_id: str, why: str, code: P.ErrorCode) -> P.TokenEvent:
+    """The last event of a request this node fails: `why` for people, `code` for the router's HTTP status."""
+    return P.TokenEvent(request_id, [], "error", why, error_code=code)
 
 
 def wire_logprobs(scores: list[TokenLogprob]) -> P.Logprobs:
@@ -124,10 +129,10 @@ class NodeBase:
         return bool(self.engine.requests) or waiting_for_router
 
     def fail_all(self, why: str) -> None:
-        """End every request held here with an error event."""
+        """End every request held here with an error event (the node is shutting down)."""
         for rid in list(self.engine.requests):
             self.engine.abort(rid)
-            self.emit([P.TokenEvent(rid, [], "error", why)])
+            self.emit([error_event(rid, why, P.ErrorCode.DRAINING)])
 
     def loop_once(self) -> None:
         idle = not (self.engine.has_work() or self.busy())
@@ -206,11 +211,11 @@ class NodeBase:
     def on_generate(self, msg: P.Generate) -> None:
         if self.draining:
             self._announce_drain()
-            self.emit([P.TokenEvent(msg.request_id, [], "error", f"the {self.role} node is shutting down")])
+            self.emit([error_event(msg.request_id, f"the {self.role} node is shutting down", P.ErrorCode.DRAINING)])
             return
         why = self.engine.check_fits(len(msg.prompt_token_ids), msg.params.max_tokens)
         if why:
-            self.emit([P.TokenEvent(msg.request_id, [], "error", why)])
+            self.emit([error_event(msg.request_id, why, P.ErrorCode.INVALID_REQUEST)])
             return
         self.counters["requests"] += 1
         self.engine.add(Request(msg.request_id, list(msg.prompt_token_ids), msg.params, arrival=time.time()))

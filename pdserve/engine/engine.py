@@ -22,6 +22,7 @@ from pdserve.engine.model import ModelRunner, kv_layout, load_model, max_model_l
 from pdserve.engine.request import Request, Status
 from pdserve.engine.sampling import Drawn, Sampler, TokenLogprob, finish_reason
 from pdserve.engine.scheduler import Batch, Scheduler
+from pdserve.wire.protocol import ErrorCode
 
 log = logging.getLogger("pdserve.engine")
 
@@ -34,6 +35,7 @@ class TokenOutput:
     error: str = ""
     logprob: TokenLogprob | None = None  # when the request asked for logprobs
     prompt_logprobs: list[TokenLogprob] | None = None  # echo with logprobs: prompt tokens 1.., on the first token
+    error_code: ErrorCode | None = None  # with finish_reason "error"
 
 
 def pin_process(cfg: EngineConfig) -> None:
@@ -143,7 +145,7 @@ class Engine:
         """End every request of a failed step with an error; their KV is freed."""
         for s in batch.scheduled:
             self.release(s.request, Status.ABORTED, "error")
-        return [TokenOutput(s.request, None, "error", why) for s in batch.scheduled]
+        return [TokenOutput(s.request, None, "error", why, error_code=ErrorCode.INTERNAL) for s in batch.scheduled]
 
     def update(self, batch: Batch, drawn: Drawn, scored: list[Request] = ()) -> list[TokenOutput]:
         """Count the step's computed tokens and take in its sampled ones (one per sampled request), and the scores of

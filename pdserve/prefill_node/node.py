@@ -25,7 +25,7 @@ import zmq
 from pdserve.config import NodeConfig
 from pdserve.engine.engine import Engine, TokenOutput
 from pdserve.engine.request import Request, Status
-from pdserve.node import NodeBase
+from pdserve.node import NodeBase, error_event
 from pdserve.wire import protocol as P
 from pdserve.wire import transport
 from pdserve.wire.kv_transfer import TransferState, accepted_transports, make_backend
@@ -77,7 +77,7 @@ class PrefillNode(NodeBase):
     # ---- from the router ----------------------------------------------------------------------
     def on_generate(self, msg: P.Generate) -> None:
         if not msg.decode_addr.startswith(("tcp://", "ipc://")):
-            self.emit([P.TokenEvent(msg.request_id, [], "error", "no decode node address")])
+            self.emit([error_event(msg.request_id, "no decode node address", P.ErrorCode.INTERNAL)])
             return
         super().on_generate(msg)
         if msg.request_id in self.engine.requests:  # taken (not refused)
@@ -138,7 +138,7 @@ class PrefillNode(NodeBase):
         elif isinstance(msg, P.KvAck):
             t = self.transfers.get(msg.request_id)
             if t is not None:
-                self._end_transfer(t, msg.ok, msg.reason)
+                self._end_transfer(t, msg.ok, msg.reason, msg.error_code or P.ErrorCode.KV_TRANSFER_FAILED)
         elif isinstance(msg, P.KvWaiting):
             now = time.monotonic()
             for rid in msg.request_ids:
@@ -173,7 +173,9 @@ class PrefillNode(NodeBase):
         for header, frames in self.engine.send_kv(req, t.peer.backend):
             transport.send(t.peer.sock, header, frames)
 
-    def _end_transfer(self, t: Transfer, ok: bool, why: str) -> None:
+    def _end_transfer(self, t: Transfer, ok: bool, why: str,
+                      code: P.ErrorCode = P.ErrorCode.KV_TRANSFER_FAILED) -> None:  # fmt: skip
+        """The transfer is over: our copy of the KV is freed; if it failed for a reason (`why`), the router is told."""
         rid = t.request.request_id
         self.transfers.pop(rid, None)
         t.state = TransferState.DONE if ok else TransferState.FAILED
@@ -186,7 +188,7 @@ class PrefillNode(NodeBase):
             transport.send(t.peer.sock, P.KvCancel(rid))
         if not ok and why:
             self.counters["kv_transfer_failures"] += 1
-            self.emit([P.TokenEvent(rid, [], "error", why)])
+            self.emit([error_event(rid, why, code)])
 
     def _fail(self, request_id: str, why: str) -> None:
         t = self.transfers.get(request_id)
@@ -195,7 +197,7 @@ class PrefillNode(NodeBase):
 
     def fail_all(self, why: str) -> None:
         for t in list(self.transfers.values()):
-            self._end_transfer(t, ok=False, why=why)
+            self._end_transfer(t, ok=False, why=why, code=P.ErrorCode.DRAINING)
         self.decode_addr.clear()
         super().fail_all(why)
 

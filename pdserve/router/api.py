@@ -22,7 +22,7 @@ from pdserve.router import small_routes
 from pdserve.router.auth import ApiKeyGuard
 from pdserve.router.choices import derive_seed, gather_all, merge
 from pdserve.router.core import NoNodeAvailable, Overloaded, RouterCore
-from pdserve.router.errors import ApiError, error_body
+from pdserve.router.errors import HTTP_STATUS, ApiError, error_body
 from pdserve.router.limits import Offload, RequestLimits, content_chars, stop_problem
 from pdserve.router.logprobs import ChoiceExtras, merge_pieces
 from pdserve.router.openai_fields import UnsupportedField, check_fields
@@ -293,8 +293,7 @@ async def run_job(core: RouterCore, info: ModelInfo, job: Job, flight=None) -> A
         while not finished:
             ev: P.TokenEvent = await flight.queue.get()
             if ev.finish_reason == "error":
-                status = flight.error_status or (503 if "failed" in ev.error else 500)
-                raise ApiError(status, f"request failed: {ev.error}")
+                raise ApiError(HTTP_STATUS[ev.error_code], f"request failed: {ev.error}", code=ev.error_code.value)
             shown = list(ev.token_ids) if job.show_tokens else []
             text, stopped = detok.add(shown)
             reason = "stop" if stopped else ev.finish_reason

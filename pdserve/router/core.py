@@ -106,7 +106,6 @@ class Flight:
     decode_started: bool = False  # disaggregated: the decode node has sent a token
     output: list[int] = field(default_factory=list)  # token ids streamed so far
     attempts: int = 0
-    error_status: int = 0  # set when the router itself fails the request
     ended: bool = False
     early: list[P.TokenEvent] = field(default_factory=list)  # decode events that beat the first token
 
@@ -157,7 +156,8 @@ class RouterCore:
         while self.flights and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for flight in list(self.flights.values()):
-            self._fail(flight, f"the router is shutting down and its drain period of {grace_s}s ran out")
+            self._fail(flight, f"the router is shutting down and its drain period of {grace_s}s ran out",
+                       P.ErrorCode.DRAINING)  # fmt: skip
 
     def _check_pairing(self) -> None:
         """Every node must serve the same model layout, or outputs would be garbage."""
@@ -278,7 +278,8 @@ class RouterCore:
         now = time.perf_counter()
         for flight in [f for f in self.waiting if now - f.start > limit]:
             self.metrics.timed_out.inc()
-            self._fail(flight, f"no first token within {limit}s (--queue-timeout-s): the server is overloaded")
+            self._fail(flight, f"no first token within {limit}s (--queue-timeout-s): the server is overloaded",
+                       P.ErrorCode.CAPACITY)  # fmt: skip
 
     def _node_down(self, node: NodeConn, why: str) -> None:
         if node.up:
@@ -287,7 +288,7 @@ class RouterCore:
         for rid in list(node.requests):
             flight = self.flights.get(rid)
             if flight is not None:
-                self._lost(flight, f"{node.role} node {node.addr} failed ({why})")
+                self._lost(flight, f"{node.role} node {node.addr} failed ({why})", P.ErrorCode.NODE_FAILED)
 
     # ---- requests -----------------------------------------------------------------------------
     def check_admission(self) -> None:
@@ -343,10 +344,11 @@ class RouterCore:
         return dataclasses.replace(params, max_tokens=params.max_tokens - done,
                                    min_tokens=max(0, params.min_tokens - done), prompt_logprobs=None)  # fmt: skip
 
-    def _lost(self, flight: Flight, why: str) -> None:
-        """A node the request depends on is gone: dispatch it again, from where its stream stands."""
+    def _lost(self, flight: Flight, why: str, code: P.ErrorCode) -> None:
+        """A node the request depends on is gone: dispatch it again, from where its stream stands. `code`: the
+        error the client gets if it cannot be."""
         if flight.attempts >= MAX_ATTEMPTS or self.draining or len(flight.output) >= flight.params.max_tokens:
-            self._fail(flight, why)
+            self._fail(flight, why, code)
             return
         old = flight.request_id
         self._abort_on_nodes(flight)  # a decode node remembers the abort, so a late offer is refused
@@ -355,7 +357,7 @@ class RouterCore:
         try:
             self._dispatch(flight)
         except NoNodeAvailable as e:
-            self._fail(flight, f"{why}; {e}")
+            self._fail(flight, f"{why}; {e}", code)
             return
         self.metrics.redispatched.inc()
         log.warning("request %s: %s; dispatched again as %s", old, why, flight.request_id)
@@ -365,7 +367,7 @@ class RouterCore:
         if flight is None:
             return  # already ended (aborted, failed, or dispatched again under a new id)
         if ev.finish_reason == "error" and source.draining:
-            self._lost(flight, f"{source.name}: {ev.error}")
+            self._lost(flight, f"{source.name}: {ev.error}", P.ErrorCode.DRAINING)
             return
         if source.role == "decode":
             if flight.first_token_at is None and ev.finish_reason != "error":
@@ -411,9 +413,8 @@ class RouterCore:
         flight.output += token_ids
         m.generation_tokens.inc(len(token_ids))
 
-    def _fail(self, flight: Flight, why: str, status: int = 503) -> None:
-        flight.error_status = status
-        self._put(flight, P.TokenEvent(flight.request_id, [], "error", why))
+    def _fail(self, flight: Flight, why: str, code: P.ErrorCode) -> None:
+        self._put(flight, P.TokenEvent(flight.request_id, [], "error", why, error_code=code))
 
     def _unlink(self, flight: Flight) -> None:
         self.flights.pop(flight.request_id, None)

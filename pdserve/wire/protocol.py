@@ -11,6 +11,7 @@ No pickle anywhere.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import math
 import types
@@ -20,8 +21,9 @@ from typing import Any, NewType
 
 import msgpack
 
-# 2: KV head-major, [2, nkv, n, d] per layer; 3: log-probabilities, KvHello transports; 4: Stats.draining, Pending
-PROTOCOL_VERSION = 4
+# 2: KV head-major, [2, nkv, n, d] per layer; 3: log-probabilities, KvHello transports; 4: Stats.draining, Pending;
+# 5: error codes (TokenEvent.error_code, KvAck.error_code)
+PROTOCOL_VERSION = 5
 MAX_LOGPROBS = 20  # the most alternatives per position a request may ask for (OpenAI's limit)
 MAX_HEADER_BYTES = 64 * 1024 * 1024  # one control message; tensor frames are bounded separately
 MAX_LIST_LEN = 4 * 1024 * 1024
@@ -32,6 +34,18 @@ class ProtocolError(ValueError):
 
 
 Id = NewType("Id", int)  # a token id, block id, count or size: an int >= 0
+
+
+class ErrorCode(enum.StrEnum):
+    """Why a request failed, as the node or router that failed it knows it; the router maps it to an HTTP status
+    (router/errors.py). The error text beside it is for people."""
+
+    INVALID_REQUEST = "invalid_request"  # it can never be served as asked (e.g. larger than a node's KV pool)
+    CAPACITY = "capacity"  # the server is overloaded: no first token within the queue timeout
+    NODE_FAILED = "node_failed"  # a node it depended on was lost, and no other could take it over
+    KV_TRANSFER_FAILED = "kv_transfer_failed"  # its KV did not reach the decode node (refused, lease out, peer gone)
+    DRAINING = "draining"  # the node or the router is shutting down
+    INTERNAL = "internal"  # an engine error, or a message the node cannot act on
 
 
 @dataclass(frozen=True)
@@ -158,6 +172,11 @@ class TokenEvent:
     error: str = ""
     logprobs: Logprobs | None = None
     prompt_logprobs: Logprobs | None = None
+    error_code: ErrorCode | None = None  # set exactly when finish_reason is "error"
+
+    def __post_init__(self) -> None:
+        if (self.finish_reason == "error") != (self.error_code is not None):
+            raise ValueError("an error event carries an error code, and only an error event does")
 
 
 @dataclass(frozen=True)
@@ -246,6 +265,7 @@ class KvAck:
     request_id: str
     ok: bool
     reason: str = ""
+    error_code: ErrorCode | None = None  # why it was refused (None when ok)
 
 
 @dataclass(frozen=True)
@@ -276,6 +296,8 @@ def _to_wire(value: Any) -> Any:
         return {f.name: _to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, (list, tuple)):
         return [_to_wire(v) for v in value]
+    if isinstance(value, enum.Enum):
+        return value.value
     return value
 
 
@@ -319,6 +341,8 @@ def _checker(hint: Any, where: str):
         return lambda v: None if v is None else inner(v)
     if dataclasses.is_dataclass(hint):
         return lambda v: _build(hint, v)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return _enum_checker(hint, where)
     if origin is tuple and args and args[-1] is not Ellipsis:  # a fixed-length tuple: one type per place
         places = [_checker(a, f"{where}[{i}]") for i, a in enumerate(args)]
 
@@ -350,6 +374,17 @@ def _checker(hint: Any, where: str):
         return float(v) if hint is float else v
 
     return scalar
+
+
+def _enum_checker(cls: type[enum.Enum], where: str):
+    values = {m.value: m for m in cls}
+
+    def member(v):
+        if type(v) is not str or v not in values:
+            raise ProtocolError(f"{where} must be one of {', '.join(values)}")
+        return values[v]
+
+    return member
 
 
 _SCALARS = {
