@@ -113,7 +113,7 @@ def measure_prefill(model: str, repeats: int = 3) -> list[dict]:
             engine.scheduler.max_num_batched_tokens = chunk
             times.append(_timed_step(engine))
             if not req.is_finished:
-                engine.release(req, Status.ABORTED, "abort")
+                engine.release(req, Status.ABORTED)
         samples.append({"tokens": chunk, "past": past, "s": float(np.median(times[1:]))})
     return samples
 

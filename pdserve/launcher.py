@@ -18,7 +18,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from pdserve.cli import engine_argv, router_limits_argv
+from pdserve.flags import engine_argv, router_limits_argv
 
 READY_TIMEOUT_S = 300
 

@@ -191,8 +191,6 @@ class NodeBase:
             self.on_generate(msg)
         elif isinstance(msg, P.Abort):
             self.on_abort(msg.request_id)
-        elif isinstance(msg, P.StatsRequest):
-            self.send_stats()
         elif isinstance(msg, P.Pending):
             self.router_pending = set(msg.request_ids)
         else:
@@ -218,7 +216,7 @@ class NodeBase:
             self.emit([error_event(msg.request_id, why, P.ErrorCode.INVALID_REQUEST)])
             return
         self.counters["requests"] += 1
-        self.engine.add(Request(msg.request_id, list(msg.prompt_token_ids), msg.params, arrival=time.time()))
+        self.engine.add(Request(msg.request_id, list(msg.prompt_token_ids), msg.params))
 
     def on_abort(self, request_id: str) -> None:
         self.engine.abort(request_id)

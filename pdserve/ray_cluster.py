@@ -184,7 +184,7 @@ def node_bundle(a: argparse.Namespace) -> dict:
 
 def node_spec(a: argparse.Namespace) -> dict:
     """How every node starts (see NodeActor): the engine's flags, and the device Ray gives it (its GPU is cuda:0)."""
-    from pdserve.cli import engine_argv
+    from pdserve.flags import engine_argv
 
     device = "cuda:0" if a.device.startswith("cuda") else "cpu"
     return {"argv": [*engine_argv(a), "--device", device], "log_level": a.log_level, "bind_host": a.ray_bind_host,

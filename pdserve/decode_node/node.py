@@ -153,7 +153,7 @@ class DecodeNode(NodeBase):
             self._refuse(identity, rid, why, code)
             return
         req = Request(rid, list(offer.prompt_token_ids), offer.params, output_token_ids=[offer.first_token_id],
-                      status=Status.WAITING_FOR_KV, arrival=time.time())  # fmt: skip
+                      status=Status.WAITING_FOR_KV)  # fmt: skip
         self.engine.add(req)
         self.incoming[rid] = Incoming(identity, req)
 

@@ -116,12 +116,12 @@ class Engine:
     def abort(self, request_id: str) -> Request | None:
         req = self.requests.get(request_id)
         if req is not None:
-            self.release(req, Status.ABORTED, "abort")
+            self.release(req, Status.ABORTED)
         return req
 
-    def release(self, req: Request, status: Status, reason: str) -> None:
+    def release(self, req: Request, status: Status) -> None:
         """End a request for good: out of the queues, KV freed."""
-        self.scheduler.finish(req, status, reason)
+        self.scheduler.finish(req, status)
         self.requests.pop(req.request_id, None)
 
     def has_work(self) -> bool:
@@ -144,7 +144,7 @@ class Engine:
     def fail(self, batch: Batch, why: str) -> list[TokenOutput]:
         """End every request of a failed step with an error; their KV is freed."""
         for s in batch.scheduled:
-            self.release(s.request, Status.ABORTED, "error")
+            self.release(s.request, Status.ABORTED)
         return [TokenOutput(s.request, None, "error", why, error_code=ErrorCode.INTERNAL) for s in batch.scheduled]
 
     def update(self, batch: Batch, drawn: Drawn, scored: list[Request] = ()) -> list[TokenOutput]:
@@ -159,7 +159,7 @@ class Engine:
             req.output_token_ids.append(token)
             reason = finish_reason(req, req.params, self.max_model_len)
             if reason:
-                self.release(req, Status.FINISHED, reason)
+                self.release(req, Status.FINISHED)
             elif self.prefill_only:
                 self.scheduler.hold_for_transfer(req)
             first = req.params.prompt_logprobs is not None and len(req.output_token_ids) == 1

@@ -28,7 +28,7 @@ from pdserve.engine.request import Request, Status
 from pdserve.node import NodeBase, error_event
 from pdserve.wire import protocol as P
 from pdserve.wire import transport
-from pdserve.wire.kv_transfer import TransferState, accepted_transports, make_backend
+from pdserve.wire.kv_transfer import accepted_transports, make_backend
 
 log = logging.getLogger("pdserve.prefill")
 
@@ -48,7 +48,6 @@ class DecodePeer:
 class Transfer:
     request: Request
     peer: DecodePeer
-    state: TransferState = TransferState.PENDING
     started: float = field(default_factory=time.monotonic)  # lease start; renewed by KvWaiting
     pulled_at: float = 0.0
 
@@ -169,7 +168,7 @@ class PrefillNode(NodeBase):
         if t is None:  # aborted meanwhile; the decode node got a KvCancel
             return
         req = t.request
-        t.state, t.pulled_at, t.started = TransferState.TRANSFERRING, time.perf_counter(), time.monotonic()
+        t.pulled_at, t.started = time.perf_counter(), time.monotonic()
         for header, frames in self.engine.send_kv(req, t.peer.backend):
             transport.send(t.peer.sock, header, frames)
 
@@ -178,12 +177,11 @@ class PrefillNode(NodeBase):
         """The transfer is over: our copy of the KV is freed; if it failed for a reason (`why`), the router is told."""
         rid = t.request.request_id
         self.transfers.pop(rid, None)
-        t.state = TransferState.DONE if ok else TransferState.FAILED
         if ok and t.pulled_at:
             self.counters["kv_transfers"] += 1
             self.counters["kv_transfer_bytes"] += len(t.request.prompt_token_ids) * self.engine.layout.bytes_per_token()
             self.counters["kv_transfer_time_s"] += time.perf_counter() - t.pulled_at
-        self.engine.release(t.request, Status.FINISHED if ok else Status.ABORTED, "transferred" if ok else "abort")
+        self.engine.release(t.request, Status.FINISHED if ok else Status.ABORTED)
         if not ok and t.peer.paired:  # the decode node may still hold an offer or blocks for it
             transport.send(t.peer.sock, P.KvCancel(rid))
         if not ok and why:

@@ -20,7 +20,6 @@ to unmap a peer's pool once it is gone.
 from __future__ import annotations
 
 import _posixshmem
-import enum
 import mmap
 import os
 import socket
@@ -32,13 +31,6 @@ import torch
 
 from pdserve.engine.kv_cache import DTYPES, KVLayout, KVPool
 from pdserve.wire import protocol as P
-
-
-class TransferState(enum.Enum):
-    PENDING = "pending"  # offered, waiting for the decode node to reserve blocks
-    TRANSFERRING = "transferring"  # data sent, waiting for the ack
-    DONE = "done"
-    FAILED = "failed"
 
 
 class TransferError(ValueError):

@@ -200,11 +200,6 @@ class Stats:
 
 
 @dataclass(frozen=True)
-class StatsRequest:
-    pass
-
-
-@dataclass(frozen=True)
 class Pending:
     """Router -> a draining node: the requests it still counts on that node (some may not have reached it yet)."""
 
@@ -285,7 +280,7 @@ class KvCancel:
 _REGISTRY: dict[str, type] = {
     cls.__name__: cls
     for cls in (
-        Hello, HelloAck, Generate, Abort, TokenEvent, TokenEvents, Stats, StatsRequest, Pending,
+        Hello, HelloAck, Generate, Abort, TokenEvent, TokenEvents, Stats, Pending,
         KvHello, KvOffer, KvPull, KvData, KvAck, KvWaiting, KvCancel,
     )
 }  # fmt: skip
