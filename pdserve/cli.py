@@ -7,8 +7,9 @@ import logging
 import os
 import sys
 
-from pdserve.config import NodeConfig, RouterConfig
+from pdserve.config import ROLES, NodeConfig, RouterConfig
 from pdserve.flags import add_engine_args, add_router_limits, add_shared_args, engine_config
+from pdserve.wire.protocol import Role
 
 
 def add_api_args(p: argparse.ArgumentParser) -> None:
@@ -41,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_ray_args(up)
     add_router_limits(up)
 
-    for role in ("colocated", "prefill", "decode"):
+    for role in ROLES:
         r = sub.add_parser(role, help=f"run one {role} node")
         add_engine_args(r)
         r.add_argument("--device", default="cpu")
@@ -50,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
         r.add_argument("--ready-file", default="")
         r.add_argument("--host-id", default="", help="nodes with the same host id may share memory (default: "
                        "hostname and boot id)")  # fmt: skip
-        if role == "decode":
+        if role == Role.DECODE:
             r.add_argument("--kv-listen", default="tcp://127.0.0.1:0", help="where prefill nodes ship KV")
 
     rt = sub.add_parser("router", help="run the HTTP router")
@@ -95,7 +96,7 @@ def add_ray_args(p: argparse.ArgumentParser) -> None:
 def node_config(a: argparse.Namespace) -> NodeConfig:
     """The config of the node that `pdserve colocated|prefill|decode ...` runs."""
     return NodeConfig(
-        role=a.verb, engine=engine_config(a, a.device, a.cpu_cores), listen=a.listen,
+        role=Role(a.verb), engine=engine_config(a, a.device, a.cpu_cores), listen=a.listen,
         kv_listen=getattr(a, "kv_listen", "tcp://127.0.0.1:0"), kv_transport=a.kv_transport,
         kv_lease_s=a.kv_lease_s, ready_file=a.ready_file, host_id=a.host_id, drain_timeout_s=a.drain_timeout_s,
         zmq_keys=a.zmq_keys,
@@ -104,9 +105,9 @@ def node_config(a: argparse.Namespace) -> NodeConfig:
 
 def run_node(a: argparse.Namespace) -> None:
     cfg = node_config(a)
-    if a.verb == "colocated":
+    if a.verb == Role.COLOCATED:
         from pdserve.colocated_node import ColocatedNode as Node
-    elif a.verb == "prefill":
+    elif a.verb == Role.PREFILL:
         from pdserve.prefill_node import PrefillNode as Node
     else:
         from pdserve.decode_node import DecodeNode as Node
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
             from pdserve.ray_cluster import scale
 
             sys.exit(scale(a))
-        elif a.verb == "router":
+        elif a.verb == Role.ROUTER:
             run_router(a)
         elif a.verb == "keys":
             make_keys(a)

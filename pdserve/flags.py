@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 from pdserve.config import ATTENTION_BACKENDS, CPU_KERNELS, DTYPE_CHOICES, KV_TRANSPORTS, EngineConfig, parse_cores
+from pdserve.wire.protocol import KvTransport
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -18,7 +19,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, default=None)
     g.add_argument("--kv-cache-gb", type=float, default=0.25)
-    g.add_argument("--kv-transport", default="zmq", choices=KV_TRANSPORTS)
+    g.add_argument("--kv-transport", default=KvTransport.ZMQ, type=KvTransport, choices=KV_TRANSPORTS)
     g.add_argument("--kv-lease-s", type=float, default=30.0)
     g.add_argument("--cpu-kernels", default="auto", choices=CPU_KERNELS)
     g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
@@ -66,7 +67,7 @@ def engine_argv(a: argparse.Namespace) -> list[str]:
     """The engine flags of `a` again, to pass on to a child node."""
     argv = ["--model", a.model, "--dtype", a.dtype, "--max-num-seqs", str(a.max_num_seqs),
             "--max-num-batched-tokens", str(a.max_num_batched_tokens), "--block-size", str(a.block_size),
-            "--kv-cache-gb", str(a.kv_cache_gb), "--kv-transport", a.kv_transport,
+            "--kv-cache-gb", str(a.kv_cache_gb), "--kv-transport", str(a.kv_transport),
             "--kv-lease-s", str(a.kv_lease_s), "--cpu-kernels", a.cpu_kernels,
             "--attention-backend", a.attention_backend]  # fmt: skip
     if a.enforce_eager:

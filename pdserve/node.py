@@ -43,7 +43,7 @@ def token_event(o: TokenOutput) -> P.TokenEvent:
 
 def error_event(request_id: str, why: str, code: P.ErrorCode) -> P.TokenEvent:
     """The last event of a request this node fails: `why` for people, `code` for the router's HTTP status."""
-    return P.TokenEvent(request_id, [], "error", why, error_code=code)
+    return P.TokenEvent(request_id, [], P.FinishReason.ERROR, why, error_code=code)
 
 
 def wire_logprobs(scores: list[TokenLogprob]) -> P.Logprobs:
@@ -51,7 +51,7 @@ def wire_logprobs(scores: list[TokenLogprob]) -> P.Logprobs:
 
 
 class NodeBase:
-    role = "node"
+    role: P.Role
 
     def __init__(self, cfg: NodeConfig) -> None:
         pin_process(cfg.engine)

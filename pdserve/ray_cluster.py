@@ -39,6 +39,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pdserve.router.membership import RAY_NAMESPACE, controller_name
+from pdserve.wire.protocol import KvTransport, Role
 
 log = logging.getLogger("pdserve.ray")
 HEARTBEAT_S = 1.0
@@ -73,7 +74,7 @@ class NodeActor:
         default) and the deployment whose controller lists it."""
         host = spec["bind_host"] or ray.util.get_node_ip_address()
         ready = Path(tempfile.mkdtemp(prefix="pdserve-node-")) / "ready.json"
-        addrs = ["--listen", f"tcp://{host}:0"] + (["--kv-listen", f"tcp://{host}:0"] if role == "decode" else [])
+        addrs = ["--listen", f"tcp://{host}:0"] + (["--kv-listen", f"tcp://{host}:0"] if role == Role.DECODE else [])
         env = {**os.environ, **({"OMP_NUM_THREADS": str(spec["threads"])} if spec["threads"] else {})}
         ray_node_id = ray.get_runtime_context().get_node_id()  # one Ray node per host: it names the host
         cmd = [sys.executable, "-m", "pdserve", "--log-level", spec["log_level"], role, *spec["argv"], *addrs,
@@ -124,17 +125,18 @@ class Controller:
     def counts(self) -> dict[str, int]:
         with self.lock:
             roles = [role for role, _, _ in self.actors.values()]
-        return {r: roles.count(r) for r in ("prefill", "decode")}
+        return {r: roles.count(r) for r in (Role.PREFILL, Role.DECODE)}
 
     def scale(self, num_prefill: int, num_decode: int) -> dict[str, int]:
         """Add or remove nodes until there are this many of each role; returns once the added ones serve."""
         if num_prefill < 1 or num_decode < 1:
             raise ValueError("a deployment needs at least one prefill and one decode node")
         have = self.counts()
-        for role, want in (("prefill", num_prefill), ("decode", num_decode)):
+        for role, want in ((Role.PREFILL, num_prefill), (Role.DECODE, num_decode)):
             for _ in range(have[role] - want):
                 self._remove_newest(role)
-        adds = ["prefill"] * max(0, num_prefill - have["prefill"]) + ["decode"] * max(0, num_decode - have["decode"])
+        adds = [Role.PREFILL] * max(0, num_prefill - have[Role.PREFILL])
+        adds += [Role.DECODE] * max(0, num_decode - have[Role.DECODE])
         if adds:
             self._add(adds)
         return self.counts()
@@ -200,9 +202,9 @@ def check_args(a: argparse.Namespace) -> None:
         raise ValueError("with --ray every node gets --device (cpu, or cuda: one GPU per node)")
     if a.ray_node_cpus < 1:
         raise ValueError("--ray-node-cpus must be at least 1")
-    if a.kv_transport == "cuda_ipc" and not a.device.startswith("cuda"):
+    if a.kv_transport == KvTransport.CUDA_IPC and not a.device.startswith("cuda"):
         raise ValueError("--kv-transport cuda_ipc needs --device cuda")
-    if a.kv_transport == "shm" and a.device != "cpu":
+    if a.kv_transport == KvTransport.SHM and a.device != "cpu":
         raise ValueError("--kv-transport shm is for CPU nodes")
 
 
@@ -267,7 +269,7 @@ def scale(a: argparse.Namespace) -> int:
     except ValueError:
         raise ValueError(f"no pdserve deployment {a.name!r} on the Ray cluster at {a.ray}") from None
     have = ray.get(controller.counts.remote())
-    counts = ray.get(controller.scale.remote(a.prefill or have["prefill"], a.decode or have["decode"]))
+    counts = ray.get(controller.scale.remote(a.prefill or have[Role.PREFILL], a.decode or have[Role.DECODE]))
     print(f"pdserve deployment {a.name!r}: {counts['prefill']} prefill and {counts['decode']} decode nodes")
     ray.shutdown()
     return 0

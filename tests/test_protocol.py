@@ -89,7 +89,7 @@ def test_only_registered_types_encode():
          "error code"),  # fmt: skip
         ({"t": "TokenEvents", "events": [{"request_id": "r", "token_ids": [], "error_code": "internal"}]},
          "error code"),  # fmt: skip
-        ({"t": "Stats", "role": "d", "num_running": 1, "num_waiting": 0, "kv_blocks_used": 0, "kv_blocks_free": 0,
+        ({"t": "Stats", "role": "decode", "num_running": 1, "num_waiting": 0, "kv_blocks_used": 0, "kv_blocks_free": 0,
           "counters": [1]}, "counters must be a map"),  # fmt: skip
     ],
 )

@@ -49,7 +49,7 @@ class Incoming:
 
 
 class DecodeNode(NodeBase):
-    role = "decode"
+    role = P.Role.DECODE
 
     def __init__(self, cfg: NodeConfig) -> None:
         super().__init__(cfg)

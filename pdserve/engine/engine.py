@@ -22,7 +22,7 @@ from pdserve.engine.model import ModelRunner, kv_layout, load_model, max_model_l
 from pdserve.engine.request import Request, Status
 from pdserve.engine.sampling import Drawn, Sampler, TokenLogprob, finish_reason
 from pdserve.engine.scheduler import Batch, Scheduler
-from pdserve.wire.protocol import ErrorCode
+from pdserve.wire.protocol import ErrorCode, FinishReason
 
 log = logging.getLogger("pdserve.engine")
 
@@ -31,7 +31,7 @@ log = logging.getLogger("pdserve.engine")
 class TokenOutput:
     request: Request
     token_id: int | None  # None when the step failed
-    finish_reason: str | None  # "stop", "length", "error" (then `error` says why), or None to go on
+    finish_reason: FinishReason | None  # ERROR: `error` and `error_code` say why; None: it goes on
     error: str = ""
     logprob: TokenLogprob | None = None  # when the request asked for logprobs
     prompt_logprobs: list[TokenLogprob] | None = None  # echo with logprobs: prompt tokens 1.., on the first token
@@ -145,7 +145,8 @@ class Engine:
         """End every request of a failed step with an error; their KV is freed."""
         for s in batch.scheduled:
             self.release(s.request, Status.ABORTED)
-        return [TokenOutput(s.request, None, "error", why, error_code=ErrorCode.INTERNAL) for s in batch.scheduled]
+        error = FinishReason.ERROR
+        return [TokenOutput(s.request, None, error, why, error_code=ErrorCode.INTERNAL) for s in batch.scheduled]
 
     def update(self, batch: Batch, drawn: Drawn, scored: list[Request] = ()) -> list[TokenOutput]:
         """Count the step's computed tokens and take in its sampled ones (one per sampled request), and the scores of

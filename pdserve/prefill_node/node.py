@@ -53,7 +53,7 @@ class Transfer:
 
 
 class PrefillNode(NodeBase):
-    role = "prefill"
+    role = P.Role.PREFILL
 
     def __init__(self, cfg: NodeConfig) -> None:
         self.backends = {n: make_backend(n) for n in accepted_transports(cfg.kv_transport, cfg.engine.device)}

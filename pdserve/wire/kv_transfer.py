@@ -31,6 +31,7 @@ import torch
 
 from pdserve.engine.kv_cache import DTYPES, KVLayout, KVPool
 from pdserve.wire import protocol as P
+from pdserve.wire.protocol import KvTransport
 
 
 class TransferError(ValueError):
@@ -40,7 +41,7 @@ class TransferError(ValueError):
 class ZmqBackend:
     """One message per layer, so that gathering, the wire and scattering overlap layer by layer."""
 
-    name = "zmq"
+    name = KvTransport.ZMQ
 
     def storage(self, layout: KVLayout, num_blocks: int, device: str) -> torch.Tensor | None:
         return None
@@ -131,7 +132,7 @@ class _SharedPoolBackend:
 
 
 class ShmBackend(_SharedPoolBackend):
-    name = "shm"
+    name = KvTransport.SHM
 
     def __init__(self) -> None:
         self._owned: shared_memory.SharedMemory | None = None
@@ -178,7 +179,7 @@ class ShmBackend(_SharedPoolBackend):
 
 
 class CudaIpcBackend(_SharedPoolBackend):
-    name = "cuda_ipc"
+    name = KvTransport.CUDA_IPC
 
     def storage(self, layout: KVLayout, num_blocks: int, device: str) -> torch.Tensor:
         self._pool = torch.zeros(KVPool.shape_for(layout, num_blocks), dtype=DTYPES[layout.dtype], device=device)
@@ -285,26 +286,26 @@ def _pid_namespace() -> str | None:
         return None
 
 
-BACKENDS = {"zmq": ZmqBackend, "shm": ShmBackend, "cuda_ipc": CudaIpcBackend}
+BACKENDS = {KvTransport.ZMQ: ZmqBackend, KvTransport.SHM: ShmBackend, KvTransport.CUDA_IPC: CudaIpcBackend}
 
 
-def make_backend(name: str):
+def make_backend(name: KvTransport):
     return BACKENDS[name]()
 
 
-def accepted_transports(configured: str, device: str) -> tuple[str, ...]:
+def accepted_transports(configured: KvTransport, device: str) -> tuple[KvTransport, ...]:
     """The backends a node configured with `--kv-transport configured` moves KV with, preferred first.
     auto: a shared pool (shm on the CPU, cuda_ipc on a GPU) with peers on this host, zmq with the others."""
-    if configured == "auto":
-        return ("cuda_ipc" if device.startswith("cuda") else "shm", "zmq")
-    return (configured,)
+    if configured == KvTransport.AUTO:
+        return (KvTransport.CUDA_IPC if device.startswith("cuda") else KvTransport.SHM, KvTransport.ZMQ)
+    return (KvTransport(configured),)
 
 
-def choose_transport(offered: list[str], accepted: tuple[str, ...], same_host: bool) -> str:
+def choose_transport(offered: list[str], accepted: tuple[KvTransport, ...], same_host: bool) -> str:
     """The first transport the prefill node offers that the decode node accepts and that reaches it
     (a shared pool only on the same host), or "" if there is none."""
     for name in offered:
-        if name in accepted and (name == "zmq" or same_host):
+        if name in accepted and (name == KvTransport.ZMQ or same_host):
             return name
     return ""
 

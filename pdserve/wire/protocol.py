@@ -22,7 +22,7 @@ from typing import Any, NewType
 import msgpack
 
 # 2: KV head-major, [2, nkv, n, d] per layer; 3: log-probabilities, KvHello transports; 4: Stats.draining, Pending;
-# 5: error codes (TokenEvent.error_code, KvAck.error_code)
+# 5: error codes (TokenEvent.error_code, KvAck.error_code), no StatsRequest, enum-checked finish reasons and roles
 PROTOCOL_VERSION = 5
 MAX_LOGPROBS = 20  # the most alternatives per position a request may ask for (OpenAI's limit)
 MAX_HEADER_BYTES = 64 * 1024 * 1024  # one control message; tensor frames are bounded separately
@@ -34,6 +34,34 @@ class ProtocolError(ValueError):
 
 
 Id = NewType("Id", int)  # a token id, block id, count or size: an int >= 0
+
+
+class Role(enum.StrEnum):
+    """Who speaks on a connection: the router, or a node of one role (`pdserve <role>`)."""
+
+    ROUTER = "router"
+    COLOCATED = "colocated"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+NODE_ROLES = (Role.COLOCATED, Role.PREFILL, Role.DECODE)
+
+
+class KvTransport(enum.StrEnum):
+    """How KV moves from a prefill node to a decode node (wire/kv_transfer.py), as --kv-transport names it."""
+
+    ZMQ = "zmq"
+    SHM = "shm"
+    CUDA_IPC = "cuda_ipc"
+    AUTO = "auto"  # shm / cuda_ipc with a decode node on the same host, zmq with the others
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # a stop token or EOS
+    LENGTH = "length"  # max_tokens, or the model's context
+    ABORT = "abort"  # the client left, or a stop string ended it in the router
+    ERROR = "error"  # the event's error_code and error say why
 
 
 class ErrorCode(enum.StrEnum):
@@ -112,7 +140,8 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class Hello:
-    """First message on every connection: who I am, and which protocol I speak."""
+    """First message on every connection: who I am, and which protocol I speak. Its fields and HelloAck's stay
+    plain strings, so that a peer of another protocol version is still answered with the reason it is refused."""
 
     protocol_version: int
     role: str
@@ -168,14 +197,14 @@ class TokenEvent:
 
     request_id: str
     token_ids: list[Id]
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     error: str = ""
     logprobs: Logprobs | None = None
     prompt_logprobs: Logprobs | None = None
     error_code: ErrorCode | None = None  # set exactly when finish_reason is "error"
 
     def __post_init__(self) -> None:
-        if (self.finish_reason == "error") != (self.error_code is not None):
+        if (self.finish_reason == FinishReason.ERROR) != (self.error_code is not None):
             raise ValueError("an error event carries an error code, and only an error event does")
 
 
@@ -190,7 +219,7 @@ class TokenEvents:
 class Stats:
     """Periodic load and counters of a node (doubles as its heartbeat)."""
 
-    role: str
+    role: Role
     num_running: Id
     num_waiting: Id
     kv_blocks_used: Id
@@ -217,7 +246,7 @@ class KvHello:
 
     protocol_version: int
     layout: dict
-    transport: str  # the prefill node's --kv-transport
+    transport: str  # the prefill node's --kv-transport (a KvTransport; a string, as in Hello, to be refused)
     pool_handle: dict = field(default_factory=dict)  # shm / cuda_ipc: how to map the prefill pool
     host_id: str = ""  # a shared pool is used only between nodes of the same host id
     transports: list[str] = field(default_factory=list)  # empty: [transport]
