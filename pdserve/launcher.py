@@ -18,8 +18,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from pdserve.config import ROLES
-from pdserve.flags import engine_argv, router_limits_argv
+from pdserve.flags import engine_argv, router_command, router_limits_argv
 from pdserve.wire.protocol import KvTransport, Role
 
 READY_TIMEOUT_S = 300
@@ -154,16 +153,8 @@ def launch(a: argparse.Namespace) -> int:
             for _, argv, ready in nodes:
                 procs.append(subprocess.Popen([*argv, "--ready-file", str(ready)]))
             infos = _wait_ready(procs, [r for _, _, r in nodes])
-            argv = [sys.executable, "-m", "pdserve", "router", "--model", a.model, "--host", a.host,
-                    "--port", str(a.port), "--max-n", str(a.max_n), *router_limits_argv(a)]  # fmt: skip
-            for role in ROLES:
-                addrs = [i["listen"] for i in infos if i["role"] == role]
-                if addrs:
-                    argv += [f"--{role}", *addrs]
-            kv = [i["kv_listen"] for i in infos if i["role"] == Role.DECODE]
-            if kv:
-                argv += ["--decode-kv", *kv]
-            router = subprocess.Popen(argv, env=router_env(a))
+            options = ["--host", a.host, "--port", str(a.port), "--max-n", str(a.max_n), *router_limits_argv(a)]
+            router = subprocess.Popen(router_command(a.model, infos, options), env=router_env(a))
             procs.append(router)
             url = f"http://{a.host}:{a.port}"
             _wait_http(url, router)

@@ -38,6 +38,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from pdserve.flags import engine_argv, router_command
 from pdserve.router.membership import RAY_NAMESPACE, controller_name
 from pdserve.wire.protocol import KvTransport, Role
 
@@ -186,8 +187,6 @@ def node_bundle(a: argparse.Namespace) -> dict:
 
 def node_spec(a: argparse.Namespace) -> dict:
     """How every node starts (see NodeActor): the engine's flags, and the device Ray gives it (its GPU is cuda:0)."""
-    from pdserve.flags import engine_argv
-
     device = "cuda:0" if a.device.startswith("cuda") else "cpu"
     return {"argv": [*engine_argv(a), "--device", device], "log_level": a.log_level, "bind_host": a.ray_bind_host,
             "deployment": a.name}  # fmt: skip
@@ -220,9 +219,9 @@ def start_controller(a: argparse.Namespace):
 
 
 def router_argv(a: argparse.Namespace, gcs_address: str) -> list[str]:
-    return [sys.executable, "-m", "pdserve", "--log-level", a.log_level, "router", "--model", a.model,
-            "--host", a.host, "--port", str(a.port), "--max-n", str(a.max_n), "--ray", gcs_address,
-            "--ray-deployment", a.name]  # fmt: skip
+    options = ["--host", a.host, "--port", str(a.port), "--max-n", str(a.max_n), "--ray", gcs_address,
+               "--ray-deployment", a.name]  # fmt: skip
+    return router_command(a.model, [], options, a.log_level)
 
 
 def launch_on_ray(a: argparse.Namespace) -> int:

@@ -22,7 +22,7 @@ from pdserve.engine.model import ModelRunner, kv_layout, load_model, max_model_l
 from pdserve.engine.request import Request, Status
 from pdserve.engine.sampling import Drawn, Sampler, TokenLogprob, finish_reason
 from pdserve.engine.scheduler import Batch, Scheduler
-from pdserve.wire.protocol import ErrorCode, FinishReason
+from pdserve.wire.protocol import ErrorCode, FinishReason, Role, kv_tokens_needed
 
 log = logging.getLogger("pdserve.engine")
 
@@ -64,7 +64,7 @@ class Engine:
     # ---- requests -----------------------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> str:
         """Why a request can never run here ("" when it can)."""
-        total = num_prompt_tokens + (1 if self.prefill_only else max_tokens)
+        total = kv_tokens_needed(Role.PREFILL if self.prefill_only else Role.COLOCATED, num_prompt_tokens, max_tokens)
         need = blocks_for(min(total, self.max_model_len), self.pool.block_size)
         if need > self.pool.num_blocks:
             return f"the request needs {need} KV blocks but the pool has {self.pool.num_blocks}"

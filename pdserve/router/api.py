@@ -257,9 +257,8 @@ def expand(jobs: list[Job], n: int) -> list[Job]:
 
 def check_capacity(core: RouterCore, job: Job) -> None:
     """Refuse a request no node's KV pool could ever hold (the pools are smaller than the context)."""
-    need = {P.Role.COLOCATED: len(job.prompt_ids) + job.params.max_tokens, P.Role.DECODE: len(job.prompt_ids) +
-            job.params.max_tokens, P.Role.PREFILL: len(job.prompt_ids) + 1}  # fmt: skip
-    for role, tokens in need.items():
+    for role in (P.Role.COLOCATED, P.Role.DECODE, P.Role.PREFILL):
+        tokens = P.kv_tokens_needed(role, len(job.prompt_ids), job.params.max_tokens)
         capacity = core.kv_capacity_tokens(role)
         if capacity is not None and tokens > capacity:
             raise ApiError(400, f"prompt ({len(job.prompt_ids)} tokens) + max_tokens ({job.params.max_tokens}) "

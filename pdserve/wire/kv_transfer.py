@@ -29,6 +29,7 @@ from multiprocessing import shared_memory
 
 import torch
 
+from pdserve.engine.block_allocator import blocks_for
 from pdserve.engine.kv_cache import DTYPES, KVLayout, KVPool
 from pdserve.wire import protocol as P
 from pdserve.wire.protocol import KvTransport
@@ -51,7 +52,7 @@ class ZmqBackend:
 
     def pack(self, pool: KVPool, request_id: str, block_ids: list[int], num_tokens: int):
         """Yield (header, frames) per layer: the request's whole blocks gathered into one frame."""
-        blocks = block_ids[: -(-num_tokens // pool.block_size)]
+        blocks = block_ids[: blocks_for(num_tokens, pool.block_size)]
         for layer in range(pool.layout.num_layers):
             kv = pool.export_blocks(layer, blocks).cpu()  # [2, nkv, n_blocks * bs, d]
             yield P.KvData(request_id, pool.layout.dtype, list(kv.shape), layer), [kv.view(torch.uint8).numpy()]
@@ -69,7 +70,7 @@ class ZmqBackend:
     def unpack(self, pool: KVPool, dst_blocks: list[int], num_tokens: int, header: P.KvData, frames, source) -> int:
         """Land one layer; return how many layers it carried."""
         lay = pool.layout
-        n_blocks = -(-num_tokens // pool.block_size)
+        n_blocks = blocks_for(num_tokens, pool.block_size)
         expected = [2, lay.num_kv_heads, n_blocks * pool.block_size, lay.head_dim]
         if header.dtype != lay.dtype or list(header.shape) != expected:
             raise TransferError(f"KV of shape {header.shape} {header.dtype}, expected {expected} {lay.dtype}")
@@ -106,7 +107,7 @@ class _SharedPoolBackend:
 
     def pack(self, pool: KVPool, request_id: str, block_ids: list[int], num_tokens: int):
         """One header naming the source blocks; no frames."""
-        n_blocks = -(-num_tokens // pool.block_size)
+        n_blocks = blocks_for(num_tokens, pool.block_size)
         self.sync(pool)
         shape = [2, pool.layout.num_kv_heads, num_tokens, pool.layout.head_dim]
         yield P.KvData(request_id, pool.layout.dtype, shape, -1, list(block_ids[:n_blocks])), []
@@ -117,7 +118,7 @@ class _SharedPoolBackend:
     def unpack(self, pool: KVPool, dst_blocks: list[int], num_tokens: int, header: P.KvData, frames, source) -> int:
         """Copy every layer's blocks out of the mapped prefill pool; return the layers landed."""
         src_blocks = list(header.src_blocks)
-        n_blocks = -(-num_tokens // pool.block_size)
+        n_blocks = blocks_for(num_tokens, pool.block_size)
         if len(src_blocks) != n_blocks or len(dst_blocks) < n_blocks:
             raise TransferError(f"{len(src_blocks)} source blocks for {num_tokens} tokens")
         if source is None:

@@ -135,6 +135,12 @@ class SamplingParams:
         return self.temperature < 1e-5 or self.top_k == 1
 
 
+def kv_tokens_needed(role: Role, num_prompt_tokens: int, max_tokens: int) -> int:
+    """The most tokens of KV one request holds on a node of `role`: on a prefill node its prompt and first token,
+    elsewhere every token it may reach. The router refuses what no node's pool holds; a node, what its own does not."""
+    return num_prompt_tokens + (1 if role == Role.PREFILL else max_tokens)
+
+
 # ---- router <-> node ---------------------------------------------------------------------------
 
 
