@@ -134,7 +134,7 @@ def measure_prefill(model: str, repeats: int = 3, shapes: tuple = PREFILL_SHAPES
             engine.scheduler.max_num_batched_tokens = chunk
             times.append(_timed_step(engine))
             if not req.is_finished:
-                engine.release(req, Status.ABORTED, "abort")
+                engine.release(req, Status.ABORTED)
         samples.append({"tokens": chunk, "past": past, "s": float(np.median(times[1:]))})
     return samples
 
@@ -181,7 +181,7 @@ def _median_prefill_step(engine, tokens: int, tag: str) -> float:
         engine.add(req)
         times.append(_timed_step(engine))
         if not req.is_finished:
-            engine.release(req, Status.ABORTED, "abort")
+            engine.release(req, Status.ABORTED)
     return float(np.median(times))
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import zmq
 
-from pdserve.engine.block_allocator import BlockAllocator
+from pdserve.engine.block_allocator import BlockAllocator, blocks_for
 from pdserve.engine.kv_cache import KVLayout, KVPool
 from pdserve.wire import protocol as P
 from pdserve.wire import transport
@@ -75,7 +75,7 @@ def _receiver(addr: str, backend_name: str, num_blocks: int, tokens: int, raw: b
     sock.send(P.encode(P.Hello(P.PROTOCOL_VERSION, "decode")))
     _, hello, _ = transport.recv(sock)
     source = backend.attach(hello.pool_handle, LAYOUT, "cpu")
-    dst = _blocks(num_blocks, -(-tokens // LAYOUT.block_size), 2, placement)
+    dst = _blocks(num_blocks, blocks_for(tokens, LAYOUT.block_size), 2, placement)
     landed = 0
     while True:
         _, msg, frames = transport.recv(sock)
@@ -98,11 +98,11 @@ def _serve(addr: str) -> tuple[zmq.Context, zmq.Socket, str]:
 
 def measure_backend(name: str, addr: str, tokens: int, repeats: int, placement: str) -> float:
     """GB/s of one request's KV through backend `name`, pack to ack."""
-    num_blocks = 4 * -(-tokens // LAYOUT.block_size)
+    num_blocks = 4 * blocks_for(tokens, LAYOUT.block_size)
     backend = make_backend(name)
     pool = KVPool(LAYOUT, num_blocks, data=backend.storage(LAYOUT, num_blocks, "cpu"))
     pool.data.normal_()
-    src = _blocks(num_blocks, -(-tokens // LAYOUT.block_size), 1, placement)
+    src = _blocks(num_blocks, blocks_for(tokens, LAYOUT.block_size), 1, placement)
     ctx, sock, bound = _serve(addr)
     proc = mp.get_context("spawn").Process(target=_receiver, args=(bound, name, num_blocks, tokens, False, placement))
     proc.start()

@@ -29,6 +29,7 @@ from bench.baselines import cb_manager, run_hf_cb, run_static
 from bench.http_client import HttpTarget, run_http
 from bench.metrics import RequestRecord
 from bench.workloads import Workload
+from pdserve.flags import engine_flags
 
 READY_MARK = "is serving"
 READY_TIMEOUT_S = 600.0
@@ -73,27 +74,10 @@ def free_port() -> int:
 
 
 def stack_argv(opts: StackOptions, mode: str, port: int) -> list[str]:
-    argv = [
-        sys.executable,
-        "-m",
-        "pdserve",
-        "up",
-        "--model",
-        opts.model,
-        "--mode",
-        mode,
-        "--port",
-        str(port),
-        "--max-num-seqs",
-        str(opts.max_num_seqs),
-        "--max-num-batched-tokens",
-        str(opts.max_num_batched_tokens),
-        "--kv-cache-gb",
-        str(opts.kv_cache_gb),
-    ]
-    if mode == "disagg":
-        argv += ["--kv-transport", opts.kv_transport]
-    return argv + list(opts.extra_args)
+    engine = engine_flags(model=opts.model, max_num_seqs=opts.max_num_seqs, kv_cache_gb=opts.kv_cache_gb,
+                          max_num_batched_tokens=opts.max_num_batched_tokens,
+                          kv_transport=opts.kv_transport if mode == "disagg" else None)  # fmt: skip
+    return [sys.executable, "-m", "pdserve", "up", "--mode", mode, "--port", str(port), *engine, *opts.extra_args]
 
 
 class Stack:

@@ -7,42 +7,9 @@ import logging
 import os
 import sys
 
-from pdserve.config import (
-    ATTENTION_BACKENDS,
-    CPU_KERNELS,
-    DTYPE_CHOICES,
-    KV_FAILURE_POLICIES,
-    KV_FAULT_KINDS,
-    KV_TRANSPORTS,
-    EngineConfig,
-    NodeConfig,
-    RouterConfig,
-    parse_cores,
-)
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default="tiny", help="checkpoint folder, or a built-in: tiny, small")
-    g.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES)
-    g.add_argument("--max-num-seqs", type=int, default=16)
-    g.add_argument("--max-num-batched-tokens", type=int, default=512)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--kv-cache-gb", type=float, default=0.25)
-    g.add_argument("--kv-transport", default="zmq", choices=KV_TRANSPORTS)
-    g.add_argument("--kv-lease-s", type=float, default=30.0)
-    g.add_argument("--cpu-kernels", default="auto", choices=CPU_KERNELS)
-    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
-                   help="auto: Triton kernels on CUDA, pdserve's C kernels on the CPU; torch: SDPA per request")
-    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
-    g.add_argument("--kv-failure", default="recompute", choices=KV_FAILURE_POLICIES,
-                   help="decode node, a prompt's KV lost or damaged on the way: recompute it there, or fail it")
-    g.add_argument("--kv-fault-rate", type=float, default=0.0,
-                   help="prefill node, for tests and drills: damage this share of KV transfers on purpose")
-    g.add_argument("--kv-fault-kinds", default=",".join(KV_FAULT_KINDS), help="comma-separated: drop, delay, "
-                   "truncate, corrupt (with --kv-fault-rate)")  # fmt: skip
-    add_shared_args(g)
+from pdserve.config import ROLES, NodeConfig, RouterConfig
+from pdserve.flags import add_engine_args, add_router_limits, add_shared_args, engine_config
+from pdserve.wire.protocol import Role
 
 
 def add_api_args(p: argparse.ArgumentParser) -> None:
@@ -50,56 +17,6 @@ def add_api_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY", ""),
                    help="every route but /health needs 'Authorization: Bearer KEY' (default: $PDSERVE_API_KEY)")
     g.add_argument("--max-n", type=int, default=16, help="the most choices (n) one request may ask for")
-
-
-def add_shared_args(g) -> None:
-    """Flags every process of a stack takes, router included."""
-    g.add_argument("--drain-timeout-s", type=float, default=30.0,
-                   help="on SIGTERM: how long requests in flight may take to finish before they fail")  # fmt: skip
-    g.add_argument("--zmq-keys", default="", help="CurveZMQ key folder (make it with `pdserve keys DIR`)")
-
-
-def add_router_limits(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("router limits")
-    g.add_argument("--max-request-bytes", type=int, default=4 * 2**20, help="larger bodies get 413")
-    g.add_argument("--max-queued-requests", type=int, default=1024,
-                   help="requests waiting for a first token; beyond, 429 with Retry-After")  # fmt: skip
-    g.add_argument("--queue-timeout-s", type=float, default=300.0,
-                   help="a request without a first token after this long gets 503")  # fmt: skip
-
-
-def shared_argv(a: argparse.Namespace) -> list[str]:
-    argv = ["--drain-timeout-s", str(a.drain_timeout_s)]
-    return argv + (["--zmq-keys", a.zmq_keys] if a.zmq_keys else [])
-
-
-def router_limits_argv(a: argparse.Namespace) -> list[str]:
-    return ["--max-request-bytes", str(a.max_request_bytes), "--max-queued-requests", str(a.max_queued_requests),
-            "--queue-timeout-s", str(a.queue_timeout_s), *shared_argv(a)]  # fmt: skip
-
-
-def engine_config(a: argparse.Namespace, device: str, cores: str) -> EngineConfig:
-    return EngineConfig(
-        model=a.model, dtype=a.dtype, device=device, max_num_seqs=a.max_num_seqs,
-        max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
-        num_kv_blocks=a.num_kv_blocks, kv_cache_gb=a.kv_cache_gb, cpu_cores=parse_cores(cores),
-        cpu_kernels=a.cpu_kernels, attention_backend=a.attention_backend, enforce_eager=a.enforce_eager,
-    )  # fmt: skip
-
-
-def engine_argv(a: argparse.Namespace) -> list[str]:
-    """The engine flags of `a` again, to pass on to a child node."""
-    argv = ["--model", a.model, "--dtype", a.dtype, "--max-num-seqs", str(a.max_num_seqs),
-            "--max-num-batched-tokens", str(a.max_num_batched_tokens), "--block-size", str(a.block_size),
-            "--kv-cache-gb", str(a.kv_cache_gb), "--kv-transport", a.kv_transport,
-            "--kv-lease-s", str(a.kv_lease_s), "--cpu-kernels", a.cpu_kernels,
-            "--attention-backend", a.attention_backend, "--kv-failure", a.kv_failure,
-            "--kv-fault-rate", str(a.kv_fault_rate), "--kv-fault-kinds", a.kv_fault_kinds]  # fmt: skip
-    if a.enforce_eager:
-        argv.append("--enforce-eager")
-    if a.num_kv_blocks is not None:
-        argv += ["--num-kv-blocks", str(a.num_kv_blocks)]
-    return argv + shared_argv(a)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -125,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_ray_args(up)
     add_router_limits(up)
 
-    for role in ("colocated", "prefill", "decode"):
+    for role in ROLES:
         r = sub.add_parser(role, help=f"run one {role} node")
         add_engine_args(r)
         r.add_argument("--device", default="cpu")
@@ -134,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
         r.add_argument("--ready-file", default="")
         r.add_argument("--host-id", default="", help="nodes with the same host id may share memory (default: "
                        "hostname and boot id)")  # fmt: skip
-        if role == "decode":
+        if role == Role.DECODE:
             r.add_argument("--kv-listen", default="tcp://127.0.0.1:0", help="where prefill nodes ship KV")
 
     rt = sub.add_parser("router", help="run the HTTP router")
@@ -179,7 +96,7 @@ def add_ray_args(p: argparse.ArgumentParser) -> None:
 def node_config(a: argparse.Namespace) -> NodeConfig:
     """The config of the node that `pdserve colocated|prefill|decode ...` runs."""
     return NodeConfig(
-        role=a.verb, engine=engine_config(a, a.device, a.cpu_cores), listen=a.listen,
+        role=Role(a.verb), engine=engine_config(a, a.device, a.cpu_cores), listen=a.listen,
         kv_listen=getattr(a, "kv_listen", "tcp://127.0.0.1:0"), kv_transport=a.kv_transport,
         kv_lease_s=a.kv_lease_s, ready_file=a.ready_file, host_id=a.host_id, drain_timeout_s=a.drain_timeout_s,
         zmq_keys=a.zmq_keys, kv_failure=a.kv_failure, kv_fault_rate=a.kv_fault_rate,
@@ -189,9 +106,9 @@ def node_config(a: argparse.Namespace) -> NodeConfig:
 
 def run_node(a: argparse.Namespace) -> None:
     cfg = node_config(a)
-    if a.verb == "colocated":
+    if a.verb == Role.COLOCATED:
         from pdserve.colocated_node import ColocatedNode as Node
-    elif a.verb == "prefill":
+    elif a.verb == Role.PREFILL:
         from pdserve.prefill_node import PrefillNode as Node
     else:
         from pdserve.decode_node import DecodeNode as Node
@@ -238,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
             from pdserve.ray_cluster import scale
 
             sys.exit(scale(a))
-        elif a.verb == "router":
+        elif a.verb == Role.ROUTER:
             run_router(a)
         elif a.verb == "keys":
             make_keys(a)

@@ -5,12 +5,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from pdserve.wire.protocol import NODE_ROLES, KvTransport, Role
+
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 CPU_KERNELS = ("auto", "on", "off")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
-KV_TRANSPORTS = ("zmq", "shm", "cuda_ipc", "auto")  # auto: shm / cuda_ipc on one host, zmq across hosts
-ROLES = ("colocated", "prefill", "decode")
-KV_ROLES = ("prefill", "decode")  # the roles that move KV between nodes
+KV_TRANSPORTS = tuple(KvTransport)
+ROLES = NODE_ROLES
+KV_ROLES = (Role.PREFILL, Role.DECODE)  # the roles that move KV between nodes
 KV_FAILURE_POLICIES = ("recompute", "fail")
 KV_FAULT_KINDS = ("drop", "delay", "truncate", "corrupt")
 
@@ -105,11 +107,11 @@ class EngineConfig:
 class NodeConfig:
     """A colocated, prefill or decode node: where it listens and how it moves KV."""
 
-    role: str
+    role: Role
     engine: EngineConfig
     listen: str = "tcp://127.0.0.1:0"  # router-facing socket
     kv_listen: str = "tcp://127.0.0.1:0"  # decode node: where prefill nodes connect to ship KV
-    kv_transport: str = "zmq"
+    kv_transport: KvTransport = KvTransport.ZMQ
     kv_lease_s: float = 30.0
     ready_file: str = ""  # if set, the node writes its bound addresses here once it serves
     host_id: str = ""  # nodes with the same host id may share memory ("": hostname and boot id)
@@ -124,7 +126,8 @@ class NodeConfig:
             raise ValueError(f"role must be one of {', '.join(ROLES)}")
         if self.kv_transport not in KV_TRANSPORTS:
             raise ValueError(f"--kv-transport must be one of {', '.join(KV_TRANSPORTS)}")
-        if self.role in KV_ROLES and self.kv_transport == "cuda_ipc" and not self.engine.device.startswith("cuda"):
+        on_gpu = self.engine.device.startswith("cuda")
+        if self.role in KV_ROLES and self.kv_transport == KvTransport.CUDA_IPC and not on_gpu:
             raise ValueError(f"--kv-transport cuda_ipc moves KV between GPUs: this {self.role} node needs "
                              f"--device cuda:N, not {self.engine.device!r}")  # fmt: skip
         if self.kv_lease_s <= 0:

@@ -18,7 +18,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from pdserve.cli import engine_argv, router_limits_argv
+from pdserve.flags import engine_argv, router_command, router_limits_argv
+from pdserve.wire.protocol import KvTransport, Role
 
 READY_TIMEOUT_S = 300
 
@@ -34,8 +35,8 @@ def _cores(spec: str | None, index: int, pin: bool) -> str:
 def role_devices(a: argparse.Namespace) -> dict[str, str]:
     """The device each kind of node gets: prefill and decode nodes their own flag, else --device."""
     if a.mode == "colocated":
-        return {"colocated": a.device}
-    return {"prefill": a.prefill_device or a.device, "decode": a.decode_device or a.device}
+        return {Role.COLOCATED: a.device}
+    return {Role.PREFILL: a.prefill_device or a.device, Role.DECODE: a.decode_device or a.device}
 
 
 def check_devices(a: argparse.Namespace, devices: dict[str, str]) -> None:
@@ -46,11 +47,11 @@ def check_devices(a: argparse.Namespace, devices: dict[str, str]) -> None:
     if a.mode == "colocated":
         return  # one process: no KV moves between nodes
     off_gpu = [f"{role} on {dev}" for role, dev in devices.items() if not dev.startswith("cuda")]
-    if a.kv_transport == "cuda_ipc" and off_gpu:
+    if a.kv_transport == KvTransport.CUDA_IPC and off_gpu:
         raise ValueError(f"--kv-transport cuda_ipc needs every node on a GPU, not {', '.join(off_gpu)}: give "
                          "--prefill-device and --decode-device (or --device) as cuda:N")  # fmt: skip
     on_gpu = [f"{role} on {dev}" for role, dev in devices.items() if dev != "cpu"]
-    if a.kv_transport == "shm" and on_gpu:
+    if a.kv_transport == KvTransport.SHM and on_gpu:
         raise ValueError(f"--kv-transport shm is for CPU nodes, not {', '.join(on_gpu)}; use cuda_ipc on GPUs")
 
 
@@ -63,18 +64,18 @@ def plan(a: argparse.Namespace, tmp: Path) -> list[tuple[str, list[str], Path]]:
     nodes = []
     if a.mode == "colocated":
         all_cores = f"0-{(os.cpu_count() or 1) - 1}"
-        cores = (a.cpu_cores if a.cpu_cores is not None else all_cores) if pin["colocated"] else ""
-        nodes.append(("colocated", [*base, "colocated", *engine_argv(a), "--device", devices["colocated"],
-                                    "--cpu-cores", cores], tmp / "colocated0.json"))  # fmt: skip
+        cores = (a.cpu_cores if a.cpu_cores is not None else all_cores) if pin[Role.COLOCATED] else ""
+        nodes.append((Role.COLOCATED, [*base, Role.COLOCATED, *engine_argv(a), "--device", devices[Role.COLOCATED],
+                                       "--cpu-cores", cores], tmp / "colocated0.json"))  # fmt: skip
         return nodes
     for i in range(a.num_prefill):
-        cores = _cores(a.prefill_cores, i, pin["prefill"])
-        argv = [*base, "prefill", *engine_argv(a), "--device", devices["prefill"], "--cpu-cores", cores]
-        nodes.append(("prefill", argv, tmp / f"prefill{i}.json"))
+        cores = _cores(a.prefill_cores, i, pin[Role.PREFILL])
+        argv = [*base, Role.PREFILL, *engine_argv(a), "--device", devices[Role.PREFILL], "--cpu-cores", cores]
+        nodes.append((Role.PREFILL, argv, tmp / f"prefill{i}.json"))
     for i in range(a.num_decode):
-        cores = _cores(a.decode_cores, a.num_prefill + i, pin["decode"])
-        argv = [*base, "decode", *engine_argv(a), "--device", devices["decode"], "--cpu-cores", cores]
-        nodes.append(("decode", argv, tmp / f"decode{i}.json"))
+        cores = _cores(a.decode_cores, a.num_prefill + i, pin[Role.DECODE])
+        argv = [*base, Role.DECODE, *engine_argv(a), "--device", devices[Role.DECODE], "--cpu-cores", cores]
+        nodes.append((Role.DECODE, argv, tmp / f"decode{i}.json"))
     return nodes
 
 
@@ -152,16 +153,8 @@ def launch(a: argparse.Namespace) -> int:
             for _, argv, ready in nodes:
                 procs.append(subprocess.Popen([*argv, "--ready-file", str(ready)]))
             infos = _wait_ready(procs, [r for _, _, r in nodes])
-            argv = [sys.executable, "-m", "pdserve", "router", "--model", a.model, "--host", a.host,
-                    "--port", str(a.port), "--max-n", str(a.max_n), *router_limits_argv(a)]  # fmt: skip
-            for role in ("colocated", "prefill", "decode"):
-                addrs = [i["listen"] for i in infos if i["role"] == role]
-                if addrs:
-                    argv += [f"--{role}", *addrs]
-            kv = [i["kv_listen"] for i in infos if i["role"] == "decode"]
-            if kv:
-                argv += ["--decode-kv", *kv]
-            router = subprocess.Popen(argv, env=router_env(a))
+            options = ["--host", a.host, "--port", str(a.port), "--max-n", str(a.max_n), *router_limits_argv(a)]
+            router = subprocess.Popen(router_command(a.model, infos, options), env=router_env(a))
             procs.append(router)
             url = f"http://{a.host}:{a.port}"
             _wait_http(url, router)

@@ -45,7 +45,12 @@ def token_event(o: TokenOutput) -> P.TokenEvent:
     logprobs = None if o.logprob is None else wire_logprobs([o.logprob])
     prompt = None if o.prompt_logprobs is None else wire_logprobs(o.prompt_logprobs)
     tokens = [] if o.token_id is None else [o.token_id]
-    return P.TokenEvent(o.request.request_id, tokens, o.finish_reason, o.error, logprobs, prompt)
+    return P.TokenEvent(o.request.request_id, tokens, o.finish_reason, o.error, logprobs, prompt, o.error_code)
+
+
+def error_event(request_id: str, why: str, code: P.ErrorCode) -> P.TokenEvent:
+    """The last event of a request this node fails: `why` for people, `code` for the router's HTTP status."""
+    return P.TokenEvent(request_id, [], P.FinishReason.ERROR, why, error_code=code)
 
 
 def wire_logprobs(scores: list[TokenLogprob]) -> P.Logprobs:
@@ -53,7 +58,7 @@ def wire_logprobs(scores: list[TokenLogprob]) -> P.Logprobs:
 
 
 class NodeBase:
-    role = "node"
+    role: P.Role
 
     def __init__(self, cfg: NodeConfig) -> None:
         pin_process(cfg.engine)
@@ -132,11 +137,11 @@ class NodeBase:
         return bool(self.engine.requests or self.held) or waiting_for_router
 
     def fail_all(self, why: str) -> None:
-        """End every request held here with an error event (after the tokens it has)."""
+        """End every request held here with an error event (after the tokens it has; the node is shutting down)."""
         self.flush()
         for rid in list(self.engine.requests):
             self.engine.abort(rid)
-            self.emit([P.TokenEvent(rid, [], "error", why)])
+            self.emit([error_event(rid, why, P.ErrorCode.DRAINING)])
 
     def loop_once(self) -> None:
         t0 = time.perf_counter()
@@ -209,8 +214,6 @@ class NodeBase:
             self.on_generate(msg)
         elif isinstance(msg, P.Abort):
             self.on_abort(msg.request_id)
-        elif isinstance(msg, P.StatsRequest):
-            self.send_stats()
         elif isinstance(msg, P.Pending):
             self.router_pending = set(msg.request_ids)
         else:
@@ -229,17 +232,17 @@ class NodeBase:
     def on_generate(self, msg: P.Generate) -> None:
         if self.draining:
             self._announce_drain()
-            self.emit([P.TokenEvent(msg.request_id, [], "error", f"the {self.role} node is shutting down")])
+            self.emit([error_event(msg.request_id, f"the {self.role} node is shutting down", P.ErrorCode.DRAINING)])
             return
         why = self.engine.check_fits(len(msg.prompt_token_ids), msg.params.max_tokens)
         if why:
-            self.emit([P.TokenEvent(msg.request_id, [], "error", why)])
+            self.emit([error_event(msg.request_id, why, P.ErrorCode.INVALID_REQUEST)])
             return
         self.counters["requests"] += 1
         try:
-            self.engine.add(Request(msg.request_id, list(msg.prompt_token_ids), msg.params, arrival=time.time()))
+            self.engine.add(Request(msg.request_id, list(msg.prompt_token_ids), msg.params))
         except ValueError as e:  # a duplicate id, or a grammar this node cannot use
-            self.emit([P.TokenEvent(msg.request_id, [], "error", str(e))])
+            self.emit([error_event(msg.request_id, str(e), P.ErrorCode.INVALID_REQUEST)])
 
     def on_abort(self, request_id: str) -> None:
         self.engine.abort(request_id)

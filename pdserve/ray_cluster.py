@@ -42,7 +42,9 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from pdserve.flags import engine_argv, router_command, router_limits_argv
 from pdserve.router.membership import RAY_NAMESPACE, controller_name
+from pdserve.wire.protocol import KvTransport, Role
 
 log = logging.getLogger("pdserve.ray")
 HEARTBEAT_S = 1.0
@@ -78,7 +80,7 @@ class NodeActor:
         default), drain_timeout_s and the deployment whose controller lists it."""
         host = spec["bind_host"] or ray.util.get_node_ip_address()
         ready = Path(tempfile.mkdtemp(prefix="pdserve-node-")) / "ready.json"
-        addrs = ["--listen", f"tcp://{host}:0"] + (["--kv-listen", f"tcp://{host}:0"] if role == "decode" else [])
+        addrs = ["--listen", f"tcp://{host}:0"] + (["--kv-listen", f"tcp://{host}:0"] if role == Role.DECODE else [])
         env = {**os.environ, **({"OMP_NUM_THREADS": str(spec["threads"])} if spec["threads"] else {})}
         ray_node_id = ray.get_runtime_context().get_node_id()  # one Ray node per host: it names the host
         cmd = [sys.executable, "-m", "pdserve", "--log-level", spec["log_level"], role, *spec["argv"], *addrs,
@@ -143,7 +145,7 @@ class Controller:
     def counts(self) -> dict[str, int]:
         with self.lock:
             roles = [role for role, _, _ in self.actors.values()]
-        return {r: roles.count(r) for r in ("prefill", "decode")}
+        return {r: roles.count(r) for r in (Role.PREFILL, Role.DECODE)}
 
     def scale(self, num_prefill: int, num_decode: int) -> dict[str, int]:
         """Add or remove nodes until there are this many of each role; returns once the added ones serve and
@@ -151,9 +153,10 @@ class Controller:
         if num_prefill < 1 or num_decode < 1:
             raise ValueError("a deployment needs at least one prefill and one decode node")
         have = self.counts()
-        wants = (("prefill", num_prefill), ("decode", num_decode))
+        wants = ((Role.PREFILL, num_prefill), (Role.DECODE, num_decode))
         self._drain([self._take_newest(role) for role, want in wants for _ in range(have[role] - want)])
-        adds = ["prefill"] * max(0, num_prefill - have["prefill"]) + ["decode"] * max(0, num_decode - have["decode"])
+        adds = [Role.PREFILL] * max(0, num_prefill - have[Role.PREFILL])
+        adds += [Role.DECODE] * max(0, num_decode - have[Role.DECODE])
         if adds:
             self._add(adds)
         return self.counts()
@@ -229,8 +232,6 @@ def node_bundle(a: argparse.Namespace) -> dict:
 
 def node_spec(a: argparse.Namespace) -> dict:
     """How every node starts (see NodeActor): the engine's flags, and the device Ray gives it (its GPU is cuda:0)."""
-    from pdserve.cli import engine_argv
-
     device = "cuda:0" if a.device.startswith("cuda") else "cpu"
     return {"argv": [*engine_argv(a), "--device", device], "log_level": a.log_level, "bind_host": a.ray_bind_host,
             "drain_timeout_s": a.drain_timeout_s, "deployment": a.name}  # fmt: skip
@@ -245,9 +246,9 @@ def check_args(a: argparse.Namespace) -> None:
         raise ValueError("with --ray every node gets --device (cpu, or cuda: one GPU per node)")
     if a.ray_node_cpus < 1:
         raise ValueError("--ray-node-cpus must be at least 1")
-    if a.kv_transport == "cuda_ipc" and not a.device.startswith("cuda"):
+    if a.kv_transport == KvTransport.CUDA_IPC and not a.device.startswith("cuda"):
         raise ValueError("--kv-transport cuda_ipc needs --device cuda")
-    if a.kv_transport == "shm" and a.device != "cpu":
+    if a.kv_transport == KvTransport.SHM and a.device != "cpu":
         raise ValueError("--kv-transport shm is for CPU nodes")
 
 
@@ -263,11 +264,9 @@ def start_controller(a: argparse.Namespace):
 
 
 def router_argv(a: argparse.Namespace, gcs_address: str) -> list[str]:
-    from pdserve.cli import router_limits_argv
-
-    return [sys.executable, "-m", "pdserve", "--log-level", a.log_level, "router", "--model", a.model,
-            "--host", a.host, "--port", str(a.port), "--max-n", str(a.max_n), "--ray", gcs_address,
-            "--ray-deployment", a.name, *router_limits_argv(a)]  # fmt: skip
+    options = ["--host", a.host, "--port", str(a.port), "--max-n", str(a.max_n), "--ray", gcs_address,
+               "--ray-deployment", a.name, *router_limits_argv(a)]  # fmt: skip
+    return router_command(a.model, [], options, a.log_level)
 
 
 def with_absolute_paths(a: argparse.Namespace) -> argparse.Namespace:
@@ -331,7 +330,7 @@ def scale(a: argparse.Namespace) -> int:
     except ValueError:
         raise ValueError(f"no pdserve deployment {a.name!r} on the Ray cluster at {a.ray}") from None
     have = ray.get(controller.counts.remote())
-    counts = ray.get(controller.scale.remote(a.prefill or have["prefill"], a.decode or have["decode"]))
+    counts = ray.get(controller.scale.remote(a.prefill or have[Role.PREFILL], a.decode or have[Role.DECODE]))
     print(f"pdserve deployment {a.name!r}: {counts['prefill']} prefill and {counts['decode']} decode nodes")
     ray.shutdown()
     return 0

@@ -53,6 +53,7 @@ sys.path.insert(0, str(ROOT))  # run as a script from anywhere: bench/ and pdser
 
 from bench.gpu import copy_gbps, exit_on_sigterm  # noqa: E402
 from bench.systems import Stack, free_port, node_counters  # noqa: E402
+from pdserve.flags import engine_flags  # noqa: E402
 
 TEMPERATURES = (0.5, 1.0, 1.5)
 TOP_KS = (-1, 1, 20, 100)
@@ -99,11 +100,13 @@ def decode_device(device: str) -> str:
 
 
 def stack_argv(a: argparse.Namespace, plan: StackPlan, port: int) -> list[str]:
-    argv = [sys.executable, "-m", "pdserve", "up", "--model", a.model, "--mode", plan.mode, "--port", str(port),
-            "--dtype", plan.dtype, "--device", a.device, "--kv-cache-gb", str(a.kv_cache_gb)]  # fmt: skip
-    if plan.mode == "disagg":
-        devices = ["--prefill-device", a.device, "--decode-device", decode_device(a.device)]
-        argv += ["--kv-transport", plan.transport, *devices]
+    disagg = plan.mode == "disagg"
+    engine = engine_flags(model=a.model, dtype=plan.dtype, kv_cache_gb=a.kv_cache_gb,
+                          kv_transport=plan.transport if disagg else None)  # fmt: skip
+    argv = [sys.executable, "-m", "pdserve", "up", "--mode", plan.mode, "--port", str(port), "--device", a.device,
+            *engine]  # fmt: skip
+    if disagg:
+        argv += ["--prefill-device", a.device, "--decode-device", decode_device(a.device)]
     return argv
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,13 +12,10 @@ from pathlib import Path
 
 import httpx
 
+from bench.systems import free_port
+from pdserve.flags import router_command
+
 START_TIMEOUT_S = 120
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Stack:
@@ -75,15 +71,8 @@ class Stack:
     def start_router(self, extra: tuple[str, ...] = ()) -> Stack:
         """(Re)start the router on a new port, over the running nodes."""
         port = free_port()
-        argv = [sys.executable, "-m", "pdserve", "--log-level", "WARNING", "router", "--model", self.model,
-                "--port", str(port), "--node-timeout-s", "3", *self.router_args, *extra]  # fmt: skip
-        for role in ("colocated", "prefill", "decode"):
-            addrs = [i["listen"] for n, i in self.infos.items() if n.startswith(role)]
-            if addrs:
-                argv += [f"--{role}", *addrs]
-        kv = [i["kv_listen"] for n, i in self.infos.items() if n.startswith("decode")]
-        if kv:
-            argv += ["--decode-kv", *kv]
+        options = ["--port", str(port), "--node-timeout-s", "3", *self.router_args, *extra]
+        argv = router_command(self.model, self.infos.values(), options, log_level="WARNING")
         env = {**os.environ, "PDSERVE_API_KEY": self.api_key}
         self.procs["router"] = subprocess.Popen(argv, env=env)
         self.url = f"http://127.0.0.1:{port}"

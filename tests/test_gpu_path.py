@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.backends import PREFILL_TILE_M, Chunk
+from pdserve.engine.block_allocator import blocks_for, cdiv
 from pdserve.engine.cuda_graphs import bucket_for, bucket_sizes, graphable
 from pdserve.engine.request import Request
 from pdserve.engine.sampling import Sampler
@@ -43,12 +44,12 @@ def test_paged_attention_matches_torch(nh, nkv, d, bs, dtype):
 
     g = torch.Generator().manual_seed(nh * d + bs)
     reqs = [(0, 19), (37, 1), (16, 7), (70, 1), (5, 1), (0, 1)]  # (past, new tokens)
-    num_blocks = sum(-(-(p + n) // bs) for p, n in reqs) + 5
+    num_blocks = sum(blocks_for(p + n, bs) for p, n in reqs) + 5
     pool = torch.randn(2, nkv, num_blocks * bs, d, generator=g).to(dtype)
     free = random.Random(0).sample(range(num_blocks), num_blocks)  # scattered, out of order
     tables, q_start, T = [], [], 0
     for past, n in reqs:
-        tables.append([free.pop() for _ in range(-(-(past + n) // bs))])
+        tables.append([free.pop() for _ in range(blocks_for(past + n, bs))])
         q_start.append(T)
         T += n
     width = max(map(len, tables))
@@ -59,7 +60,7 @@ def test_paged_attention_matches_torch(nh, nkv, d, bs, dtype):
     group = nh // nkv
     decode = torch.tensor([r for r, (_, n) in enumerate(reqs) if n == 1], **i32)
     prefill = torch.tensor([(r, m) for r, (_, n) in enumerate(reqs) if n > 1
-                            for m in range(-(-n * group // PREFILL_TILE_M))], **i32)  # fmt: skip
+                            for m in range(cdiv(n * group, PREFILL_TILE_M))], **i32)  # fmt: skip
     args = (torch.tensor(q_start, **i32), torch.tensor([n for _, n in reqs], **i32),
             torch.tensor([p + n for p, n in reqs], **i32), bt)  # fmt: skip
     scale = 1 / math.sqrt(d)
@@ -159,7 +160,7 @@ def test_packed_inputs_of_a_mixed_step(tiny_models):
     inp = backend.inputs(list(range(41)), [20, *range(40)], list(range(41)), [0, 40], chunks)
     m = inp.attn
     assert m.decode_work.tolist() == [0]
-    assert m.prefill_work.tolist() == [[1, t] for t in range(-(-40 * 2 // PREFILL_TILE_M))]
+    assert m.prefill_work.tolist() == [[1, t] for t in range(cdiv(40 * 2, PREFILL_TILE_M))]
     assert m.q_start.tolist() == [0, 1] and m.ctx_len.tolist() == [21, 40]
     assert m.block_tables.tolist() == [[3, 7, 0], [1, 2, 4]]
     assert inp.sample_index.tolist() == [0, 40]

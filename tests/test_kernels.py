@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine import kernels
+from pdserve.engine.block_allocator import blocks_for
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +36,9 @@ def test_decode_attention_matches_sdpa(kernel, heads, kv_heads, head_dim, block_
     kv = torch.randn(2, kv_heads, num_blocks * block_size, head_dim, generator=gen)
     lens = [1, block_size, block_size + 1, 5 * block_size - 3, 9]
     perm = torch.randperm(num_blocks, generator=gen).tolist()  # scattered, out-of-order blocks
-    block_ids, width = [], max(-(-n // block_size) for n in lens)
+    block_ids, width = [], max(blocks_for(n, block_size) for n in lens)
     for n in lens:
-        need = -(-n // block_size)
+        need = blocks_for(n, block_size)
         block_ids.append([perm.pop() for _ in range(need)])
     tables = torch.zeros(len(lens), width, dtype=torch.int32)
     for i, blocks in enumerate(block_ids):

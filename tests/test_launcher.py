@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.cli import build_parser, node_config
+from pdserve.flags import ENGINE_FLAGS, SHARED_FLAGS, router_command
 from pdserve.launcher import plan
 
 
@@ -82,3 +83,24 @@ def test_a_node_refuses_cuda_ipc_on_the_cpu():
 def test_unknown_device_is_refused(tmp_path):
     with pytest.raises(ValueError, match="'cpu' or 'cuda:N'"):
         _plan(tmp_path, "--decode-device", "gpu1")
+
+
+def test_every_engine_flag_of_up_reaches_the_nodes(tmp_path):
+    """The engine flags are defined once (pdserve/flags.py): what `up` parses, each node parses back unchanged."""
+    given = ["--model", "small", "--dtype", "bfloat16", "--max-num-seqs", "3", "--max-num-batched-tokens", "64",
+             "--block-size", "8", "--num-kv-blocks", "40", "--kv-cache-gb", "0.5", "--kv-transport", "shm",
+             "--kv-lease-s", "7.5", "--cpu-kernels", "off", "--attention-backend", "torch", "--enforce-eager",
+             "--drain-timeout-s", "4.0", "--no-pin"]  # fmt: skip
+    up = build_parser().parse_args(["up", *given])
+    for role, argv in _plan(tmp_path, *given):
+        node = build_parser().parse_args(argv[3:])
+        for f in ENGINE_FLAGS + SHARED_FLAGS:
+            assert getattr(node, f.dest) == getattr(up, f.dest), (role, f.name)
+
+
+def test_router_command_lists_each_role_and_the_decode_kv_addresses():
+    nodes = [{"role": "prefill", "listen": "tcp://p"}, {"role": "decode", "listen": "tcp://d", "kv_listen": "tcp://k"}]
+    argv = router_command("tiny", nodes, ["--port", "9"])
+    a = build_parser().parse_args(argv[3:])
+    assert (a.verb, a.model, a.port, a.prefill, a.decode, a.decode_kv) == ("router", "tiny", 9, ["tcp://p"],
+                                                                           ["tcp://d"], ["tcp://k"])  # fmt: skip

@@ -13,10 +13,11 @@ def test_round_trip_of_every_message():
     msgs = [
         P.Hello(P.PROTOCOL_VERSION, "router", {"a": 1}),
         P.Generate("r1", [1, 2, 3], params, "tcp://127.0.0.1:5"),
-        P.TokenEvents([P.TokenEvent("r1", [7], None), P.TokenEvent("r2", [], "error", "boom")]),
+        P.TokenEvents([P.TokenEvent("r1", [7], None),
+                       P.TokenEvent("r2", [], "error", "boom", error_code=P.ErrorCode.INTERNAL)]),  # fmt: skip
         P.KvOffer("r1", [1, 2], 9, params, 2),
         P.KvData("r1", "float32", [16, 2, 4, 64], 3, [5, 6]),
-        P.KvAck("r1", False, "full"),
+        P.KvAck("r1", False, "full", P.ErrorCode.INVALID_REQUEST),
     ]
     for m in msgs:
         assert P.decode(P.encode(m)) == m
@@ -83,7 +84,12 @@ def test_only_registered_types_encode():
         ({"t": "TokenEvents", "events": [{"request_id": "r", "token_ids": [{"a": 1}]}]}, "TokenEvent.token_ids"),
         ({"t": "KvData", "request_id": "r", "dtype": "f", "shape": "1234"}, "shape must be a list"),
         ({"t": "KvAck", "request_id": "r", "ok": 1}, "ok must be true or false"),
-        ({"t": "Stats", "role": "d", "num_running": 1, "num_waiting": 0, "kv_blocks_used": 0, "kv_blocks_free": 0,
+        ({"t": "KvAck", "request_id": "r", "ok": False, "error_code": "oops"}, "error_code must be one of"),
+        ({"t": "TokenEvents", "events": [{"request_id": "r", "token_ids": [], "finish_reason": "error"}]},
+         "error code"),  # fmt: skip
+        ({"t": "TokenEvents", "events": [{"request_id": "r", "token_ids": [], "error_code": "internal"}]},
+         "error code"),  # fmt: skip
+        ({"t": "Stats", "role": "decode", "num_running": 1, "num_waiting": 0, "kv_blocks_used": 0, "kv_blocks_free": 0,
           "counters": [1]}, "counters must be a map"),  # fmt: skip
     ],
 )
@@ -98,3 +104,9 @@ def test_numbers_and_tuples_arrive_as_declared():
     msg = P.decode(_raw(body))
     assert msg.params.temperature == 1.0 and type(msg.params.temperature) is float
     assert msg.params.stop_token_ids == (3, 4) and msg.params.seed is None
+
+
+def test_an_error_code_arrives_as_its_enum_and_travels_as_a_string():
+    ev = P.TokenEvent("r", [], "error", "lease ran out", error_code=P.ErrorCode.KV_TRANSFER_FAILED)
+    assert msgpack.unpackb(P.encode(P.TokenEvents([ev])))["events"][0]["error_code"] == "kv_transfer_failed"
+    assert P.decode(P.encode(P.TokenEvents([ev]))).events[0].error_code is P.ErrorCode.KV_TRANSFER_FAILED

@@ -56,7 +56,7 @@ def test_max_num_seqs_caps_the_running_batch():
         s.add(req(str(i), 5))
     batch = run(s)
     assert len(batch.scheduled) == 2 and len(s.waiting) == 1
-    s.finish(s.running[0], Status.FINISHED, "stop")
+    s.finish(s.running[0], Status.FINISHED)
     batch = run(s)
     assert {x.request.request_id for x in batch.scheduled} == {"1", "2"}
 
@@ -89,7 +89,7 @@ def test_finish_frees_blocks_and_refuses_illegal_moves():
     s.add(r)
     run(s)
     assert s.allocator.num_used == 3
-    s.finish(r, Status.ABORTED, "abort")
+    s.finish(r, Status.ABORTED)
     assert s.allocator.num_free == 64 and not s.has_work()
     with pytest.raises(IllegalTransition):
         r.move_to(Status.RUNNING)
@@ -136,7 +136,7 @@ def test_remote_requests_get_blocks_fcfs_and_run_once_their_kv_lands():
     assert a.status is Status.WAITING and a.num_computed_tokens == 11
     batch = run(s)
     assert [(x.request, x.num_new_tokens) for x in batch.scheduled] == [(a, 1)]  # the first token, decoded
-    s.finish(b, Status.ABORTED, "abort")  # aborted while its KV was on the way: its blocks come back
+    s.finish(b, Status.ABORTED)  # aborted while its KV was on the way: its blocks come back
     assert s.reserve_remote() == [c, d] and c.status is Status.RECEIVING_KV
 
 
@@ -158,7 +158,7 @@ def test_a_request_waiting_for_kv_can_only_be_aborted_or_reserved():
     s.add(r)
     with pytest.raises(IllegalTransition):
         r.move_to(Status.RUNNING)
-    s.finish(r, Status.ABORTED, "abort")
+    s.finish(r, Status.ABORTED)
     assert not s.waiting_for_kv and s.allocator.num_free == 64
 
 

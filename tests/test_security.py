@@ -104,7 +104,7 @@ def _garbage(layout: dict) -> list[list[bytes]]:
         [pickle.dumps({"t": "Hello", "protocol_version": P.PROTOCOL_VERSION})],
         [os.urandom(512)],
         [truncated],
-        [P.encode(P.StatsRequest())] + [b"x"] * 4999,
+        [P.encode(P.Abort("x"))] + [b"x"] * 4999,
         [P.encode(hostile_pairing)],  # a well-formed pairing whose pool handle is nonsense
         [b""],
     ]

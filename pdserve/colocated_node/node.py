@@ -11,7 +11,8 @@ A request's life here:
 from __future__ import annotations
 
 from pdserve.node import NodeBase
+from pdserve.wire.protocol import Role
 
 
 class ColocatedNode(NodeBase):
-    role = "colocated"
+    role = Role.COLOCATED

@@ -54,7 +54,7 @@ class Incoming:
 
 
 class DecodeNode(NodeBase):
-    role = "decode"
+    role = P.Role.DECODE
 
     def __init__(self, cfg: NodeConfig) -> None:
         super().__init__(cfg)
@@ -87,7 +87,7 @@ class DecodeNode(NodeBase):
     def fail_all(self, why: str) -> None:
         for rid, inc in list(self.incoming.items()):  # the engine holds these too: super() ends them
             del self.incoming[rid]
-            self._refuse(inc.identity, rid, why)
+            self._refuse(inc.identity, rid, why, P.ErrorCode.DRAINING)
         super().fail_all(why)
 
     def close(self) -> None:
@@ -150,20 +150,22 @@ class DecodeNode(NodeBase):
 
     def _on_offer(self, identity: bytes, offer: P.KvOffer) -> None:
         why = self.engine.check_fits(offer.num_tokens, offer.params.max_tokens)
+        code = P.ErrorCode.INVALID_REQUEST
         rid = offer.request_id
         if rid in self.engine.requests:
-            why = f"request {rid} is already here"
+            why, code = f"request {rid} is already here", P.ErrorCode.INTERNAL
         if offer.num_tokens != len(offer.prompt_token_ids):
             why = f"an offer of {offer.num_tokens} tokens of KV for a prompt of {len(offer.prompt_token_ids)}"
+            code = P.ErrorCode.INTERNAL
         if rid in self.aborted or why:
-            self._refuse(identity, rid, why)
+            self._refuse(identity, rid, why, code)
             return
         req = Request(rid, list(offer.prompt_token_ids), offer.params, output_token_ids=[offer.first_token_id],
-                      status=Status.WAITING_FOR_KV, arrival=time.time())  # fmt: skip
+                      status=Status.WAITING_FOR_KV)  # fmt: skip
         try:
             self.engine.add(req)
         except ValueError as e:  # a grammar this node cannot use
-            self._refuse(identity, rid, str(e))
+            self._refuse(identity, rid, str(e), P.ErrorCode.INVALID_REQUEST)
             return
         self.incoming[rid] = Incoming(identity, req, list(offer.kv_checksums))
 
@@ -207,9 +209,10 @@ class DecodeNode(NodeBase):
         self.engine.kv_lost(inc.request)
         self._let_prefill_go(inc, P.KvAck(rid, True, f"recomputed on the decode node: {why}"))
 
-    def _refuse(self, identity: bytes, request_id: str, why: str) -> None:
+    def _refuse(self, identity: bytes, request_id: str, why: str,
+                code: P.ErrorCode = P.ErrorCode.KV_TRANSFER_FAILED) -> None:  # fmt: skip
         self.counters["kv_refused"] += 1
-        transport.send(self.kv_sock, P.KvAck(request_id, False, why), identity=identity)
+        transport.send(self.kv_sock, P.KvAck(request_id, False, why, code), identity=identity)
 
     # ---- from the router -----------------------------------------------------------------------
     def on_abort(self, request_id: str) -> None:

@@ -30,6 +30,7 @@ from pdserve.engine.model import ModelRunner, kv_layout, load_model, max_model_l
 from pdserve.engine.request import Request, Status
 from pdserve.engine.sampling import Drawn, PendingDraw, Sampler, TokenLogprob, finish_reason
 from pdserve.engine.scheduler import Batch, Scheduler
+from pdserve.wire.protocol import ErrorCode, FinishReason, Role, kv_tokens_needed
 
 log = logging.getLogger("pdserve.engine")
 
@@ -38,10 +39,11 @@ log = logging.getLogger("pdserve.engine")
 class TokenOutput:
     request: Request
     token_id: int | None  # None when the step failed
-    finish_reason: str | None  # "stop", "length", "error" (then `error` says why), or None to go on
+    finish_reason: FinishReason | None  # ERROR: `error` and `error_code` say why; None: it goes on
     error: str = ""
     logprob: TokenLogprob | None = None  # when the request asked for logprobs
     prompt_logprobs: list[TokenLogprob] | None = None  # echo with logprobs: prompt tokens 1.., on the first token
+    error_code: ErrorCode | None = None  # with finish_reason "error"
 
 
 @dataclass
@@ -97,7 +99,7 @@ class Engine:
     # ---- requests -----------------------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> str:
         """Why a request can never run here ("" when it can)."""
-        total = num_prompt_tokens + (1 if self.prefill_only else max_tokens)
+        total = kv_tokens_needed(Role.PREFILL if self.prefill_only else Role.COLOCATED, num_prompt_tokens, max_tokens)
         need = blocks_for(min(total, self.max_model_len), self.pool.block_size)
         if need > self.pool.num_blocks:
             return f"the request needs {need} KV blocks but the pool has {self.pool.num_blocks}"
@@ -164,15 +166,15 @@ class Engine:
     def abort(self, request_id: str) -> Request | None:
         req = self.requests.get(request_id)
         if req is not None:
-            self.release(req, Status.ABORTED, "abort")
+            self.release(req, Status.ABORTED)
         return req
 
-    def release(self, req: Request, status: Status, reason: str) -> None:
+    def release(self, req: Request, status: Status) -> None:
         """End a request for good: out of the queues, KV freed (once the step in flight, if it holds it, is done)."""
         if self.in_flight is not None and req in self.in_flight.members:
             self._parked.append(req.block_ids)
             req.block_ids = []
-        self.scheduler.finish(req, status, reason)
+        self.scheduler.finish(req, status)
         self.requests.pop(req.request_id, None)
 
     def has_work(self) -> bool:
@@ -225,8 +227,9 @@ class Engine:
         """End every request of a failed step with an error (those still here); their KV is freed."""
         failed = [s.request for s in batch.scheduled if not s.request.is_finished]
         for req in failed:
-            self.release(req, Status.ABORTED, "error")
-        return [TokenOutput(req, None, "error", why) for req in failed]
+            self.release(req, Status.ABORTED)
+        error = FinishReason.ERROR
+        return [TokenOutput(req, None, error, why, error_code=ErrorCode.INTERNAL) for req in failed]
 
     def update(self, batch: Batch, drawn: Drawn, scored: list[Request] = ()) -> list[TokenOutput]:
         """Count the step's computed tokens and take in its sampled ones (one per sampled request), and the scores of
@@ -244,7 +247,7 @@ class Engine:
                 req.guide.advance(token)
             reason = finish_reason(req, req.params, self.max_model_len)
             if reason:
-                self.release(req, Status.FINISHED, reason)
+                self.release(req, Status.FINISHED)
             elif self.prefill_only:
                 self.scheduler.hold_for_transfer(req)
             first = req.params.prompt_logprobs is not None and len(req.output_token_ids) == 1

@@ -52,9 +52,6 @@ class Request:
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
-    finish_reason: str | None = None
-    arrival: float = 0.0
-    num_preemptions: int = 0
     prompt_logprobs: list = field(default_factory=list)  # echo: the scores of prompt tokens 1.. so far
     guide: Any = None  # a guided request's grammar state (engine.grammar.Guide), built when it joins an engine
 

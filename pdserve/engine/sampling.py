@@ -36,7 +36,7 @@ import torch
 from pdserve.engine.copies import HostCopy, to_device
 from pdserve.engine.grammar import mask_rows
 from pdserve.engine.request import Request
-from pdserve.wire.protocol import SamplingParams
+from pdserve.wire.protocol import FinishReason, SamplingParams
 
 _M32 = 0xFFFFFFFF
 _M64 = 0xFFFFFFFFFFFFFFFF
@@ -253,13 +253,13 @@ def _f32_bits(x: float) -> int:
     return struct.unpack("<i", struct.pack("<f", x))[0]
 
 
-def finish_reason(req: Request, params: SamplingParams, max_model_len: int) -> str | None:
+def finish_reason(req: Request, params: SamplingParams, max_model_len: int) -> FinishReason | None:
     """Why `req` stops after its newest token, or None to go on."""
     last = req.output_token_ids[-1]
     if last in params.stop_token_ids:
-        return "stop"
+        return FinishReason.STOP
     if not params.ignore_eos and last in params.eos_token_ids:
-        return "stop"
+        return FinishReason.STOP
     if len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= max_model_len:
-        return "length"
+        return FinishReason.LENGTH
     return None

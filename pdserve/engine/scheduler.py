@@ -74,7 +74,7 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def finish(self, request: Request, status: Status, reason: str) -> None:
+    def finish(self, request: Request, status: Status) -> None:
         """Take a request out of the queues for good and free its KV at once."""
         if request in self.running:
             self.running.remove(request)
@@ -84,7 +84,6 @@ class Scheduler:
             self.waiting_for_kv.remove(request)
         self.receiving_kv.pop(request.request_id, None)
         self.allocator.free(request.block_ids)
-        request.finish_reason = reason
         request.move_to(status)
 
     # ---- remote KV (decode node) ----------------------------------------------------------------
@@ -191,7 +190,6 @@ class Scheduler:
         """Free a request's KV; it recomputes it when it runs again."""
         self.allocator.free(req.block_ids)
         req.num_computed_tokens = 0
-        req.num_preemptions += 1
 
     # ---- after the forward --------------------------------------------------------------------
     def advance(self, batch: Batch) -> None:

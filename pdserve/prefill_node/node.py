@@ -29,11 +29,11 @@ import zmq
 from pdserve.config import NodeConfig
 from pdserve.engine.engine import Engine, TokenOutput
 from pdserve.engine.request import Request, Status
-from pdserve.node import NodeBase
+from pdserve.node import NodeBase, error_event
 from pdserve.wire import protocol as P
 from pdserve.wire import transport
 from pdserve.wire.kv_faults import DELAY_S, FaultInjector
-from pdserve.wire.kv_transfer import TransferState, accepted_transports, make_backend
+from pdserve.wire.kv_transfer import accepted_transports, make_backend
 
 log = logging.getLogger("pdserve.prefill")
 
@@ -53,13 +53,12 @@ class DecodePeer:
 class Transfer:
     request: Request
     peer: DecodePeer
-    state: TransferState = TransferState.PENDING
     started: float = field(default_factory=time.monotonic)  # lease start; renewed by KvWaiting
     pulled_at: float = 0.0
 
 
 class PrefillNode(NodeBase):
-    role = "prefill"
+    role = P.Role.PREFILL
 
     def __init__(self, cfg: NodeConfig) -> None:
         self.backends = {n: make_backend(n) for n in accepted_transports(cfg.kv_transport, cfg.engine.device)}
@@ -88,7 +87,7 @@ class PrefillNode(NodeBase):
     # ---- from the router ----------------------------------------------------------------------
     def on_generate(self, msg: P.Generate) -> None:
         if not msg.decode_addr.startswith(("tcp://", "ipc://")):
-            self.emit([P.TokenEvent(msg.request_id, [], "error", "no decode node address")])
+            self.emit([error_event(msg.request_id, "no decode node address", P.ErrorCode.INTERNAL)])
             return
         super().on_generate(msg)
         if msg.request_id in self.engine.requests:  # taken (not refused)
@@ -149,7 +148,7 @@ class PrefillNode(NodeBase):
         elif isinstance(msg, P.KvAck):
             t = self.transfers.get(msg.request_id)
             if t is not None:
-                self._end_transfer(t, msg.ok, msg.reason)
+                self._end_transfer(t, msg.ok, msg.reason, msg.error_code or P.ErrorCode.KV_TRANSFER_FAILED)
         elif isinstance(msg, P.KvWaiting):
             now = time.monotonic()
             for rid in msg.request_ids:
@@ -180,7 +179,7 @@ class PrefillNode(NodeBase):
         if t is None:  # aborted meanwhile; the decode node got a KvCancel
             return
         req = t.request
-        t.state, t.pulled_at, t.started = TransferState.TRANSFERRING, time.perf_counter(), time.monotonic()
+        t.pulled_at, t.started = time.perf_counter(), time.monotonic()
         messages = self.engine.send_kv(req, t.peer.backend)
         kind = self.faults.pick()
         if kind is not None:
@@ -207,20 +206,21 @@ class PrefillNode(NodeBase):
             for header, frames in messages if t is not None else ():
                 transport.send(t.peer.sock, header, frames)
 
-    def _end_transfer(self, t: Transfer, ok: bool, why: str) -> None:
+    def _end_transfer(self, t: Transfer, ok: bool, why: str,
+                      code: P.ErrorCode = P.ErrorCode.KV_TRANSFER_FAILED) -> None:  # fmt: skip
+        """The transfer is over: our copy of the KV is freed; if it failed for a reason (`why`), the router is told."""
         rid = t.request.request_id
         self.transfers.pop(rid, None)
-        t.state = TransferState.DONE if ok else TransferState.FAILED
         if ok and t.pulled_at and not why:  # (ok with a reason: the decode node recomputed the KV)
             self.counters["kv_transfers"] += 1
             self.counters["kv_transfer_bytes"] += len(t.request.prompt_token_ids) * self.engine.layout.bytes_per_token()
             self.counters["kv_transfer_time_s"] += time.perf_counter() - t.pulled_at
-        self.engine.release(t.request, Status.FINISHED if ok else Status.ABORTED, "transferred" if ok else "abort")
+        self.engine.release(t.request, Status.FINISHED if ok else Status.ABORTED)
         if not ok and t.peer.paired:  # the decode node may still hold an offer or blocks for it
             transport.send(t.peer.sock, P.KvCancel(rid))
         if not ok and why:
             self.counters["kv_transfer_failures"] += 1
-            self.emit([P.TokenEvent(rid, [], "error", why)])
+            self.emit([error_event(rid, why, code)])
 
     def _fail(self, request_id: str, why: str) -> None:
         t = self.transfers.get(request_id)
@@ -229,7 +229,7 @@ class PrefillNode(NodeBase):
 
     def fail_all(self, why: str) -> None:
         for t in list(self.transfers.values()):
-            self._end_transfer(t, ok=False, why=why)
+            self._end_transfer(t, ok=False, why=why, code=P.ErrorCode.DRAINING)
         self.decode_addr.clear()
         super().fail_all(why)
 

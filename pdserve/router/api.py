@@ -22,7 +22,7 @@ from pdserve.router import small_routes
 from pdserve.router.auth import ApiKeyGuard
 from pdserve.router.choices import derive_seed, gather_all, merge
 from pdserve.router.core import NoNodeAvailable, Overloaded, RouterCore
-from pdserve.router.errors import ApiError, error_body
+from pdserve.router.errors import HTTP_STATUS, ApiError, error_body
 from pdserve.router.limits import Offload, RequestLimits, content_chars, stop_problem
 from pdserve.router.logprobs import ChoiceExtras, merge_pieces
 from pdserve.router.openai_fields import UnsupportedField, check_fields
@@ -272,9 +272,8 @@ def expand(jobs: list[Job], n: int) -> list[Job]:
 
 def check_capacity(core: RouterCore, job: Job) -> None:
     """Refuse a request no node's KV pool could ever hold (the pools are smaller than the context)."""
-    need = {"colocated": len(job.prompt_ids) + job.params.max_tokens, "decode": len(job.prompt_ids) +
-            job.params.max_tokens, "prefill": len(job.prompt_ids) + 1}  # fmt: skip
-    for role, tokens in need.items():
+    for role in (P.Role.COLOCATED, P.Role.DECODE, P.Role.PREFILL):
+        tokens = P.kv_tokens_needed(role, len(job.prompt_ids), job.params.max_tokens)
         capacity = core.kv_capacity_tokens(role)
         if capacity is not None and tokens > capacity:
             raise ApiError(400, f"prompt ({len(job.prompt_ids)} tokens) + max_tokens ({job.params.max_tokens}) "
@@ -307,12 +306,11 @@ async def run_job(core: RouterCore, info: ModelInfo, job: Job, flight=None) -> A
     try:
         while not finished:
             ev: P.TokenEvent = await flight.queue.get()
-            if ev.finish_reason == "error":
-                status = flight.error_status or (503 if "failed" in ev.error else 500)
-                raise ApiError(status, f"request failed: {ev.error}")
+            if ev.finish_reason == P.FinishReason.ERROR:
+                raise ApiError(HTTP_STATUS[ev.error_code], f"request failed: {ev.error}", code=ev.error_code.value)
             shown = list(ev.token_ids) if job.show_tokens else []
             text, stopped = detok.add(shown)
-            reason = "stop" if stopped else ev.finish_reason
+            reason = P.FinishReason.STOP if stopped else ev.finish_reason
             if reason is not None:
                 text += "" if stopped else detok.flush()
                 finished = True
@@ -320,7 +318,7 @@ async def run_job(core: RouterCore, info: ModelInfo, job: Job, flight=None) -> A
             yield Delta(prefix + text, shown, reason, logprobs)
     finally:
         if not finished or flight.request_id in core.flights:
-            core.abort(flight.request_id, reason or "abort")
+            core.abort(flight.request_id, reason or P.FinishReason.ABORT)
 
 
 def _usage(jobs: list[Job], completion_tokens: int) -> dict:
@@ -478,7 +476,7 @@ def create_app(cfg: RouterConfig) -> FastAPI:
     async def serve(request: Request, body: _Common, prompts: list[list[int]], chat: bool):
         st = request.app.state
         check_fields(body.model_extra or {}, body.model_dump())
-        caps = [c for c in (st.core.kv_capacity_tokens(r) for r in ("colocated", "decode")) if c]
+        caps = [c for c in (st.core.kv_capacity_tokens(r) for r in (P.Role.COLOCATED, P.Role.DECODE)) if c]
         grammar = await st.offload.run(schema_size(body.response_format), grammar_for, body.response_format)
         jobs = [make_job(body, ids, st.info, chat_default=chat, kv_capacity=min(caps, default=None),
                          max_n=cfg.max_n, grammar=grammar) for ids in prompts]  # fmt: skip

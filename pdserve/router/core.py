@@ -65,7 +65,7 @@ class Overloaded(RuntimeError):
 
 @dataclass(eq=False)
 class NodeConn:
-    role: str
+    role: P.Role
     addr: str
     kv_addr: str = ""
     sock: zmq.asyncio.Socket | None = None
@@ -106,7 +106,6 @@ class Flight:
     decode_started: bool = False  # disaggregated: the decode node has sent a token
     output: list[int] = field(default_factory=list)  # token ids streamed so far
     attempts: int = 0
-    error_status: int = 0  # set when the router itself fails the request
     ended: bool = False
     early: list[P.TokenEvent] = field(default_factory=list)  # decode events that beat the first token
 
@@ -157,7 +156,8 @@ class RouterCore:
         while self.flights and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for flight in list(self.flights.values()):
-            self._fail(flight, f"the router is shutting down and its drain period of {grace_s}s ran out")
+            self._fail(flight, f"the router is shutting down and its drain period of {grace_s}s ran out",
+                       P.ErrorCode.DRAINING)  # fmt: skip
 
     def _check_pairing(self) -> None:
         """Every node must serve the same model layout, or outputs would be garbage."""
@@ -217,7 +217,7 @@ class RouterCore:
 
     # ---- node I/O -----------------------------------------------------------------------------
     def _hello(self, node: NodeConn) -> None:
-        node.sock.send(P.encode(P.Hello(P.PROTOCOL_VERSION, "router")))
+        node.sock.send(P.encode(P.Hello(P.PROTOCOL_VERSION, P.Role.ROUTER)))
 
     async def _reader(self, node: NodeConn) -> None:
         while True:
@@ -278,7 +278,8 @@ class RouterCore:
         now = time.perf_counter()
         for flight in [f for f in self.waiting if now - f.start > limit]:
             self.metrics.timed_out.inc()
-            self._fail(flight, f"no first token within {limit}s (--queue-timeout-s): the server is overloaded")
+            self._fail(flight, f"no first token within {limit}s (--queue-timeout-s): the server is overloaded",
+                       P.ErrorCode.CAPACITY)  # fmt: skip
 
     def _node_down(self, node: NodeConn, why: str) -> None:
         if node.up:
@@ -287,7 +288,7 @@ class RouterCore:
         for rid in list(node.requests):
             flight = self.flights.get(rid)
             if flight is not None:
-                self._lost(flight, f"{node.role} node {node.addr} failed ({why})")
+                self._lost(flight, f"{node.role} node {node.addr} failed ({why})", P.ErrorCode.NODE_FAILED)
 
     # ---- requests -----------------------------------------------------------------------------
     def check_admission(self) -> None:
@@ -308,7 +309,7 @@ class RouterCore:
         self.metrics.prompt_tokens.inc(len(flight.prompt))
         return flight
 
-    def _pick(self, role: str) -> NodeConn:
+    def _pick(self, role: P.Role) -> NodeConn:
         live = [n for n in self.nodes if n.role == role and n.usable]
         if not live:
             raise NoNodeAvailable(f"no {role} node is up")
@@ -320,10 +321,10 @@ class RouterCore:
         prompt = flight.prompt + flight.output
         params = self._resumed_params(flight)
         if self.cfg.mode == "colocated":
-            nodes = [self._pick("colocated")]
+            nodes = [self._pick(P.Role.COLOCATED)]
             msg = P.Generate(rid, prompt, params)
         else:
-            prefill, decode = self._pick("prefill"), self._pick("decode")
+            prefill, decode = self._pick(P.Role.PREFILL), self._pick(P.Role.DECODE)
             nodes = [prefill, decode]
             msg = P.Generate(rid, prompt, params, decode_addr=decode.kv_addr)
         flight.request_id, flight.nodes = rid, nodes
@@ -345,10 +346,11 @@ class RouterCore:
                                    min_tokens=max(0, params.min_tokens - done), prompt_logprobs=None,
                                    grammar_prefix=done if params.grammar else 0)  # fmt: skip
 
-    def _lost(self, flight: Flight, why: str) -> None:
-        """A node the request depends on is gone: dispatch it again, from where its stream stands."""
+    def _lost(self, flight: Flight, why: str, code: P.ErrorCode) -> None:
+        """A node the request depends on is gone: dispatch it again, from where its stream stands. `code`: the
+        error the client gets if it cannot be."""
         if flight.attempts >= MAX_ATTEMPTS or self.draining or len(flight.output) >= flight.params.max_tokens:
-            self._fail(flight, why)
+            self._fail(flight, why, code)
             return
         old = flight.request_id
         self._abort_on_nodes(flight)  # a decode node remembers the abort, so a late offer is refused
@@ -357,7 +359,7 @@ class RouterCore:
         try:
             self._dispatch(flight)
         except NoNodeAvailable as e:
-            self._fail(flight, f"{why}; {e}")
+            self._fail(flight, f"{why}; {e}", code)
             return
         self.metrics.redispatched.inc()
         log.warning("request %s: %s; dispatched again as %s", old, why, flight.request_id)
@@ -366,18 +368,18 @@ class RouterCore:
         flight = self.flights.get(ev.request_id)
         if flight is None:
             return  # already ended (aborted, failed, or dispatched again under a new id)
-        if ev.finish_reason == "error" and source.draining:
-            self._lost(flight, f"{source.name}: {ev.error}")
+        if ev.finish_reason == P.FinishReason.ERROR and source.draining:
+            self._lost(flight, f"{source.name}: {ev.error}", P.ErrorCode.DRAINING)
             return
-        if source.role == "decode":
-            if flight.first_token_at is None and ev.finish_reason != "error":
+        if source.role == P.Role.DECODE:
+            if flight.first_token_at is None and ev.finish_reason != P.FinishReason.ERROR:
                 flight.early.append(ev)  # two sockets: keep the prefill node's first token first
                 return
             self._left_prefill(flight)  # the decode node has it: a prefill failure no longer concerns it
             if not ev.token_ids and ev.finish_reason is None:
                 return  # the "KV landed" notice
-        self._put(flight, ev, from_decode=source.role == "decode")
-        if source.role == "prefill" and flight.early:
+        self._put(flight, ev, from_decode=source.role == P.Role.DECODE)
+        if source.role == P.Role.PREFILL and flight.early:
             early, flight.early = flight.early, []
             for e in early:
                 self._deliver(e, flight.nodes[1])
@@ -385,13 +387,13 @@ class RouterCore:
     @staticmethod
     def _left_prefill(flight: Flight) -> None:
         for n in flight.nodes:
-            if n.role == "prefill":
+            if n.role == P.Role.PREFILL:
                 n.requests.discard(flight.request_id)
 
     def _put(self, flight: Flight, ev: P.TokenEvent, from_decode: bool = False) -> None:
         if ev.token_ids:
             self._observe_tokens(flight, ev.token_ids, from_decode)
-        if ev.finish_reason == "error":
+        if ev.finish_reason == P.FinishReason.ERROR:
             self._abort_on_nodes(flight)  # the nodes that still hold it must let it go
         if ev.finish_reason is not None:
             self._end(flight, ev.finish_reason)
@@ -413,16 +415,15 @@ class RouterCore:
         flight.output += token_ids
         m.generation_tokens.inc(len(token_ids))
 
-    def _fail(self, flight: Flight, why: str, status: int = 503) -> None:
-        flight.error_status = status
-        self._put(flight, P.TokenEvent(flight.request_id, [], "error", why))
+    def _fail(self, flight: Flight, why: str, code: P.ErrorCode) -> None:
+        self._put(flight, P.TokenEvent(flight.request_id, [], P.FinishReason.ERROR, why, error_code=code))
 
     def _unlink(self, flight: Flight) -> None:
         self.flights.pop(flight.request_id, None)
         for n in flight.nodes:
             n.requests.discard(flight.request_id)
 
-    def _end(self, flight: Flight, reason: str = "abort") -> None:
+    def _end(self, flight: Flight, reason: P.FinishReason = P.FinishReason.ABORT) -> None:
         if flight.ended:
             return
         flight.ended = True
@@ -431,11 +432,11 @@ class RouterCore:
         m, num_tokens = self.metrics, len(flight.output)
         m.success.labels(reason).inc()
         m.e2e.observe(time.perf_counter() - flight.start)
-        if reason != "error" and flight.first_token_at is not None and num_tokens > 1:
+        if reason != P.FinishReason.ERROR and flight.first_token_at is not None and num_tokens > 1:
             m.decode.observe(flight.last_token_at - flight.first_token_at)
             m.tpot.observe((flight.last_token_at - flight.first_token_at) / (num_tokens - 1))
 
-    def abort(self, request_id: str, reason: str = "abort") -> None:
+    def abort(self, request_id: str, reason: P.FinishReason = P.FinishReason.ABORT) -> None:
         """Stop a request everywhere it lives; its nodes free its KV. `reason`: what the client was told."""
         flight = self.flights.get(request_id)
         if flight is None:
@@ -448,7 +449,7 @@ class RouterCore:
             if n.up:
                 n.sock.send(P.encode(P.Abort(flight.request_id)))
 
-    def kv_capacity_tokens(self, role: str) -> int | None:
+    def kv_capacity_tokens(self, role: P.Role) -> int | None:
         """The most tokens one request's KV can take on every node of `role`."""
         caps = [n.info.get("kv_capacity_tokens") for n in self.nodes if n.role == role and n.info]
         caps = [c for c in caps if c]
@@ -462,5 +463,5 @@ class RouterCore:
         return {"status": status, "mode": self.cfg.mode, "waiting": len(self.waiting), "nodes": nodes}
 
     def _serving(self) -> bool:
-        roles = ("colocated",) if self.cfg.mode == "colocated" else ("prefill", "decode")
+        roles = (P.Role.COLOCATED,) if self.cfg.mode == "colocated" else (P.Role.PREFILL, P.Role.DECODE)
         return all(any(n.usable for n in self.nodes if n.role == r) for r in roles)

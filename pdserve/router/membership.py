@@ -14,6 +14,7 @@ import signal
 from dataclasses import dataclass
 
 from pdserve.config import RouterConfig
+from pdserve.wire.protocol import Role
 
 log = logging.getLogger("pdserve.router")
 RAY_NAMESPACE = "pdserve"
@@ -28,7 +29,7 @@ def controller_name(deployment: str) -> str:
 class Member:
     """One node to serve: its role, router-facing address, and (decode nodes) KV address."""
 
-    role: str
+    role: Role
     addr: str
     kv_addr: str = ""
 
@@ -37,8 +38,8 @@ class FixedMembership:
     """The addresses given on the command line, for good."""
 
     def __init__(self, cfg: RouterConfig) -> None:
-        members = [Member("colocated", a) for a in cfg.colocated] + [Member("prefill", a) for a in cfg.prefill]
-        members += [Member("decode", a, kv) for a, kv in zip(cfg.decode, cfg.decode_kv, strict=True)]
+        members = [Member(Role.COLOCATED, a) for a in cfg.colocated] + [Member(Role.PREFILL, a) for a in cfg.prefill]
+        members += [Member(Role.DECODE, a, kv) for a, kv in zip(cfg.decode, cfg.decode_kv, strict=True)]
         self._members = members
 
     async def members(self) -> list[Member]:
@@ -66,7 +67,7 @@ class RayMembership:
 
     async def members(self) -> list[Member]:
         entries = await self.controller.members.remote()
-        return [Member(e["role"], e["listen"], e.get("kv_listen", "")) for e in entries]
+        return [Member(Role(e["role"]), e["listen"], e.get("kv_listen", "")) for e in entries]
 
     def close(self) -> None:
         self._ray.shutdown()

@@ -20,7 +20,6 @@ to unmap a peer's pool once it is gone.
 from __future__ import annotations
 
 import _posixshmem
-import enum
 import mmap
 import os
 import socket
@@ -30,15 +29,10 @@ from multiprocessing import shared_memory
 
 import torch
 
+from pdserve.engine.block_allocator import blocks_for
 from pdserve.engine.kv_cache import DTYPES, KVLayout, KVPool
 from pdserve.wire import protocol as P
-
-
-class TransferState(enum.Enum):
-    PENDING = "pending"  # offered, waiting for the decode node to reserve blocks
-    TRANSFERRING = "transferring"  # data sent, waiting for the ack
-    DONE = "done"
-    FAILED = "failed"
+from pdserve.wire.protocol import KvTransport
 
 
 class TransferError(ValueError):
@@ -48,7 +42,7 @@ class TransferError(ValueError):
 class ZmqBackend:
     """One message per layer, so that gathering, the wire and scattering overlap layer by layer."""
 
-    name = "zmq"
+    name = KvTransport.ZMQ
 
     def storage(self, layout: KVLayout, num_blocks: int, device: str) -> torch.Tensor | None:
         return None
@@ -58,7 +52,7 @@ class ZmqBackend:
 
     def pack(self, pool: KVPool, request_id: str, block_ids: list[int], num_tokens: int):
         """Yield (header, frames) per layer: the request's whole blocks gathered into one frame."""
-        blocks = block_ids[: -(-num_tokens // pool.block_size)]
+        blocks = block_ids[: blocks_for(num_tokens, pool.block_size)]
         for layer in range(pool.layout.num_layers):
             kv = pool.export_blocks(layer, blocks).cpu()  # [2, nkv, n_blocks * bs, d]
             yield P.KvData(request_id, pool.layout.dtype, list(kv.shape), layer), [kv.view(torch.uint8).numpy()]
@@ -76,7 +70,7 @@ class ZmqBackend:
     def unpack(self, pool: KVPool, dst_blocks: list[int], num_tokens: int, header: P.KvData, frames, source) -> int:
         """Land one layer; return how many layers it carried."""
         lay = pool.layout
-        n_blocks = -(-num_tokens // pool.block_size)
+        n_blocks = blocks_for(num_tokens, pool.block_size)
         expected = [2, lay.num_kv_heads, n_blocks * pool.block_size, lay.head_dim]
         if header.dtype != lay.dtype or list(header.shape) != expected:
             raise TransferError(f"KV of shape {header.shape} {header.dtype}, expected {expected} {lay.dtype}")
@@ -114,7 +108,7 @@ class _SharedPoolBackend:
 
     def pack(self, pool: KVPool, request_id: str, block_ids: list[int], num_tokens: int):
         """One header naming the source blocks; no frames."""
-        n_blocks = -(-num_tokens // pool.block_size)
+        n_blocks = blocks_for(num_tokens, pool.block_size)
         self.sync(pool)
         shape = [2, pool.layout.num_kv_heads, num_tokens, pool.layout.head_dim]
         yield P.KvData(request_id, pool.layout.dtype, shape, -1, list(block_ids[:n_blocks])), []
@@ -125,7 +119,7 @@ class _SharedPoolBackend:
     def unpack(self, pool: KVPool, dst_blocks: list[int], num_tokens: int, header: P.KvData, frames, source) -> int:
         """Copy every layer's blocks out of the mapped prefill pool; return the layers landed."""
         src_blocks = list(header.src_blocks)
-        n_blocks = -(-num_tokens // pool.block_size)
+        n_blocks = blocks_for(num_tokens, pool.block_size)
         if len(src_blocks) != n_blocks or len(dst_blocks) < n_blocks:
             raise TransferError(f"{len(src_blocks)} source blocks for {num_tokens} tokens")
         if source is None:
@@ -140,7 +134,7 @@ class _SharedPoolBackend:
 
 
 class ShmBackend(_SharedPoolBackend):
-    name = "shm"
+    name = KvTransport.SHM
 
     def __init__(self) -> None:
         self._owned: shared_memory.SharedMemory | None = None
@@ -187,7 +181,7 @@ class ShmBackend(_SharedPoolBackend):
 
 
 class CudaIpcBackend(_SharedPoolBackend):
-    name = "cuda_ipc"
+    name = KvTransport.CUDA_IPC
 
     def storage(self, layout: KVLayout, num_blocks: int, device: str) -> torch.Tensor:
         self._pool = torch.zeros(KVPool.shape_for(layout, num_blocks), dtype=DTYPES[layout.dtype], device=device)
@@ -294,26 +288,26 @@ def _pid_namespace() -> str | None:
         return None
 
 
-BACKENDS = {"zmq": ZmqBackend, "shm": ShmBackend, "cuda_ipc": CudaIpcBackend}
+BACKENDS = {KvTransport.ZMQ: ZmqBackend, KvTransport.SHM: ShmBackend, KvTransport.CUDA_IPC: CudaIpcBackend}
 
 
-def make_backend(name: str):
+def make_backend(name: KvTransport):
     return BACKENDS[name]()
 
 
-def accepted_transports(configured: str, device: str) -> tuple[str, ...]:
+def accepted_transports(configured: KvTransport, device: str) -> tuple[KvTransport, ...]:
     """The backends a node configured with `--kv-transport configured` moves KV with, preferred first.
     auto: a shared pool (shm on the CPU, cuda_ipc on a GPU) with peers on this host, zmq with the others."""
-    if configured == "auto":
-        return ("cuda_ipc" if device.startswith("cuda") else "shm", "zmq")
-    return (configured,)
+    if configured == KvTransport.AUTO:
+        return (KvTransport.CUDA_IPC if device.startswith("cuda") else KvTransport.SHM, KvTransport.ZMQ)
+    return (KvTransport(configured),)
 
 
-def choose_transport(offered: list[str], accepted: tuple[str, ...], same_host: bool) -> str:
+def choose_transport(offered: list[str], accepted: tuple[KvTransport, ...], same_host: bool) -> str:
     """The first transport the prefill node offers that the decode node accepts and that reaches it
     (a shared pool only on the same host), or "" if there is none."""
     for name in offered:
-        if name in accepted and (name == "zmq" or same_host):
+        if name in accepted and (name == KvTransport.ZMQ or same_host):
             return name
     return ""
 

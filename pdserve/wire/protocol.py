@@ -11,6 +11,7 @@ No pickle anywhere.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import math
 import types
@@ -21,7 +22,8 @@ from typing import Any, NewType
 import msgpack
 
 # 2: KV head-major, [2, nkv, n, d] per layer; 3: log-probabilities, KvHello transports; 4: Stats.draining, Pending;
-# 5: SamplingParams.grammar and grammar_prefix (guided decoding), KvOffer.kv_checksums, Stats.num_held
+# 5: guided decoding (SamplingParams.grammar, grammar_prefix), KV checksums (KvOffer.kv_checksums), Stats.num_held,
+#    error codes (TokenEvent.error_code, KvAck.error_code), no StatsRequest, enum-checked finish reasons and roles
 PROTOCOL_VERSION = 5
 MAX_LOGPROBS = 20  # the most alternatives per position a request may ask for (OpenAI's limit)
 MAX_HEADER_BYTES = 64 * 1024 * 1024  # one control message; tensor frames are bounded separately
@@ -33,6 +35,46 @@ class ProtocolError(ValueError):
 
 
 Id = NewType("Id", int)  # a token id, block id, count or size: an int >= 0
+
+
+class Role(enum.StrEnum):
+    """Who speaks on a connection: the router, or a node of one role (`pdserve <role>`)."""
+
+    ROUTER = "router"
+    COLOCATED = "colocated"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+NODE_ROLES = (Role.COLOCATED, Role.PREFILL, Role.DECODE)
+
+
+class KvTransport(enum.StrEnum):
+    """How KV moves from a prefill node to a decode node (wire/kv_transfer.py), as --kv-transport names it."""
+
+    ZMQ = "zmq"
+    SHM = "shm"
+    CUDA_IPC = "cuda_ipc"
+    AUTO = "auto"  # shm / cuda_ipc with a decode node on the same host, zmq with the others
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # a stop token or EOS
+    LENGTH = "length"  # max_tokens, or the model's context
+    ABORT = "abort"  # the client left, or a stop string ended it in the router
+    ERROR = "error"  # the event's error_code and error say why
+
+
+class ErrorCode(enum.StrEnum):
+    """Why a request failed, as the node or router that failed it knows it; the router maps it to an HTTP status
+    (router/errors.py). The error text beside it is for people."""
+
+    INVALID_REQUEST = "invalid_request"  # it can never be served as asked (e.g. larger than a node's KV pool)
+    CAPACITY = "capacity"  # the server is overloaded: no first token within the queue timeout
+    NODE_FAILED = "node_failed"  # a node it depended on was lost, and no other could take it over
+    KV_TRANSFER_FAILED = "kv_transfer_failed"  # its KV did not reach the decode node (refused, lease out, peer gone)
+    DRAINING = "draining"  # the node or the router is shutting down
+    INTERNAL = "internal"  # an engine error, or a message the node cannot act on
 
 
 @dataclass(frozen=True)
@@ -99,12 +141,19 @@ class SamplingParams:
         return self.temperature < 1e-5 or self.top_k == 1
 
 
+def kv_tokens_needed(role: Role, num_prompt_tokens: int, max_tokens: int) -> int:
+    """The most tokens of KV one request holds on a node of `role`: on a prefill node its prompt and first token,
+    elsewhere every token it may reach. The router refuses what no node's pool holds; a node, what its own does not."""
+    return num_prompt_tokens + (1 if role == Role.PREFILL else max_tokens)
+
+
 # ---- router <-> node ---------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Hello:
-    """First message on every connection: who I am, and which protocol I speak."""
+    """First message on every connection: who I am, and which protocol I speak. Its fields and HelloAck's stay
+    plain strings, so that a peer of another protocol version is still answered with the reason it is refused."""
 
     protocol_version: int
     role: str
@@ -160,10 +209,15 @@ class TokenEvent:
 
     request_id: str
     token_ids: list[Id]
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     error: str = ""
     logprobs: Logprobs | None = None
     prompt_logprobs: Logprobs | None = None
+    error_code: ErrorCode | None = None  # set exactly when finish_reason is "error"
+
+    def __post_init__(self) -> None:
+        if (self.finish_reason == FinishReason.ERROR) != (self.error_code is not None):
+            raise ValueError("an error event carries an error code, and only an error event does")
 
 
 @dataclass(frozen=True)
@@ -177,7 +231,7 @@ class TokenEvents:
 class Stats:
     """Periodic load and counters of a node (doubles as its heartbeat)."""
 
-    role: str
+    role: Role
     num_running: Id
     num_waiting: Id
     kv_blocks_used: Id
@@ -185,11 +239,6 @@ class Stats:
     counters: dict = field(default_factory=dict)
     draining: bool = False  # shutting down: finishes what it holds, takes nothing new
     num_held: Id = 0  # entries in the node's request tables (0 when it holds nothing: no leak)
-
-
-@dataclass(frozen=True)
-class StatsRequest:
-    pass
 
 
 @dataclass(frozen=True)
@@ -210,7 +259,7 @@ class KvHello:
 
     protocol_version: int
     layout: dict
-    transport: str  # the prefill node's --kv-transport
+    transport: str  # the prefill node's --kv-transport (a KvTransport; a string, as in Hello, to be refused)
     pool_handle: dict = field(default_factory=dict)  # shm / cuda_ipc: how to map the prefill pool
     host_id: str = ""  # a shared pool is used only between nodes of the same host id
     transports: list[str] = field(default_factory=list)  # empty: [transport]
@@ -254,6 +303,7 @@ class KvAck:
     request_id: str
     ok: bool
     reason: str = ""
+    error_code: ErrorCode | None = None  # why it was refused (None when ok)
 
 
 @dataclass(frozen=True)
@@ -273,7 +323,7 @@ class KvCancel:
 _REGISTRY: dict[str, type] = {
     cls.__name__: cls
     for cls in (
-        Hello, HelloAck, Generate, Abort, TokenEvent, TokenEvents, Stats, StatsRequest, Pending,
+        Hello, HelloAck, Generate, Abort, TokenEvent, TokenEvents, Stats, Pending,
         KvHello, KvOffer, KvPull, KvData, KvAck, KvWaiting, KvCancel,
     )
 }  # fmt: skip
@@ -284,6 +334,8 @@ def _to_wire(value: Any) -> Any:
         return {f.name: _to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, (list, tuple)):
         return [_to_wire(v) for v in value]
+    if isinstance(value, enum.Enum):
+        return value.value
     return value
 
 
@@ -327,6 +379,8 @@ def _checker(hint: Any, where: str):
         return lambda v: None if v is None else inner(v)
     if dataclasses.is_dataclass(hint):
         return lambda v: _build(hint, v)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return _enum_checker(hint, where)
     if origin is tuple and args and args[-1] is not Ellipsis:  # a fixed-length tuple: one type per place
         places = [_checker(a, f"{where}[{i}]") for i, a in enumerate(args)]
 
@@ -358,6 +412,17 @@ def _checker(hint: Any, where: str):
         return float(v) if hint is float else v
 
     return scalar
+
+
+def _enum_checker(cls: type[enum.Enum], where: str):
+    values = {m.value: m for m in cls}
+
+    def member(v):
+        if type(v) is not str or v not in values:
+            raise ProtocolError(f"{where} must be one of {', '.join(values)}")
+        return values[v]
+
+    return member
 
 
 _SCALARS = {

@@ -1,0 +1,216 @@
+"""The prefill and decode nodes' state machines in-process (no subprocess): their sockets are driven by hand as the
+router and the peer node would, and leases are run out by moving their start into the past, not by sleeping.
+Prefill: the KV lease (renewed by KvWaiting, freed when it runs out), typed errors to the router. Decode: the
+offer queue (FCFS for free blocks, KvWaiting notices, pulls as blocks free), aborts, cancels and refusals."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import zmq
+
+from pdserve.config import EngineConfig, NodeConfig
+from pdserve.decode_node import DecodeNode
+from pdserve.decode_node.node import RESERVATION_TIMEOUT_S
+from pdserve.prefill_node import PrefillNode
+from pdserve.wire import protocol as P
+from pdserve.wire import transport
+
+WAIT_MS = 10_000
+PROMPT = list(range(1, 21))  # 20 tokens: with the first token, 2 blocks of 16
+PARAMS = P.SamplingParams(max_tokens=4, temperature=0)
+
+
+def _recv(sock: zmq.Socket, skip=(P.Stats,)):
+    """The next message on a test socket that is not one of `skip` (stats come on their own schedule)."""
+    while True:
+        assert sock.poll(WAIT_MS), "nothing arrived"
+        identity, msg, _ = transport.split(sock.recv_multipart(copy=False), routed=sock.type == zmq.ROUTER)
+        if not isinstance(msg, skip):
+            return identity, msg
+
+
+class FakeRouter:
+    """The router's connection to a node's front socket; each message sent is handled before send() returns."""
+
+    def __init__(self, node) -> None:
+        self.node = node
+        self.sock = node.ctx.socket(zmq.DEALER)  # closed with the node's context
+        self.sock.connect(node.front_addr)
+        self.send(P.Hello(P.PROTOCOL_VERSION, P.Role.ROUTER))
+        assert _recv(self.sock)[1].ok
+
+    def send(self, msg) -> None:
+        transport.send(self.sock, msg)
+        assert self.node.front.poll(WAIT_MS)
+        self.node.drain(self.node.front)
+
+    def events(self) -> list[P.TokenEvent]:
+        msg = _recv(self.sock)[1]
+        assert isinstance(msg, P.TokenEvents), msg
+        return msg.events
+
+
+# ---- the prefill node ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def prefill(tiny_models):
+    cfg = NodeConfig("prefill", EngineConfig(model=str(tiny_models["qwen3"]), num_kv_blocks=32), kv_lease_s=30.0)
+    node = PrefillNode(cfg)
+    decode = node.ctx.socket(zmq.ROUTER)  # the decode node's KV socket
+    decode_addr = f"tcp://127.0.0.1:{decode.bind_to_random_port('tcp://127.0.0.1')}"
+    yield node, FakeRouter(node), decode, decode_addr
+    node.close()
+
+
+def _prefill_and_pair(node: PrefillNode, router: FakeRouter, decode: zmq.Socket, addr: str, rid: str):
+    """Generate `rid` there, run the engine to its first token, pair with the fake decode node and get the offer;
+    returns the prefill node's identity on the decode socket."""
+    router.send(P.Generate(rid, PROMPT, PARAMS, decode_addr=addr))
+    for _ in range(100):
+        if rid in node.transfers:
+            break
+        node.loop_once()
+    assert rid in node.transfers and router.events()[0].token_ids, "no first token"
+    for _ in range(WAIT_MS // 10):
+        if decode.poll(10):
+            break
+        node.tick()  # its monitor sees the connection and sends KvHello
+    identity, hello = _recv(decode)
+    assert isinstance(hello, P.KvHello)
+    transport.send(decode, P.HelloAck(True, P.Role.DECODE, {"transport": "zmq"}), identity=identity)
+    _drain_peer(node)
+    _, offer = _recv(decode)
+    assert isinstance(offer, P.KvOffer) and offer.request_id == rid
+    return identity
+
+
+def _drain_peer(node: PrefillNode) -> None:
+    [peer] = node.peers.values()
+    assert peer.sock.poll(WAIT_MS)
+    node.drain(peer.sock)
+
+
+def _run_out(node: PrefillNode, rid: str) -> None:
+    node.transfers[rid].started = time.monotonic() - node.cfg.kv_lease_s - 1
+
+
+def test_kv_waiting_renews_the_lease_and_a_lease_that_runs_out_frees_the_kv(prefill):
+    node, router, decode, addr = prefill
+    identity = _prefill_and_pair(node, router, decode, addr, "r1")
+    held = node.engine.kv_stats()[0]
+    assert held > 0
+    _run_out(node, "r1")
+    transport.send(decode, P.KvWaiting(["r1"]), identity=identity)  # still queued there for blocks
+    _drain_peer(node)
+    node.tick()
+    assert "r1" in node.transfers and node.engine.kv_stats()[0] == held, "a renewed lease ran out"
+    _run_out(node, "r1")
+    node.tick()
+    assert "r1" not in node.transfers and "r1" not in node.engine.requests and node.engine.kv_stats()[0] == 0
+    [ev] = router.events()
+    assert ev.finish_reason == P.FinishReason.ERROR and ev.error_code == P.ErrorCode.KV_TRANSFER_FAILED
+    assert "lease" in ev.error
+    assert _recv(decode)[1] == P.KvCancel("r1"), "the decode node was not told to forget it"
+
+
+def test_a_refusal_reaches_the_router_with_the_decode_nodes_error_code(prefill):
+    node, router, decode, addr = prefill
+    identity = _prefill_and_pair(node, router, decode, addr, "r1")
+    refusal = P.KvAck("r1", False, "the request needs 9 KV blocks", P.ErrorCode.INVALID_REQUEST)
+    transport.send(decode, refusal, identity=identity)
+    _drain_peer(node)
+    [ev] = router.events()
+    assert (ev.error_code, ev.error) == (P.ErrorCode.INVALID_REQUEST, refusal.reason)
+    assert not node.transfers and node.engine.kv_stats()[0] == 0
+
+
+def test_an_abort_frees_the_held_kv_and_cancels_the_offer(prefill):
+    node, router, decode, addr = prefill
+    _prefill_and_pair(node, router, decode, addr, "r1")
+    router.send(P.Abort("r1"))
+    assert not node.transfers and node.engine.kv_stats()[0] == 0
+    assert _recv(decode)[1] == P.KvCancel("r1")
+
+
+# ---- the decode node -------------------------------------------------------------------------------
+
+
+class FakePrefill:
+    """A prefill node's KV connection to the decode node; each message sent is handled before send() returns."""
+
+    def __init__(self, node: DecodeNode) -> None:
+        self.node = node
+        self.sock = node.ctx.socket(zmq.DEALER)
+        self.sock.connect(node.kv_addr)
+        self.send(P.KvHello(P.PROTOCOL_VERSION, node.engine.layout.to_dict(), "zmq"))
+        assert self.recv().ok
+
+    def send(self, msg) -> None:
+        transport.send(self.sock, msg)
+        assert self.node.kv_sock.poll(WAIT_MS)
+        self.node.drain(self.node.kv_sock)
+
+    def recv(self):
+        return _recv(self.sock)[1]
+
+    def offer(self, rid: str, num_tokens: int = len(PROMPT)) -> None:
+        self.send(P.KvOffer(rid, list(range(1, num_tokens + 1)), 7, PARAMS, num_tokens))
+
+
+@pytest.fixture
+def decode(tiny_models):
+    cfg = NodeConfig("decode", EngineConfig(model=str(tiny_models["qwen3"]), num_kv_blocks=4))  # two offers' worth
+    node = DecodeNode(cfg)
+    yield node, FakePrefill(node)
+    node.close()
+
+
+def _tick(node: DecodeNode) -> None:
+    node._next_notice = 0.0  # send the KvWaiting notice on this tick
+    node.tick()
+
+
+def test_offers_wait_fcfs_for_blocks_with_notices_and_are_pulled_as_blocks_free(decode):
+    node, peer = decode
+    for rid in ("r1", "r2", "r3", "r4"):
+        peer.offer(rid)
+    _tick(node)
+    assert [peer.recv() for _ in range(3)] == [P.KvPull("r1"), P.KvPull("r2"), P.KvWaiting(["r3", "r4"])]
+    assert [r.request_id for r in node.engine.waiting_for_kv()] == ["r3", "r4"]
+    node.on_abort("r1")  # the router aborts a reserved one: its blocks go to the oldest waiting offer
+    _tick(node)
+    assert [peer.recv() for _ in range(2)] == [P.KvPull("r3"), P.KvWaiting(["r4"])]
+    peer.send(P.KvCancel("r2"))  # the prefill node cancels a reserved one
+    _tick(node)
+    assert peer.recv() == P.KvPull("r4")
+    assert sorted(node.incoming) == ["r3", "r4"] and node.engine.kv_stats()[0] == 4
+
+
+def test_a_reservation_that_no_kv_answers_is_freed(decode):
+    node, peer = decode
+    peer.offer("r1")
+    _tick(node)
+    assert peer.recv() == P.KvPull("r1") and node.engine.kv_stats()[0] == 2
+    node.incoming["r1"].reserved_at = time.monotonic() - RESERVATION_TIMEOUT_S - 1
+    node.tick()
+    assert not node.incoming and "r1" not in node.engine.requests and node.engine.kv_stats()[0] == 0
+
+
+def test_an_abort_before_the_offer_refuses_the_late_offer(decode):
+    node, peer = decode
+    node.on_abort("r1")
+    peer.offer("r1")
+    ack = peer.recv()
+    assert isinstance(ack, P.KvAck) and ack.request_id == "r1" and not ack.ok
+    assert not node.incoming and "r1" not in node.engine.requests
+
+
+def test_an_offer_larger_than_the_pool_is_refused_with_invalid_request(decode):
+    node, peer = decode
+    peer.offer("big", num_tokens=100)
+    ack = peer.recv()
+    assert not ack.ok and ack.error_code == P.ErrorCode.INVALID_REQUEST and "blocks" in ack.reason
+    assert not node.incoming

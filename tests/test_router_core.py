@@ -1,0 +1,139 @@
+"""The router's state machine in-process, without sockets or nodes: RouterCore's node connections are given fake
+sockets, and node events are handed to it as its reader tasks would. What a client's stream receives, in order."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.config import RouterConfig
+from pdserve.router.core import NodeConn, RouterCore
+from pdserve.router.errors import HTTP_STATUS
+from pdserve.wire import protocol as P
+
+ERROR, STOP, LENGTH = P.FinishReason.ERROR, P.FinishReason.STOP, P.FinishReason.LENGTH
+
+
+class FakeSock:
+    """What the router sent a node, decoded."""
+
+    def __init__(self) -> None:
+        self.sent: list = []
+
+    def send(self, data: bytes) -> None:
+        self.sent.append(P.decode(data))
+
+
+@pytest.fixture
+def core():
+    cfg = RouterConfig(model="tiny", prefill=("tcp://p0", "tcp://p1"), decode=("tcp://d0",), decode_kv=("tcp://k0",))
+    c = RouterCore(cfg)
+    for m in c.membership._members:  # what _sync_members would connect, with fake sockets, marked up
+        c.nodes.append(NodeConn(m.role, m.addr, m.kv_addr, sock=FakeSock(), up=True))
+    yield c
+    c.ctx.destroy(linger=0)
+
+
+def _node(core: RouterCore, addr: str):
+    return next(n for n in core.nodes if n.addr == addr)
+
+
+def _events(flight) -> list[P.TokenEvent]:
+    out = []
+    while not flight.queue.empty():
+        out.append(flight.queue.get_nowait())
+    return out
+
+
+def _submit(core: RouterCore, prompt=(1, 2, 3), max_tokens: int = 5):
+    flight = core.submit(list(prompt), P.SamplingParams(max_tokens=max_tokens))
+    prefill, decode = flight.nodes
+    return flight, prefill, decode
+
+
+def test_decode_tokens_that_beat_the_first_token_are_delivered_after_it(core):
+    flight, prefill, decode = _submit(core)
+    rid = flight.request_id
+    assert isinstance(prefill.sock.sent[-1], P.Generate) and prefill.sock.sent[-1].decode_addr == "tcp://k0"
+    core._deliver(P.TokenEvent(rid, []), decode)  # "KV landed"
+    core._deliver(P.TokenEvent(rid, [11]), decode)
+    core._deliver(P.TokenEvent(rid, [12]), decode)
+    assert _events(flight) == [], "a decode token went out before the first token"
+    core._deliver(P.TokenEvent(rid, [10]), prefill)
+    core._deliver(P.TokenEvent(rid, [13, 14], LENGTH), decode)
+    got = _events(flight)
+    assert [t for ev in got for t in ev.token_ids] == [10, 11, 12, 13, 14]
+    assert got[-1].finish_reason == LENGTH and flight.output == [10, 11, 12, 13, 14]
+    assert rid not in core.flights and not prefill.requests and not decode.requests
+
+
+def test_events_after_the_end_or_of_an_old_id_are_not_delivered_again(core):
+    flight, prefill, decode = _submit(core)
+    rid = flight.request_id
+    core._deliver(P.TokenEvent(rid, [10]), prefill)
+    core._deliver(P.TokenEvent(rid, [11], STOP), decode)
+    core._deliver(P.TokenEvent(rid, [11], STOP), decode)  # a duplicate of the last event
+    core._deliver(P.TokenEvent(rid, [12]), decode)
+    assert [ev.token_ids for ev in _events(flight)] == [[10], [11]]
+
+
+def test_a_lost_prefill_node_before_the_first_token_dispatches_again_and_drops_the_old_ids_events(core):
+    flight, prefill, decode = _submit(core)
+    old = flight.request_id
+    core._deliver(P.TokenEvent(old, []), decode)  # held until the first token, which never comes from there
+    core._node_down(prefill, "test")
+    new = flight.request_id
+    assert new != old and flight.attempts == 2 and flight.nodes[0] is not prefill
+    assert P.Abort(old) in decode.sock.sent, "the decode node still holds the old id"
+    core._deliver(P.TokenEvent(old, [99]), decode)  # a late event of the old id
+    other = flight.nodes[0]
+    core._deliver(P.TokenEvent(new, [10]), other)
+    core._deliver(P.TokenEvent(new, [11], STOP), flight.nodes[1])
+    assert [t for ev in _events(flight) for t in ev.token_ids] == [10, 11]
+
+
+def test_a_lost_prefill_node_after_the_kv_landed_does_not_concern_the_request(core):
+    flight, prefill, decode = _submit(core)
+    rid = flight.request_id
+    core._deliver(P.TokenEvent(rid, [10]), prefill)
+    core._deliver(P.TokenEvent(rid, []), decode)  # "KV landed": the prefill node is no longer needed
+    core._node_down(prefill, "test")
+    assert flight.request_id == rid and flight.attempts == 1
+    core._deliver(P.TokenEvent(rid, [11], STOP), decode)
+    assert [ev.token_ids for ev in _events(flight)] == [[10], [11]]
+
+
+def test_a_request_resumes_from_the_streamed_tokens_when_its_decode_node_is_lost(core):
+    core.nodes.append(NodeConn(P.Role.DECODE, "tcp://d1", "tcp://k1", sock=FakeSock(), up=True))
+    flight, prefill, decode = _submit(core, prompt=(1, 2, 3), max_tokens=5)
+    rid = flight.request_id
+    core._deliver(P.TokenEvent(rid, [10]), prefill)
+    core._deliver(P.TokenEvent(rid, []), decode)
+    core._deliver(P.TokenEvent(rid, [11]), decode)
+    core._node_down(decode, "test")
+    resent = flight.nodes[0].sock.sent[-1]
+    assert isinstance(resent, P.Generate) and resent.request_id == flight.request_id != rid
+    assert resent.prompt_token_ids == [1, 2, 3, 10, 11] and resent.params.max_tokens == 3
+    assert flight.nodes[1].addr == "tcp://d1"
+
+
+def test_with_no_node_left_the_request_fails_with_a_typed_error(core):
+    flight, prefill, decode = _submit(core)
+    core._node_down(decode, "test")
+    [ev] = _events(flight)
+    assert ev.finish_reason == ERROR and ev.error_code == P.ErrorCode.NODE_FAILED and "decode" in ev.error
+    assert HTTP_STATUS[ev.error_code] == 503
+
+
+def test_a_node_error_reaches_the_client_with_its_code_and_the_request_is_aborted_elsewhere(core):
+    flight, prefill, decode = _submit(core)
+    rid = flight.request_id
+    core._deliver(P.TokenEvent(rid, [], ERROR, "lease ran out", error_code=P.ErrorCode.KV_TRANSFER_FAILED), prefill)
+    [ev] = _events(flight)
+    assert ev.error_code == P.ErrorCode.KV_TRANSFER_FAILED and rid not in core.flights
+    assert P.Abort(rid) in decode.sock.sent
+
+
+def test_every_error_code_has_one_http_status():
+    assert set(HTTP_STATUS) == set(P.ErrorCode)
+    assert HTTP_STATUS[P.ErrorCode.INVALID_REQUEST] == 400
+    assert all(HTTP_STATUS[c] >= 500 for c in P.ErrorCode if c is not P.ErrorCode.INVALID_REQUEST)
