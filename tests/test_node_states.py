@@ -12,7 +12,7 @@ import zmq
 
 from pdserve.config import EngineConfig, NodeConfig
 from pdserve.decode_node import DecodeNode
-from pdserve.decode_node.node import RESERVATION_TIMEOUT_S
+from pdserve.engine.request import Status
 from pdserve.prefill_node import PrefillNode
 from pdserve.wire import protocol as P
 from pdserve.wire import transport
@@ -189,14 +189,20 @@ def test_offers_wait_fcfs_for_blocks_with_notices_and_are_pulled_as_blocks_free(
     assert sorted(node.incoming) == ["r3", "r4"] and node.engine.kv_stats()[0] == 4
 
 
-def test_a_reservation_that_no_kv_answers_is_freed(decode):
+def test_a_reservation_that_no_kv_answers_is_recomputed_here(decode):
+    """KV that has not all landed within half the lease after the pull is never waited for or decoded from: by
+    --kv-failure recompute (the default) the request recomputes its prompt in the blocks it holds, and the
+    prefill node is told to let its copy go."""
     node, peer = decode
     peer.offer("r1")
     _tick(node)
     assert peer.recv() == P.KvPull("r1") and node.engine.kv_stats()[0] == 2
-    node.incoming["r1"].reserved_at = time.monotonic() - RESERVATION_TIMEOUT_S - 1
+    node.incoming["r1"].reserved_at = time.monotonic() - node.cfg.kv_lease_s / 2 - 1
     node.tick()
-    assert not node.incoming and "r1" not in node.engine.requests and node.engine.kv_stats()[0] == 0
+    ack = peer.recv()
+    assert isinstance(ack, P.KvAck) and ack.ok and "recomputed" in ack.reason
+    assert not node.incoming and node.engine.requests["r1"].status is Status.WAITING
+    assert node.engine.kv_stats()[0] == 2
 
 
 def test_an_abort_before_the_offer_refuses_the_late_offer(decode):
