@@ -73,14 +73,15 @@ def workload() -> list[Request]:
 def test_guided_outputs_are_instances_and_others_unchanged(tiny_models, tokenizer, budget, num_blocks):
     path = str(tiny_models["qwen3"])
     reqs = workload()
-    got = run(Engine(EngineConfig(model=path, max_num_batched_tokens=budget, num_kv_blocks=num_blocks)), reqs)
+    engine = Engine(EngineConfig(model=path, max_num_batched_tokens=budget, num_kv_blocks=num_blocks))
+    got = run(engine, reqs)
     for key in ("g", "s"):
         for i, schema in enumerate(SCHEMAS):
             instance(tokenizer, got[f"{key}{i}"], schema)
     alone = run(Engine(EngineConfig(model=path)), [r for r in workload() if r.request_id.startswith("u")])
     assert {k: got[k] for k in alone} == alone  # unguided rows draw what they draw without guided neighbours
     if num_blocks is not None:
-        assert sum(r.num_preemptions for r in reqs) > 0, "the small pool should have forced a preemption"
+        assert engine.num_preemptions() > 0, "the small pool should have forced a preemption"
         roomy = run(Engine(EngineConfig(model=path)), workload())
         assert got == roomy  # preempted and recomputed, guided requests draw the same tokens
 

@@ -71,6 +71,9 @@ def test_strangers_without_the_key_get_nothing_through(tmp_path, keys):
         kv_hello = [P.encode(P.KvHello(P.PROTOCOL_VERSION, {}, "zmq"))]
         messages = [hello, generate, kv_hello]
         addrs = list(_node_ports(stack).values())
+        deadline = time.monotonic() + 30  # counters come with the nodes' periodic stats: wait for the first request's
+        while _node_counter(stack, "requests", "prefill") < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
         requests_before = _node_counter(stack, "requests", "prefill")
         for curve in (None, (stranger_public, stranger_secret, server_public),
                       (client_public, client_secret, wrong_server)):  # fmt: skip
