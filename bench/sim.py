@@ -442,12 +442,27 @@ def _calibrated(res: dict, base: Costs, topo: Topology, slo: SLO, measured: dict
     return _simulated(res, scaled(base, factor["prefill"], factor["decode"]), topo, slo), factor
 
 
-def validate(run: dict, costs: Costs, on_cores: bool = True) -> list[dict]:
-    """Each disagg result of a run_bench JSON beside the simulation of its very requests, with the router's
-    measured CPU per token: (metric, predicted, measured, error) rows. `calibrated` reruns the simulation with
-    each role's step costs scaled so its mean step equals the one measured in the stack (the CPU the node really
-    got on shared cores), and the decode loop's time outside its steps as the nodes reported it (if they did): it
-    checks the model's queueing and hand-offs apart from the cost level."""
+def calibration_from(run: dict) -> dict:
+    """What an in-process cost measurement cannot see, from a calibration run (a run_bench JSON with a disagg
+    result, not one of the runs validated): the router's CPU per token and the decode loop's mean wall time
+    outside its steps, as `Costs` fields."""
+    res = next((r for r in run["results"] if r["system"] == "disagg" and r["ok"]), None)
+    if res is None:
+        raise ValueError("the calibration run has no successful disagg result")
+    outside = _outside_steps(res.get("node_counters") or {})
+    if outside is None:
+        raise ValueError("the calibration run's nodes did not report busy_time_s")
+    return {"router_s_per_token": (res.get("router_cpu_us_per_token") or 0.0) / 1e6,
+            "decode_iteration_s": max(0.0, outside)}  # fmt: skip
+
+
+def validate(run: dict, costs: Costs, on_cores: bool = True, calibration: dict | None = None) -> list[dict]:
+    """Each disagg result of a run_bench JSON beside the simulation of its very requests: (metric, predicted,
+    measured, error) rows. The prediction takes the router's CPU per token from `calibration` (`calibration_from`
+    a separate run) if given, else the one measured in the run, and the rest from `costs`. `calibrated` reruns the
+    simulation with the run's router CPU, each role's step costs scaled so its mean step equals the one measured
+    in the stack (the CPU the node really got on shared cores), and the decode loop's time outside its steps as
+    the nodes reported it (if they did): it checks the model's queueing and hand-offs apart from the cost level."""
     rows, topo = [], bench_topology(run["config"], run["environment"]["cpu_count"])
     topo = topo if on_cores else replace(topo, cores=())  # on_cores False: each node on a device of its own
     slo = SLO(run["config"]["slo_ttft_s"], run["config"]["slo_tpot_s"])
@@ -458,7 +473,7 @@ def validate(run: dict, costs: Costs, on_cores: bool = True) -> list[dict]:
         measured = {**res["summary"], **stages([r["token_s"] for r in res["records"]]),
                     **{f"{role}_step": _mean_step(counters, role) for role in ("prefill", "decode")},
                     "decode_outside": _outside_steps(counters)}  # fmt: skip
-        sim = _simulated(res, base, topo, slo)
+        sim = _simulated(res, replace(costs, **calibration) if calibration else base, topo, slo)
         cal, factor = _calibrated(res, base, topo, slo, measured)
         for label, key, stat in COMPARED:
             pred, meas, calib = _stat(sim, key, stat), _stat(measured, key, stat), _stat(cal, key, stat)
@@ -512,10 +527,13 @@ def main(argv: list[str] | None = None) -> int:
                    "measured right before it, costs-X.json beside it")  # fmt: skip
     p.add_argument("--own-devices", action="store_true", help="with --validate: ignore the host's cores (each node "
                    "on a device of its own, as the model was before it had cores)")  # fmt: skip
+    p.add_argument("--calibration", type=Path, default=None, help="with --validate: a separate run_bench JSON "
+                   "whose router CPU per token and decode time outside steps the predictions take")  # fmt: skip
     a = p.parse_args(argv)
     if a.validate:
         costs = {f: Costs.load(f.with_name(f"costs-{f.name}") if a.costs_beside else a.costs) for f in a.validate}
-        runs = [(f.stem, run := json.loads(f.read_text()), validate(run, costs[f], not a.own_devices))
+        cal = calibration_from(json.loads(a.calibration.read_text())) if a.calibration else None
+        runs = [(f.stem, run := json.loads(f.read_text()), validate(run, costs[f], not a.own_devices, cal))
                 for f in a.validate]  # fmt: skip
         print(json.dumps([r for *_, rows in runs for r in rows], indent=1) if a.json else validation_markdown(runs))
         return 0

@@ -142,20 +142,45 @@ def test_without_cores_each_node_has_its_own_device() -> None:
     assert b.token_times == pytest.approx([0.031])
 
 
-def test_validating_a_run_the_simulator_made_finds_no_error() -> None:
+def simulated_run(w: Workload, costs: Costs) -> dict:
+    """A run_bench JSON of a 2P1D disagg run on 2 cores, made by the simulator with `costs`."""
     from bench.metrics import SLO, summarize
-    from bench.sim import validate
 
-    w = make_workload("sharegpt_like", 1000, 2048, seed=2, rate=3.0, num_requests=24)
     counts: dict = {}
-    costs = replace(COSTS, corun_slowdown_prefill=1.5, corun_slowdown_decode=1.3, decode_iteration_s=2e-3)
     recs = simulate(w, costs, Topology(2, 1, cores=(0, 1, 0)), counts)
     records = [{"send_s": r.send_time, "token_s": r.token_times, "expected_output_len": r.expected_output_len,
                 "prompt_len": r.num_prompt_tokens} for r in recs]  # fmt: skip
     result = {"system": "disagg", "ok": True, "workload": w.name, "label": w.label, "records": records,
-              "summary": summarize(recs, 0.0, SLO(2.0, 0.2)), "node_counters": counts}  # fmt: skip
+              "summary": summarize(recs, 0.0, SLO(2.0, 0.2)), "node_counters": counts,
+              "router_cpu_us_per_token": costs.router_s_per_token * 1e6}  # fmt: skip
     config = {"engine_args": ["--num-prefill", "2"], "max_batch": 16, "max_num_batched_tokens": 512,
               "slo_ttft_s": 2.0, "slo_tpot_s": 0.2}  # fmt: skip
-    rows = validate({"config": config, "environment": {"cpu_count": 2}, "results": [result]}, costs)
+    return {"config": config, "environment": {"cpu_count": 2}, "results": [result]}
+
+
+RUN_COSTS = replace(COSTS, corun_slowdown_prefill=1.5, corun_slowdown_decode=1.3, decode_iteration_s=2e-3,
+                    router_s_per_token=1e-4)  # fmt: skip
+
+
+def test_validating_a_run_the_simulator_made_finds_no_error() -> None:
+    from bench.sim import validate
+
+    w = make_workload("sharegpt_like", 1000, 2048, seed=2, rate=3.0, num_requests=24)
+    rows = validate(simulated_run(w, RUN_COSTS), RUN_COSTS)
     assert len(rows) == 10
     assert all(abs(r["error"]) < 1e-9 and abs(r["calibrated_error"]) < 1e-9 for r in rows)
+
+
+def test_a_calibration_run_supplies_what_the_costs_cannot_see() -> None:
+    from bench.sim import calibration_from, validate
+
+    run = simulated_run(make_workload("sharegpt_like", 1000, 2048, seed=2, rate=3.0, num_requests=24), RUN_COSTS)
+    other = simulated_run(make_workload("sharegpt_like", 1000, 2048, seed=5, num_requests=8), RUN_COSTS)
+    measured_alone = replace(RUN_COSTS, decode_iteration_s=0.0, router_s_per_token=0.0)
+    cal = calibration_from(other)
+    assert cal == pytest.approx({"router_s_per_token": 1e-4, "decode_iteration_s": 2e-3})
+    assert all(abs(r["error"]) < 1e-9 for r in validate(run, measured_alone, calibration=cal))
+    without = validate(run, measured_alone)  # the run's router CPU, but no time outside the steps
+    assert max(abs(r["error"]) for r in without) > 0.01
+    with pytest.raises(ValueError, match="busy_time_s"):
+        calibration_from({"results": [{**other["results"][0], "node_counters": {}}]})
