@@ -519,7 +519,12 @@ def calibration_from(run: dict) -> dict:
 
 
 def validate(
-    run: dict, costs: Costs, on_cores: bool = True, calibration: dict | None = None, core_sharing: str = "fair"
+    run: dict,
+    costs: Costs,
+    on_cores: bool = True,
+    calibration: dict | None = None,
+    core_sharing: str = "fair",
+    sleeper_credit_s: float = CFS_SLEEPER_CREDIT_S,
 ) -> list[dict]:
     """Each disagg result of a run_bench JSON beside the simulation of its very requests: (metric, predicted,
     measured, error) rows. The prediction takes the router's CPU per token from `calibration` (`calibration_from`
@@ -527,9 +532,9 @@ def validate(
     simulation with the run's router CPU, each role's step costs scaled so its mean step equals the one measured
     in the stack (the CPU the node really got on shared cores), and the decode loop's time outside its steps as
     the nodes reported it (if they did): it checks the model's queueing and hand-offs apart from the cost level.
-    `core_sharing`: how nodes on one core share it (see 5. above)."""
+    `core_sharing`, `sleeper_credit_s`: how nodes on one core share it (see 5. above)."""
     rows, topo = [], bench_topology(run["config"], run["environment"]["cpu_count"])
-    topo = replace(topo, core_sharing=core_sharing)
+    topo = replace(topo, core_sharing=core_sharing, sleeper_credit_s=sleeper_credit_s)
     topo = topo if on_cores else replace(topo, cores=())  # on_cores False: each node on a device of its own
     slo = SLO(run["config"]["slo_ttft_s"], run["config"]["slo_tpot_s"])
     for res in (r for r in run["results"] if r["system"] == "disagg" and r["ok"]):
@@ -597,16 +602,23 @@ def main(argv: list[str] | None = None) -> int:
                    "whose router CPU per token and decode time outside steps the predictions take")  # fmt: skip
     p.add_argument("--core-sharing", default="fair", choices=CORE_SHARING, help="how nodes pinned to one core share "
                    "it: fair (each 1/k) or wakeup (CFS: a node that waited runs first, within a credit)")  # fmt: skip
+    p.add_argument("--sleeper-credit-ms", type=float, default=CFS_SLEEPER_CREDIT_S * 1e3, help="with --core-sharing "
+                   "wakeup: the most head start a node that waited gets (CFS on 2 CPUs: 6)")  # fmt: skip
     a = p.parse_args(argv)
+    if not a.sleeper_credit_ms >= 0:
+        p.error("--sleeper-credit-ms must be at least 0")
     if a.validate:
         costs = {f: Costs.load(f.with_name(f"costs-{f.name}") if a.costs_beside else a.costs) for f in a.validate}
         cal = calibration_from(json.loads(a.calibration.read_text())) if a.calibration else None
+        credit = a.sleeper_credit_ms / 1e3
         runs = [(f.stem, run := json.loads(f.read_text()),
-                 validate(run, costs[f], not a.own_devices, cal, a.core_sharing)) for f in a.validate]  # fmt: skip
+                 validate(run, costs[f], not a.own_devices, cal, a.core_sharing, credit))
+                for f in a.validate]  # fmt: skip
         print(json.dumps([r for *_, rows in runs for r in rows], indent=1) if a.json else validation_markdown(runs))
         return 0
     try:
-        topo = Topology(a.prefill, a.decode, a.max_num_seqs, a.max_num_batched_tokens, core_sharing=a.core_sharing)
+        topo = Topology(a.prefill, a.decode, a.max_num_seqs, a.max_num_batched_tokens,
+                        core_sharing=a.core_sharing, sleeper_credit_s=a.sleeper_credit_ms / 1e3)  # fmt: skip
         w = make_workload(a.workload, a.vocab_size, a.max_model_len, a.seed, a.rate, a.num_requests)
     except ValueError as e:
         print(f"bench.sim: error: {e}", file=sys.stderr)
