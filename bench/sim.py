@@ -24,7 +24,11 @@ What it models (pdserve/engine/scheduler.py, node.py, prefill_node, decode_node,
 5. Cores (`Topology.cores`, for a run on one CPU host; empty: every node has a device to itself): a step is
    work in seconds of a core to itself. It progresses at 1/k of a core while k nodes pinned to its core step,
    and `corun_slowdown_<role>` times slower while a node on another core steps too (bench/costs.py measures
-   that slowdown: the cores of one host share caches and memory bandwidth).
+   that slowdown: the cores of one host share caches and memory bandwidth). How k nodes on one core share it
+   (`Topology.core_sharing`): "fair", processor sharing, each 1/k; or "wakeup", the fluid form of Linux CFS
+   (before 6.6): each node's virtual runtime grows with the CPU it gets, the core goes to the stepping nodes
+   with the least (ties share it), and a node that starts a step after waiting is placed at most
+   `sleeper_credit_s` behind the least virtual runtime on its core, so it runs alone until it catches up.
 
 6. A decode node's loop outside its steps (`decode_iteration_s`: messages, emitting tokens, chores, and time it
    lost its core; wall time, as the nodes report it) passes after each step, before the next iteration.
@@ -50,6 +54,11 @@ from bench.costs import Costs
 from bench.metrics import SLO, RequestRecord, distribution, summarize
 from bench.workloads import WORKLOADS, BenchRequest, Workload, make_workload
 
+CORE_SHARING = ("fair", "wakeup")
+# CFS's GENTLE_FAIR_SLEEPERS: half of sched_latency, 6 ms x (1 + log2 of the CPUs, here 2)
+CFS_SLEEPER_CREDIT_S = 0.006
+TIE_S = 1e-12  # virtual runtimes this close count as equal
+
 
 @dataclass(frozen=True)
 class Topology:
@@ -58,12 +67,18 @@ class Topology:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
     cores: tuple[int, ...] = ()  # the core of each node, prefill nodes first; (): each node has its own device
+    core_sharing: str = "fair"  # one of CORE_SHARING (see 5. above)
+    sleeper_credit_s: float = CFS_SLEEPER_CREDIT_S  # core_sharing "wakeup": a waking node's most head start
 
     def __post_init__(self) -> None:
         if min(self.num_prefill, self.num_decode, self.max_num_seqs, self.max_num_batched_tokens) < 1:
             raise ValueError("node counts, --max-num-seqs and --max-num-batched-tokens must be at least 1")
         if self.cores and len(self.cores) != self.num_prefill + self.num_decode:
             raise ValueError("give one core per node, prefill nodes first, or none")
+        if self.core_sharing not in CORE_SHARING:
+            raise ValueError(f"core sharing must be one of {', '.join(CORE_SHARING)}")
+        if not self.sleeper_credit_s >= 0:
+            raise ValueError("the sleeper credit must be at least 0 s")
 
 
 @dataclass(eq=False)
@@ -104,44 +119,91 @@ class Clock:
 class _Work:
     remaining: float  # seconds of a core to itself
     done: Callable[[], None]
-    rate: float = 1.0
+    rate: float = 1.0  # of work done per second
+    share: float = 1.0  # of its core's CPU
     version: int = 0  # of its last scheduled end: an end scheduled before is stale
 
 
 class Cores:
     """Where node steps run (see 5. above): with no cores given, a step takes its cost."""
 
-    def __init__(self, clock: Clock, costs: Costs, shared: bool) -> None:
-        self.clock, self.costs, self.shared = clock, costs, shared
+    def __init__(self, clock: Clock, costs: Costs, topo: Topology) -> None:
+        self.clock, self.costs, self.topo = clock, costs, topo
+        self.shared, self.wakeup = bool(topo.cores), topo.core_sharing == "wakeup"
         self.running: dict[Node, _Work] = {}
-        self.updated = 0.0
+        self.vruntime: dict[Node, float] = {}  # CPU seconds each node got (core_sharing "wakeup")
+        self.floor: dict[int, float] = {}  # each core's least virtual runtime so far (CFS's min_vruntime)
+        self.updated, self.epoch = 0.0, 0
 
     def run(self, node: Node, work: float, done: Callable[[], None]) -> None:
         if not self.shared:
             self.clock.at(self.clock.now + work, done)
             return
         self._advance()
+        if self.wakeup:
+            floor = self.floor.get(node.core, 0.0) - self.topo.sleeper_credit_s
+            self.vruntime[node] = max(self.vruntime.get(node, 0.0), floor)
         self.running[node] = _Work(work, done)
         self._reschedule()
 
     def _advance(self) -> None:
-        """Each running step's remaining work, as of now, at the rate it had since the last change."""
-        for w in self.running.values():
-            w.remaining -= (self.clock.now - self.updated) * w.rate
+        """Each running step's remaining work and virtual runtime, as of now, at the pace it had since the last
+        change; each core's floor moves up to the least virtual runtime stepping on it."""
+        elapsed = self.clock.now - self.updated
+        for node, w in self.running.items():
+            w.remaining -= elapsed * w.rate
+            self.vruntime[node] = self.vruntime.get(node, 0.0) + elapsed * w.share
+        for core, least in self._least().items():
+            self.floor[core] = max(self.floor.get(core, 0.0), least)
         self.updated = self.clock.now
 
-    def _rate(self, node: Node) -> float:
-        sharing = sum(n.core == node.core for n in self.running)
+    def _least(self) -> dict[int, float]:
+        """Each busy core's least virtual runtime among the nodes stepping on it."""
+        least: dict[int, float] = {}
+        for node in self.running:
+            v = self.vruntime.get(node, 0.0)
+            least[node.core] = min(least.get(node.core, v), v)
+        return least
+
+    def _shares(self) -> dict[Node, float]:
+        """Each stepping node's share of its core: 1/k of the k on it ("fair"), or 1/k of the k with the least
+        virtual runtime and none for the rest ("wakeup")."""
+        least = self._least()
+        waits = {n: self.wakeup and self.vruntime.get(n, 0.0) > least[n.core] + TIE_S for n in self.running}
+        counts = {c: sum(n.core == c and not waits[n] for n in self.running) for c in least}
+        return {n: 0.0 if waits[n] else 1.0 / counts[n.core] for n in self.running}
+
+    def _rate(self, node: Node, share: float) -> float:
         beside = any(n.core != node.core for n in self.running)
         costs = self.costs
         slowdown = costs.corun_slowdown_prefill if isinstance(node, PrefillNode) else costs.corun_slowdown_decode
-        return 1.0 / (sharing * (slowdown if beside else 1.0))
+        return share / (slowdown if beside else 1.0)
 
     def _reschedule(self) -> None:
-        for node, w in self.running.items():
-            w.rate, w.version = self._rate(node), w.version + 1
-            end = self.clock.now + max(0.0, w.remaining) / w.rate
-            self.clock.at(end, lambda node=node, w=w, version=w.version: self._finish(node, w, version))
+        self.epoch += 1
+        for node, share in self._shares().items():
+            w = self.running[node]
+            w.share, w.rate, w.version = share, self._rate(node, share), w.version + 1
+            if w.rate > 0:
+                end = self.clock.now + max(0.0, w.remaining) / w.rate
+                self.clock.at(end, lambda node=node, w=w, version=w.version: self._finish(node, w, version))
+        if self.wakeup:
+            self._schedule_catch_up()
+
+    def _schedule_catch_up(self) -> None:
+        """When the nodes sharing a core catch up with the next node waiting on it, which then joins them."""
+        shares, least = self._shares(), self._least()
+        for core in least:
+            waiting = [self.vruntime[n] for n, sh in shares.items() if n.core == core and sh == 0.0]
+            leaders = sum(n.core == core and sh > 0 for n, sh in shares.items())
+            if waiting:
+                at = self.clock.now + (min(waiting) - least[core]) * leaders
+                self.clock.at(at, lambda epoch=self.epoch: self._catch_up(epoch))
+
+    def _catch_up(self, epoch: int) -> None:
+        if epoch == self.epoch:
+            self._advance()
+            self._reschedule()
 
     def _finish(self, node: Node, w: _Work, version: int) -> None:
         if self.running.get(node) is not w or w.version != version:
@@ -332,7 +394,7 @@ def simulate(workload: Workload, costs: Costs, topo: Topology, counters: dict | 
     """Every request of `workload` through the simulated deployment; times in seconds from its start. `counters`,
     if given, gets each role's steps and step time summed over its nodes (as bench records the real nodes')."""
     clock = Clock()
-    router, cores = Router(clock, costs), Cores(clock, costs, shared=bool(topo.cores))
+    router, cores = Router(clock, costs), Cores(clock, costs, topo)
     core = list(topo.cores) or list(range(topo.num_prefill + topo.num_decode))
     router.prefill = [PrefillNode(clock, costs, topo, router, cores, core.pop(0)) for _ in range(topo.num_prefill)]
     router.decode = [DecodeNode(clock, costs, topo, router, cores, core.pop(0)) for _ in range(topo.num_decode)]
@@ -456,14 +518,23 @@ def calibration_from(run: dict) -> dict:
             "decode_iteration_s": max(0.0, outside)}  # fmt: skip
 
 
-def validate(run: dict, costs: Costs, on_cores: bool = True, calibration: dict | None = None) -> list[dict]:
+def validate(
+    run: dict,
+    costs: Costs,
+    on_cores: bool = True,
+    calibration: dict | None = None,
+    core_sharing: str = "fair",
+    sleeper_credit_s: float = CFS_SLEEPER_CREDIT_S,
+) -> list[dict]:
     """Each disagg result of a run_bench JSON beside the simulation of its very requests: (metric, predicted,
     measured, error) rows. The prediction takes the router's CPU per token from `calibration` (`calibration_from`
     a separate run) if given, else the one measured in the run, and the rest from `costs`. `calibrated` reruns the
     simulation with the run's router CPU, each role's step costs scaled so its mean step equals the one measured
     in the stack (the CPU the node really got on shared cores), and the decode loop's time outside its steps as
-    the nodes reported it (if they did): it checks the model's queueing and hand-offs apart from the cost level."""
+    the nodes reported it (if they did): it checks the model's queueing and hand-offs apart from the cost level.
+    `core_sharing`, `sleeper_credit_s`: how nodes on one core share it (see 5. above)."""
     rows, topo = [], bench_topology(run["config"], run["environment"]["cpu_count"])
+    topo = replace(topo, core_sharing=core_sharing, sleeper_credit_s=sleeper_credit_s)
     topo = topo if on_cores else replace(topo, cores=())  # on_cores False: each node on a device of its own
     slo = SLO(run["config"]["slo_ttft_s"], run["config"]["slo_tpot_s"])
     for res in (r for r in run["results"] if r["system"] == "disagg" and r["ok"]):
@@ -529,16 +600,25 @@ def main(argv: list[str] | None = None) -> int:
                    "on a device of its own, as the model was before it had cores)")  # fmt: skip
     p.add_argument("--calibration", type=Path, default=None, help="with --validate: a separate run_bench JSON "
                    "whose router CPU per token and decode time outside steps the predictions take")  # fmt: skip
+    p.add_argument("--core-sharing", default="fair", choices=CORE_SHARING, help="how nodes pinned to one core share "
+                   "it: fair (each 1/k) or wakeup (CFS: a node that waited runs first, within a credit)")  # fmt: skip
+    p.add_argument("--sleeper-credit-ms", type=float, default=CFS_SLEEPER_CREDIT_S * 1e3, help="with --core-sharing "
+                   "wakeup: the most head start a node that waited gets (CFS on 2 CPUs: 6)")  # fmt: skip
     a = p.parse_args(argv)
+    if not a.sleeper_credit_ms >= 0:
+        p.error("--sleeper-credit-ms must be at least 0")
     if a.validate:
         costs = {f: Costs.load(f.with_name(f"costs-{f.name}") if a.costs_beside else a.costs) for f in a.validate}
         cal = calibration_from(json.loads(a.calibration.read_text())) if a.calibration else None
-        runs = [(f.stem, run := json.loads(f.read_text()), validate(run, costs[f], not a.own_devices, cal))
+        credit = a.sleeper_credit_ms / 1e3
+        runs = [(f.stem, run := json.loads(f.read_text()),
+                 validate(run, costs[f], not a.own_devices, cal, a.core_sharing, credit))
                 for f in a.validate]  # fmt: skip
         print(json.dumps([r for *_, rows in runs for r in rows], indent=1) if a.json else validation_markdown(runs))
         return 0
     try:
-        topo = Topology(a.prefill, a.decode, a.max_num_seqs, a.max_num_batched_tokens)
+        topo = Topology(a.prefill, a.decode, a.max_num_seqs, a.max_num_batched_tokens,
+                        core_sharing=a.core_sharing, sleeper_credit_s=a.sleeper_credit_ms / 1e3)  # fmt: skip
         w = make_workload(a.workload, a.vocab_size, a.max_model_len, a.seed, a.rate, a.num_requests)
     except ValueError as e:
         print(f"bench.sim: error: {e}", file=sys.stderr)

@@ -112,6 +112,44 @@ def test_steps_on_one_host_slow_each_other(cores: tuple[int, int], slowdown: flo
     assert b.token_times == pytest.approx([0.050])
 
 
+@pytest.mark.parametrize(
+    "credit,decode,prefill",
+    [(0.006, [0.010, 0.024, 0.044], 0.050), (1.0, [0.010, 0.020, 0.040], 0.050), (0.0, [0.010, 0.029, 0.049], 0.050)],
+)
+def test_wakeup_sharing_lets_a_node_that_waited_run_first_within_its_credit(
+    credit: float, decode: list[float], prefill: float
+) -> None:
+    """The case above on one core, shared as CFS does. The prefill node gets 10 ms of CPU (0-10 ms) while the
+    decode node waits; the decode node's first step (virtual runtime 0) is placed at 10 ms minus the credit. With
+    6 ms: placed at 4 ms, it runs alone from 10 ms, the prefill (at 10) arrives at 11 ms and waits till the decode
+    node reaches 10 (16 ms), then both share: the step ends at 16 + 2 x 4 = 24 ms; the next step, level with the
+    prefill, shares all the way (44 ms); the prefill ends at 50 ms as before, the core never idle. With 1 s (as
+    good as unbounded) the first step runs alone (20 ms); with none, it is the fair case (29, 49 ms)."""
+    costs = replace(COSTS, kv_bytes_per_token=0)
+    topo = Topology(cores=(0, 0), core_sharing="wakeup", sleeper_credit_s=credit)
+    a, b = simulate(workload(one(10, 3), one(20, 1, arrival=0.011)), costs, topo)
+    assert a.token_times == pytest.approx(decode)
+    assert b.token_times == pytest.approx([prefill])
+
+
+def test_wakeup_sharing_is_fair_between_nodes_that_never_wait() -> None:
+    """Two decode nodes on one core, each with one request prefilled together on another core (20 ms): level
+    virtual runtimes, so they share the core as the fair policy does, and each of their 10 ms steps takes 20 ms."""
+    costs = replace(COSTS, kv_bytes_per_token=0)
+    reqs = workload(one(10, 3), one(10, 3))
+    fair = simulate(reqs, costs, Topology(1, 2, cores=(1, 0, 0)))
+    wakeup = simulate(reqs, costs, Topology(1, 2, cores=(1, 0, 0), core_sharing="wakeup"))
+    assert wakeup[0].token_times == wakeup[1].token_times == pytest.approx([0.020, 0.040, 0.060])
+    assert fair[0].token_times == fair[1].token_times == pytest.approx([0.020, 0.040, 0.060])
+
+
+def test_topology_refuses_an_unknown_core_sharing_or_a_negative_credit() -> None:
+    with pytest.raises(ValueError, match="core sharing"):
+        Topology(core_sharing="round-robin")
+    with pytest.raises(ValueError, match="credit"):
+        Topology(sleeper_credit_s=-1.0)
+
+
 def test_steps_keep_their_cost_when_the_cores_around_them_change_pace() -> None:
     """Every decode step lasts at least its cost, however often the prefill steps beside it start and end."""
     w = make_workload("sharegpt_like", 1000, 2048, seed=4, num_requests=32)
