@@ -13,6 +13,17 @@ import transformers
 import zmq
 
 
+def wait_until(cond, timeout: float, interval: float = 0.05) -> bool:
+    """Poll `cond` until it holds (True) or `timeout` seconds have passed (False); the caller asserts with its own
+    message. For what only shows in periodic reports (stats, /metrics, /health), where no event can be awaited."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval)
+    return True
+
+
 def hf_greedy(model_path, prompts: list[list[int]], max_new: list[int]) -> list[list[int]]:
     """transformers `generate`, greedy, one request at a time (no padding), EOS ignored."""
     model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()

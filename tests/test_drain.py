@@ -7,11 +7,10 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
-from helpers import Streamer
+from helpers import Streamer, wait_until
 from stack import Stack, free_port
 
 SHORT = {"model": "tiny", "prompt": "x", "max_tokens": 2}
@@ -64,13 +63,11 @@ def test_router_sigterm_finishes_streams_or_past_its_grace_fails_them_clearly(tm
 
 def _wait_draining(stack: Stack, role: str) -> None:
     """Until the router has heard that the node of `role` drains (its stats say so within 0.5 s)."""
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+    def draining() -> bool:
         nodes = httpx.get(stack.url + "/health", timeout=10).json()["nodes"]
-        if any(n["draining"] for n in nodes if n["role"] == role):
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"the router never saw the {role} node drain")
+        return any(n["draining"] for n in nodes if n["role"] == role)
+
+    assert wait_until(draining, 30), f"the router never saw the {role} node drain"
 
 
 def test_decode_node_sigterm_finishes_its_streams_or_past_its_grace_fails_them_clearly(tmp_path):

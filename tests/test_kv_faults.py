@@ -11,9 +11,10 @@ import time
 
 import httpx
 import pytest
-from helpers import hf_greedy, mixed_workload
+from helpers import hf_greedy, mixed_workload, wait_until
 from stack import Stack
 
+from bench.systems import node_counters
 from pdserve.engine.checkpoint import resolve_model
 
 NUM_REQUESTS = 200
@@ -42,25 +43,20 @@ async def _post_all(url: str, bodies: list[dict], concurrency: int = 32) -> list
         return await asyncio.gather(*(one(b) for b in bodies))
 
 
-def _counters(stack: Stack) -> dict[str, int]:
-    """Node counters ("..._total") summed over the nodes, from /metrics."""
-    sums: dict[str, int] = {}
-    for line in httpx.get(stack.url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("pdserve:node_") and "{" in line:
-            name = line[len("pdserve:node_") : line.index("{")]
-            sums[name] = sums.get(name, 0) + int(float(line.rsplit(" ", 1)[1]))
+def _counters(stack: Stack) -> dict[str, float]:
+    """Node counters summed over every node, from /metrics."""
+    sums: dict[str, float] = {}
+    for counters in node_counters(httpx.get(stack.url + "/metrics", timeout=10).text).values():
+        for name, value in counters.items():
+            sums[name] = sums.get(name, 0) + value
     return sums
 
 
-def _counters_reaching(stack: Stack, least: dict[str, int], timeout_s: float = 30) -> dict[str, int]:
+def _counters_reaching(stack: Stack, least: dict[str, int], timeout_s: float = 30) -> dict[str, float]:
     """The node counters once each in `least` reaches its value, or after `timeout_s`: they come with the nodes'
     periodic stats, so one read may miss the last ones."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        seen = _counters(stack)
-        if all(seen.get(k, 0) >= v for k, v in least.items()) or time.monotonic() > deadline:
-            return seen
-        time.sleep(0.1)
+    wait_until(lambda: all(_counters(stack).get(k, 0) >= v for k, v in least.items()), timeout_s, 0.1)
+    return _counters(stack)
 
 
 def _wait_for_nodes_up(stack: Stack) -> None:
@@ -86,8 +82,8 @@ def test_damaged_transfers_are_recomputed_exactly_or_failed_by_policy(tmp_path, 
         assert [r.status_code for r in responses] == [200] * NUM_REQUESTS, [r.text for r in responses][:3]
         assert [r.json()["choices"][0]["token_ids"] for r in responses] == ref
         _healthy_and_whole(stack)
-        seen = _counters_reaching(stack, {"kv_faults_injected_total": 3, "kv_recomputed_total": 2})
-        assert seen.get("kv_faults_injected_total", 0) >= 3 and seen.get("kv_recomputed_total", 0) >= 2, seen
+        seen = _counters_reaching(stack, {"kv_faults_injected": 3, "kv_recomputed": 2})
+        assert seen.get("kv_faults_injected", 0) >= 3 and seen.get("kv_recomputed", 0) >= 2, seen
 
         if transport == "zmq":  # (one transport is enough for the policy: the failure paths are the decode node's)
             _under_fail_policy_damaged_requests_fail_with_the_reason(stack, bodies[:NUM_FAIL_PHASE], ref)

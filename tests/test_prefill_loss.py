@@ -4,11 +4,10 @@ with 503 when none is left; requests whose KV reached the decode node carry on; 
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import pytest
-from helpers import Streamer, hf_greedy, mixed_workload
+from helpers import Streamer, hf_greedy, mixed_workload, wait_until
 from stack import Stack
 
 from pdserve.engine.checkpoint import resolve_model
@@ -39,11 +38,7 @@ def _in_flight(stack: Stack, addr: str) -> int:
 
 
 def _wait_for(cond, what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting until {what}")
-        time.sleep(0.02)
+    assert wait_until(cond, timeout, 0.02), f"timed out waiting until {what}"
 
 
 def _metric(stack: Stack, name: str) -> float:

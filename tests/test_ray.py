@@ -14,14 +14,13 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 import zmq
 import zmq.auth
-from helpers import hf_greedy, mixed_workload, probe_answers
+from helpers import hf_greedy, mixed_workload, probe_answers, wait_until
 from stack import free_port
 
 from pdserve.cli import build_parser
@@ -92,11 +91,8 @@ def _healthy(url: str) -> bool:
 
 
 def _wait(done, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not done():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not reached")
-        time.sleep(0.2)
+    if not wait_until(done, timeout, 0.2):
+        raise TimeoutError("condition not reached")
 
 
 def _controller():

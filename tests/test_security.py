@@ -6,16 +6,16 @@ import os
 import pickle
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 import zmq
 import zmq.auth
-from helpers import probe_answers
+from helpers import probe_answers, wait_until
 from stack import Stack
 
+from bench.systems import node_counters
 from pdserve.config import KEY_FILES
 from pdserve.wire import protocol as P
 
@@ -37,9 +37,7 @@ def _node_ports(stack: Stack) -> dict[str, str]:
 
 
 def _node_counter(stack: Stack, name: str, role: str) -> int:
-    text = httpx.get(stack.url + "/metrics", timeout=10).text
-    lines = [ln for ln in text.splitlines() if ln.startswith(f"pdserve:node_{name}_total{{") and f'role="{role}"' in ln]
-    return sum(int(float(ln.rsplit(" ", 1)[1])) for ln in lines)
+    return int(node_counters(httpx.get(stack.url + "/metrics", timeout=10).text).get(role, {}).get(name, 0))
 
 
 def _probes(addrs: list[str], curve: tuple[bytes, bytes, bytes] | None, messages: list[list[bytes]]) -> list[str]:
@@ -71,9 +69,8 @@ def test_strangers_without_the_key_get_nothing_through(tmp_path, keys):
         kv_hello = [P.encode(P.KvHello(P.PROTOCOL_VERSION, {}, "zmq"))]
         messages = [hello, generate, kv_hello]
         addrs = list(_node_ports(stack).values())
-        deadline = time.monotonic() + 30  # counters come with the nodes' periodic stats: wait for the first request's
-        while _node_counter(stack, "requests", "prefill") < 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        # counters come with the nodes' periodic stats: wait for the first request's
+        wait_until(lambda: _node_counter(stack, "requests", "prefill") >= 1, 30)
         requests_before = _node_counter(stack, "requests", "prefill")
         for curve in (None, (stranger_public, stranger_secret, server_public),
                       (client_public, client_secret, wrong_server)):  # fmt: skip
@@ -85,9 +82,7 @@ def test_strangers_without_the_key_get_nothing_through(tmp_path, keys):
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
         # counters come with the nodes' periodic stats: wait until one counts our request (and, sent earlier,
         # any stranger's Generate that ran)
-        deadline = time.monotonic() + 30
-        while _node_counter(stack, "requests", "prefill") < requests_before + 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: _node_counter(stack, "requests", "prefill") >= requests_before + 1, 30)
         assert _node_counter(stack, "requests", "prefill") == requests_before + 1, "a stranger's Generate ran"
     finally:
         stack.close()

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 
 import httpx
 import pytest
+from helpers import wait_until
 from stack import Stack
 
 WARMUP = 100
@@ -49,9 +49,7 @@ def _fds(stack: Stack, name: str) -> int:
 def _settled_fds(stack: Stack, name: str, limit: int) -> int:
     """A process's descriptors, once they drop to `limit` (the router closes client connections a moment after the
     client does) or 15 s have passed."""
-    deadline = time.monotonic() + 15
-    while _fds(stack, name) > limit and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_until(lambda: _fds(stack, name) <= limit, 15, 0.1)
     return _fds(stack, name)
 
 
@@ -75,9 +73,8 @@ def test_soak_leaves_no_requests_kv_descriptors_or_memory_behind(tmp_path, reque
         fds = {p: _settled_fds(stack, p, 10**6) for p in names}
         assert set(asyncio.run(_wave(stack.url, n, WARMUP))) == {200}
         stack.wait_kv_free()
-        deadline = time.monotonic() + 10  # node gauges come with their stats, every 0.5 s
-        while (busy := _not_empty(stack)) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wait_until(lambda: not _not_empty(stack), 10, 0.2)  # node gauges come with their stats, every 0.5 s
+        busy = _not_empty(stack)
         assert not busy, f"requests or KV still held after the soak: {busy}"
         grown = {p: _settled_fds(stack, p, fds[p]) - fds[p] for p in names}
         assert not any(g > 0 for g in grown.values()), f"file descriptors leaked: {grown}"
