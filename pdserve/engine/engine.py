@@ -79,8 +79,9 @@ class Engine:
     def __init__(self, cfg: EngineConfig, prefill_only: bool = False, pool_storage=None) -> None:
         self.cfg = cfg
         self.prefill_only = prefill_only
-        self.model = load_model(resolve_model(cfg.model), cfg.dtype, cfg.device)
-        self.guides = Guides(resolve_model(cfg.model), self.model.config.vocab_size, eos_token_ids(self.model.config))
+        checkpoint = resolve_model(cfg.model)
+        self.model = load_model(checkpoint, cfg.dtype, cfg.device)
+        self.guides = Guides(checkpoint, self.model.config.vocab_size, eos_token_ids(self.model.config))
         self.layout = kv_layout(self.model, cfg.block_size, cfg.dtype)
         num_blocks = cfg.num_blocks_for(self.layout.bytes_per_token())
         storage = pool_storage(self.layout, num_blocks, cfg.device) if pool_storage else None

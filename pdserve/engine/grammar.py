@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from pdserve.engine.block_allocator import cdiv
 from pdserve.engine.copies import to_device
 from pdserve.engine.request import Request
 
@@ -88,7 +89,7 @@ class Guide:
 
     def allowed(self, V: int) -> torch.Tensor:
         """The tokens the grammar allows next: [V] bool (ids beyond the tokenizer's vocabulary never)."""
-        words = torch.zeros((self.n_vocab + 31) // 32, dtype=torch.int32)  # [W]: bit b of word w is token 32w + b
+        words = torch.zeros(cdiv(self.n_vocab, 32), dtype=torch.int32)  # [W]: bit b of word w is token 32w + b
         self.matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
         bits = (words[:, None] >> torch.arange(32, dtype=torch.int32)) & 1  # [W, 32]
         allowed = torch.zeros(V, dtype=torch.bool)

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from pdserve.engine.block_allocator import BlockAllocator
+from pdserve.engine.block_allocator import BlockAllocator, blocks_for
 from pdserve.engine.copies import to_device
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -135,7 +135,7 @@ def is_run(block_ids: list[int]) -> bool:
 def _token_runs(block_ids: list[int], block_size: int, num_tokens: int) -> list[tuple[int, int]]:
     """(first slot, length) of the pool runs holding tokens 0..num_tokens-1, in token order."""
     runs: list[tuple[int, int]] = []
-    for i, block in enumerate(block_ids[: -(-num_tokens // block_size)]):
+    for i, block in enumerate(block_ids[: blocks_for(num_tokens, block_size)]):
         start, n = block * block_size, min(block_size, num_tokens - i * block_size)
         if runs and runs[-1][0] + runs[-1][1] == start:
             runs[-1] = (runs[-1][0], runs[-1][1] + n)

@@ -26,7 +26,7 @@ from torch import nn
 
 from pdserve.config import max_model_len
 from pdserve.engine.backends import Chunk, ForwardInputs, make_backend
-from pdserve.engine.block_allocator import blocks_for
+from pdserve.engine.block_allocator import blocks_for, cdiv
 from pdserve.engine.kv_cache import DTYPES, KVLayout, KVPool
 from pdserve.engine.scheduler import Batch
 
@@ -117,7 +117,7 @@ def padded_rows(rows: int) -> int:
     if rows <= UNPADDED_ROWS:
         return rows
     step = max(8, (1 << (rows.bit_length() - 1)) // 16)
-    return -(-rows // step) * step
+    return cdiv(rows, step) * step
 
 
 @dataclass
