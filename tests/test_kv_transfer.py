@@ -208,3 +208,19 @@ def test_an_injected_fault_is_refused_or_fails_the_checksums(name, kind):
         assert kind == "corrupt" and dst.checksums([4, 5, 12], 10) != src.checksums(blocks, 10)
     finally:
         backend.close()
+
+
+def test_the_fault_schedule_is_fixed_by_the_seed_whatever_the_damage_draws():
+    """Which pulls get which fault depends only on the seed and the pull's number: damaging transfers of any size
+    (whose draws vary with it) does not move the later faults, so a test's faults do not hang on request order."""
+    kinds = ("drop", "delay", "truncate", "corrupt")
+    alone = FaultInjector(0.05, kinds)
+    schedule = [alone.pick() for _ in range(400)]
+    busy = FaultInjector(0.05, kinds)
+    picked = []
+    for i in range(400):
+        picked.append(busy.pick())
+        if picked[-1] is not None:
+            header = P.KvData("r", "float32", [2, 1, 16 * (i + 1), 4], layer=0)
+            busy.damage("corrupt", [(header, [bytearray(16 * (i + 1) * 4 * 4 * 2)])], 3 + i % 7, 64)
+    assert picked == schedule and sum(k is not None for k in schedule) >= 10

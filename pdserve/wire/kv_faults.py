@@ -27,7 +27,8 @@ class FaultInjector:
 
     def __init__(self, rate: float, kinds: tuple[str, ...], seed: int = 0) -> None:
         self.rate, self.kinds = rate, kinds
-        self.rng = random.Random(seed)
+        self.rng = random.Random(seed)  # which transfers, and which fault: the n-th pull's fate is fixed by the seed
+        self.damage_rng = random.Random(seed + 1)  # where in a transfer (its draws depend on the transfer's size)
 
     def pick(self) -> str | None:
         """The fault for the next transfer, or None to leave it alone."""
@@ -37,7 +38,7 @@ class FaultInjector:
 
     def damage(self, kind: str, messages: list[Message], num_tokens: int, pool_blocks: int) -> list[Message]:
         """`messages` with one of them dropped, truncated or corrupted (a delay is the caller's to make)."""
-        i = self.rng.randrange(len(messages))
+        i = self.damage_rng.randrange(len(messages))
         header, frames = messages[i]
         if kind == "drop":
             return messages[:i] + messages[i + 1 :]
@@ -50,12 +51,12 @@ class FaultInjector:
     def _corrupted(self, header: P.KvData, frames: list, num_tokens: int, pool_blocks: int) -> Message:
         if not frames:  # a shared pool: name a wrong source block
             blocks = list(header.src_blocks)
-            j = self.rng.randrange(len(blocks))
-            blocks[j] = (blocks[j] + 1 + self.rng.randrange(max(1, pool_blocks - 1))) % max(1, pool_blocks)
+            j = self.damage_rng.randrange(len(blocks))
+            blocks[j] = (blocks[j] + 1 + self.damage_rng.randrange(max(1, pool_blocks - 1))) % max(1, pool_blocks)
             return dataclasses.replace(header, src_blocks=blocks), frames
         data = bytearray(memoryview(frames[0]).cast("B"))  # [2, nkv, n_blocks * bs, d] as bytes
         row_bytes = len(data) // (_numel(header.shape) // header.shape[-1])
-        data[self.rng.randrange(max(1, num_tokens * row_bytes))] ^= 0xFF  # within the first head's real rows
+        data[self.damage_rng.randrange(max(1, num_tokens * row_bytes))] ^= 0xFF  # within the first head's real rows
         return header, [data, *frames[1:]]
 
 
