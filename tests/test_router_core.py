@@ -3,6 +3,8 @@ sockets, and node events are handed to it as its reader tasks would. What a clie
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from pdserve.config import RouterConfig
@@ -137,3 +139,20 @@ def test_every_error_code_has_one_http_status():
     assert set(HTTP_STATUS) == set(P.ErrorCode)
     assert HTTP_STATUS[P.ErrorCode.INVALID_REQUEST] == 400
     assert all(HTTP_STATUS[c] >= 500 for c in P.ErrorCode if c is not P.ErrorCode.INVALID_REQUEST)
+
+
+def test_nodes_join_in_the_order_listed_and_ties_go_to_the_first(monkeypatch):
+    """Which node a tie goes to must not depend on how the addresses sort: `pdserve up` pins decode node i to a
+    core by its place in the list, and bench/sim.py breaks ties the same way."""
+    addrs, kv = ("tcp://h:9", "tcp://h:10", "tcp://h:8"), ("tcp://h:19", "tcp://h:20", "tcp://h:18")
+    c = RouterCore(RouterConfig(model="tiny", prefill=("tcp://h:5",), decode=addrs, decode_kv=kv))
+    try:
+        monkeypatch.setattr(c, "_join", lambda node: c.nodes.append(node))
+        asyncio.run(c._sync_members())
+        assert [n.addr for n in c.nodes] == ["tcp://h:5", *addrs]
+        for n in c.nodes:
+            n.sock, n.up = FakeSock(), True
+        picked = [c.submit([1, 2], P.SamplingParams(max_tokens=4)).nodes[1].addr for _ in range(4)]
+        assert picked == [*addrs, addrs[0]]
+    finally:
+        c.ctx.destroy(linger=0)

@@ -6,8 +6,9 @@ feeds those queues; one watchdog marks silent or disconnected nodes down and fai
 
 A request's life in the router:
 1. admission: refused (429, Retry-After) while --max-queued-requests requests wait for a first token.
-2. submit: pick the least loaded live node of each role it needs, draining ones excepted; send
-   Generate (the prefill node also learns the decode node's KV address).
+2. submit: pick the least loaded live node of each role it needs (fewest requests, then fewest KV
+   blocks used; ties go to the node listed first: command-line or registration order), draining ones
+   excepted; send Generate (the prefill node also learns the decode node's KV address).
 3. events: the colocated or prefill node sends the first token, the decode node an empty "KV
    landed" event and then the rest.
 4. a node it depends on is lost (dead, silent, or failing it because it drains): the request is
@@ -179,11 +180,12 @@ class RouterCore:
                 log.warning("cannot read the node list: %s", e)
 
     async def _sync_members(self) -> None:
-        wanted = set(await self.membership.members())
+        listed = await self.membership.members()
+        wanted = set(listed)
         for node in [n for n in self.nodes if n.member not in wanted]:
             self._leave(node)
         have = {n.member for n in self.nodes}
-        for m in sorted(wanted - have, key=lambda m: (m.role, m.addr)):
+        for m in dict.fromkeys(m for m in listed if m not in have):  # in the order listed: ties in _pick go first
             self._join(NodeConn(m.role, m.addr, m.kv_addr))
 
     def _join(self, node: NodeConn) -> None:
