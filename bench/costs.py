@@ -66,6 +66,10 @@ class Costs:
     corun_slowdown_decode: float = 1.0  # the same for a decode step
     decode_iteration_s: float = 0.0  # a decode node's time per iteration outside its step (its loop; not measured
     # here: a run's nodes report it, busy_time_s - step_time_s)
+    prefill_iteration_s: float = 0.0  # the same for a prefill node (offers and their checksums, chores); KV pulls
+    # that arrive meanwhile are served before its next step
+    client_s_per_token: float = 0.0  # the load generator's CPU per streamed token (bench's client_cpu_us_per_token):
+    # on one host it takes a share of the nodes' cores, as the router does
 
     def __post_init__(self) -> None:
         if self.link_bytes_per_s <= 0 or self.kv_bytes_per_token < 0:

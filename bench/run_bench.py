@@ -226,7 +226,9 @@ def _records_json(t0: float, records: list[RequestRecord]) -> list[dict]:
 def run_workload(slo: SLO, system: str, run: systems.Runner, w: Workload) -> dict:
     try:
         before = _node_counters(run)
+        cpu0 = time.process_time()
         t0, records = run(w, f"{system}/{w.label}")
+        client_cpu_s = time.process_time() - cpu0  # this process during the run: for a stack, the load generator
         counters = None if before is None else systems.counters_diff(systems.settled_counters(run), before)
     except Exception as e:  # one workload failing must not end the run
         return _failed(system, w, f"{type(e).__name__}: {e}")
@@ -244,6 +246,8 @@ def run_workload(slo: SLO, system: str, run: systems.Runner, w: Workload) -> dic
         "summary": summary,
         "router_cpu_s": router_cpu_s,
         "router_cpu_us_per_token": cpu_per_token_us(router_cpu_s, records),
+        "client_cpu_s": client_cpu_s,
+        "client_cpu_us_per_token": cpu_per_token_us(client_cpu_s, records),
         "node_counters": counters,  # pdserve stacks: per role, the nodes' steps and step time during the run
         "records": _records_json(t0, records),
         "tokens": [r.output_token_ids for r in records],

@@ -8,9 +8,10 @@ goodput) comes from bench/metrics.py. Pure Python, deterministic: the same workl
 
 What it models (pdserve/engine/scheduler.py, node.py, prefill_node, decode_node, router/core.py):
 1. Router: a request is sent at its arrival to the least loaded prefill node and decode node (fewest requests
-   assigned; ties to the lower index). A request counts on its prefill node until the decode node's first token
-   reaches the router, on its decode node until it ends. Each token event costs the router `router_s_per_token`
-   of CPU, served FIFO by its one event loop.
+   assigned; ties to the one listed first, as the router does). A request counts on its prefill node until the
+   decode node's first token reaches the router, on its decode node until it ends. Each token event costs the
+   router `router_s_per_token` of CPU, served FIFO by its one event loop; on one host (5.), the load generator's
+   `client_s_per_token` too.
 2. A node's loop: drain the messages that came in, run one step, then its chores; while it has no work it
    waits for a message. Messages that arrive during a step wait for the step's end.
 3. Prefill step: running requests first, then waiting ones FCFS, each as many prompt tokens as the token budget
@@ -29,13 +30,19 @@ What it models (pdserve/engine/scheduler.py, node.py, prefill_node, decode_node,
    (before 6.6): each node's virtual runtime grows with the CPU it gets, the core goes to the stepping nodes
    with the least (ties share it), and a node that starts a step after waiting is placed at most
    `sleeper_credit_s` behind the least virtual runtime on its core, so it runs alone until it catches up.
+   The router and the load generator are not pinned: their CPU for a token event runs on an idle core if there
+   is one, else split evenly over the cores with the fewest nodes stepping, sharing them as a node would.
 
-6. A decode node's loop outside its steps (`decode_iteration_s`: messages, emitting tokens, chores, and time it
-   lost its core; wall time, as the nodes report it) passes after each step, before the next iteration.
+6. A node's loop outside its steps (`decode_iteration_s`: messages, emitting tokens, chores;
+   `prefill_iteration_s`: first tokens, KV offers and their checksums, chores) runs after each step, before the
+   next iteration, as work on the node's core that is shared like a step's (a calibration run on a core of its
+   own measures it: the nodes report busy_time_s - step_time_s). A KV pull that reaches a prefill node meanwhile
+   is served before its next step.
 
 Not modelled: KV pool capacity and preemption (pools are assumed large enough), the nodes' CPU for packing and
-unpacking KV (the link time stands for it), HTTP and tokenization in the router, the CPU the router and the load
-generator take from the nodes' cores, and other processes on the host.
+unpacking KV (the link time stands for it), the router's HTTP work per request apart from its CPU per token (its
+whole CPU is counted per token), the order in which a burst's requests reach the prefill node (all at once here;
+the real first step may start with the first request alone), and other processes on the host.
 """
 
 from __future__ import annotations
@@ -116,6 +123,13 @@ class Clock:
 
 
 @dataclass(eq=False)
+class _Unpinned:
+    """A share of an unpinned process's work, on `core` (see Cores.run_unpinned)."""
+
+    core: int
+
+
+@dataclass(eq=False)
 class _Work:
     remaining: float  # seconds of a core to itself
     done: Callable[[], None]
@@ -130,12 +144,12 @@ class Cores:
     def __init__(self, clock: Clock, costs: Costs, topo: Topology) -> None:
         self.clock, self.costs, self.topo = clock, costs, topo
         self.shared, self.wakeup = bool(topo.cores), topo.core_sharing == "wakeup"
-        self.running: dict[Node, _Work] = {}
-        self.vruntime: dict[Node, float] = {}  # CPU seconds each node got (core_sharing "wakeup")
+        self.running: dict[Node | _Unpinned, _Work] = {}
+        self.vruntime: dict[Node | _Unpinned, float] = {}  # CPU seconds each node got (core_sharing "wakeup")
         self.floor: dict[int, float] = {}  # each core's least virtual runtime so far (CFS's min_vruntime)
         self.updated, self.epoch = 0.0, 0
 
-    def run(self, node: Node, work: float, done: Callable[[], None]) -> None:
+    def run(self, node: Node | _Unpinned, work: float, done: Callable[[], None]) -> None:
         if not self.shared:
             self.clock.at(self.clock.now + work, done)
             return
@@ -145,6 +159,21 @@ class Cores:
             self.vruntime[node] = max(self.vruntime.get(node, 0.0), floor)
         self.running[node] = _Work(work, done)
         self._reschedule()
+
+    def run_unpinned(self, work: float, done: Callable[[], None]) -> None:
+        """`work` of a process no core is pinned for (the router, the load generator): the kernel runs it on an
+        idle core if there is one; in the model, split evenly over the cores with the fewest nodes stepping."""
+        busy = {c: sum(n.core == c for n in self.running) for c in set(self.topo.cores)}
+        least = sorted(c for c, k in busy.items() if k == min(busy.values()))
+        left = [len(least)]
+
+        def part_done() -> None:
+            left[0] -= 1
+            if not left[0]:
+                done()
+
+        for core in least:
+            self.run(_Unpinned(core), work / len(least), part_done)
 
     def _advance(self) -> None:
         """Each running step's remaining work and virtual runtime, as of now, at the pace it had since the last
@@ -165,7 +194,7 @@ class Cores:
             least[node.core] = min(least.get(node.core, v), v)
         return least
 
-    def _shares(self) -> dict[Node, float]:
+    def _shares(self) -> dict[Node | _Unpinned, float]:
         """Each stepping node's share of its core: 1/k of the k on it ("fair"), or 1/k of the k with the least
         virtual runtime and none for the rest ("wakeup")."""
         least = self._least()
@@ -173,11 +202,11 @@ class Cores:
         counts = {c: sum(n.core == c and not waits[n] for n in self.running) for c in least}
         return {n: 0.0 if waits[n] else 1.0 / counts[n.core] for n in self.running}
 
-    def _rate(self, node: Node, share: float) -> float:
-        beside = any(n.core != node.core for n in self.running)
+    def _rate(self, node: Node | _Unpinned, share: float) -> float:
+        beside = any(isinstance(n, Node) and n.core != node.core for n in self.running)  # (as bench.costs measures)
         costs = self.costs
-        slowdown = costs.corun_slowdown_prefill if isinstance(node, PrefillNode) else costs.corun_slowdown_decode
-        return share / (slowdown if beside else 1.0)
+        slowdown = {PrefillNode: costs.corun_slowdown_prefill, DecodeNode: costs.corun_slowdown_decode}
+        return share / (slowdown.get(type(node), 1.0) if beside else 1.0)
 
     def _reschedule(self) -> None:
         self.epoch += 1
@@ -205,19 +234,25 @@ class Cores:
             self._advance()
             self._reschedule()
 
-    def _finish(self, node: Node, w: _Work, version: int) -> None:
+    def _finish(self, node: Node | _Unpinned, w: _Work, version: int) -> None:
         if self.running.get(node) is not w or w.version != version:
             return  # rescheduled since, or a step before
         self._advance()
         del self.running[node]
+        if isinstance(node, _Unpinned):
+            self.vruntime.pop(node, None)
         self._reschedule()
         w.done()
 
 
 class Router:
-    def __init__(self, clock: Clock, costs: Costs) -> None:
-        self.clock, self.costs = clock, costs
-        self.free_at = 0.0  # the event loop's next free moment
+    """The router's event loop, a FIFO server of token events (see 1. and 5. above)."""
+
+    def __init__(self, clock: Clock, costs: Costs, cores: Cores) -> None:
+        self.clock, self.costs, self.cores = clock, costs, cores
+        self.free_at = 0.0  # the event loop's next free moment (no cores: the router has a CPU of its own)
+        self.queue: deque[SimRequest] = deque()  # on the host's cores: token events not yet served
+        self.serving = False
         self.prefill: list[PrefillNode] = []
         self.decode: list[DecodeNode] = []
 
@@ -232,11 +267,28 @@ class Router:
         """A token event reaches the router now; the client sees it once the loop has served it."""
         if from_decode:
             req.prefill.assigned.discard(req)
-        self.free_at = max(self.clock.now, self.free_at) + self.costs.router_s_per_token
-        req.token_times.append(self.free_at)
         if req.outputs == req.output_len:
             req.prefill.assigned.discard(req)
             req.decode.assigned.discard(req)
+        if not self.cores.shared:
+            self.free_at = max(self.clock.now, self.free_at) + self.costs.router_s_per_token
+            req.token_times.append(self.free_at)
+            return
+        self.queue.append(req)
+        if not self.serving:
+            self._serve()
+
+    def _serve(self) -> None:
+        """The next token event: the router's and the client's CPU for it, on the host's least busy cores."""
+        self.serving = bool(self.queue)
+        if self.serving:
+            req = self.queue.popleft()
+            work = self.costs.router_s_per_token + self.costs.client_s_per_token
+            self.cores.run_unpinned(work, lambda: self._served(req))
+
+    def _served(self, req: SimRequest) -> None:
+        req.token_times.append(self.clock.now)
+        self._serve()
 
 
 class Node:
@@ -277,9 +329,9 @@ class Node:
         self.busy_time_s += self.clock.now - started
         done()
         self.chores()
-        if self.iteration_s():
+        if self.iteration_s():  # the loop's work after a step, on the node's core like the step's
             begun = self.clock.now
-            self.clock.at(begun + self.iteration_s(), lambda: self._end_loop(begun))
+            self.cores.run(self, self.iteration_s(), lambda: self._end_loop(begun))
         else:
             self.iterate()
 
@@ -288,7 +340,7 @@ class Node:
         self.iterate()
 
     def iteration_s(self) -> float:
-        """The loop's wall time per iteration outside the step (it does not load the node's core in the model)."""
+        """The loop's time per iteration outside the step: seconds of its core, shared as a step's are."""
         return 0.0
 
     def handle(self, kind: str, req: SimRequest) -> None:
@@ -302,6 +354,9 @@ class Node:
 
 
 class PrefillNode(Node):
+    def iteration_s(self) -> float:
+        return self.costs.prefill_iteration_s
+
     def handle(self, kind: str, req: SimRequest) -> None:
         if kind == "generate":
             self.waiting.append(req)
@@ -394,7 +449,8 @@ def simulate(workload: Workload, costs: Costs, topo: Topology, counters: dict | 
     """Every request of `workload` through the simulated deployment; times in seconds from its start. `counters`,
     if given, gets each role's steps and step time summed over its nodes (as bench records the real nodes')."""
     clock = Clock()
-    router, cores = Router(clock, costs), Cores(clock, costs, topo)
+    cores = Cores(clock, costs, topo)
+    router = Router(clock, costs, cores)
     core = list(topo.cores) or list(range(topo.num_prefill + topo.num_decode))
     router.prefill = [PrefillNode(clock, costs, topo, router, cores, core.pop(0)) for _ in range(topo.num_prefill)]
     router.decode = [DecodeNode(clock, costs, topo, router, cores, core.pop(0)) for _ in range(topo.num_decode)]
@@ -423,10 +479,12 @@ def predict(workload: Workload, costs: Costs, topo: Topology, slo: SLO) -> dict:
 COMPARED = (("output tok/s", "output_throughput", None), ("TTFT p50", "ttft_s", "p50"), ("TTFT p99", "ttft_s", "p99"),
             ("TPOT p50", "tpot_s", "p50"), ("TPOT p99", "tpot_s", "p99"), ("hand-off p50", "handoff_s", "p50"),
             ("decode ITL p50", "decode_itl_s", "p50"), ("prefill mean step", "prefill_step", None),
-            ("decode mean step", "decode_step", None), ("decode outside steps", "decode_outside", None))  # fmt: skip
+            ("decode mean step", "decode_step", None), ("prefill outside steps", "prefill_outside", None),
+            ("decode outside steps", "decode_outside", None))  # fmt: skip
 
 
 CALIBRATION_ROUNDS = 3
+ROLES = ("prefill", "decode")
 
 
 def stages(token_times: list[list[float]]) -> dict:
@@ -456,9 +514,9 @@ def _mean_step(counters: dict, role: str) -> float | None:
     return c["step_time_s"] / c["steps"] if c.get("steps") else None
 
 
-def _outside_steps(counters: dict) -> float | None:
-    """A decode node's mean time per iteration outside its step, from its counters (None if not reported)."""
-    c = counters.get("decode", {})
+def _outside_steps(counters: dict, role: str) -> float | None:
+    """A `role` node's mean time per iteration outside its step, from its counters (None if not reported)."""
+    c = counters.get(role, {})
     return (c["busy_time_s"] - c["step_time_s"]) / c["steps"] if c.get("steps") and "busy_time_s" in c else None
 
 
@@ -487,72 +545,98 @@ def _simulated(res: dict, costs: Costs, topo: Topology, slo: SLO) -> dict:
     counts: dict = {}
     records = simulate(Workload(res["workload"], reqs), costs, topo, counts)
     summary = {**summarize(records, 0.0, slo), **stages([r.token_times for r in records])}
-    steps = {f"{role}_step": _mean_step(counts, role) for role in ("prefill", "decode")}
-    return {**summary, **steps, "decode_outside": _outside_steps(counts)}
+    return {**summary, **_per_role(counts)}
 
 
-def _calibrated(res: dict, base: Costs, topo: Topology, slo: SLO, measured: dict) -> tuple[dict, dict]:
-    """`res` simulated with the decode loop's time outside its steps as measured (if reported), and each role's
-    step costs scaled until its mean step is the one measured: steps beside each other slow each other, so the
-    scales are refined CALIBRATION_ROUNDS times. The summary, and the scales."""
-    if measured["decode_outside"] is not None:
-        base = replace(base, decode_iteration_s=max(0.0, measured["decode_outside"]))
-    factor = {"prefill": 1.0, "decode": 1.0}
+def _per_role(counters: dict) -> dict:
+    """Each role's mean step and mean time outside its steps, from (summed) node counters."""
+    steps = {f"{role}_step": _mean_step(counters, role) for role in ROLES}
+    return {**steps, **{f"{role}_outside": _outside_steps(counters, role) for role in ROLES}}
+
+
+def _fitted(res: dict, base: Costs, topo: Topology, slo: SLO, measured: dict, steps: bool = True) -> tuple[Costs, dict]:
+    """`base` with each role's step costs (if `steps`) and its loop time outside the steps (where the nodes reported
+    it) scaled until `res` simulated gives the means `measured`: nodes beside each other slow each other, so the
+    scales are refined CALIBRATION_ROUNDS times. The costs, and the scales."""
+    # the scales start from the costs' own loop time, else the one measured
+    outside = {r: getattr(base, f"{r}_iteration_s") or measured[f"{r}_outside"] for r in ROLES
+               if measured[f"{r}_outside"] is not None}  # fmt: skip
+    factor = {f"{r}_{what}": 1.0 for r in ROLES for what in ("step", "outside")}
+
+    def costs() -> Costs:
+        c = scaled(base, factor["prefill_step"], factor["decode_step"])
+        return replace(c, **{f"{r}_iteration_s": max(0.0, s) * factor[f"{r}_outside"] for r, s in outside.items()})
+
     for _ in range(CALIBRATION_ROUNDS):
-        cal = _simulated(res, scaled(base, factor["prefill"], factor["decode"]), topo, slo)
-        factor = {r: f * _ratio(measured[f"{r}_step"], cal[f"{r}_step"]) for r, f in factor.items()}
-    return _simulated(res, scaled(base, factor["prefill"], factor["decode"]), topo, slo), factor
+        cal = _simulated(res, costs(), topo, slo)
+        factor = {k: f * _ratio(measured[k], cal[k]) if steps or k.endswith("outside") else f
+                  for k, f in factor.items()}  # fmt: skip
+    return costs(), factor
 
 
-def calibration_from(run: dict) -> dict:
-    """What an in-process cost measurement cannot see, from a calibration run (a run_bench JSON with a disagg
-    result, not one of the runs validated): the router's CPU per token and the decode loop's mean wall time
-    outside its steps, as `Costs` fields."""
+def _measured(res: dict) -> dict:
+    """A run_bench result's summary, stages and per-role means, as `_simulated` gives them."""
+    counters = res.get("node_counters") or {}
+    return {**res["summary"], **stages([r["token_s"] for r in res["records"]]), **_per_role(counters)}
+
+
+def calibrated_costs(costs: Costs, run: dict, on_cores: bool = True, steps: bool = True) -> Costs:
+    """`costs` completed from a calibration run (a run_bench JSON with a disagg result, not one of the runs
+    validated; run it with each node on a core of its own, 1P1D on 2 cores) with what an in-process measurement
+    cannot see: the router's and the load generator's CPU per token, each role's loop time outside its steps, and
+    (if `steps`) each role's step cost level in the stack, all fitted so that the run simulated (on the host's cores
+    unless not `on_cores`) gives the means its nodes reported."""
     res = next((r for r in run["results"] if r["system"] == "disagg" and r["ok"]), None)
     if res is None:
         raise ValueError("the calibration run has no successful disagg result")
-    outside = _outside_steps(res.get("node_counters") or {})
-    if outside is None:
+    measured = _measured(res)
+    if any(measured[f"{r}_outside"] is None for r in ROLES):
         raise ValueError("the calibration run's nodes did not report busy_time_s")
-    return {"router_s_per_token": (res.get("router_cpu_us_per_token") or 0.0) / 1e6,
-            "decode_iteration_s": max(0.0, outside)}  # fmt: skip
+    topo = bench_topology(run["config"], run["environment"]["cpu_count"])
+    topo = topo if on_cores else replace(topo, cores=())
+    slo = SLO(run["config"]["slo_ttft_s"], run["config"]["slo_tpot_s"])
+    base = replace(costs, **_host_cpu(res), decode_iteration_s=0.0, prefill_iteration_s=0.0)
+    return _fitted(res, base, topo, slo, measured, steps)[0]
+
+
+def _host_cpu(res: dict) -> dict:
+    """The router's and the load generator's CPU per token measured in a run_bench result, as `Costs` fields."""
+    return {f"{who}_s_per_token": (res.get(f"{who}_cpu_us_per_token") or 0.0) / 1e6 for who in ("router", "client")}
 
 
 def validate(
     run: dict,
     costs: Costs,
     on_cores: bool = True,
-    calibration: dict | None = None,
+    calibrated: Costs | None = None,
     core_sharing: str = "fair",
     sleeper_credit_s: float = CFS_SLEEPER_CREDIT_S,
 ) -> list[dict]:
     """Each disagg result of a run_bench JSON beside the simulation of its very requests: (metric, predicted,
-    measured, error) rows. The prediction takes the router's CPU per token from `calibration` (`calibration_from`
-    a separate run) if given, else the one measured in the run, and the rest from `costs`. `calibrated` reruns the
-    simulation with the run's router CPU, each role's step costs scaled so its mean step equals the one measured
-    in the stack (the CPU the node really got on shared cores), and the decode loop's time outside its steps as
-    the nodes reported it (if they did): it checks the model's queueing and hand-offs apart from the cost level.
+    measured, error) rows. The prediction takes `calibrated` (`calibrated_costs` from a separate run) if given, else
+    `costs` with the router's and load generator's CPU per token measured in the run. `calibrated` (the column)
+    reruns the simulation with the run's CPU per token and each role's step costs and time outside its steps
+    scaled so that their means equal the ones the nodes reported in the stack (the CPU they really got on shared
+    cores): it checks the model's queueing and hand-offs apart from the cost level.
     `core_sharing`, `sleeper_credit_s`: how nodes on one core share it (see 5. above)."""
     rows, topo = [], bench_topology(run["config"], run["environment"]["cpu_count"])
     topo = replace(topo, core_sharing=core_sharing, sleeper_credit_s=sleeper_credit_s)
     topo = topo if on_cores else replace(topo, cores=())  # on_cores False: each node on a device of its own
     slo = SLO(run["config"]["slo_ttft_s"], run["config"]["slo_tpot_s"])
     for res in (r for r in run["results"] if r["system"] == "disagg" and r["ok"]):
-        router = (res.get("router_cpu_us_per_token") or 0.0) / 1e6
-        base = replace(costs, router_s_per_token=router)
-        counters = res.get("node_counters") or {}
-        measured = {**res["summary"], **stages([r["token_s"] for r in res["records"]]),
-                    **{f"{role}_step": _mean_step(counters, role) for role in ("prefill", "decode")},
-                    "decode_outside": _outside_steps(counters)}  # fmt: skip
-        sim = _simulated(res, replace(costs, **calibration) if calibration else base, topo, slo)
-        cal, factor = _calibrated(res, base, topo, slo, measured)
+        host = _host_cpu(res)
+        base = replace(costs, **host)
+        measured = _measured(res)
+        sim = _simulated(res, calibrated or base, topo, slo)
+        fitted, factor = _fitted(res, base, topo, slo, measured)
+        cal = _simulated(res, fitted, topo, slo)
         for label, key, stat in COMPARED:
             pred, meas, calib = _stat(sim, key, stat), _stat(measured, key, stat), _stat(cal, key, stat)
             if pred is None or not meas or calib is None:
                 continue
             rows.append({"workload": res["label"], "metric": label, "predicted": pred, "measured": meas,
                          "error": pred / meas - 1, "calibrated": calib, "calibrated_error": calib / meas - 1,
-                         "router_us_per_token": router * 1e6, "cost_factors": factor})  # fmt: skip
+                         "router_us_per_token": host["router_s_per_token"] * 1e6, "cost_factors": factor})  # fmt: skip
     return rows
 
 
@@ -599,7 +683,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--own-devices", action="store_true", help="with --validate: ignore the host's cores (each node "
                    "on a device of its own, as the model was before it had cores)")  # fmt: skip
     p.add_argument("--calibration", type=Path, default=None, help="with --validate: a separate run_bench JSON "
-                   "whose router CPU per token and decode time outside steps the predictions take")  # fmt: skip
+                   "(1P1D) that completes the costs: router and load generator CPU per token, the nodes' time "
+                   "outside their steps, and the step cost level in the stack")  # fmt: skip
+    p.add_argument("--no-step-calibration", action="store_true", help="with --calibration: keep the step costs as "
+                   "measured in-process")  # fmt: skip
     p.add_argument("--core-sharing", default="fair", choices=CORE_SHARING, help="how nodes pinned to one core share "
                    "it: fair (each 1/k) or wakeup (CFS: a node that waited runs first, within a credit)")  # fmt: skip
     p.add_argument("--sleeper-credit-ms", type=float, default=CFS_SLEEPER_CREDIT_S * 1e3, help="with --core-sharing "
@@ -609,11 +696,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--sleeper-credit-ms must be at least 0")
     if a.validate:
         costs = {f: Costs.load(f.with_name(f"costs-{f.name}") if a.costs_beside else a.costs) for f in a.validate}
-        cal = calibration_from(json.loads(a.calibration.read_text())) if a.calibration else None
-        credit = a.sleeper_credit_ms / 1e3
-        runs = [(f.stem, run := json.loads(f.read_text()),
-                 validate(run, costs[f], not a.own_devices, cal, a.core_sharing, credit))
-                for f in a.validate]  # fmt: skip
+        cal_run = json.loads(a.calibration.read_text()) if a.calibration else None
+        credit, on_cores, steps = a.sleeper_credit_ms / 1e3, not a.own_devices, not a.no_step_calibration
+        runs = []
+        for f in a.validate:
+            pred = calibrated_costs(costs[f], cal_run, on_cores, steps) if cal_run else None
+            run = json.loads(f.read_text())
+            runs.append((f.stem, run, validate(run, costs[f], on_cores, pred, a.core_sharing, credit)))
         print(json.dumps([r for *_, rows in runs for r in rows], indent=1) if a.json else validation_markdown(runs))
         return 0
     try:

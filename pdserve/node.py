@@ -153,7 +153,8 @@ class NodeBase:
         for sock, _ in ready:
             self.drain(sock)
         outputs = self.engine.finish(step)
-        if outputs:  # a step's time runs from its launch to its finish, the I/O between included
+        if step is not None:  # a step's time runs from its launch to its finish, the I/O between included; a
+            # prefill step of prompt chunks only (no first token yet) counts too
             self.counters["steps"] += 1
             self.counters["step_time_s"] += time.perf_counter() - t0
         self.held.extend(outputs)

@@ -97,6 +97,22 @@ def _run_out(node: PrefillNode, rid: str) -> None:
     node.transfers[rid].started = time.monotonic() - node.cfg.kv_lease_s - 1
 
 
+def test_every_step_counts_even_one_that_only_computes_prompt_chunks(tiny_models):
+    """A 20-token prompt under an 8-token budget takes 3 steps, two of which sample nothing: the node counts 3, and
+    their time (bench and the simulator read the mean step from these counters)."""
+    engine = EngineConfig(model=str(tiny_models["qwen3"]), num_kv_blocks=32, max_num_batched_tokens=8)
+    node = PrefillNode(NodeConfig("prefill", engine))
+    try:
+        router = FakeRouter(node)
+        router.send(P.Generate("r", PROMPT, PARAMS, decode_addr="tcp://127.0.0.1:9"))
+        for _ in range(3):
+            node.loop_once()
+        assert router.events()[0].token_ids, "no first token after 3 steps"
+        assert node.counters["steps"] == 3 and node.counters["busy_time_s"] >= node.counters["step_time_s"] > 0
+    finally:
+        node.close()
+
+
 def test_kv_waiting_renews_the_lease_and_a_lease_that_runs_out_frees_the_kv(prefill):
     node, router, decode, addr = prefill
     identity = _prefill_and_pair(node, router, decode, addr, "r1")

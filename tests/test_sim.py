@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import pytest
 
@@ -173,6 +173,19 @@ def test_the_decode_loop_outside_its_steps_delays_the_next_step() -> None:
     assert counts["decode"] == pytest.approx({"steps": 2, "step_time_s": 0.020, "busy_time_s": 0.026})
 
 
+def test_a_pull_that_reaches_the_prefill_node_outside_its_steps_is_served_before_its_next_step() -> None:
+    """A's KV pull comes back while the prefill node is still busy after A's step (its offer, chores): the KV goes
+    before B's step. With no time outside the steps, B's step starts at once and the pull waits for its end."""
+    w = workload(one(10, 3), one(100, 1, arrival=0.005))
+    costs = replace(COSTS, kv_bytes_per_token=0, prefill_iteration_s=5e-3)
+    a, b = simulate(w, costs, Topology())
+    assert a.token_times == pytest.approx([0.010, 0.025, 0.035])  # step, loop (the pull served), KV lands, 2 steps
+    assert b.token_times == pytest.approx([0.115])
+    a, b = simulate(w, replace(costs, prefill_iteration_s=0.0), Topology())
+    assert a.token_times == pytest.approx([0.010, 0.120, 0.130])
+    assert b.token_times == pytest.approx([0.110])
+
+
 def test_without_cores_each_node_has_its_own_device() -> None:
     costs = replace(COSTS, kv_bytes_per_token=0, corun_slowdown_prefill=2.0, corun_slowdown_decode=2.0)
     a, b = simulate(workload(one(10, 3), one(20, 1, arrival=0.011)), costs, Topology())
@@ -180,24 +193,30 @@ def test_without_cores_each_node_has_its_own_device() -> None:
     assert b.token_times == pytest.approx([0.031])
 
 
-def simulated_run(w: Workload, costs: Costs) -> dict:
-    """A run_bench JSON of a 2P1D disagg run on 2 cores, made by the simulator with `costs`."""
+RUN_TOPOLOGY = Topology(2, 1, cores=(0, 1, 0))
+
+
+def simulated_run(w: Workload, costs: Costs, topo: Topology = RUN_TOPOLOGY) -> dict:
+    """A run_bench JSON of a disagg run (2P1D on 2 cores unless `topo` says otherwise), made by the simulator with
+    `costs`."""
     from bench.metrics import SLO, summarize
 
     counts: dict = {}
-    recs = simulate(w, costs, Topology(2, 1, cores=(0, 1, 0)), counts)
+    recs = simulate(w, costs, topo, counts)
     records = [{"send_s": r.send_time, "token_s": r.token_times, "expected_output_len": r.expected_output_len,
                 "prompt_len": r.num_prompt_tokens} for r in recs]  # fmt: skip
     result = {"system": "disagg", "ok": True, "workload": w.name, "label": w.label, "records": records,
               "summary": summarize(recs, 0.0, SLO(2.0, 0.2)), "node_counters": counts,
-              "router_cpu_us_per_token": costs.router_s_per_token * 1e6}  # fmt: skip
-    config = {"engine_args": ["--num-prefill", "2"], "max_batch": 16, "max_num_batched_tokens": 512,
-              "slo_ttft_s": 2.0, "slo_tpot_s": 0.2}  # fmt: skip
+              "router_cpu_us_per_token": costs.router_s_per_token * 1e6,
+              "client_cpu_us_per_token": costs.client_s_per_token * 1e6}  # fmt: skip
+    args = ["--num-prefill", str(topo.num_prefill), "--num-decode", str(topo.num_decode)]
+    config = {"engine_args": args + ([] if topo.cores else ["--no-pin"]), "max_batch": 16,
+              "max_num_batched_tokens": 512, "slo_ttft_s": 2.0, "slo_tpot_s": 0.2}  # fmt: skip
     return {"config": config, "environment": {"cpu_count": 2}, "results": [result]}
 
 
 RUN_COSTS = replace(COSTS, corun_slowdown_prefill=1.5, corun_slowdown_decode=1.3, decode_iteration_s=2e-3,
-                    router_s_per_token=1e-4)  # fmt: skip
+                    prefill_iteration_s=3e-3, router_s_per_token=1e-4, client_s_per_token=5e-5)  # fmt: skip
 
 
 def test_validating_a_run_the_simulator_made_finds_no_error() -> None:
@@ -205,20 +224,44 @@ def test_validating_a_run_the_simulator_made_finds_no_error() -> None:
 
     w = make_workload("sharegpt_like", 1000, 2048, seed=2, rate=3.0, num_requests=24)
     rows = validate(simulated_run(w, RUN_COSTS), RUN_COSTS)
-    assert len(rows) == 10
+    assert len(rows) == 11
     assert all(abs(r["error"]) < 1e-9 and abs(r["calibrated_error"]) < 1e-9 for r in rows)
 
 
 def test_a_calibration_run_supplies_what_the_costs_cannot_see() -> None:
-    from bench.sim import calibration_from, validate
+    """A separate run fits the host CPU per token, the loops' time outside the steps and the stack's step cost level
+    (here 1.25x prefill and 1.1x decode the in-process costs): predictions from the fitted costs then match."""
+    from bench.sim import calibrated_costs, scaled, validate
 
     run = simulated_run(make_workload("sharegpt_like", 1000, 2048, seed=2, rate=3.0, num_requests=24), RUN_COSTS)
-    other = simulated_run(make_workload("sharegpt_like", 1000, 2048, seed=5, num_requests=8), RUN_COSTS)
-    measured_alone = replace(RUN_COSTS, decode_iteration_s=0.0, router_s_per_token=0.0)
-    cal = calibration_from(other)
-    assert cal == pytest.approx({"router_s_per_token": 1e-4, "decode_iteration_s": 2e-3})
-    assert all(abs(r["error"]) < 1e-9 for r in validate(run, measured_alone, calibration=cal))
-    without = validate(run, measured_alone)  # the run's router CPU, but no time outside the steps
-    assert max(abs(r["error"]) for r in without) > 0.01
+    # a calibration run: each node on a device of its own, as 1P1D on 2 cores
+    other = simulated_run(make_workload("sharegpt_like", 1000, 2048, seed=5, num_requests=8), RUN_COSTS, Topology())
+    in_process = replace(scaled(RUN_COSTS, 1 / 1.25, 1 / 1.1), decode_iteration_s=0.0, prefill_iteration_s=0.0,
+                         router_s_per_token=0.0, client_s_per_token=0.0)  # fmt: skip
+    fitted = calibrated_costs(in_process, other)
+    assert asdict(fitted) == pytest.approx(asdict(RUN_COSTS), rel=1e-6)
+    assert all(abs(r["error"]) < 1e-6 for r in validate(run, in_process, calibrated=fitted))
+    without = validate(run, in_process)  # the run's CPU per token, but the in-process step costs and no loop time
+    assert max(abs(r["error"]) for r in without) > 0.05
+    kept = calibrated_costs(in_process, other, steps=False)
+    assert kept.decode_base_s == in_process.decode_base_s and kept.decode_iteration_s == pytest.approx(2e-3)
     with pytest.raises(ValueError, match="busy_time_s"):
-        calibration_from({"results": [{**other["results"][0], "node_counters": {}}]})
+        calibrated_costs(in_process, {**other, "results": [{**other["results"][0], "node_counters": {}}]})
+
+
+def test_unpinned_work_takes_an_idle_core_else_shares_the_busy_ones_evenly() -> None:
+    """The router's and load generator's CPU (Cores.run_unpinned): alone on the idle core when there is one; split
+    over both when both cores step, each step then losing its half of it."""
+    from bench.sim import Clock, Cores, _Unpinned
+
+    def ends(pinned: tuple[int, ...]) -> dict[str, float]:
+        clock, done = Clock(), {}
+        cores = Cores(clock, COSTS, Topology(cores=(0, 1)))
+        for i, core in enumerate(pinned):  # a 10 ms step on each of these cores
+            cores.run(_Unpinned(core), 10e-3, lambda i=i: done.setdefault(f"step{i}", clock.now))
+        cores.run_unpinned(2e-3, lambda: done.setdefault("unpinned", clock.now))
+        clock.run()
+        return done
+
+    assert ends((0,)) == pytest.approx({"unpinned": 2e-3, "step0": 10e-3})
+    assert ends((0, 1)) == pytest.approx({"unpinned": 2e-3, "step0": 11e-3, "step1": 11e-3})
