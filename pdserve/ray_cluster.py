@@ -18,7 +18,9 @@ What runs where:
 5. `pdserve scale --ray ADDRESS --prefill N --decode M` changes the counts while serving: new nodes join
    once ready; removed ones (the newest of their role) drain: their node process gets SIGTERM (pdserve/node.py:
    it takes nothing new and finishes what it holds, the router dispatching elsewhere meanwhile) and stays
-   listed until it exits, then its actor and placement group go. The call returns once both are done.
+   listed until it exits, then its actor and placement group go. The call returns once both are done. A
+   draining node that dies is not brought back: its requests are dispatched again as a dead node's, and if Ray
+   restarts its actor, the actor starts no node and ends.
 6. With --zmq-keys, every node and the router use the CurveZMQ keys in that folder (an absolute path, which
    must hold the same keys on every host): a process without them gets nothing from any node socket.
 """
@@ -78,6 +80,9 @@ class NodeActor:
     def __init__(self, key: str, role: str, spec: dict) -> None:
         """spec: the node's flags (argv), log_level, bind_host ("": the host's cluster IP), threads (0: torch's
         default), drain_timeout_s and the deployment whose controller lists it."""
+        self.controller = ray.get_actor(controller_name(spec["deployment"]), namespace=RAY_NAMESPACE)
+        if ray.get(self.controller.is_leaving.remote(key)):  # Ray restarted a node scaled away: stay dead
+            raise RuntimeError(f"node {key} was scaled away while Ray restarted it; not starting it again")
         host = spec["bind_host"] or ray.util.get_node_ip_address()
         ready = Path(tempfile.mkdtemp(prefix="pdserve-node-")) / "ready.json"
         addrs = ["--listen", f"tcp://{host}:0"] + (["--kv-listen", f"tcp://{host}:0"] if role == Role.DECODE else [])
@@ -89,7 +94,6 @@ class NodeActor:
         node = _wait_ready(self.proc, ready)
         self.entry = {"key": key, "role": role, "listen": node["listen"], "kv_listen": node.get("kv_listen", ""),
                       "pid": node["pid"], "ray_node_id": ray_node_id}  # fmt: skip
-        self.controller = ray.get_actor(controller_name(spec["deployment"]), namespace=RAY_NAMESPACE)
         ray.get(self.controller.renew.remote(self.entry))  # listed before the caller learns we are ready
         self.leaving = False
         threading.Thread(target=self._keep_registered, daemon=True).start()
@@ -134,8 +138,13 @@ class Controller:
 
     def renew(self, entry: dict) -> None:
         with self.lock:
-            if entry["key"] in self.actors or entry["key"] in self.leaving:  # a node gone may say hello once more
-                self.entries[entry["key"]] = (entry, time.monotonic())
+            key, listed = entry["key"], self.entries.get(entry["key"], ({}, 0.0))[0]
+            if key in self.actors or (key in self.leaving and listed.get("pid") == entry["pid"]):
+                self.entries[key] = (entry, time.monotonic())  # a node gone may say hello once more: ignored
+
+    def is_leaving(self, key: str) -> bool:
+        with self.lock:
+            return key in self.leaving
 
     def members(self) -> list[dict]:
         now = time.monotonic()

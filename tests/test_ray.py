@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -30,7 +31,7 @@ from pdserve.wire import protocol as P
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from pdserve.ray_cluster import start_controller  # noqa: E402
+from pdserve.ray_cluster import HEARTBEAT_S, start_controller  # noqa: E402
 from pdserve.router.membership import RAY_NAMESPACE, controller_name  # noqa: E402
 
 DEPLOYMENT = "t"
@@ -278,6 +279,51 @@ def test_scaling_decode_down_while_serving_drains_the_removed_node(cluster, depl
     assert newest["key"] not in {m["key"] for m in ray.get(_controller().members.remote())}
     _wait(lambda: [n["addr"] != newest["listen"] and n["up"] for n in _nodes(deployment, "decode")] == [True], 30)
     assert _complete(deployment, prompts[0], 4)[0] == 200
+
+
+def test_a_draining_decode_node_that_dies_is_not_brought_back(cluster, deployment):
+    """2 -> 1 decode nodes, and the removed node's actor is killed while it drains (Ray may restart it): its
+    requests are dispatched again and complete exactly, the scale call still ends with one decode node, and the
+    removed node never comes back under its key."""
+    prompts, n = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]], 1000
+    ref = hf_greedy(resolve_model("tiny"), prompts, [n] * len(prompts))
+    ray.get(_controller().scale.remote(1, 2), timeout=START_TIMEOUT_S)
+    _wait(lambda: sum(n["up"] for n in _nodes(deployment, "decode")) == 2, START_TIMEOUT_S)
+    with ThreadPoolExecutor(len(prompts) + 1) as pool:
+        futures = [pool.submit(_complete, deployment, p, n) for p in prompts]
+        _wait(lambda: [n["in_flight"] for n in _nodes(deployment, "decode")] == [2, 2], 60)
+        newest = max((m for m in ray.get(_controller().members.remote()) if m["role"] == "decode"),
+                     key=lambda m: int(m["key"].split("-")[1]))  # fmt: skip
+        scaled = pool.submit(lambda: ray.get(_controller().scale.remote(1, 1), timeout=START_TIMEOUT_S))
+        _wait(lambda: any(n["draining"] for n in _nodes(deployment, "decode") if n["addr"] == newest["listen"]), 30)
+        ray.kill(ray.get_actor(f"{DEPLOYMENT}-{newest['key']}", namespace=RAY_NAMESPACE), no_restart=False)
+        assert scaled.result() == {"prefill": 1, "decode": 1}
+        got = [f.result() for f in futures]
+    assert [ids for _, ids in got] == ref, "a request of the node that died while draining was lost or changed"
+    time.sleep(2 * HEARTBEAT_S)  # a restarted actor would have registered by now
+    members = [m for m in ray.get(_controller().members.remote()) if m["role"] == "decode"]
+    assert newest["key"] not in {m["key"] for m in members} and len(members) == 1, members
+    _wait(lambda: [n["addr"] != newest["listen"] and n["up"] for n in _nodes(deployment, "decode")] == [True], 30)
+    assert _complete(deployment, prompts[0], 4)[0] == 200
+
+
+def test_the_registry_keeps_a_node_scaled_away_from_coming_back():
+    """The controller's registry in-process: a leaving node keeps its entry while its own process renews it, but a
+    new process under its key (Ray restarted the actor) is not listed, and a restarted actor learns it is leaving."""
+    from pdserve.ray_cluster import Controller
+
+    ctl = Controller("registry", {}, {"CPU": 1}, "pack", 1)
+    ctl.actors["decode-0"] = ctl.actors["decode-1"] = ("decode", None, None)
+    entry = {"key": "decode-1", "role": "decode", "listen": "tcp://h:1", "kv_listen": "tcp://h:2", "pid": 10}
+    ctl.renew({**entry, "key": "decode-0", "pid": 9})
+    ctl.renew(entry)
+    ctl.leaving["decode-1"] = ctl.actors.pop("decode-1")  # what scaling down does first
+    ctl.renew(entry)  # the draining node, still renewing
+    assert ctl.is_leaving("decode-1") and not ctl.is_leaving("decode-0")
+    assert ctl.members() == [{**entry, "key": "decode-0", "pid": 9}, entry]
+    ctl.entries.pop("decode-1")  # its entry lapses...
+    ctl.renew({**entry, "listen": "tcp://h:3", "pid": 11})  # ...and a restarted process says hello
+    assert [m["key"] for m in ctl.members()] == ["decode-0"]
 
 
 def _watch(url: str, addr: str, seen: list[dict], stop: threading.Event) -> None:
