@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
+import torch
 import zmq
 
 from pdserve.config import EngineConfig, NodeConfig
@@ -219,6 +221,43 @@ def test_a_reservation_that_no_kv_answers_is_recomputed_here(decode):
     assert isinstance(ack, P.KvAck) and ack.ok and "recomputed" in ack.reason
     assert not node.incoming and node.engine.requests["r1"].status is Status.WAITING
     assert node.engine.kv_stats()[0] == 2
+
+
+def test_kv_that_arrives_after_the_node_gave_up_on_it_is_ignored(decode):
+    """Half the KV lands, the node gives up (recompute), then every layer arrives, damaged: none of it is written
+    into the blocks the request now recomputes in, nothing is acknowledged again, and the node serves on."""
+    node, peer = decode
+    peer.offer("r1")
+    _tick(node)
+    assert peer.recv() == P.KvPull("r1")
+    req = node.engine.requests["r1"]
+    (backend,) = node.peer_backends.values()
+    layers = list(node.engine.send_kv(req, backend))  # frames shaped as the prefill node's, from this pool
+    damaged = [(h, [np.full_like(f, 0xFF) for f in frames]) for h, frames in layers]
+    half = len(layers) // 2
+    for header, frames in layers[:half]:
+        transport.send(peer.sock, header, frames)
+        assert node.kv_sock.poll(WAIT_MS)
+        node.drain(node.kv_sock)
+    assert node.incoming["r1"].layers_landed == half
+    node.incoming["r1"].reserved_at = time.monotonic() - node.cfg.kv_lease_s / 2 - 1
+    node.tick()
+    ack = peer.recv()
+    assert isinstance(ack, P.KvAck) and "recomputed" in ack.reason and req.status is Status.WAITING
+    before = [node.engine.pool.export_blocks(layer, req.block_ids).clone() for layer in range(len(layers))]
+    bad, received = node.counters["kv_bad"], node.counters["kv_received"]
+    for header, frames in damaged:
+        transport.send(peer.sock, header, frames)
+        assert node.kv_sock.poll(WAIT_MS)
+        node.drain(node.kv_sock)
+    after = [node.engine.pool.export_blocks(layer, req.block_ids) for layer in range(len(layers))]
+    assert all(torch.equal(b, a) for b, a in zip(before, after, strict=True)), "late KV was written into the pool"
+    assert (node.counters["kv_bad"], node.counters["kv_received"]) == (bad, received)
+    assert not peer.sock.poll(200), "the late KV was answered"
+    assert req.status is Status.WAITING and not node.incoming
+    peer.offer("r2")  # and the node takes the next transfer as usual
+    _tick(node)
+    assert peer.recv() == P.KvPull("r2")
 
 
 def test_an_abort_before_the_offer_refuses_the_late_offer(decode):
