@@ -65,6 +65,7 @@ class NodeBase:
         self.cfg = cfg
         self.host_id = cfg.host_id or default_host_id()
         self.engine = self.make_engine()
+        self.engine.guides.prepare()  # the grammar tokenizer, on a thread: no first guided request stalls the loop
         self.ctx = zmq.Context()
         self.keys = transport.load_keys(cfg.zmq_keys) if cfg.zmq_keys else None
         self.auth = transport.start_authenticator(self.ctx, self.keys)

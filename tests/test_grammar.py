@@ -145,3 +145,29 @@ def test_a_redispatched_guided_request_replays_what_was_streamed():
     assert RouterCore._resumed_params(flight).grammar_prefix == 3
     plain = Flight("", [1, 2], SamplingParams(max_tokens=10), None, output=[5, 6, 7])
     assert RouterCore._resumed_params(plain).grammar_prefix == 0
+
+
+def test_prepare_builds_the_tokenizer_on_its_own_thread_and_requests_share_it(tiny_models):
+    """What a node does at start (`Guides.prepare`): the grammar tokenizer is built off the caller's thread, and the
+    first guided request gets that very tokenizer rather than building one on the engine's loop."""
+    import threading
+
+    from pdserve.engine.grammar import Guides
+
+    guides = Guides(tiny_models["qwen3"], 512, (EOS,))
+    builders: list[str] = []
+    started, build = threading.Event(), guides._build
+
+    def tracked():
+        builders.append(threading.current_thread().name)
+        started.set()
+        return build()
+
+    guides._build = tracked
+    guides.prepare()
+    assert started.wait(30), "prepare() built nothing"
+    req = guided("g", [5, 6, 7], SCHEMAS[1])
+    guides.attach(req)  # waits for the build under way, if it has not ended
+    assert builders == ["grammar-tokenizer"] and req.guide is not None
+    guides.attach(guided("h", [5, 6], SCHEMAS[0]))
+    assert builders == ["grammar-tokenizer"]
