@@ -8,10 +8,10 @@ goodput) comes from bench/metrics.py. Pure Python, deterministic: the same workl
 
 What it models (pdserve/engine/scheduler.py, node.py, prefill_node, decode_node, router/core.py):
 1. Router: a request is sent at its arrival to the least loaded prefill node and decode node (fewest requests
-   assigned; ties to the one listed first, as the router does). A request counts on its prefill node until the
-   decode node's first token reaches the router, on its decode node until it ends. Each token event costs the
-   router `router_s_per_token` of CPU, served FIFO by its one event loop; on one host (5.), the load generator's
-   `client_s_per_token` too.
+   assigned; ties to the one listed first, as the router's are; its second key, KV blocks used, is not
+   modelled). A request counts on its prefill node until the decode node's first token reaches the router, on
+   its decode node until it ends. Each token event costs the router `router_s_per_token` of CPU, served FIFO by
+   its one event loop; on one host (5.), the load generator's `client_s_per_token` too.
 2. A node's loop: drain the messages that came in, run one step, then its chores; while it has no work it
    waits for a message. Messages that arrive during a step wait for the step's end.
 3. Prefill step: running requests first, then waiting ones FCFS, each as many prompt tokens as the token budget
@@ -37,7 +37,8 @@ What it models (pdserve/engine/scheduler.py, node.py, prefill_node, decode_node,
    `prefill_iteration_s`: first tokens, KV offers and their checksums, chores) runs after each step, before the
    next iteration, as work on the node's core that is shared like a step's (a calibration run on a core of its
    own measures it: the nodes report busy_time_s - step_time_s). A KV pull that reaches a prefill node meanwhile
-   is served before its next step.
+   is served before its next step. (The real prefill node sends its offers during that time, each after its
+   checksum, and reads pulls at its end; the model sends them all at the step's end.)
 
 Not modelled: KV pool capacity and preemption (pools are assumed large enough), the nodes' CPU for packing and
 unpacking KV (the link time stands for it), the router's HTTP work per request apart from its CPU per token (its
@@ -76,6 +77,7 @@ class Topology:
     cores: tuple[int, ...] = ()  # the core of each node, prefill nodes first; (): each node has its own device
     core_sharing: str = "fair"  # one of CORE_SHARING (see 5. above)
     sleeper_credit_s: float = CFS_SLEEPER_CREDIT_S  # core_sharing "wakeup": a waking node's most head start
+    host_cores: int = 0  # with cores: how many the host has (0: as many as the nodes are pinned to)
 
     def __post_init__(self) -> None:
         if min(self.num_prefill, self.num_decode, self.max_num_seqs, self.max_num_batched_tokens) < 1:
@@ -139,11 +141,13 @@ class _Work:
 
 
 class Cores:
-    """Where node steps run (see 5. above): with no cores given, a step takes its cost."""
+    """Where the nodes' steps and loops, the router and the load generator run (see 5. above): with no cores
+    given, each node has a device of its own and its work takes its cost."""
 
     def __init__(self, clock: Clock, costs: Costs, topo: Topology) -> None:
         self.clock, self.costs, self.topo = clock, costs, topo
         self.shared, self.wakeup = bool(topo.cores), topo.core_sharing == "wakeup"
+        self.host = range(max(topo.host_cores, max(topo.cores, default=-1) + 1))  # the host's cores
         self.running: dict[Node | _Unpinned, _Work] = {}
         self.vruntime: dict[Node | _Unpinned, float] = {}  # CPU seconds each node got (core_sharing "wakeup")
         self.floor: dict[int, float] = {}  # each core's least virtual runtime so far (CFS's min_vruntime)
@@ -161,10 +165,11 @@ class Cores:
         self._reschedule()
 
     def run_unpinned(self, work: float, done: Callable[[], None]) -> None:
-        """`work` of a process no core is pinned for (the router, the load generator): the kernel runs it on an
-        idle core if there is one; in the model, split evenly over the cores with the fewest nodes stepping."""
-        busy = {c: sum(n.core == c for n in self.running) for c in set(self.topo.cores)}
-        least = sorted(c for c, k in busy.items() if k == min(busy.values()))
+        """`work` of a process no core is pinned for (the router, the load generator): on an idle core if there is
+        one, else split evenly over the cores running the fewest tasks (the kernel moves it between them)."""
+        busy = {c: sum(n.core == c for n in self.running) for c in self.host}
+        least = [c for c, k in busy.items() if k == min(busy.values())]
+        least = least[:1] if not busy[least[0]] else least
         left = [len(least)]
 
         def part_done() -> None:
@@ -327,12 +332,13 @@ class Node:
         self.steps += 1
         self.step_time_s += self.clock.now - started  # wall time, as the nodes count it
         self.busy_time_s += self.clock.now - started
+        loop_s = self.iteration_s()
+        if loop_s:  # the loop's work after a step, on the node's core like the step's, from the step's end on
+            begun = self.clock.now
+            self.cores.run(self, loop_s, lambda: self._end_loop(begun))
         done()
         self.chores()
-        if self.iteration_s():  # the loop's work after a step, on the node's core like the step's
-            begun = self.clock.now
-            self.cores.run(self, self.iteration_s(), lambda: self._end_loop(begun))
-        else:
+        if not loop_s:
             self.iterate()
 
     def _end_loop(self, started: float) -> None:
@@ -506,7 +512,7 @@ def bench_topology(config: dict, cpu_count: int) -> Topology:
     args = list(config.get("engine_args", ()))
     p, d = _flag(args, "--num-prefill", 1), _flag(args, "--num-decode", 1)
     cores = () if "--no-pin" in args else tuple(i % cpu_count for i in range(p + d))
-    return Topology(p, d, config["max_batch"], config["max_num_batched_tokens"], cores)
+    return Topology(p, d, config["max_batch"], config["max_num_batched_tokens"], cores, host_cores=cpu_count)
 
 
 def _mean_step(counters: dict, role: str) -> float | None:
@@ -580,23 +586,37 @@ def _measured(res: dict) -> dict:
     return {**res["summary"], **stages([r["token_s"] for r in res["records"]]), **_per_role(counters)}
 
 
-def calibrated_costs(costs: Costs, run: dict, on_cores: bool = True, steps: bool = True) -> Costs:
+def calibrated_costs(
+    costs: Costs,
+    run: dict,
+    on_cores: bool = True,
+    steps: bool = True,
+    core_sharing: str = "fair",
+    sleeper_credit_s: float = CFS_SLEEPER_CREDIT_S,
+) -> Costs:
     """`costs` completed from a calibration run (a run_bench JSON with a disagg result, not one of the runs
     validated; run it with each node on a core of its own, 1P1D on 2 cores) with what an in-process measurement
     cannot see: the router's and the load generator's CPU per token, each role's loop time outside its steps, and
     (if `steps`) each role's step cost level in the stack, all fitted so that the run simulated (on the host's cores
-    unless not `on_cores`) gives the means its nodes reported."""
+    unless not `on_cores`, shared as `core_sharing` says) gives the means its nodes reported."""
     res = next((r for r in run["results"] if r["system"] == "disagg" and r["ok"]), None)
     if res is None:
         raise ValueError("the calibration run has no successful disagg result")
     measured = _measured(res)
     if any(measured[f"{r}_outside"] is None for r in ROLES):
         raise ValueError("the calibration run's nodes did not report busy_time_s")
-    topo = bench_topology(run["config"], run["environment"]["cpu_count"])
-    topo = topo if on_cores else replace(topo, cores=())
+    topo = _run_topology(run, on_cores, core_sharing, sleeper_credit_s)
     slo = SLO(run["config"]["slo_ttft_s"], run["config"]["slo_tpot_s"])
     base = replace(costs, **_host_cpu(res), decode_iteration_s=0.0, prefill_iteration_s=0.0)
     return _fitted(res, base, topo, slo, measured, steps)[0]
+
+
+def _run_topology(run: dict, on_cores: bool, core_sharing: str, sleeper_credit_s: float) -> Topology:
+    """A run_bench JSON's deployment, its nodes on the host's cores unless not `on_cores` (then each on a device
+    of its own), shared as `core_sharing` says."""
+    topo = replace(bench_topology(run["config"], run["environment"]["cpu_count"]), core_sharing=core_sharing,
+                   sleeper_credit_s=sleeper_credit_s)  # fmt: skip
+    return topo if on_cores else replace(topo, cores=())
 
 
 def _host_cpu(res: dict) -> dict:
@@ -608,26 +628,24 @@ def validate(
     run: dict,
     costs: Costs,
     on_cores: bool = True,
-    calibrated: Costs | None = None,
+    predict_with: Costs | None = None,
     core_sharing: str = "fair",
     sleeper_credit_s: float = CFS_SLEEPER_CREDIT_S,
 ) -> list[dict]:
     """Each disagg result of a run_bench JSON beside the simulation of its very requests: (metric, predicted,
-    measured, error) rows. The prediction takes `calibrated` (`calibrated_costs` from a separate run) if given, else
-    `costs` with the router's and load generator's CPU per token measured in the run. `calibrated` (the column)
+    measured, error) rows. The prediction takes `predict_with` (`calibrated_costs` from a separate run) if given,
+    else `costs` with the router's and load generator's CPU per token measured in the run. The `calibrated` column
     reruns the simulation with the run's CPU per token and each role's step costs and time outside its steps
     scaled so that their means equal the ones the nodes reported in the stack (the CPU they really got on shared
     cores): it checks the model's queueing and hand-offs apart from the cost level.
     `core_sharing`, `sleeper_credit_s`: how nodes on one core share it (see 5. above)."""
-    rows, topo = [], bench_topology(run["config"], run["environment"]["cpu_count"])
-    topo = replace(topo, core_sharing=core_sharing, sleeper_credit_s=sleeper_credit_s)
-    topo = topo if on_cores else replace(topo, cores=())  # on_cores False: each node on a device of its own
+    rows, topo = [], _run_topology(run, on_cores, core_sharing, sleeper_credit_s)
     slo = SLO(run["config"]["slo_ttft_s"], run["config"]["slo_tpot_s"])
     for res in (r for r in run["results"] if r["system"] == "disagg" and r["ok"]):
         host = _host_cpu(res)
         base = replace(costs, **host)
         measured = _measured(res)
-        sim = _simulated(res, calibrated or base, topo, slo)
+        sim = _simulated(res, predict_with or base, topo, slo)
         fitted, factor = _fitted(res, base, topo, slo, measured)
         cal = _simulated(res, fitted, topo, slo)
         for label, key, stat in COMPARED:
@@ -700,7 +718,7 @@ def main(argv: list[str] | None = None) -> int:
         credit, on_cores, steps = a.sleeper_credit_ms / 1e3, not a.own_devices, not a.no_step_calibration
         runs = []
         for f in a.validate:
-            pred = calibrated_costs(costs[f], cal_run, on_cores, steps) if cal_run else None
+            pred = calibrated_costs(costs[f], cal_run, on_cores, steps, a.core_sharing, credit) if cal_run else None
             run = json.loads(f.read_text())
             runs.append((f.stem, run, validate(run, costs[f], on_cores, pred, a.core_sharing, credit)))
         print(json.dumps([r for *_, rows in runs for r in rows], indent=1) if a.json else validation_markdown(runs))

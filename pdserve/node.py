@@ -65,7 +65,7 @@ class NodeBase:
         self.cfg = cfg
         self.host_id = cfg.host_id or default_host_id()
         self.engine = self.make_engine()
-        self.engine.guides.prepare()  # the grammar tokenizer, on a thread: no first guided request stalls the loop
+        self.engine.guides.prepare()  # the grammar tokenizer, now: no first guided request stalls the loop for it
         self.ctx = zmq.Context()
         self.keys = transport.load_keys(cfg.zmq_keys) if cfg.zmq_keys else None
         self.auth = transport.start_authenticator(self.ctx, self.keys)
@@ -154,8 +154,9 @@ class NodeBase:
         for sock, _ in ready:
             self.drain(sock)
         outputs = self.engine.finish(step)
-        if step is not None:  # a step's time runs from its launch to its finish, the I/O between included; a
-            # prefill step of prompt chunks only (no first token yet) counts too
+        # a step's time runs from its launch to its finish, the I/O between included; a prefill step of prompt
+        # chunks only (no first token yet) counts too
+        if step is not None:
             self.counters["steps"] += 1
             self.counters["step_time_s"] += time.perf_counter() - t0
         self.held.extend(outputs)

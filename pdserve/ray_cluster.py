@@ -137,10 +137,12 @@ class Controller:
         self.serial = 0
 
     def renew(self, entry: dict) -> None:
+        """List a node's entry, or renew it: any node of the deployment's, but a leaving one only from the process
+        it had (a node gone, or one Ray restarted under a key scaled away, may say hello once more: ignored)."""
         with self.lock:
             key, listed = entry["key"], self.entries.get(entry["key"], ({}, 0.0))[0]
             if key in self.actors or (key in self.leaving and listed.get("pid") == entry["pid"]):
-                self.entries[key] = (entry, time.monotonic())  # a node gone may say hello once more: ignored
+                self.entries[key] = (entry, time.monotonic())
 
     def is_leaving(self, key: str) -> bool:
         with self.lock:

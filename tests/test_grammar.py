@@ -147,27 +147,19 @@ def test_a_redispatched_guided_request_replays_what_was_streamed():
     assert RouterCore._resumed_params(plain).grammar_prefix == 0
 
 
-def test_prepare_builds_the_tokenizer_on_its_own_thread_and_requests_share_it(tiny_models):
-    """What a node does at start (`Guides.prepare`): the grammar tokenizer is built off the caller's thread, and the
-    first guided request gets that very tokenizer rather than building one on the engine's loop."""
-    import threading
-
+def test_prepare_builds_the_tokenizer_once_for_the_requests_to_come(tiny_models, monkeypatch):
+    """What a node does before it reports ready (`Guides.prepare`): the grammar tokenizer is built then, and the
+    guided requests that come later use it rather than building one on the engine's loop."""
     from pdserve.engine.grammar import Guides
 
     guides = Guides(tiny_models["qwen3"], 512, (EOS,))
-    builders: list[str] = []
-    started, build = threading.Event(), guides._build
-
-    def tracked():
-        builders.append(threading.current_thread().name)
-        started.set()
-        return build()
-
-    guides._build = tracked
+    builds: list[int] = []
+    build = guides._build
+    monkeypatch.setattr(guides, "_build", lambda: builds.append(1) or build())
     guides.prepare()
-    assert started.wait(30), "prepare() built nothing"
-    req = guided("g", [5, 6, 7], SCHEMAS[1])
-    guides.attach(req)  # waits for the build under way, if it has not ended
-    assert builders == ["grammar-tokenizer"] and req.guide is not None
-    guides.attach(guided("h", [5, 6], SCHEMAS[0]))
-    assert builders == ["grammar-tokenizer"]
+    assert builds == [1]
+    for rid, schema in (("g", SCHEMAS[1]), ("h", SCHEMAS[0])):
+        req = guided(rid, [5, 6, 7], schema)
+        guides.attach(req)
+        assert req.guide is not None
+    assert builds == [1]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 
 import pytest
 
@@ -234,34 +234,40 @@ def test_a_calibration_run_supplies_what_the_costs_cannot_see() -> None:
     from bench.sim import calibrated_costs, scaled, validate
 
     run = simulated_run(make_workload("sharegpt_like", 1000, 2048, seed=2, rate=3.0, num_requests=24), RUN_COSTS)
-    # a calibration run: each node on a device of its own, as 1P1D on 2 cores
-    other = simulated_run(make_workload("sharegpt_like", 1000, 2048, seed=5, num_requests=8), RUN_COSTS, Topology())
+    # a calibration run: 1P1D, each node on a core of its own, the router and load generator beside them
+    other = simulated_run(make_workload("sharegpt_like", 1000, 2048, seed=5, num_requests=8), RUN_COSTS,
+                          Topology(cores=(0, 1)))  # fmt: skip
     in_process = replace(scaled(RUN_COSTS, 1 / 1.25, 1 / 1.1), decode_iteration_s=0.0, prefill_iteration_s=0.0,
                          router_s_per_token=0.0, client_s_per_token=0.0)  # fmt: skip
     fitted = calibrated_costs(in_process, other)
-    assert asdict(fitted) == pytest.approx(asdict(RUN_COSTS), rel=1e-6)
-    assert all(abs(r["error"]) < 1e-6 for r in validate(run, in_process, calibrated=fitted))
+    assert asdict(fitted) == pytest.approx(asdict(RUN_COSTS), rel=1e-3)  # CALIBRATION_ROUNDS of refinement
+    assert all(abs(r["error"]) < 1e-2 for r in validate(run, in_process, predict_with=fitted))
     without = validate(run, in_process)  # the run's CPU per token, but the in-process step costs and no loop time
     assert max(abs(r["error"]) for r in without) > 0.05
     kept = calibrated_costs(in_process, other, steps=False)
-    assert kept.decode_base_s == in_process.decode_base_s and kept.decode_iteration_s == pytest.approx(2e-3)
+    assert kept.decode_base_s == in_process.decode_base_s and kept.decode_iteration_s > 0
     with pytest.raises(ValueError, match="busy_time_s"):
         calibrated_costs(in_process, {**other, "results": [{**other["results"][0], "node_counters": {}}]})
 
 
 def test_unpinned_work_takes_an_idle_core_else_shares_the_busy_ones_evenly() -> None:
-    """The router's and load generator's CPU (Cores.run_unpinned): alone on the idle core when there is one; split
-    over both when both cores step, each step then losing its half of it."""
-    from bench.sim import Clock, Cores, _Unpinned
+    """The router's and load generator's CPU (Cores.run_unpinned): on one idle core when there is one (never faster
+    than a core); split over both when both cores are busy, each step then losing its half of it."""
+    from bench.sim import Clock, Cores
+
+    @dataclass(eq=False)
+    class Pinned:  # a task pinned to a core, as a node's step is
+        core: int
 
     def ends(pinned: tuple[int, ...]) -> dict[str, float]:
         clock, done = Clock(), {}
         cores = Cores(clock, COSTS, Topology(cores=(0, 1)))
         for i, core in enumerate(pinned):  # a 10 ms step on each of these cores
-            cores.run(_Unpinned(core), 10e-3, lambda i=i: done.setdefault(f"step{i}", clock.now))
+            cores.run(Pinned(core), 10e-3, lambda i=i: done.setdefault(f"step{i}", clock.now))
         cores.run_unpinned(2e-3, lambda: done.setdefault("unpinned", clock.now))
         clock.run()
         return done
 
+    assert ends(()) == pytest.approx({"unpinned": 2e-3})
     assert ends((0,)) == pytest.approx({"unpinned": 2e-3, "step0": 10e-3})
     assert ends((0, 1)) == pytest.approx({"unpinned": 2e-3, "step0": 11e-3, "step1": 11e-3})

@@ -11,14 +11,13 @@ router from `response_format`) only draws tokens its grammar allows.
    are recomputed, not drawn again.
 
 Requests without a grammar cost one attribute test per row per step. llguidance is imported on the first
-guided request (`pip install pdserve[grammar]`), or at a node's start, which builds the tokenizer on a thread of
-its own (`Guides.prepare`).
+guided request (`pip install pdserve[grammar]`), or when a node starts: it builds the tokenizer before it reports
+ready (`Guides.prepare`).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from pathlib import Path
 
 import torch
@@ -35,30 +34,21 @@ class GrammarError(ValueError):
 
 
 class Guides:
-    """The llguidance tokenizer of one engine (built on first use, or ahead by `prepare`) and the matchers of its
+    """The llguidance tokenizer of one engine (built by `prepare`, else on first use) and the matchers of its
     requests."""
 
     def __init__(self, checkpoint: Path, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
         self.checkpoint, self.vocab_size, self.eos_token_ids = checkpoint, vocab_size, eos_token_ids
         self._tokenizer = None
-        self._lock = threading.Lock()
 
     def prepare(self) -> None:
-        """Build the tokenizer on a thread of its own now, if llguidance is installed, so that a node's first guided
-        request does not stall its loop for it (about a second for a large vocabulary); that request waits for
-        the build if it is still running."""
+        """Build the tokenizer now if llguidance is installed: a node does so before it reports ready, so that its
+        first guided request does not stall its loop for it (about a second for a large vocabulary). A failure
+        is left for the first guided request to raise."""
         try:
-            _llguidance()
-        except GrammarError:
-            return
-
-        def build() -> None:
-            try:
-                self.tokenizer()
-            except GrammarError as e:  # the first guided request will raise it again
-                log.debug("%s", e)
-
-        threading.Thread(target=build, name="grammar-tokenizer", daemon=True).start()
+            self.tokenizer()
+        except GrammarError as e:
+            log.debug("%s", e)
 
     def attach(self, req: Request) -> None:
         """Give a guided request its matcher, advanced over the tokens it already has (GrammarError if it can't)."""
@@ -76,10 +66,9 @@ class Guides:
 
     def tokenizer(self):
         """llguidance's view of the checkpoint's (fast) tokenizer, built once: about a second for 150k ids."""
-        with self._lock:
-            if self._tokenizer is None:
-                self._tokenizer = self._build()
-            return self._tokenizer
+        if self._tokenizer is None:
+            self._tokenizer = self._build()
+        return self._tokenizer
 
     def _build(self):
         ll = _llguidance()
