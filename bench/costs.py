@@ -70,6 +70,8 @@ class Costs:
     # that arrive meanwhile are served before its next step
     client_s_per_token: float = 0.0  # the load generator's CPU per streamed token (bench's client_cpu_us_per_token):
     # on one host it takes a share of the nodes' cores, as the router does
+    router_s_per_message: float = 0.0  # the router's CPU per message from a node (one a step), beside its CPU per
+    # token (0: all of it counted per token, as bench measures it)
 
     def __post_init__(self) -> None:
         if self.link_bytes_per_s <= 0 or self.kv_bytes_per_token < 0:

@@ -10,8 +10,9 @@ What it models (pdserve/engine/scheduler.py, node.py, prefill_node, decode_node,
 1. Router: a request is sent at its arrival to the least loaded prefill node and decode node (fewest requests
    assigned; ties to the one listed first, as the router's are; its second key, KV blocks used, is not
    modelled). A request counts on its prefill node until the decode node's first token reaches the router, on
-   its decode node until it ends. Each token event costs the router `router_s_per_token` of CPU, served FIFO by
-   its one event loop; on one host (5.), the load generator's `client_s_per_token` too.
+   its decode node until it ends. A node sends one message a step with a token for each request that made one;
+   the router's one event loop serves them FIFO, each taking `router_s_per_message` + `router_s_per_token` a
+   token of its CPU; on one host (5.), the load generator's `client_s_per_token` a token too.
 2. A node's loop: drain the messages that came in, run one step, then its chores; while it has no work it
    waits for a message. Messages that arrive during a step wait for the step's end.
 3. Prefill step: running requests first, then waiting ones FCFS, each as many prompt tokens as the token budget
@@ -55,10 +56,10 @@ import json
 import sys
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from bench.costs import Costs
+from bench.costs import Costs, _least_squares
 from bench.metrics import SLO, RequestRecord, distribution, summarize
 from bench.workloads import WORKLOADS, BenchRequest, Workload, make_workload
 
@@ -256,7 +257,8 @@ class Router:
     def __init__(self, clock: Clock, costs: Costs, cores: Cores) -> None:
         self.clock, self.costs, self.cores = clock, costs, cores
         self.free_at = 0.0  # the event loop's next free moment (no cores: the router has a CPU of its own)
-        self.queue: deque[SimRequest] = deque()  # on the host's cores: token events not yet served
+        self.queue: deque[tuple[SimRequest, float]] = deque()  # on the host's cores: tokens not yet served
+        self.busy_s = 0.0  # the router's CPU (its own, not the client's)
         self.serving = False
         self.prefill: list[PrefillNode] = []
         self.decode: list[DecodeNode] = []
@@ -268,27 +270,31 @@ class Router:
         req.decode.assigned.add(req)
         req.prefill.deliver(("generate", req))
 
-    def token(self, req: SimRequest, from_decode: bool) -> None:
-        """A token event reaches the router now; the client sees it once the loop has served it."""
-        if from_decode:
-            req.prefill.assigned.discard(req)
-        if req.outputs == req.output_len:
-            req.prefill.assigned.discard(req)
-            req.decode.assigned.discard(req)
-        if not self.cores.shared:
-            self.free_at = max(self.clock.now, self.free_at) + self.costs.router_s_per_token
-            req.token_times.append(self.free_at)
-            return
-        self.queue.append(req)
-        if not self.serving:
+    def tokens(self, reqs: list[SimRequest], from_decode: bool) -> None:
+        """A node's message with one token for each of `reqs` (one step's) reaches the router now. Its loop takes
+        the message, then hands the tokens out one by one: the client sees each once its share is served."""
+        for req in reqs:
+            if from_decode:
+                req.prefill.assigned.discard(req)
+            if req.outputs == req.output_len:
+                req.prefill.assigned.discard(req)
+                req.decode.assigned.discard(req)
+        for i, req in enumerate(reqs):
+            work = self.costs.router_s_per_token + (self.costs.router_s_per_message if i == 0 else 0.0)
+            self.busy_s += work
+            if not self.cores.shared:
+                self.free_at = max(self.clock.now, self.free_at) + work
+                req.token_times.append(self.free_at)
+            else:
+                self.queue.append((req, work + self.costs.client_s_per_token))
+        if self.cores.shared and not self.serving:
             self._serve()
 
     def _serve(self) -> None:
-        """The next token event: the router's and the client's CPU for it, on the host's least busy cores."""
+        """The next token: the router's CPU for it and the client's, on the host's cores."""
         self.serving = bool(self.queue)
         if self.serving:
-            req = self.queue.popleft()
-            work = self.costs.router_s_per_token + self.costs.client_s_per_token
+            req, work = self.queue.popleft()
             self.cores.run_unpinned(work, lambda: self._served(req))
 
     def _served(self, req: SimRequest) -> None:
@@ -393,14 +399,16 @@ class PrefillNode(Node):
         return cost, lambda: self._advance(chunks)
 
     def _advance(self, chunks: list[tuple[SimRequest, int]]) -> None:
+        first = []
         for req, n in chunks:
             req.computed += n
             if req.computed == req.prompt_len:
                 self.running.remove(req)
                 req.outputs = 1
-                self.router.token(req, from_decode=False)
+                first.append(req)
                 if req.output_len > 1:
                     req.decode.deliver(("offer", req))
+        self.router.tokens(first, from_decode=False)
 
 
 class DecodeNode(Node):
@@ -445,7 +453,7 @@ class DecodeNode(Node):
             req.outputs += 1
             if req.outputs == req.output_len:
                 self.running.remove(req)
-            self.router.token(req, from_decode=True)
+        self.router.tokens(batch, from_decode=True)
 
 
 # ---- running a workload ----------------------------------------------------------------------------
@@ -468,15 +476,15 @@ def simulate(workload: Workload, costs: Costs, topo: Topology, counters: dict | 
         for role, nodes in (("prefill", router.prefill), ("decode", router.decode)):
             counters[role] = {"steps": sum(n.steps for n in nodes), "step_time_s": sum(n.step_time_s for n in nodes),
                               "busy_time_s": sum(n.busy_time_s for n in nodes)}  # fmt: skip
+        counters["router"] = {"busy_s": router.busy_s}
     return [RequestRecord(r.arrival, r.output_len, r.prompt_len, r.token_times) for r in reqs]
 
 
 def predict(workload: Workload, costs: Costs, topo: Topology, slo: SLO) -> dict:
     """bench's summary (bench/metrics.py) of the simulated run, plus the router's busy share."""
-    records = simulate(workload, costs, topo)
-    summary = summarize(records, 0.0, slo)
-    tokens = summary["total_output_tokens"]
-    summary["router_busy_share"] = tokens * costs.router_s_per_token / summary["wall_s"] if tokens else 0.0
+    counters: dict = {}
+    summary = summarize(simulate(workload, costs, topo, counters), 0.0, slo)
+    summary["router_busy_share"] = counters["router"]["busy_s"] / summary["wall_s"] if summary["wall_s"] else 0.0
     return summary
 
 
@@ -658,6 +666,21 @@ def validate(
     return rows
 
 
+def router_costs(runs: list[dict]) -> tuple[float, float, list[dict]]:
+    """The router's CPU split into a cost per message from a node and one per token, fitted (least squares, not
+    negative) over the disagg results of run_bench JSONs: CPU = a * messages + b * tokens, a message being a node
+    step (bench records the nodes' steps per role). (a, b, each result's CPU measured and fitted)."""
+    res = [r for run in runs for r in run["results"] if r["system"] == "disagg" and r["ok"] and r.get("router_cpu_s")]
+    steps = [sum(c.get("steps", 0.0) for c in (r.get("node_counters") or {}).values()) for r in res]
+    tokens = [r["summary"]["total_output_tokens"] for r in res]
+    if len(res) < 2 or not all(steps):
+        raise ValueError("fitting the router's costs needs two or more disagg results with node counters")
+    a, b = _least_squares([[m, t] for m, t in zip(steps, tokens, strict=True)], [r["router_cpu_s"] for r in res])
+    fits = [{"label": r["label"], "messages": m, "tokens": t, "cpu_s": r["router_cpu_s"], "fitted_s": a * m + b * t}
+            for r, m, t in zip(res, steps, tokens, strict=True)]  # fmt: skip
+    return a, b, fits
+
+
 def _fmt(metric: str, value: float) -> str:
     return f"{value:.1f}" if metric.startswith("output") else f"{value * 1e3:.0f} ms"
 
@@ -709,9 +732,27 @@ def main(argv: list[str] | None = None) -> int:
                    "it: fair (each 1/k) or wakeup (CFS: a node that waited runs first, within a credit)")  # fmt: skip
     p.add_argument("--sleeper-credit-ms", type=float, default=CFS_SLEEPER_CREDIT_S * 1e3, help="with --core-sharing "
                    "wakeup: the most head start a node that waited gets (CFS on 2 CPUs: 6)")  # fmt: skip
+    p.add_argument("--fit-router", type=Path, nargs="*", default=[], help="run_bench JSONs: fit the router's CPU "
+                   "per message and per token over their disagg results")  # fmt: skip
+    p.add_argument("--write-calibrated", type=Path, default=None, help="with --calibration: write --costs as that "
+                   "run completes them (a costs JSON for bench.sim_study) and stop")  # fmt: skip
     a = p.parse_args(argv)
     if not a.sleeper_credit_ms >= 0:
         p.error("--sleeper-credit-ms must be at least 0")
+    if a.write_calibrated:
+        if not a.calibration:
+            p.error("--write-calibrated needs --calibration")
+        fitted = calibrated_costs(Costs.load(a.costs), json.loads(a.calibration.read_text()),
+                                  not a.own_devices, not a.no_step_calibration, a.core_sharing,
+                                  a.sleeper_credit_ms / 1e3)  # fmt: skip
+        a.write_calibrated.write_text(json.dumps({"costs": asdict(fitted), "from": [str(a.costs), str(a.calibration)]},
+                                                 indent=1) + "\n")  # fmt: skip
+        return 0
+    if a.fit_router:
+        per_message, per_token, fits = router_costs([json.loads(f.read_text()) for f in a.fit_router])
+        print(json.dumps({"router_us_per_message": per_message * 1e6, "router_us_per_token": per_token * 1e6,
+                          "runs": fits}, indent=1))  # fmt: skip
+        return 0
     if a.validate:
         costs = {f: Costs.load(f.with_name(f"costs-{f.name}") if a.costs_beside else a.costs) for f in a.validate}
         cal_run = json.loads(a.calibration.read_text()) if a.calibration else None

@@ -1,11 +1,13 @@
 """Two questions answered by the simulator (bench/sim.py) from CPU-measured costs (bench/costs.py).
 
-    python -m bench.sim_study --costs bench/results/costs-small.json --router-us-per-token 190
+    python -m bench.sim_study --costs bench/results/costs-small.json
+        --router-us-per-token 60 --router-us-per-message 310
 
 1. P:D: for every split of 2..`max_nodes` nodes, the goodput (highest Poisson rate of `sharegpt_like` with >= 90%
    of requests within the TTFT and TPOT SLO, by bisection); which split reaches `target_rate` with fewest nodes.
-2. Router: the best split scaled k times at k times its goodput, with the router's CPU per streamed token; the
-   largest k whose attainment stays >= 90% is how far one router goes before it must be replicated.
+2. Router: the best split scaled k times at k times its goodput, with the router's CPU per streamed token and per
+   message from a node (`python -m bench.sim --fit-router RUNS` fits both); the largest k whose attainment stays
+   >= 90% is how far one router goes before it must be replicated.
 
 Writes <out>.json and <out>.md.
 """
@@ -60,8 +62,9 @@ def router_scaling(costs: Costs, slo: SLO, best: dict, n: int, seed: int, max_k:
         topo = Topology(best["prefill"] * k, best["decode"] * k, best["max_num_seqs"], best["budget"])
         rate = 0.9 * best["goodput_rps"] * k
         w = make_workload("sharegpt_like", VOCAB, MAX_LEN, seed, rate, n * k)
-        s = summarize(simulate(w, costs, topo), 0.0, slo)
-        busy = s["total_output_tokens"] * costs.router_s_per_token / s["wall_s"]
+        counters: dict = {}
+        s = summarize(simulate(w, costs, topo, counters), 0.0, slo)
+        busy = counters["router"]["busy_s"] / s["wall_s"]
         rows.append({"k": k, "nodes": topo.num_prefill + topo.num_decode, "rate": rate,
                      "attainment": s["slo_attainment"], "output_tok_s": s["output_throughput"],
                      "router_busy": busy})  # fmt: skip
@@ -76,7 +79,8 @@ def markdown(study: dict) -> str:
     for r in study["splits"]:
         g = r["goodput_rps"] or 0.0
         lines.append(f"| {r['prefill']} | {r['decode']} | {r['nodes']} | {g:.2f} | {g / r['nodes']:.2f} |")
-    lines += ["", f"Router at {c['router_us_per_token']:.0f} µs CPU per streamed token, best split scaled k times:",
+    lines += ["", f"Router at {c['router_us_per_message']:.0f} µs CPU per message from a node and "
+              f"{c['router_us_per_token']:.0f} µs per streamed token, best split scaled k times:",
               "", "| k | nodes | rate (req/s) | output tok/s | router busy | attainment |",
               "|---|---|---|---|---|---|"]  # fmt: skip
     for r in study["router"]:
@@ -88,7 +92,9 @@ def markdown(study: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.sim_study", description=__doc__.split("\n\n")[0])
     p.add_argument("--costs", type=Path, default=Path(__file__).parent / "results" / "costs-small.json")
-    p.add_argument("--router-us-per-token", type=float, default=0.0, help="bench's router_cpu_us_per_token")
+    p.add_argument("--router-us-per-token", type=float, default=0.0, help="the router's CPU per streamed token")
+    p.add_argument("--router-us-per-message", type=float, default=0.0, help="the router's CPU per message from "
+                   "a node (one a step; 0: all of it counted per token, as router_cpu_us_per_token)")  # fmt: skip
     p.add_argument("--slo-ttft-s", type=float, default=1.0)
     p.add_argument("--slo-tpot-s", type=float, default=0.025)
     p.add_argument("--max-nodes", type=int, default=6)
@@ -97,9 +103,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-k", type=int, default=64)
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "sim-study")
     a = p.parse_args(argv)
-    costs = replace(Costs.load(a.costs), router_s_per_token=a.router_us_per_token / 1e6)
+    costs = replace(Costs.load(a.costs), router_s_per_token=a.router_us_per_token / 1e6,
+                    router_s_per_message=a.router_us_per_message / 1e6)  # fmt: skip
     slo, base = SLO(a.slo_ttft_s, a.slo_tpot_s), Topology()
-    splits = split_table(replace(costs, router_s_per_token=0.0), slo, a.max_nodes, a.num_requests, a.seed, base)
+    no_router = replace(costs, router_s_per_token=0.0, router_s_per_message=0.0)
+    splits = split_table(no_router, slo, a.max_nodes, a.num_requests, a.seed, base)
     best = max(splits, key=lambda r: ((r["goodput_rps"] or 0) / r["nodes"], -r["nodes"]))
     best = {**best, "max_num_seqs": base.max_num_seqs, "budget": base.max_num_batched_tokens}
     study = {"config": {**{k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()}},

@@ -42,6 +42,16 @@ def test_router_cpu_delays_every_token_it_streams() -> None:
     assert rec.token_times == pytest.approx([0.101, 0.1 + 1.0 + 0.01 + 0.001])
 
 
+def test_the_router_pays_once_for_a_message_and_then_for_each_token_in_it() -> None:
+    """One prefill step's two first tokens, then one decode step's two tokens: two messages of two tokens, each
+    5 ms for the message and 1 ms a token, the tokens handed out in turn."""
+    costs = replace(COSTS, kv_bytes_per_token=0, router_s_per_message=5e-3, router_s_per_token=1e-3)
+    counters: dict = {}
+    a, b = simulate(workload(one(10, 2), one(10, 2)), costs, Topology(), counters)
+    assert a.token_times == pytest.approx([0.026, 0.036]) and b.token_times == pytest.approx([0.027, 0.037])
+    assert counters["router"]["busy_s"] == pytest.approx(2 * (5e-3 + 2e-3))
+
+
 def test_the_router_spreads_simultaneous_requests_over_prefill_nodes() -> None:
     w = workload(one(100, 1), one(100, 1))
     both = [r.ttft for r in simulate(w, COSTS, Topology(num_prefill=2))]
@@ -271,3 +281,21 @@ def test_unpinned_work_takes_an_idle_core_else_shares_the_busy_ones_evenly() -> 
     assert ends(()) == pytest.approx({"unpinned": 2e-3})
     assert ends((0,)) == pytest.approx({"unpinned": 2e-3, "step0": 10e-3})
     assert ends((0, 1)) == pytest.approx({"unpinned": 2e-3, "step0": 11e-3, "step1": 11e-3})
+
+
+def test_the_routers_cpu_splits_into_a_cost_per_message_and_one_per_token() -> None:
+    """bench.sim --fit-router: runs whose router CPU is exactly 300 µs a message (a node step) and 50 µs a token."""
+    from bench.sim import router_costs
+
+    def run(prefill_steps: int, decode_steps: int, tokens: int) -> dict:
+        cpu = 300e-6 * (prefill_steps + decode_steps) + 50e-6 * tokens
+        counters = {"prefill": {"steps": prefill_steps}, "decode": {"steps": decode_steps}}
+        result = {"system": "disagg", "ok": True, "label": "w", "router_cpu_s": cpu, "node_counters": counters,
+                  "summary": {"total_output_tokens": tokens}}  # fmt: skip
+        return {"results": [result]}
+
+    per_message, per_token, fits = router_costs([run(7, 300, 2400), run(40, 2000, 3700), run(10, 800, 2400)])
+    assert (per_message, per_token) == pytest.approx((300e-6, 50e-6))
+    assert all(f["fitted_s"] == pytest.approx(f["cpu_s"]) for f in fits)
+    with pytest.raises(ValueError, match="two or more"):
+        router_costs([run(7, 300, 2400)])
