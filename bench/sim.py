@@ -273,13 +273,12 @@ class Router:
     def tokens(self, reqs: list[SimRequest], from_decode: bool) -> None:
         """A node's message with one token for each of `reqs` (one step's) reaches the router now. Its loop takes
         the message, then hands the tokens out one by one: the client sees each once its share is served."""
-        for req in reqs:
+        for i, req in enumerate(reqs):
             if from_decode:
                 req.prefill.assigned.discard(req)
             if req.outputs == req.output_len:
                 req.prefill.assigned.discard(req)
                 req.decode.assigned.discard(req)
-        for i, req in enumerate(reqs):
             work = self.costs.router_s_per_token + (self.costs.router_s_per_message if i == 0 else 0.0)
             self.busy_s += work
             if not self.cores.shared:
@@ -607,7 +606,7 @@ def calibrated_costs(
     cannot see: the router's and the load generator's CPU per token, each role's loop time outside its steps, and
     (if `steps`) each role's step cost level in the stack, all fitted so that the run simulated (on the host's cores
     unless not `on_cores`, shared as `core_sharing` says) gives the means its nodes reported."""
-    res = next((r for r in run["results"] if r["system"] == "disagg" and r["ok"]), None)
+    res = next(iter(_disagg_results(run)), None)
     if res is None:
         raise ValueError("the calibration run has no successful disagg result")
     measured = _measured(res)
@@ -617,6 +616,11 @@ def calibrated_costs(
     slo = SLO(run["config"]["slo_ttft_s"], run["config"]["slo_tpot_s"])
     base = replace(costs, **_host_cpu(res), decode_iteration_s=0.0, prefill_iteration_s=0.0)
     return _fitted(res, base, topo, slo, measured, steps)[0]
+
+
+def _disagg_results(run: dict) -> list[dict]:
+    """A run_bench JSON's successful disagg results."""
+    return [r for r in run["results"] if r["system"] == "disagg" and r["ok"]]
 
 
 def _run_topology(run: dict, on_cores: bool, core_sharing: str, sleeper_credit_s: float) -> Topology:
@@ -649,7 +653,7 @@ def validate(
     `core_sharing`, `sleeper_credit_s`: how nodes on one core share it (see 5. above)."""
     rows, topo = [], _run_topology(run, on_cores, core_sharing, sleeper_credit_s)
     slo = SLO(run["config"]["slo_ttft_s"], run["config"]["slo_tpot_s"])
-    for res in (r for r in run["results"] if r["system"] == "disagg" and r["ok"]):
+    for res in _disagg_results(run):
         host = _host_cpu(res)
         base = replace(costs, **host)
         measured = _measured(res)
@@ -670,7 +674,7 @@ def router_costs(runs: list[dict]) -> tuple[float, float, list[dict]]:
     """The router's CPU split into a cost per message from a node and one per token, fitted (least squares, not
     negative) over the disagg results of run_bench JSONs: CPU = a * messages + b * tokens, a message being a node
     step (bench records the nodes' steps per role). (a, b, each result's CPU measured and fitted)."""
-    res = [r for run in runs for r in run["results"] if r["system"] == "disagg" and r["ok"] and r.get("router_cpu_s")]
+    res = [r for run in runs for r in _disagg_results(run) if r.get("router_cpu_s")]
     steps = [sum(c.get("steps", 0.0) for c in (r.get("node_counters") or {}).values()) for r in res]
     tokens = [r["summary"]["total_output_tokens"] for r in res]
     if len(res) < 2 or not all(steps):
@@ -739,12 +743,12 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if not a.sleeper_credit_ms >= 0:
         p.error("--sleeper-credit-ms must be at least 0")
+    credit, on_cores, steps = a.sleeper_credit_ms / 1e3, not a.own_devices, not a.no_step_calibration
+    cal_run = json.loads(a.calibration.read_text()) if a.calibration else None
     if a.write_calibrated:
-        if not a.calibration:
+        if not cal_run:
             p.error("--write-calibrated needs --calibration")
-        fitted = calibrated_costs(Costs.load(a.costs), json.loads(a.calibration.read_text()),
-                                  not a.own_devices, not a.no_step_calibration, a.core_sharing,
-                                  a.sleeper_credit_ms / 1e3)  # fmt: skip
+        fitted = calibrated_costs(Costs.load(a.costs), cal_run, on_cores, steps, a.core_sharing, credit)
         a.write_calibrated.write_text(json.dumps({"costs": asdict(fitted), "from": [str(a.costs), str(a.calibration)]},
                                                  indent=1) + "\n")  # fmt: skip
         return 0
@@ -755,11 +759,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.validate:
         costs = {f: Costs.load(f.with_name(f"costs-{f.name}") if a.costs_beside else a.costs) for f in a.validate}
-        cal_run = json.loads(a.calibration.read_text()) if a.calibration else None
-        credit, on_cores, steps = a.sleeper_credit_ms / 1e3, not a.own_devices, not a.no_step_calibration
+        distinct = set(costs.values()) if cal_run else set()  # one fit per costs file, not per run
+        fitted = {c: calibrated_costs(c, cal_run, on_cores, steps, a.core_sharing, credit) for c in distinct}
         runs = []
         for f in a.validate:
-            pred = calibrated_costs(costs[f], cal_run, on_cores, steps, a.core_sharing, credit) if cal_run else None
+            pred = fitted.get(costs[f])
             run = json.loads(f.read_text())
             runs.append((f.stem, run, validate(run, costs[f], on_cores, pred, a.core_sharing, credit)))
         print(json.dumps([r for *_, rows in runs for r in rows], indent=1) if a.json else validation_markdown(runs))
