@@ -743,11 +743,29 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if not a.sleeper_credit_ms >= 0:
         p.error("--sleeper-credit-ms must be at least 0")
+    if a.write_calibrated and not a.calibration:
+        p.error("--write-calibrated needs --calibration")
+    if a.write_calibrated or a.fit_router or a.validate:
+        try:
+            return _offline(a)
+        except ValueError as e:  # a run without what a fit needs (node counters, a disagg result), too few runs
+            p.error(str(e))
+    try:
+        topo = Topology(a.prefill, a.decode, a.max_num_seqs, a.max_num_batched_tokens,
+                        core_sharing=a.core_sharing, sleeper_credit_s=a.sleeper_credit_ms / 1e3)  # fmt: skip
+        w = make_workload(a.workload, a.vocab_size, a.max_model_len, a.seed, a.rate, a.num_requests)
+    except ValueError as e:
+        print(f"bench.sim: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(predict(w, Costs.load(a.costs), topo, SLO(a.slo_ttft_s, a.slo_tpot_s)), indent=1))
+    return 0
+
+
+def _offline(a: argparse.Namespace) -> int:
+    """--write-calibrated, --fit-router or --validate, from run_bench JSONs."""
     credit, on_cores, steps = a.sleeper_credit_ms / 1e3, not a.own_devices, not a.no_step_calibration
     cal_run = json.loads(a.calibration.read_text()) if a.calibration else None
     if a.write_calibrated:
-        if not cal_run:
-            p.error("--write-calibrated needs --calibration")
         fitted = calibrated_costs(Costs.load(a.costs), cal_run, on_cores, steps, a.core_sharing, credit)
         a.write_calibrated.write_text(json.dumps({"costs": asdict(fitted), "from": [str(a.costs), str(a.calibration)]},
                                                  indent=1) + "\n")  # fmt: skip
@@ -757,25 +775,15 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"router_us_per_message": per_message * 1e6, "router_us_per_token": per_token * 1e6,
                           "runs": fits}, indent=1))  # fmt: skip
         return 0
-    if a.validate:
-        costs = {f: Costs.load(f.with_name(f"costs-{f.name}") if a.costs_beside else a.costs) for f in a.validate}
-        distinct = set(costs.values()) if cal_run else set()  # one fit per costs file, not per run
-        fitted = {c: calibrated_costs(c, cal_run, on_cores, steps, a.core_sharing, credit) for c in distinct}
-        runs = []
-        for f in a.validate:
-            pred = fitted.get(costs[f])
-            run = json.loads(f.read_text())
-            runs.append((f.stem, run, validate(run, costs[f], on_cores, pred, a.core_sharing, credit)))
-        print(json.dumps([r for *_, rows in runs for r in rows], indent=1) if a.json else validation_markdown(runs))
-        return 0
-    try:
-        topo = Topology(a.prefill, a.decode, a.max_num_seqs, a.max_num_batched_tokens,
-                        core_sharing=a.core_sharing, sleeper_credit_s=a.sleeper_credit_ms / 1e3)  # fmt: skip
-        w = make_workload(a.workload, a.vocab_size, a.max_model_len, a.seed, a.rate, a.num_requests)
-    except ValueError as e:
-        print(f"bench.sim: error: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(predict(w, Costs.load(a.costs), topo, SLO(a.slo_ttft_s, a.slo_tpot_s)), indent=1))
+    costs = {f: Costs.load(f.with_name(f"costs-{f.name}") if a.costs_beside else a.costs) for f in a.validate}
+    distinct = set(costs.values()) if cal_run else set()  # one fit per costs file, not per run
+    fitted = {c: calibrated_costs(c, cal_run, on_cores, steps, a.core_sharing, credit) for c in distinct}
+    runs = []
+    for f in a.validate:
+        pred = fitted.get(costs[f])
+        run = json.loads(f.read_text())
+        runs.append((f.stem, run, validate(run, costs[f], on_cores, pred, a.core_sharing, credit)))
+    print(json.dumps([r for *_, rows in runs for r in rows], indent=1) if a.json else validation_markdown(runs))
     return 0
 
 

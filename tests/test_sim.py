@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, replace
 
 import pytest
@@ -299,3 +300,24 @@ def test_the_routers_cpu_splits_into_a_cost_per_message_and_one_per_token() -> N
     assert all(f["fitted_s"] == pytest.approx(f["cpu_s"]) for f in fits)
     with pytest.raises(ValueError, match="two or more"):
         router_costs([run(7, 300, 2400)])
+
+
+def test_the_command_line_refuses_runs_a_fit_cannot_use(tmp_path, capsys) -> None:
+    """bench.sim's fits from run_bench JSONs: too few runs, or a calibration run without node counters, is a usage
+    error (exit 2, the reason said), not a traceback."""
+    from bench.sim import main
+
+    run = simulated_run(make_workload("sharegpt_like", 1000, 2048, seed=5, num_requests=8), RUN_COSTS)
+    one = tmp_path / "run.json"
+    one.write_text(json.dumps(run))
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps({**run, "results": [{**run["results"][0], "node_counters": {}}]}))
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"costs": asdict(RUN_COSTS)}))
+    out = tmp_path / "out.json"
+    for argv, why in ((["--fit-router", str(one)], "two or more"),
+                      (["--costs", str(costs), "--validate", str(one), "--calibration", str(bare)], "busy_time_s"),
+                      (["--costs", str(costs), "--write-calibrated", str(out)], "needs")):  # fmt: skip
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2 and why in capsys.readouterr().err
