@@ -48,27 +48,32 @@ def test_a_burst_is_answered_429_200_or_503_and_the_server_serves_on(tmp_path, m
 
 
 def test_a_request_waiting_past_the_queue_timeout_gets_503(tmp_path):
-    stack = Stack(tmp_path, "tiny", mode="colocated", engine_args=("--max-num-seqs", "1"),
+    # small, not tiny: tiny decodes 1800 tokens in ~1.2 s here, too close to the 1 s timeout; small takes ~8 s
+    stack = Stack(tmp_path, "small", mode="colocated", engine_args=("--max-num-seqs", "1"),
                   router_args=("--queue-timeout-s", "1")).start()  # fmt: skip
     try:
-        long = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 1800, "ignore_eos": True, "stream": True}
-        first_chunk = threading.Event()
-        done: list[int] = []
+        long = {"model": "small", "prompt": [1, 2, 3], "max_tokens": 1800, "ignore_eos": True, "stream": True}
+        first_chunk, release = threading.Event(), threading.Event()
+        lines: list[str] = []
 
-        def occupy() -> None:  # holds the node's one slot for seconds
+        def occupy() -> None:  # holds the node's one slot until released, then disconnects (which aborts it)
             with httpx.stream("POST", stack.url + "/v1/completions", json=long, timeout=120) as r:
                 for line in r.iter_lines():
+                    lines.append(line)
                     first_chunk.set()
-                    done.append(len(line))
+                    if release.is_set():
+                        return
 
         t = threading.Thread(target=occupy)
         t.start()
         assert first_chunk.wait(60)
-        r = httpx.post(stack.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2},
+        r = httpx.post(stack.url + "/v1/completions", json={"model": "small", "prompt": "x", "max_tokens": 2},
                        timeout=60)  # fmt: skip
-        assert r.status_code == 503 and "queue-timeout-s" in r.json()["error"]["message"], r.text
-        assert t.is_alive(), "the long request ended before the short one timed out: the test proves nothing"
+        still_streaming = t.is_alive()
+        release.set()
         t.join(timeout=120)
+        assert r.status_code == 503 and "queue-timeout-s" in r.json()["error"]["message"], r.text
+        assert still_streaming, f"the long request ended before the short one timed out: {lines[-3:]}"
         used = stack.wait_kv_free()
         assert not any(used.values()), used
     finally:
