@@ -40,8 +40,8 @@ def test_a_burst_is_answered_429_200_or_503_and_the_server_serves_on(tmp_path, m
         assert used and not any(used.values()), f"KV still held after the burst: {used}"
         metrics = httpx.get(stack.url + "/metrics", timeout=10).text
         assert "pdserve:num_requests_in_flight 0.0" in metrics and "pdserve:router_requests_waiting 0.0" in metrics
-        r = httpx.post(stack.url + "/v1/completions", json={"model": "tiny", "prompt": "after", "max_tokens": 3},
-                       timeout=30)  # fmt: skip
+        after = {"model": "tiny", "prompt": "after", "max_tokens": 3, "ignore_eos": True}
+        r = httpx.post(stack.url + "/v1/completions", json=after, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     finally:
         stack.close()

@@ -254,7 +254,8 @@ def test_malformed_json_and_bad_chat_then_still_serving(stack):
     assert r.status_code == 400 and "error" in r.json()
     r = httpx.post(stack.url + "/v1/chat/completions", json={"model": "tiny", "messages": []}, timeout=30)
     assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
-    r = httpx.post(stack.url + "/v1/completions", json={"model": "tiny", "prompt": "ok", "max_tokens": 2}, timeout=30)
+    ok = {"model": "tiny", "prompt": "ok", "max_tokens": 2, "ignore_eos": True}
+    r = httpx.post(stack.url + "/v1/completions", json=ok, timeout=30)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 
@@ -262,7 +263,8 @@ def test_health_and_metrics(stack):
     h = httpx.get(stack.url + "/health", timeout=10).json()
     assert h["status"] == "ok" and all(n["up"] for n in h["nodes"])
     before = scrape(stack)
-    c = httpx.post(stack.url + "/v1/completions", json={"model": "tiny", "prompt": "abc", "max_tokens": 4}, timeout=30)
+    body = {"model": "tiny", "prompt": "abc", "max_tokens": 4, "ignore_eos": True}  # sampled: EOS may come early
+    c = httpx.post(stack.url + "/v1/completions", json=body, timeout=30)
     after = scrape(stack)
     grew = {k: after[k] - before.get(k, 0) for k in after}
     prompt_len = c.json()["usage"]["prompt_tokens"]
@@ -362,11 +364,13 @@ def test_unsupported_field_is_a_400_naming_it(stack, name, value):
 
 def test_harmless_and_neutral_fields_are_accepted(client):
     extra = {"user": "u1", "metadata": {"k": "v"}, "service_tier": "auto", "store": False, "best_of": 1,
-             "echo": False, "logprobs": None, "presence_penalty": 0, "tool_choice": "none", "unknown_but_null": None}
+             "echo": False, "logprobs": None, "presence_penalty": 0, "tool_choice": "none", "unknown_but_null": None,
+             "ignore_eos": True}
     c = client.completions.create(model="tiny", prompt="abc", max_tokens=2, extra_body=extra)
     assert c.usage.completion_tokens == 2
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
-                                          user="u1", store=False, logprobs=False, tool_choice="none")  # fmt: skip
+                                          temperature=0, user="u1", store=False, logprobs=False,
+                                          tool_choice="none")  # fmt: skip
     assert chat.usage.completion_tokens == 2
     r = httpx.post(stack_url(client) + "/chat/completions", timeout=30,
                    json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "echo": True})
