@@ -13,7 +13,7 @@ from helpers import Streamer
 from stack import Stack
 
 HUGE = 64 * 2**20
-STREAM_TOKENS = 600
+STREAM_TOKENS = 1800  # ~2-3 s of decoding for 16 streams on tiny: they must outlast both huge bodies
 HANG_S = 5.0  # a hang detector, not a latency target: a stalled loop shows as a gap of many seconds
 
 
