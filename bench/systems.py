@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -68,9 +69,22 @@ class StackOptions:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port below the kernel's ephemeral range where there is room: a client's source port always
+    comes from that range, so a client that reconnects to a port of ours while its server restarts can never
+    connect to itself there (TCP simultaneous open) and hold the port the server is about to bind."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    candidates = random.Random().sample(range(10000, low), min(64, low - 10000)) if low > 11000 else []
+    for port in [*candidates, 0]:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError("no free loopback port")
 
 
 def stack_argv(opts: StackOptions, mode: str, port: int) -> list[str]:

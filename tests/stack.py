@@ -56,16 +56,15 @@ class Stack:
             raise
 
     def _start(self) -> Stack:
+        # explicit ports, below the ephemeral range (free_port): a node restarted on its address finds it free
         if self.mode == "colocated":
-            self.start_node("colocated0", "colocated")
+            self.start_node("colocated0", "colocated", ["--listen", _address()])
         else:
             for i in range(self.num_prefill):
-                self.start_node(f"prefill{i}", "prefill")
+                self.start_node(f"prefill{i}", "prefill", ["--listen", _address()])
             for i in range(self.num_decode):
-                ports = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
-                self.start_node(
-                    f"decode{i}", "decode", ["--listen", ports[0], "--kv-listen", ports[1], *self.decode_args]
-                )
+                argv = ["--listen", _address(), "--kv-listen", _address(), *self.decode_args]
+                self.start_node(f"decode{i}", "decode", argv)
         return self.start_router()
 
     def start_router(self, extra: tuple[str, ...] = ()) -> Stack:
@@ -146,3 +145,7 @@ class Stack:
                     return used
             time.sleep(0.2)
         return used
+
+
+def _address() -> str:
+    return f"tcp://127.0.0.1:{free_port()}"

@@ -8,6 +8,7 @@ import time
 
 import httpx
 import pytest
+from helpers import Streamer, wait_until
 from stack import Stack
 
 
@@ -72,17 +73,15 @@ def test_dead_decode_node_fails_fast_and_recovers(tmp_path):
 
     try:
         threads = [threading.Thread(target=long_request) for _ in range(3)]
-        for t in threads:
+        beside = Streamer(stack.url, 2000)  # its tokens say when the decode node generates (stats lag 0.5 s)
+        for t in [*threads, beside]:
             t.start()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:  # wait until the decode node is generating for them
-            if sum(stack.kv_used().values()) > 0 and all(n["in_flight"] for n in _decode_nodes(stack)):
-                break
-            time.sleep(0.1)
+        assert wait_until(lambda: len(beside.times) >= 2 and _decode_nodes(stack)[0]["in_flight"] == 4, 30, 0.01)
         killed_at = time.monotonic()
         stack.kill("decode0")
-        for t in threads:
+        for t in [*threads, beside]:
             t.join(timeout=30)
+        assert beside.error and not beside.done, "the stream beside them ended before the kill"
         assert len(results) == 3
         assert all(code == 503 for code, _ in results), results
         assert max(at for _, at in results) - killed_at < 5.0, "in-flight requests must fail within 5 s"
@@ -114,7 +113,7 @@ def test_offers_wait_for_a_full_decode_node_beyond_the_lease(tmp_path):
     stack = Stack(tmp_path, "tiny", mode="disagg", engine_args=("--kv-lease-s", str(lease_s)),
                   decode_args=("--num-kv-blocks", "8")).start()  # fmt: skip
     try:
-        body = {"model": "tiny", "prompt": list(range(1, 61)), "max_tokens": 68, "ignore_eos": True}
+        body = {"model": "tiny", "prompt": list(range(1, 21)), "max_tokens": 108, "ignore_eos": True}  # 128: the pool
 
         async def all_requests():
             async with httpx.AsyncClient(base_url=stack.url, timeout=120) as client:
@@ -123,7 +122,7 @@ def test_offers_wait_for_a_full_decode_node_beyond_the_lease(tmp_path):
         t0 = time.monotonic()
         responses = asyncio.run(all_requests())
         assert [r.status_code for r in responses] == [200] * 64, [r.text for r in responses if r.status_code != 200]
-        assert all(r.json()["usage"]["completion_tokens"] == 68 for r in responses)
+        assert all(r.json()["usage"]["completion_tokens"] == 108 for r in responses)
         assert time.monotonic() - t0 > 1.5 * lease_s, "the queue never outlived the lease: the test proves nothing"
         used = stack.wait_kv_free()
         assert not any(used.values()), used

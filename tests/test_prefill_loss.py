@@ -107,7 +107,7 @@ def _node_requests(stack: Stack, addr: str) -> int:
 
 
 def _with_none_left_queued_requests_fail_and_decoding_ones_finish(stack: Stack) -> None:
-    decoding = Streamer(stack.url, 600)
+    decoding = Streamer(stack.url, 1800)
     decoding.start()
     _wait_for(lambda: len(decoding.times) >= 2, "a request is decoding")
     prompts = [[1 + i % 500 for i in range(1200)]] * 6

@@ -9,6 +9,7 @@ from 2 to 1 while serving (the removed node drains).
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -90,8 +91,16 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _wait(done, timeout: float) -> None:
-    if not wait_until(done, timeout, 0.2):
+FOUR, LONG = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]], 1800  # ~1.5 s of decoding, two a node
+
+
+@functools.cache
+def _four_ref() -> list[list[int]]:
+    return hf_greedy(resolve_model("tiny"), FOUR, [LONG] * len(FOUR))
+
+
+def _wait(done, timeout: float, interval: float = 0.2) -> None:
+    if not wait_until(done, timeout, interval):
         raise TimeoutError("condition not reached")
 
 
@@ -174,11 +183,11 @@ def test_strangers_without_the_deployments_keys_get_nothing_from_its_nodes(deplo
 
 def test_scaling_decode_up_while_serving_loses_nothing(cluster, deployment, workload):
     prompts, outs, ref = workload
-    long_out = [n + 150 for n in outs]  # still running while the new node starts
+    long_out = [n + 600 for n in outs]  # running when the scale-up is asked for
     ref_long = hf_greedy(resolve_model("tiny"), prompts, long_out)
     with ThreadPoolExecutor(2 * len(prompts)) as pool:  # the late requests run beside the long ones
         futures = [pool.submit(_complete, deployment, p, n) for p, n in zip(prompts, long_out, strict=True)]
-        _wait(lambda: sum(n["in_flight"] for n in _nodes(deployment, "decode")) > 0, 60)
+        _wait(lambda: sum(n["in_flight"] for n in _nodes(deployment, "decode")) > 0, 60, 0.01)
         scale = subprocess.run([sys.executable, "-m", "pdserve", "--log-level", "WARNING", "scale", "--ray",
                                 cluster.address, "--name", DEPLOYMENT, "--decode", "2"], capture_output=True,
                                text=True, timeout=START_TIMEOUT_S)  # fmt: skip
@@ -254,12 +263,12 @@ def _rejoined(url: str, dead_addr: str) -> bool:
 def test_scaling_decode_down_while_serving_drains_the_removed_node(cluster, deployment):
     """2 -> 1 decode nodes with requests running on both: the removed one finishes its own (no request fails
     or is dispatched again), then leaves; the one that stays serves on."""
-    prompts, n = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]], 1000
-    ref = hf_greedy(resolve_model("tiny"), prompts, [n] * len(prompts))
+    prompts, n = FOUR, LONG
+    ref = _four_ref()
     redispatched = _router_counter(deployment, "pdserve:requests_redispatched_total")
     with ThreadPoolExecutor(len(prompts)) as pool:
         futures = [pool.submit(_complete, deployment, p, n) for p in prompts]
-        _wait(lambda: [n["in_flight"] for n in _nodes(deployment, "decode")] == [2, 2], 60)
+        _wait(lambda: [n["in_flight"] for n in _nodes(deployment, "decode")] == [2, 2], 60, 0.02)
         newest = _newest_decode()
         seen, stop = [], threading.Event()  # the router's view of the removed node while it leaves
         watcher = threading.Thread(target=_watch, args=(deployment, newest["listen"], seen, stop))
@@ -283,14 +292,14 @@ def test_a_draining_decode_node_that_dies_is_not_brought_back(cluster, deploymen
     """2 -> 1 decode nodes, and the removed node's actor is killed while it drains with requests (Ray may restart
     it): its requests are dispatched again and complete exactly, the scale call still ends with one decode node,
     and the removed node is not listed again."""
-    prompts, n = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]], 1500
-    ref = hf_greedy(resolve_model("tiny"), prompts, [n] * len(prompts))
+    prompts, n = FOUR, LONG
+    ref = _four_ref()
     ray.get(_controller().scale.remote(1, 2), timeout=START_TIMEOUT_S)
     _wait(lambda: sum(n["up"] for n in _nodes(deployment, "decode")) == 2, START_TIMEOUT_S)
     redispatched = _router_counter(deployment, "pdserve:requests_redispatched_total")
     with ThreadPoolExecutor(len(prompts) + 1) as pool:
         futures = [pool.submit(_complete, deployment, p, n) for p in prompts]
-        _wait(lambda: [n["in_flight"] for n in _nodes(deployment, "decode")] == [2, 2], 60)
+        _wait(lambda: [n["in_flight"] for n in _nodes(deployment, "decode")] == [2, 2], 60, 0.02)
         newest = _newest_decode()
         scaled = pool.submit(lambda: ray.get(_controller().scale.remote(1, 1), timeout=START_TIMEOUT_S))
         seen: list[dict] = []  # the router's view of the removed node once it drains
@@ -299,7 +308,7 @@ def test_a_draining_decode_node_that_dies_is_not_brought_back(cluster, deploymen
             seen[:] = [n for n in _nodes(deployment, "decode") if n["addr"] == newest["listen"] and n["draining"]]
             return bool(seen)
 
-        _wait(draining, 30)
+        _wait(draining, 30, 0.02)
         ray.kill(ray.get_actor(f"{DEPLOYMENT}-{newest['key']}", namespace=RAY_NAMESPACE), no_restart=False)
         assert seen[0]["in_flight"] > 0, "the node had drained before it was killed: the test proves nothing"
         assert scaled.result() == {"prefill": 1, "decode": 1}
