@@ -226,18 +226,34 @@ class StackRunner:
         return httpx.get(f"{self.target.base_url}/metrics", timeout=METRICS_TIMEOUT_S).text
 
 
-def node_counters(metrics_text: str) -> dict[str, dict[str, float]]:
-    """`pdserve:node_<counter>_total{role=...,node=...} value` lines (the router's /metrics), summed per role."""
-    roles: dict[str, dict[str, float]] = {}
+def _node_counter_lines(metrics_text: str) -> Iterator[tuple[str, str, str, float]]:
+    """(role, node, counter, value) of each `pdserve:node_<counter>_total{role=...,node=...} value` line of the
+    router's /metrics."""
     for line in metrics_text.splitlines():
         if not line.startswith("pdserve:node_") or "{" not in line or 'role="' not in line:
             continue
         name, rest = line.split("{", 1)
         role = rest.split('role="', 1)[1].split('"', 1)[0]
+        node = rest.split('node="', 1)[1].split('"', 1)[0] if 'node="' in rest else ""
+        yield role, node, name.removeprefix("pdserve:node_").removesuffix("_total"), float(line.rsplit(" ", 1)[1])
+
+
+def node_counters(metrics_text: str) -> dict[str, dict[str, float]]:
+    """The node counters of the router's /metrics, summed per role: {role: {counter: value}}."""
+    roles: dict[str, dict[str, float]] = {}
+    for role, _, key, value in _node_counter_lines(metrics_text):
         counters = roles.setdefault(role, {})
-        key = name.removeprefix("pdserve:node_").removesuffix("_total")
-        counters[key] = counters.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+        counters[key] = counters.get(key, 0.0) + value
     return roles
+
+
+def node_counters_per_node(metrics_text: str, role: str) -> dict[str, dict[str, float]]:
+    """The node counters of the router's /metrics for the nodes of `role`, one by one: {counter: {node: value}}."""
+    out: dict[str, dict[str, float]] = {}
+    for r, node, key, value in _node_counter_lines(metrics_text):
+        if r == role:
+            out.setdefault(key, {})[node] = value
+    return out
 
 
 def counters_diff(after: dict, before: dict) -> dict[str, dict[str, float]]:

@@ -45,6 +45,8 @@ def test_node_counters_are_summed_per_role_and_diffed():
     assert counts["prefill"]["kv_transfer_bytes"] == 3e9
     diff = systems.counters_diff(counts, {"decode": {"steps": 5.0, "step_time_s": 0.1}})
     assert diff["decode"] == {"steps": 10.0, "step_time_s": 0.4} and diff["prefill"] == counts["prefill"]
+    per_node = systems.node_counters_per_node(METRICS, "decode")
+    assert per_node == {"steps": {"tcp://a": 10.0, "tcp://b": 5.0}, "step_time_s": {"tcp://a": 0.5}}
 
 
 def test_decode_step_floor_is_weights_plus_mean_kv_over_memory_bandwidth():

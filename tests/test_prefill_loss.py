@@ -10,6 +10,7 @@ import pytest
 from helpers import Streamer, hf_greedy, mixed_workload, wait_until
 from stack import Stack
 
+from bench.systems import node_counters_per_node
 from pdserve.engine.checkpoint import resolve_model
 
 ENGINE_ARGS = ("--max-num-batched-tokens", "32")  # slow prompts, so that the prefill nodes hold a queue
@@ -100,10 +101,8 @@ def _a_restarted_prefill_node_rejoins(stack: Stack, prompts, ref) -> None:
 
 
 def _node_requests(stack: Stack, addr: str) -> int:
-    for line in httpx.get(stack.url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("pdserve:node_requests_total{") and 'role="prefill"' in line and f'node="{addr}"' in line:
-            return int(float(line.rsplit(" ", 1)[1]))
-    return 0
+    counters = node_counters_per_node(httpx.get(stack.url + "/metrics", timeout=10).text, "prefill")
+    return int(counters.get("requests", {}).get(addr, 0))
 
 
 def _with_none_left_queued_requests_fail_and_decoding_ones_finish(stack: Stack) -> None:

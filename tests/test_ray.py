@@ -24,6 +24,7 @@ import zmq.auth
 from helpers import hf_greedy, mixed_workload, probe_answers, wait_until
 from stack import free_port
 
+from bench.systems import node_counters_per_node
 from pdserve.cli import build_parser
 from pdserve.engine.checkpoint import resolve_model
 from pdserve.wire import protocol as P
@@ -222,12 +223,7 @@ def _node_counter(url: str, name: str, role: str) -> dict[str, float]:
 
 def _node_counters(url: str, role: str) -> dict[str, dict[str, float]]:
     """Every node counter, per node of `role`, from one scrape of /metrics."""
-    out: dict[str, dict[str, float]] = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("pdserve:node_") and "_total{" in line and f'role="{role}"' in line:
-            name = line[len("pdserve:node_") : line.index("_total{")]
-            out.setdefault(name, {})[line.split('node="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
-    return out
+    return node_counters_per_node(httpx.get(url + "/metrics", timeout=10).text, role)
 
 
 def test_a_killed_decode_actors_requests_move_on_and_it_rejoins(deployment):
