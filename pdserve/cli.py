@@ -7,101 +7,37 @@ import logging
 import os
 import sys
 
-from pdserve.config import ROLES, NodeConfig, RouterConfig
-from pdserve.flags import add_engine_args, add_router_limits, add_shared_args, engine_config
+from pdserve.config import ROLES, EngineConfig, NodeConfig, RouterConfig
+from pdserve.flags import GLOBAL_FLAGS, add_flags, add_verb_flags, from_args
 from pdserve.wire.protocol import Role
 
+VERB_HELP = {
+    "up": "start router + nodes as child processes",
+    **{role: f"run one {role} node" for role in ROLES},
+    Role.ROUTER: "run the HTTP router",
+    "scale": "change the node counts of a deployment on a Ray cluster while it serves",
+}
 
-def add_api_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("HTTP API")
-    g.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY", ""),
-                   help="every route but /health needs 'Authorization: Bearer KEY' (default: $PDSERVE_API_KEY)")
-    g.add_argument("--max-n", type=int, default=16, help="the most choices (n) one request may ask for")
+
+class HelpFormatter(argparse.HelpFormatter):
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=40)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pdserve", description=__doc__)
-    p.add_argument("--log-level", default="INFO")
+    p = argparse.ArgumentParser(prog="pdserve", description=__doc__, formatter_class=HelpFormatter)
+    add_flags(p, GLOBAL_FLAGS)
     sub = p.add_subparsers(dest="verb", required=True)
-
-    up = sub.add_parser("up", help="start router + nodes as child processes")
-    add_engine_args(up)
-    up.add_argument("--mode", default="disagg", choices=["disagg", "colocated"])
-    up.add_argument("--host", default="127.0.0.1")
-    up.add_argument("--port", type=int, default=8000)
-    up.add_argument("--device", default="cpu")
-    up.add_argument("--prefill-device", default=None)
-    up.add_argument("--decode-device", default=None)
-    up.add_argument("--num-prefill", type=int, default=1)
-    up.add_argument("--num-decode", type=int, default=1)
-    up.add_argument("--cpu-cores", default=None, help="colocated node's cores (default: all)")
-    up.add_argument("--prefill-cores", default=None, help="cores of each prefill node (default: one core each)")
-    up.add_argument("--decode-cores", default=None, help="cores of each decode node (default: one core each)")
-    up.add_argument("--no-pin", action="store_true", help="do not pin nodes to cores")
-    add_api_args(up)
-    add_ray_args(up)
-    add_router_limits(up)
-
-    for role in ROLES:
-        r = sub.add_parser(role, help=f"run one {role} node")
-        add_engine_args(r)
-        r.add_argument("--device", default="cpu")
-        r.add_argument("--cpu-cores", default="", help="pin to these cores, e.g. 0 or 0-1")
-        r.add_argument("--listen", default="tcp://127.0.0.1:0", help="router-facing address")
-        r.add_argument("--ready-file", default="")
-        r.add_argument("--host-id", default="", help="nodes with the same host id may share memory (default: "
-                       "hostname and boot id)")  # fmt: skip
-        if role == Role.DECODE:
-            r.add_argument("--kv-listen", default="tcp://127.0.0.1:0", help="where prefill nodes ship KV")
-
-    rt = sub.add_parser("router", help="run the HTTP router")
-    rt.add_argument("--model", default="tiny")
-    rt.add_argument("--host", default="127.0.0.1")
-    rt.add_argument("--port", type=int, default=8000)
-    rt.add_argument("--colocated", nargs="*", default=[])
-    rt.add_argument("--prefill", nargs="*", default=[])
-    rt.add_argument("--decode", nargs="*", default=[])
-    rt.add_argument("--decode-kv", nargs="*", default=[])
-    rt.add_argument("--served-model-name", default="")
-    rt.add_argument("--node-timeout-s", type=float, default=10.0)
-    rt.add_argument("--ray", default="", metavar="ADDRESS", help="learn the nodes from this Ray cluster's deployment")
-    rt.add_argument("--ray-deployment", default="pdserve", help="the deployment's --name")
-    add_api_args(rt)
-    add_router_limits(rt)
-    add_shared_args(rt)
-
-    sc = sub.add_parser("scale", help="change the node counts of a deployment on a Ray cluster while it serves")
-    sc.add_argument("--ray", default="auto", metavar="ADDRESS", help="the Ray cluster (default: auto)")
-    sc.add_argument("--name", default="pdserve", help="the deployment's --name")
-    sc.add_argument("--prefill", type=int, default=0, help="prefill nodes wanted (default: as now)")
-    sc.add_argument("--decode", type=int, default=0, help="decode nodes wanted (default: as now)")
-
+    for verb, help in VERB_HELP.items():
+        add_verb_flags(sub.add_parser(verb, help=help, description=help, formatter_class=HelpFormatter), verb)
     keys = sub.add_parser("keys", help="write CurveZMQ keys for --zmq-keys into a new folder")
-    keys.add_argument("dir")
+    keys.add_argument("dir", help="a new (or empty) folder")
     return p
-
-
-def add_ray_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("Ray cluster (pip install pdserve[ray])")
-    g.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
-                   help="place the nodes on a Ray cluster: 'auto', HOST:PORT, or none to start a local one")
-    g.add_argument("--name", default="pdserve", help="this deployment's name on the cluster (for pdserve scale)")
-    g.add_argument("--placement", default="spread", choices=["pack", "spread"],
-                   help="spread: nodes on as many hosts as can take them; pack: on as few")
-    g.add_argument("--ray-node-cpus", type=int, default=1, help="CPUs each node holds on a CPU device")
-    g.add_argument("--ray-bind-host", default="", help="address nodes bind (default: their host's cluster IP)")
-    g.add_argument("--max-restarts", type=int, default=3, help="how often Ray restarts a node that died")
 
 
 def node_config(a: argparse.Namespace) -> NodeConfig:
     """The config of the node that `pdserve colocated|prefill|decode ...` runs."""
-    return NodeConfig(
-        role=Role(a.verb), engine=engine_config(a, a.device, a.cpu_cores), listen=a.listen,
-        kv_listen=getattr(a, "kv_listen", "tcp://127.0.0.1:0"), kv_transport=a.kv_transport,
-        kv_lease_s=a.kv_lease_s, ready_file=a.ready_file, host_id=a.host_id, drain_timeout_s=a.drain_timeout_s,
-        zmq_keys=a.zmq_keys, kv_failure=a.kv_failure, kv_fault_rate=a.kv_fault_rate,
-        kv_fault_kinds=tuple(k for k in a.kv_fault_kinds.split(",") if k),
-    )  # fmt: skip
+    return from_args(NodeConfig, a, role=Role(a.verb), engine=from_args(EngineConfig, a))
 
 
 def run_node(a: argparse.Namespace) -> None:
@@ -118,15 +54,7 @@ def run_node(a: argparse.Namespace) -> None:
 def run_router(a: argparse.Namespace) -> None:
     from pdserve.router.server import serve
 
-    cfg = RouterConfig(
-        model=a.model, host=a.host, port=a.port, colocated=tuple(a.colocated), prefill=tuple(a.prefill),
-        decode=tuple(a.decode), decode_kv=tuple(a.decode_kv), served_model_name=a.served_model_name,
-        node_timeout_s=a.node_timeout_s, api_key=a.api_key, max_n=a.max_n, ray_address=a.ray,
-        ray_deployment=a.ray_deployment, max_request_bytes=a.max_request_bytes,
-        max_queued_requests=a.max_queued_requests, queue_timeout_s=a.queue_timeout_s,
-        drain_timeout_s=a.drain_timeout_s, zmq_keys=a.zmq_keys,
-    )  # fmt: skip
-    serve(cfg)
+    serve(from_args(RouterConfig, a))
 
 
 def make_keys(a: argparse.Namespace) -> None:
@@ -141,7 +69,7 @@ def make_keys(a: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     a = build_parser().parse_args(argv)
-    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=a.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         if a.verb == "up" and a.ray is not None:
             from pdserve.ray_cluster import launch_on_ray

@@ -1,10 +1,16 @@
-"""One frozen config per process. Validation raises ValueError with a message a user can act on."""
+"""One frozen config per process. Validation raises ValueError with a message a user can act on.
+
+A field made with `option(...)` is also a command-line flag: its default and help text live here and
+nowhere else (pdserve/flags.py builds every verb's parser from these fields).
+"""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
+from pdserve.engine.checkpoint import BUILTIN_MODELS
 from pdserve.wire.protocol import NODE_ROLES, KvTransport, Role
 
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
@@ -15,6 +21,39 @@ ROLES = NODE_ROLES
 KV_ROLES = (Role.PREFILL, Role.DECODE)  # the roles that move KV between nodes
 KV_FAILURE_POLICIES = ("recompute", "fail")
 KV_FAULT_KINDS = ("drop", "delay", "truncate", "corrupt")
+LAUNCH_MODES = ("disagg", "colocated")
+PLACEMENTS = ("pack", "spread")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def option(default: Any, help: str, *, flag: str = "", env: str = "", repr: bool = True, **argparse_options) -> Any:
+    """A config field that is also a flag. `flag` names it when `--field-name` does not; `env` names an environment
+    variable whose value, when set, is the parser's default; `argparse_options` (type, choices, action, nargs,
+    metavar, const) go to add_argument as they are."""
+    meta = {"help": help, "flag": flag, "env": env, "argparse": argparse_options}
+    return field(default=default, repr=repr, metadata=meta)
+
+
+def comma_list(text: str) -> tuple[str, ...]:
+    """'a,b' -> ('a', 'b'); the flag form of a tuple field."""
+    return tuple(x for x in text.split(",") if x)
+
+
+def _model() -> Any:
+    return option("tiny", f"checkpoint folder (config.json, weights, tokenizer files), or a built-in: "
+                          f"{', '.join(BUILTIN_MODELS)}")  # fmt: skip
+
+
+def _drain_timeout_s() -> Any:
+    return option(30.0, "on SIGTERM: how long requests in flight may take to finish before they fail", type=float)
+
+
+def _zmq_keys() -> Any:
+    return option("", "CurveZMQ key folder (make it with `pdserve keys DIR`); none: plain sockets")
+
+
+def _deployment_name() -> Any:
+    return option("pdserve", "the deployment's name on the Ray cluster (`pdserve up --ray --name`)")
 
 
 def parse_cores(spec: str) -> tuple[int, ...]:
@@ -58,21 +97,25 @@ def check_key_dir(path: str) -> None:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str = "tiny"
-    dtype: str = "float32"
-    device: str = "cpu"
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 512
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # None: size the pool from kv_cache_gb
-    kv_cache_gb: float = 0.25
-    cpu_cores: tuple[int, ...] = ()  # pin the process to these cores ((): no pinning)
-    # pdserve's C kernels (paged decode attention, fused norms, silu*mul; CPU, float32): "on",
-    # "off" (torch's ops, SDPA per request), "auto" (on where they apply and build)
-    cpu_kernels: str = "auto"
-    # attention: "triton" (paged kernels; auto's choice on CUDA), "torch" (SDPA per request), "auto"
-    attention_backend: str = "auto"
-    enforce_eager: bool = False  # no CUDA graphs for decode steps
+    model: str = _model()
+    dtype: str = option("float32", "dtype of the weights and activations", choices=DTYPE_CHOICES)
+    device: str = option("cpu", "cpu or cuda:N")
+    max_num_seqs: int = option(16, "the most requests one engine step runs", type=int)
+    max_num_batched_tokens: int = option(512, "tokens one engine step runs (prompt chunks and decode tokens)",
+                                         type=int)  # fmt: skip
+    block_size: int = option(16, "tokens per KV block", type=int)
+    num_kv_blocks: int | None = option(None, "KV blocks in the pool (default: as many as --kv-cache-gb holds)",
+                                       type=int)  # fmt: skip
+    kv_cache_gb: float = option(0.25, "memory of the KV pool in GiB", type=float)
+    cpu_cores: tuple[int, ...] = option((), "pin the process to these cores, e.g. 0, 0-3 or 0,2 (default: no "
+                                        "pinning)", type=parse_cores, metavar="CORES")  # fmt: skip
+    cpu_kernels: str = option("auto", "pdserve's C kernels (paged decode attention, fused norms, silu*mul; CPU, "
+                                      "float32): on, off (torch's ops), auto (on where they apply and build)",
+                              choices=CPU_KERNELS)  # fmt: skip
+    attention_backend: str = option("auto", "auto: Triton kernels on CUDA, pdserve's C kernels on the CPU; triton: "
+                                            "paged kernels; torch: SDPA per request",
+                                    choices=ATTENTION_BACKENDS)  # fmt: skip
+    enforce_eager: bool = option(False, "no CUDA graphs for decode steps", action="store_true")
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -109,17 +152,23 @@ class NodeConfig:
 
     role: Role
     engine: EngineConfig
-    listen: str = "tcp://127.0.0.1:0"  # router-facing socket
-    kv_listen: str = "tcp://127.0.0.1:0"  # decode node: where prefill nodes connect to ship KV
-    kv_transport: KvTransport = KvTransport.ZMQ
-    kv_lease_s: float = 30.0
-    ready_file: str = ""  # if set, the node writes its bound addresses here once it serves
-    host_id: str = ""  # nodes with the same host id may share memory ("": hostname and boot id)
-    drain_timeout_s: float = 30.0  # on SIGTERM: how long the requests it holds may take to finish
-    zmq_keys: str = ""  # CurveZMQ key folder (`pdserve keys DIR`); "" for plain sockets
-    kv_failure: str = "recompute"  # decode node, a prompt's KV lost or damaged on the way: recompute it here, or fail
-    kv_fault_rate: float = 0.0  # prefill node, tests and drills: the share of KV transfers damaged on purpose
-    kv_fault_kinds: tuple[str, ...] = KV_FAULT_KINDS  # how they are damaged (one picked at random each time)
+    listen: str = option("tcp://127.0.0.1:0", "router-facing address")
+    kv_listen: str = option("tcp://127.0.0.1:0", "decode node: where prefill nodes ship KV")
+    kv_transport: KvTransport = option(KvTransport.ZMQ, "how KV moves from prefill to decode nodes",
+                                       type=KvTransport, choices=KV_TRANSPORTS)  # fmt: skip
+    kv_lease_s: float = option(30.0, "how long a decode node keeps KV it reserved for a prompt that has not arrived",
+                               type=float)  # fmt: skip
+    ready_file: str = option("", "once serving, write the node's bound addresses (JSON) to this file")
+    host_id: str = option("", "nodes with the same host id may share memory (default: hostname and boot id)")
+    drain_timeout_s: float = _drain_timeout_s()
+    zmq_keys: str = _zmq_keys()
+    kv_failure: str = option("recompute", "decode node, a prompt's KV lost or damaged on the way: recompute it "
+                                          "there, or fail it", choices=KV_FAILURE_POLICIES)  # fmt: skip
+    kv_fault_rate: float = option(0.0, "prefill node, for tests and drills: damage this share of KV transfers on "
+                                       "purpose", type=float)  # fmt: skip
+    kv_fault_kinds: tuple[str, ...] = option(KV_FAULT_KINDS, f"comma-separated, one picked at random each time: "
+                                             f"{', '.join(KV_FAULT_KINDS)} (with --kv-fault-rate)",
+                                             type=comma_list)  # fmt: skip
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -151,26 +200,30 @@ class NodeConfig:
 
 @dataclass(frozen=True)
 class RouterConfig:
-    model: str
-    host: str = "127.0.0.1"
-    port: int = 8000
-    colocated: tuple[str, ...] = ()
-    prefill: tuple[str, ...] = ()
-    decode: tuple[str, ...] = ()  # router-facing addresses of decode nodes
-    decode_kv: tuple[str, ...] = ()  # their KV addresses, in the same order
-    served_model_name: str = ""
-    node_timeout_s: float = 10.0
+    model: str = _model()
+    host: str = option("127.0.0.1", "address the HTTP API listens on")
+    port: int = option(8000, "port the HTTP API listens on", type=int)
+    colocated: tuple[str, ...] = option((), "colocated nodes' addresses", nargs="*", metavar="ADDR")
+    prefill: tuple[str, ...] = option((), "prefill nodes' addresses", nargs="*", metavar="ADDR")
+    decode: tuple[str, ...] = option((), "decode nodes' router-facing addresses", nargs="*", metavar="ADDR")
+    decode_kv: tuple[str, ...] = option((), "decode nodes' KV addresses, in --decode's order", nargs="*",
+                                        metavar="ADDR")  # fmt: skip
+    served_model_name: str = option("", "the model id the API lists and answers to (default: --model)")
+    node_timeout_s: float = option(10.0, "a node silent this long is taken as down", type=float)
     connect_timeout_s: float = 120.0
-    api_key: str = field(default="", repr=False)  # every route but /health then needs it as a Bearer token
-    max_n: int = 16  # the most choices (n) one request may ask for
-    ray_address: str = ""  # set: learn prefill and decode nodes from a Ray deployment, not from fixed lists
-    ray_deployment: str = "pdserve"  # the `pdserve up --ray --name` of that deployment
+    api_key: str = option("", "every route but /health needs 'Authorization: Bearer KEY' (default: "
+                              "$PDSERVE_API_KEY)", env="PDSERVE_API_KEY", repr=False)  # fmt: skip
+    max_n: int = option(16, "the most choices (n) one request may ask for", type=int)
+    ray_address: str = option("", "learn the nodes from this Ray cluster's deployment", flag="--ray",
+                              metavar="ADDRESS")  # fmt: skip
+    ray_deployment: str = _deployment_name()
     membership_interval_s: float = 1.0  # how often the Ray deployment's node list is read
-    max_request_bytes: int = 4 * 2**20  # bodies above this are answered 413 before they are parsed
-    max_queued_requests: int = 1024  # requests without a first token; beyond, 429 with Retry-After
-    queue_timeout_s: float = 300.0  # a request without a first token after this long fails (503)
-    drain_timeout_s: float = 30.0  # on SIGTERM: how long requests in flight may take to finish
-    zmq_keys: str = ""  # CurveZMQ key folder (`pdserve keys DIR`); "" for plain sockets
+    max_request_bytes: int = option(4 * 2**20, "larger bodies get 413", type=int)
+    max_queued_requests: int = option(1024, "requests waiting for a first token; beyond, 429 with Retry-After",
+                                      type=int)  # fmt: skip
+    queue_timeout_s: float = option(300.0, "a request without a first token after this long gets 503", type=float)
+    drain_timeout_s: float = _drain_timeout_s()
+    zmq_keys: str = _zmq_keys()
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -199,3 +252,44 @@ class RouterConfig:
     @property
     def mode(self) -> str:
         return "colocated" if self.colocated else "disagg"
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """`pdserve up`'s own flags: which nodes it starts, where, and (with --ray) on which cluster."""
+
+    mode: str = option("disagg", "disagg: prefill and decode nodes; colocated: one node doing both",
+                       choices=LAUNCH_MODES)  # fmt: skip
+    num_prefill: int = option(1, "prefill nodes to start", type=int)
+    num_decode: int = option(1, "decode nodes to start", type=int)
+    prefill_device: str | None = option(None, "the prefill nodes' device (default: --device)")
+    decode_device: str | None = option(None, "the decode nodes' device (default: --device)")
+    cpu_cores: str | None = option(None, "the colocated node's cores (default: all)", metavar="CORES")
+    prefill_cores: str | None = option(None, "cores of each prefill node (default: one core each)", metavar="CORES")
+    decode_cores: str | None = option(None, "cores of each decode node (default: one core each)", metavar="CORES")
+    no_pin: bool = option(False, "do not pin nodes to cores", action="store_true")
+    ray: str | None = option(None, "place the nodes on a Ray cluster: 'auto', HOST:PORT, or none to start a local "
+                                   "one", nargs="?", const="local", metavar="ADDRESS")  # fmt: skip
+    name: str = _deployment_name()
+    placement: str = option("spread", "spread: nodes on as many hosts as can take them; pack: on as few",
+                            choices=PLACEMENTS)  # fmt: skip
+    ray_node_cpus: int = option(1, "CPUs each node holds on a CPU device", type=int)
+    ray_bind_host: str = option("", "address nodes bind (default: their host's cluster IP)")
+    max_restarts: int = option(3, "how often Ray restarts a node that died", type=int)
+
+
+@dataclass(frozen=True)
+class ScaleConfig:
+    """`pdserve scale`: new node counts for a deployment on a Ray cluster."""
+
+    ray: str = option("auto", "the Ray cluster: 'auto' or HOST:PORT", metavar="ADDRESS")
+    name: str = _deployment_name()
+    prefill: int = option(0, "prefill nodes wanted (default: as now)", type=int)
+    decode: int = option(0, "decode nodes wanted (default: as now)", type=int)
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    """Flags every verb takes, before the verb."""
+
+    log_level: str = option("INFO", "how much to log", type=str.upper, choices=LOG_LEVELS)

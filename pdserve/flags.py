@@ -1,87 +1,118 @@
-"""The command-line flags shared by more than one command, and the router's command line, defined once.
+"""Every verb's command line, built from the config dataclasses: each flag's default and help live once, in the
+field it sets (pdserve/config.py).
 
-Each group of flags is a table: `add_flags` puts it on a parser, `to_argv` turns parsed (or given) values
-back into argv for a child process (`pdserve up` starting its nodes and router, the Ray launcher, bench,
-the tests' stacks). cli.py and launcher.py both import this module; it imports neither.
+How to add a flag: add a field to the config it belongs to with `option(default, "help", type=..., ...)`
+(a field of plain `= value` is config only, no flag). If that dataclass's flags are taken whole by a verb
+(RouterConfig for `pdserve router`, LaunchConfig for `up`, ScaleConfig, LogConfig) the flag appears there at
+once; otherwise name the field in the verb's table below (VERB_FLAGS, or the ENGINE_FLAGS group that every
+node and `up` share: those `up` also passes on to its nodes). The verb's code then reads it from the parsed
+args under the field's name, and `from_args(SomeConfig, args)` carries it into the config without a hand-written
+copy. tests/test_flags.py checks that every flag has help and that its parser default is its field's default.
+
+`to_argv` turns parsed (or given) values back into argv for a child process (`pdserve up` starting its nodes
+and router, the Ray launcher, bench, the tests' stacks). cli.py and launcher.py both import this module; it
+imports neither.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
-from pdserve.config import (
-    ATTENTION_BACKENDS,
-    CPU_KERNELS,
-    DTYPE_CHOICES,
-    KV_FAILURE_POLICIES,
-    KV_FAULT_KINDS,
-    KV_TRANSPORTS,
-    EngineConfig,
-    parse_cores,
-)
-from pdserve.wire.protocol import NODE_ROLES, KvTransport, Role
+from pdserve.config import EngineConfig, LaunchConfig, LogConfig, NodeConfig, RouterConfig, ScaleConfig
+from pdserve.wire.protocol import NODE_ROLES, Role
 
 
 @dataclass(frozen=True)
 class Flag:
-    """One flag: its name, and the keywords of argparse's add_argument."""
+    """One flag: its name, the config field it sets, and the keywords of argparse's add_argument."""
 
     name: str
+    config: type
     options: dict = field(default_factory=dict)
 
     @property
     def dest(self) -> str:
-        return self.name.removeprefix("--").replace("-", "_")
+        return self.options["dest"]
 
     @property
     def switch(self) -> bool:
         return self.options.get("action") == "store_true"
 
 
-ENGINE_FLAGS = (
-    Flag("--model", dict(default="tiny", help="checkpoint folder, or a built-in: tiny, small")),
-    Flag("--dtype", dict(default="float32", choices=DTYPE_CHOICES)),
-    Flag("--max-num-seqs", dict(type=int, default=16)),
-    Flag("--max-num-batched-tokens", dict(type=int, default=512)),
-    Flag("--block-size", dict(type=int, default=16)),
-    Flag("--num-kv-blocks", dict(type=int, default=None)),
-    Flag("--kv-cache-gb", dict(type=float, default=0.25)),
-    Flag("--kv-transport", dict(default=KvTransport.ZMQ, type=KvTransport, choices=KV_TRANSPORTS)),
-    Flag("--kv-lease-s", dict(type=float, default=30.0)),
-    Flag("--cpu-kernels", dict(default="auto", choices=CPU_KERNELS)),
-    Flag("--attention-backend", dict(default="auto", choices=ATTENTION_BACKENDS,
-                                     help="auto: Triton kernels on CUDA, pdserve's C kernels on the CPU; torch: "
-                                          "SDPA per request")),  # fmt: skip
-    Flag("--enforce-eager", dict(action="store_true", help="no CUDA graphs for decode steps")),
-    Flag("--kv-failure", dict(default="recompute", choices=KV_FAILURE_POLICIES,
-                              help="decode node, a prompt's KV lost or damaged on the way: recompute it there, or "
-                                   "fail it")),
-    Flag("--kv-fault-rate", dict(type=float, default=0.0,
-                                 help="prefill node, for tests and drills: damage this share of KV transfers on "
-                                      "purpose")),
-    Flag("--kv-fault-kinds", dict(default=",".join(KV_FAULT_KINDS),
-                                  help="comma-separated: drop, delay, truncate, corrupt (with --kv-fault-rate)")),
-)
-SHARED_FLAGS = (  # every process of a stack takes these, router included
-    Flag("--drain-timeout-s", dict(type=float, default=30.0,
-                                   help="on SIGTERM: how long requests in flight may take to finish before they fail")),
-    Flag("--zmq-keys", dict(default="", help="CurveZMQ key folder (make it with `pdserve keys DIR`)")),
-)  # fmt: skip
-ROUTER_LIMIT_FLAGS = (
-    Flag("--max-request-bytes", dict(type=int, default=4 * 2**20, help="larger bodies get 413")),
-    Flag("--max-queued-requests", dict(type=int, default=1024,
-                                       help="requests waiting for a first token; beyond, 429 with Retry-After")),
-    Flag("--queue-timeout-s", dict(type=float, default=300.0,
-                                   help="a request without a first token after this long gets 503")),
-)  # fmt: skip
+def _flag(config: type, f: dataclasses.Field) -> Flag:
+    meta = f.metadata
+    default = os.environ.get(meta["env"], f.default) if meta["env"] else f.default
+    name = meta["flag"] or "--" + f.name.replace("_", "-")
+    return Flag(name, config, dict(dest=f.name, default=default, help=_with_default(meta["help"], f.default),
+                                   **meta["argparse"]))  # fmt: skip
+
+
+def _with_default(help: str, default: Any) -> str:
+    """The help text, with the default said unless the text says it or there is none to say."""
+    if "default" in help or default is None or default is False or default in ("", ()):
+        return help
+    shown = ",".join(map(str, default)) if isinstance(default, tuple) else str(default)
+    return f"{help} (default: {shown})"
+
+
+def flags_of(config: type, *names: str, skip: Iterable[str] = ()) -> tuple[Flag, ...]:
+    """The flags of `config`'s option fields: those named (in that order), or all of them but `skip`."""
+    options = {f.name: f for f in dataclasses.fields(config) if "help" in f.metadata}
+    chosen = names or [n for n in options if n not in set(skip)]
+    return tuple(_flag(config, options[n]) for n in chosen)
+
+
+# ---- the groups of flags, and which verb takes which ---------------------------------------------------------
+ENGINE_FLAGS = flags_of(EngineConfig, skip=("device", "cpu_cores")) + flags_of(
+    NodeConfig, "kv_transport", "kv_lease_s", "kv_failure", "kv_fault_rate", "kv_fault_kinds"
+)  # every node and `up` (which passes them on to its nodes)
+SHARED_FLAGS = flags_of(NodeConfig, "drain_timeout_s", "zmq_keys")  # every process of a stack, router included
+ROUTER_LIMIT_FLAGS = flags_of(RouterConfig, "max_request_bytes", "max_queued_requests", "queue_timeout_s")
+ROUTER_API_FLAGS = flags_of(RouterConfig, "host", "port", "served_model_name", "api_key", "max_n")
+UP_ROUTER_FLAGS = ROUTER_API_FLAGS + flags_of(RouterConfig, "node_timeout_s") + ROUTER_LIMIT_FLAGS
+RAY_UP_FLAGS = flags_of(LaunchConfig, "ray", "name", "placement", "ray_node_cpus", "ray_bind_host", "max_restarts")
+NODE_FLAGS = flags_of(EngineConfig, "device", "cpu_cores") + flags_of(NodeConfig, "listen", "ready_file", "host_id")
+
+Groups = tuple[tuple[str, tuple[Flag, ...]], ...]  # (title, flags) of each group of a verb's --help
+VERB_FLAGS: dict[str, Groups] = {
+    "up": (("engine", ENGINE_FLAGS + SHARED_FLAGS + flags_of(EngineConfig, "device")),
+           ("nodes", flags_of(LaunchConfig, skip=[f.dest for f in RAY_UP_FLAGS])),
+           ("router", UP_ROUTER_FLAGS),
+           ("Ray cluster (pip install pdserve[ray])", RAY_UP_FLAGS)),
+    **{role: (("engine", ENGINE_FLAGS + SHARED_FLAGS),
+              ("node", NODE_FLAGS + (flags_of(NodeConfig, "kv_listen") if role == Role.DECODE else ())))
+       for role in NODE_ROLES},
+    Role.ROUTER: (("router", flags_of(RouterConfig)),),
+    "scale": (("deployment", flags_of(ScaleConfig)),),
+}  # fmt: skip
+GLOBAL_FLAGS = flags_of(LogConfig)  # before the verb
 
 
 def add_flags(g, flags: Iterable[Flag]) -> None:
     for f in flags:
         g.add_argument(f.name, **f.options)
+
+
+def add_verb_flags(p: argparse.ArgumentParser, verb: str) -> None:
+    for title, flags in VERB_FLAGS[verb]:
+        add_flags(p.add_argument_group(title), flags)
+
+
+def from_args(config: type, a: argparse.Namespace, **given) -> Any:
+    """`config` built from the parsed flags of its fields that `a` has (a list as a tuple), and `given`."""
+    names = {f.name for f in dataclasses.fields(config)} - given.keys()
+    values = {n: getattr(a, n) for n in names if hasattr(a, n)}
+    return config(**{n: tuple(v) if isinstance(v, list) else v for n, v in values.items()}, **given)
+
+
+def _argv_value(value: Any) -> str:
+    return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
 
 def to_argv(flags: Iterable[Flag], values: dict) -> list[str]:
@@ -93,7 +124,7 @@ def to_argv(flags: Iterable[Flag], values: dict) -> list[str]:
         if f.switch:
             argv += [f.name] if value else []
         elif value is not None and value != "":
-            argv += [f.name, str(value)]
+            argv += [f.name, _argv_value(value)]
     return argv
 
 
@@ -106,36 +137,14 @@ def engine_flags(**values) -> list[str]:
     return to_argv(flags, values)
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    add_flags(g, ENGINE_FLAGS + SHARED_FLAGS)
-
-
-def add_shared_args(g) -> None:
-    """Flags every process of a stack takes, router included."""
-    add_flags(g, SHARED_FLAGS)
-
-
-def add_router_limits(p: argparse.ArgumentParser) -> None:
-    add_flags(p.add_argument_group("router limits"), ROUTER_LIMIT_FLAGS)
-
-
-def router_limits_argv(a: argparse.Namespace) -> list[str]:
-    return to_argv(ROUTER_LIMIT_FLAGS + SHARED_FLAGS, vars(a))
-
-
 def engine_argv(a: argparse.Namespace) -> list[str]:
     """The engine flags of `a` again, to pass on to a child node."""
     return to_argv(ENGINE_FLAGS + SHARED_FLAGS, vars(a))
 
 
-def engine_config(a: argparse.Namespace, device: str, cores: str) -> EngineConfig:
-    return EngineConfig(
-        model=a.model, dtype=a.dtype, device=device, max_num_seqs=a.max_num_seqs,
-        max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
-        num_kv_blocks=a.num_kv_blocks, kv_cache_gb=a.kv_cache_gb, cpu_cores=parse_cores(cores),
-        cpu_kernels=a.cpu_kernels, attention_backend=a.attention_backend, enforce_eager=a.enforce_eager,
-    )  # fmt: skip
+def router_options(a: argparse.Namespace) -> list[str]:
+    """The router flags of `up` again, to pass on to its router; the API key travels in its environment instead."""
+    return to_argv([f for f in UP_ROUTER_FLAGS + SHARED_FLAGS if f.dest != "api_key"], vars(a))
 
 
 def router_command(model: str, nodes: Iterable[dict], options: Iterable[str] = (), log_level: str = "") -> list[str]:

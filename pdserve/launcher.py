@@ -18,7 +18,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from pdserve.flags import engine_argv, router_command, router_limits_argv
+from pdserve.flags import engine_argv, router_command, router_options
 from pdserve.wire.protocol import KvTransport, Role
 
 READY_TIMEOUT_S = 300
@@ -153,8 +153,7 @@ def launch(a: argparse.Namespace) -> int:
             for _, argv, ready in nodes:
                 procs.append(subprocess.Popen([*argv, "--ready-file", str(ready)]))
             infos = _wait_ready(procs, [r for _, _, r in nodes])
-            options = ["--host", a.host, "--port", str(a.port), "--max-n", str(a.max_n), *router_limits_argv(a)]
-            router = subprocess.Popen(router_command(a.model, infos, options), env=router_env(a))
+            router = subprocess.Popen(router_command(a.model, infos, router_options(a)), env=router_env(a))
             procs.append(router)
             url = f"http://{a.host}:{a.port}"
             _wait_http(url, router)

@@ -44,7 +44,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from pdserve.flags import engine_argv, router_command, router_limits_argv
+from pdserve.flags import engine_argv, router_command, router_options
 from pdserve.router.membership import RAY_NAMESPACE, controller_name
 from pdserve.wire.protocol import KvTransport, Role
 
@@ -275,8 +275,7 @@ def start_controller(a: argparse.Namespace):
 
 
 def router_argv(a: argparse.Namespace, gcs_address: str) -> list[str]:
-    options = ["--host", a.host, "--port", str(a.port), "--max-n", str(a.max_n), "--ray", gcs_address,
-               "--ray-deployment", a.name, *router_limits_argv(a)]  # fmt: skip
+    options = ["--ray", gcs_address, "--ray-deployment", a.name, *router_options(a)]
     return router_command(a.model, [], options, a.log_level)
 
 

@@ -1,0 +1,88 @@
+"""Every verb's flags come from the config dataclasses: each has help text, and its parser default is the default of
+the field it sets (so --help, the configs and the docs cannot disagree)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from pdserve.cli import build_parser
+from pdserve.config import EngineConfig, RouterConfig
+from pdserve.engine.checkpoint import BUILTIN_MODELS
+from pdserve.flags import GLOBAL_FLAGS, VERB_FLAGS, from_args
+
+
+def _subparsers(p: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    [sub] = [a for a in p._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(sub.choices)
+
+
+def _flag_actions(p: argparse.ArgumentParser) -> list[argparse.Action]:
+    return [a for a in p._actions if a.option_strings and not isinstance(a, argparse._HelpAction)]
+
+
+def _field(config: type, name: str) -> dataclasses.Field:
+    [f] = [f for f in dataclasses.fields(config) if f.name == name]
+    return f
+
+
+@pytest.fixture
+def parser(monkeypatch) -> argparse.ArgumentParser:
+    monkeypatch.delenv("PDSERVE_API_KEY", raising=False)
+    return build_parser()
+
+
+def test_every_flag_has_help(parser):
+    verbs = _subparsers(parser)
+    for name, p in [("pdserve", parser), *verbs.items()]:
+        for a in _flag_actions(p) + [a for a in p._actions if not a.option_strings and a.dest != "verb"]:
+            assert a.help and len(a.help) > 8, f"{name} {a.option_strings or a.dest} has no help"
+
+
+@pytest.mark.parametrize("verb", sorted(VERB_FLAGS))
+def test_each_parser_default_is_its_config_fields_default(parser, verb):
+    """Each flag of the verb is one of its table's flags, and defaults to what the dataclass field says."""
+    flags = {f.dest: f for _, group in VERB_FLAGS[verb] for f in group}
+    actions = _flag_actions(_subparsers(parser)[verb])
+    assert {a.dest for a in actions} == flags.keys(), "a flag added by hand, not from a config field"
+    for a in actions:
+        field = _field(flags[a.dest].config, a.dest)
+        assert a.default == field.default, (verb, a.option_strings)
+        assert a.help.startswith(field.metadata["help"]), (verb, a.option_strings)
+
+
+def test_global_flags_come_from_their_config(parser):
+    for f in GLOBAL_FLAGS:
+        [a] = [a for a in parser._actions if a.dest == f.dest]
+        assert a.default == _field(f.config, f.dest).default
+
+
+def test_help_says_defaults_and_every_built_in_model(parser, capsys):
+    with pytest.raises(SystemExit):
+        parser.parse_args(["up", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: 8000)" in text and "(default: float32)" in text
+    for name in BUILTIN_MODELS:
+        assert name in text
+    assert "--served-model-name" in text
+
+
+def test_parsed_defaults_build_the_default_configs(parser):
+    """A verb run without flags gets the dataclass's own config: nothing on the way changes a default."""
+    assert from_args(EngineConfig, parser.parse_args(["prefill"])) == EngineConfig()
+    a = parser.parse_args(["router", "--prefill", "tcp://p", "--decode", "tcp://d", "--decode-kv", "tcp://k"])
+    assert from_args(RouterConfig, a) == RouterConfig(prefill=("tcp://p",), decode=("tcp://d",), decode_kv=("tcp://k",))
+
+
+def test_up_passes_its_router_flags_on(tmp_path, parser):
+    from pdserve.flags import router_command, router_options
+
+    up = parser.parse_args(["up", "--served-model-name", "my-model", "--port", "9", "--max-n", "2",
+                            "--node-timeout-s", "3", "--queue-timeout-s", "5", "--api-key", "secret"])  # fmt: skip
+    argv = router_command("tiny", [{"role": "colocated", "listen": "tcp://c"}], router_options(up))
+    assert "secret" not in argv, "the API key travels in the router's environment, not its argv"
+    router = from_args(RouterConfig, parser.parse_args(argv[3:]))
+    assert (router.served_model_name, router.port, router.max_n, router.node_timeout_s, router.queue_timeout_s) == (
+        "my-model", 9, 2, 3.0, 5.0)  # fmt: skip
