@@ -1,4 +1,4 @@
-"""Every system on every workload, side by side in one run (shared/BENCHMARKS.md).
+"""Every system on every workload, side by side in one run (bench/README.md, docs/benchmarks.md).
 
     python -m bench.run_bench --model small --workloads equal_size short_long_mix \\
         --systems colocated static hf_cb [--quick]
