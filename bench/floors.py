@@ -1,4 +1,4 @@
-"""The compute floor of shared/BENCHMARKS.md, and pdserve's engine overhead over it.
+"""The compute floor (the bare model forward on the same batches), and pdserve's engine overhead over it.
 
 pdserve's `Engine` runs a workload in-process (no router, no
 sockets), closed. The engine's runner is wrapped in `TimedRunner`, which times `prepare(batch)` and

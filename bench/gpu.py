@@ -22,7 +22,7 @@
      device-to-device copy between the same devices (bytes copied per second);
    - the router's CPU time per streamed token.
 5. Writes <out>/gpu.json, gpu.md and gpu.png (and the stacks' logs under <out>/logs/), where <out> is
-   `--out-dir`, else $OUT when set, else bench/results/gpu. The report is rewritten after each system,
+   `--out-dir`, else $OUT when set, else bench/runs/gpu (git-ignored). The report is rewritten after each system,
    so a run cut short still leaves what it measured.
 
 `--budget-s` bounds the whole command: a system is skipped when too little time is left to start it,
@@ -77,7 +77,7 @@ class GpuBenchConfig:
     slo_tpot_s: float = 0.05
     hf_cuda_graphs: bool = False
     engine_args: tuple[str, ...] = ()  # passed on to `pdserve up` as they are
-    out_dir: Path = field(default=Path(__file__).parent / "results" / "gpu")
+    out_dir: Path = field(default=Path(__file__).parent / "runs" / "gpu")
     name: str = "gpu"
     progress: bool = True
 
@@ -132,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slo-tpot-s", type=float, default=0.05)
     p.add_argument("--hf-cuda-graphs", action="store_true", help="let HF continuous batching use CUDA graphs")
     p.add_argument("--engine-arg", action="append", default=[], help="e.g. --engine-arg=--enforce-eager")
-    p.add_argument("--out-dir", type=Path, default=None, help="default: $OUT when set, else bench/results/gpu")
+    p.add_argument("--out-dir", type=Path, default=None, help="default: $OUT when set, else bench/runs/gpu")
     p.add_argument("--name", default="gpu", help="stem of the result files")
     p.add_argument("--no-progress", action="store_true")
     return p

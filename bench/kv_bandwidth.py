@@ -126,7 +126,7 @@ def measure_backend(name: str, addr: str, tokens: int, repeats: int, placement: 
 def measure_raw_zmq(addr: str, nbytes: int, repeats: int) -> tuple[float, float]:
     """GB/s of `nbytes` of pre-built frames over ZeroMQ, send to ack: (as one frame, as one frame per layer).
 
-    One frame is how PERF_NOTES measured the loopback; a frame per layer is the backend's own message shape,
+    One frame is the naive way to measure the loopback; a frame per layer is the backend's own message shape,
     and here the faster of the two, so the stricter floor."""
     return _raw_zmq(addr, nbytes, repeats, 1), _raw_zmq(addr, nbytes, repeats, LAYOUT.num_layers)
 
@@ -208,8 +208,8 @@ def to_markdown(r: dict) -> str:
         f"| memcpy (floor of shm) | | {r['memcpy_GBps']:.2f} | |",
         f"| raw ZeroMQ tcp, best frame shape (floor of zmq tcp) | | {r['raw_zmq_tcp_GBps']:.2f} | |",
         f"| raw ZeroMQ ipc, best frame shape (floor of zmq ipc) | | {r['raw_zmq_ipc_GBps']:.2f} | |",
-        f"| raw ZeroMQ tcp, one frame (as in PERF_NOTES) | | {r['raw1_zmq_tcp_GBps']:.2f} | |",
-        f"| raw ZeroMQ ipc, one frame (as in PERF_NOTES) | | {r['raw1_zmq_ipc_GBps']:.2f} | |",
+        f"| raw ZeroMQ tcp, the KV as one frame | | {r['raw1_zmq_tcp_GBps']:.2f} | |",
+        f"| raw ZeroMQ ipc, the KV as one frame | | {r['raw1_zmq_ipc_GBps']:.2f} | |",
     ]
     for p in PLACEMENTS:
         rows += [
@@ -232,7 +232,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--out", default="bench/results/kv_bandwidth")
+    ap.add_argument("--out", default="bench/runs/kv_bandwidth")
     a = ap.parse_args()
     result = run(a.tokens, a.repeats)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

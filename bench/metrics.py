@@ -1,4 +1,4 @@
-"""Serving metrics from per-request records (shared/BENCHMARKS.md, "Metrics").
+"""Serving metrics from per-request records: TTFT, TPOT, ITL, E2E, throughput, SLO attainment, goodput.
 
 Every load generator hands back one `RequestRecord` per request: when it was sent, and when each of
 its output tokens arrived (all times `time.perf_counter()` seconds of the benchmark process). From

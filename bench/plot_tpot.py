@@ -1,13 +1,14 @@
 """TPOT p50/p99 of colocated vs disaggregated serving, from run_bench result files, as one PNG.
 
-    python -m bench.plot_tpot bench/results/disagg-closed.json bench/results/disagg-open.json \
-        --out bench/results/disagg-tpot.png
+    python -m bench.plot_tpot bench/results/2026-11-30-e0d682f-disagg-closed.json \
+        bench/results/2026-11-30-e0d682f-disagg-open.json --out bench/results/2026-11-30-e0d682f-disagg-tpot.png
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import matplotlib
 
@@ -40,13 +41,14 @@ def plot(data: dict[str, dict[str, tuple[float, float]]], out: str) -> None:
     axes[0].legend()
     fig.suptitle("pdserve: decode TPOT, colocated (2 cores) vs disaggregated (1 core prefill + 1 core decode)")
     fig.tight_layout()
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("results", nargs="+")
-    ap.add_argument("--out", default="bench/results/disagg-tpot.png")
+    ap.add_argument("--out", default="bench/runs/disagg-tpot.png")
     a = ap.parse_args()
     plot(rows(a.results), a.out)
     print(f"wrote {a.out}")

@@ -1,4 +1,4 @@
-"""Every system on every workload, side by side in one run (shared/BENCHMARKS.md).
+"""Every system on every workload, side by side in one run (bench/README.md, docs/benchmarks.md).
 
     python -m bench.run_bench --model small --workloads equal_size short_long_mix \\
         --systems colocated static hf_cb [--quick]
@@ -10,8 +10,10 @@ in-process baselines run on `--threads` torch threads, the cores a colocated pds
 Then the engine-overhead floor (bench/floors.py, in this process) and, when `disagg` ran,
 bench/kv_bandwidth.py (a child process). "ratio vs static" is output tok/s over static batching's.
 
-Writes bench/results/<name>.json (config, environment, per-request records, summaries),
-<name>.md (the table) and <name>.png (the plot). Timings are only comparable within one run.
+Writes bench/runs/<name>.json (config, environment, per-request records, summaries), <name>.md (the
+table) and <name>.png (the plot); bench/runs/ is git-ignored. `--record` writes into bench/results/
+instead, named by the date and the commit (2026-12-01-61c17bb[-NAME]). Timings are only comparable
+within one run.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ from bench.metrics import SLO, RequestRecord, cpu_per_token_us, max_rate_within_
 from bench.workloads import WORKLOADS, BenchRequest, Workload, make_workload
 
 SYSTEMS = ("colocated", "disagg", "static", "hf_cb")
-RESULTS_DIR = Path(__file__).parent / "results"
+RESULTS_DIR = Path(__file__).parent / "results"  # recorded results, kept in git (--record)
+RUNS_DIR = Path(__file__).parent / "runs"  # every other run (git-ignored)
 # two requests of different lengths in one batch: padding, prefill chunks and decode all run once
 WARMUP = Workload("warmup", (BenchRequest(tuple(range(1, 9)), 4), BenchRequest(tuple(range(1, 65)), 4)))
 KV_BANDWIDTH_TIMEOUT_S = 300.0
@@ -65,7 +68,7 @@ class BenchConfig:
     overhead: bool = True
     kv_bandwidth: bool = True  # after a disagg run: bench/kv_bandwidth.py
     name: str = "bench"
-    out_dir: Path = field(default=RESULTS_DIR)
+    out_dir: Path = field(default=RUNS_DIR)
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -112,8 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=2, help="torch threads of the in-process systems")
     p.add_argument("--no-overhead", action="store_true", help="skip the engine-overhead floor")
     p.add_argument("--no-kv-bandwidth", action="store_true", help="skip the KV bandwidth run after disagg")
-    p.add_argument("--name", default=None, help="results file stem (default: <model>[-quick])")
-    p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    p.add_argument("--name", default=None, help="file stem (<model>[-quick]; --record: <date>-<commit>[-NAME])")
+    p.add_argument("--record", action="store_true", help="keep it: into bench/results/, named by date and commit")
+    p.add_argument("--out-dir", type=Path, default=None, help="bench/runs/ (git-ignored); --record: bench/results/")
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -128,6 +132,26 @@ def _external(specs: list[str]) -> tuple[tuple[str, str], ...]:
     return tuple(pairs)
 
 
+def recorded_name(label: str | None, commit: str, day: str) -> str:
+    """A recorded result's file stem: the day (UTC), the commit, then the label if one was given."""
+    if not commit:
+        raise ValueError("--record names a result by its git commit: run it from a git checkout")
+    return "-".join(part for part in (day, commit, label) if part)
+
+
+def git_commit() -> str:
+    """The checkout's short commit, `-dirty` appended when tracked files differ from it; "" outside git."""
+    def git(*args: str) -> str:
+        out = subprocess.run(["git", *args], capture_output=True, text=True, cwd=Path(__file__).parent, check=False)
+        return out.stdout.strip() if out.returncode == 0 else ""
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+        return commit + "-dirty" if commit and git("status", "--porcelain", "--untracked-files=no") else commit
+    except OSError:
+        return ""
+
+
 def parse_args(argv: list[str] | None = None) -> BenchConfig:
     a = build_parser().parse_args(argv)
     derived = {
@@ -138,7 +162,9 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         "engine_args": tuple(a.engine_args),
         "overhead": not a.no_overhead,
         "kv_bandwidth": not a.no_kv_bandwidth,
-        "name": a.name or (f"{a.model}-quick" if a.quick else a.model),
+        "name": recorded_name(a.name, git_commit(), time.strftime("%Y-%m-%d", time.gmtime())) if a.record
+        else a.name or (f"{a.model}-quick" if a.quick else a.model),
+        "out_dir": a.out_dir or (RESULTS_DIR if a.record else RUNS_DIR),
         "progress": not a.no_progress,
     }
     same = {f.name for f in fields(BenchConfig)} & set(vars(a)) - set(derived)  # flags named like their field
@@ -358,26 +384,36 @@ def run_kv_bandwidth(cfg: BenchConfig) -> dict:
 def environment() -> dict:
     import transformers
 
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).parent,
-            check=False,
-        ).stdout.strip()
-    except OSError:
-        commit = ""
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
-        "git_commit": commit,
+        "cpu": cpu_model(),
+        "git_commit": git_commit(),
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         "loadavg_at_start": os.getloadavg(),
     }
+
+
+def shown_path(path: Path) -> str:
+    """A path as a result records it: relative to the repository when inside it (no one's home folder)."""
+    root = Path(__file__).resolve().parents[1]
+    return str(path.resolve().relative_to(root)) if path.resolve().is_relative_to(root) else str(path)
+
+
+def cpu_model() -> str:
+    """The CPU's model name and its wide vector extensions (avx2, avx512f, amx_tile), from /proc/cpuinfo."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    first = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in info.split("\n\n")[0].splitlines())}
+    flags = set(first.get("flags", "").split())
+    name = first.get("model name") or platform.processor()
+    wide = [f for f in ("avx2", "avx512f", "amx_tile") if f in flags]
+    return f"{name} ({', '.join(wide) or 'no avx2'})"
 
 
 def warn_if_busy(cores: int) -> None:
@@ -403,7 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     workloads = build_workloads(cfg, config)
     hf = LazyModel(cfg.model)
-    run: dict = {"config": {**asdict(cfg), "out_dir": str(cfg.out_dir)}, "environment": environment(), "results": []}
+    config_record = {**asdict(cfg), "out_dir": shown_path(cfg.out_dir)}
+    run: dict = {"config": config_record, "environment": environment(), "results": []}
     for system in [*cfg.systems, *(name for name, _ in cfg.external)]:
         run["results"] += run_system(cfg, system, workloads, hf)
     add_token_agreement(run["results"])

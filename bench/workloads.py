@@ -1,4 +1,4 @@
-"""The workloads of shared/BENCHMARKS.md as exact token-id requests from a fixed seed.
+"""The benchmark workloads (bench/README.md) as exact token-id requests from a fixed seed.
 
 A request is (prompt token ids, output length, arrival offset). Prompt ids are uniform below
 `vocab_size - 3` (the last three ids are the special tokens); the load generators enforce each

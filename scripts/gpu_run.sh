@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Issue 7's GPU check and GPU benchmark, as one device call on a GPU box (see ../shared/gpu/README.md).
+# The GPU check and the GPU benchmark, as one call on a GPU host without network access (docs/gpu.md).
 #
-#   here, once:  bash ../shared/gpu/fetch_wheels.sh          (pyzmq, fastapi, uvicorn, pydantic into .whl/)
-#   device call: command "bash scripts/gpu_run.sh", carry [".whl"], timeout_s 540
+#   first, with network:  the wheels of pdserve's serving dependencies into .whl/ (docs/gpu.md has the command)
+#   on the GPU host:      bash scripts/gpu_run.sh, with .whl/ beside it, within ~9 minutes
 #
 # 1. installs the wheels into /tmp/site (no network needed) and prints the versions and GPUs;
 # 2. builds the benchmark's checkpoint (qwen3-0.6b, ~1.2 GB) in the background meanwhile;
@@ -34,7 +34,7 @@ elapsed() { echo $(( $(date +%s) - T0 )); }
 main() {
     if [[ -z "${GPU_RUN_SKIP_INSTALL:-}" ]]; then
         if ! ls .whl/*.whl > /dev/null 2>&1; then
-            echo "gpu_run: no wheels in .whl/: run 'bash ../shared/gpu/fetch_wheels.sh' here and carry .whl"
+            echo "gpu_run: no wheels in .whl/: download them as docs/gpu.md says"
             exit 3
         fi
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 import transformers
 
-from bench import gpu, systems
+from bench import gpu, run_bench, systems
 from bench.http_client import HttpTarget, run_http
 from bench.workloads import BenchRequest, Workload, make_workload
 from pdserve.engine.checkpoint import ModelSpec, hf_config
@@ -149,3 +150,30 @@ def test_load_generator_keeps_at_most_max_concurrency_in_flight(limit):
         server.close()
     assert all(r.ok for r in records) and [r.output_token_ids for r in records] == [[0, 1, 2, 3, 4]] * 6
     assert server.peak <= 2 if limit else server.peak == 6
+
+
+def _git_ignored(path: Path) -> bool:
+    out = subprocess.run(["git", "check-ignore", "-q", str(path)], cwd=Path(__file__).parents[1], check=False)
+    if out.returncode == 128:
+        pytest.skip("not a git checkout")
+    return out.returncode == 0
+
+
+def test_a_bench_run_writes_into_the_ignored_runs_folder_unless_recorded():
+    cfg = run_bench.parse_args(["--model", "tiny", "--quick"])
+    assert (cfg.out_dir, cfg.name) == (run_bench.RUNS_DIR, "tiny-quick")
+    assert _git_ignored(cfg.out_dir / "tiny-quick.json")
+    assert not _git_ignored(run_bench.RESULTS_DIR / "tiny-quick.json")  # where --record writes: kept in git
+
+
+def test_a_recorded_run_goes_to_results_named_by_date_and_commit():
+    commit = run_bench.git_commit()
+    if not commit:
+        pytest.skip("not a git checkout")
+    cfg = run_bench.parse_args(["--model", "tiny", "--quick", "--record", "--name", "smoke"])
+    assert cfg.out_dir == run_bench.RESULTS_DIR
+    assert re.fullmatch(rf"\d{{4}}-\d\d-\d\d-{re.escape(commit)}-smoke", cfg.name)
+    assert run_bench.recorded_name(None, "abc1234", "2026-12-01") == "2026-12-01-abc1234"
+    with pytest.raises(ValueError, match="git commit"):
+        run_bench.recorded_name("smoke", "", "2026-12-01")
+    assert run_bench.parse_args(["--record", "--out-dir", "/tmp/x"]).out_dir == Path("/tmp/x")

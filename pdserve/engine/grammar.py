@@ -11,7 +11,7 @@ router from `response_format`) only draws tokens its grammar allows.
    are recomputed, not drawn again.
 
 Requests without a grammar cost one attribute test per row per step. llguidance is imported on the first
-guided request (`pip install pdserve[grammar]`), or when a node starts: it builds the tokenizer before it reports
+guided request (a dependency of pdserve), or when a node starts: it builds the tokenizer before it reports
 ready (`Guides.prepare`).
 """
 
@@ -129,5 +129,5 @@ def _llguidance():
         import llguidance
         import llguidance.hf
     except ImportError:
-        raise GrammarError("guided decoding needs llguidance on this node: pip install 'pdserve[grammar]'") from None
+        raise GrammarError("guided decoding needs llguidance, a pdserve dependency: pip install llguidance") from None
     return llguidance

@@ -43,8 +43,8 @@ def compile_schema(schema: dict) -> str:
     try:
         import llguidance
     except ImportError:
-        raise ApiError(400, "response_format json_object / json_schema needs llguidance on the router: "
-                       "pip install 'pdserve[grammar]'", "response_format") from None  # fmt: skip
+        raise ApiError(400, "response_format json_object / json_schema needs llguidance, a dependency of "
+                       "pdserve, on the router: pip install llguidance", "response_format") from None  # fmt: skip
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
         error = llguidance.LLMatcher.validate_grammar(grammar)

@@ -1,14 +1,13 @@
 #!/bin/bash
-# round (d): wait for the full suite and an idle host, then costs, a calibration run, six validated runs
+# round (d): wait for an idle host, then costs, a calibration run, six validated runs
+# usage: bash round_d.sh OUT_DIR   (from the repository root, with the venv's python as PY)
 set -u
-cd /work/wt-h11d
 export PYTHONPATH=$PWD
-PY=/work/main/.venv/bin/python
-D=/tmp/h11val/d
+PY=${PY:-.venv/bin/python}
+D=${1:?out dir}
+mkdir -p $D
 log() { echo "$(date -u +%T) load $(cut -d' ' -f1-3 /proc/loadavg) $*" >> $D/log.txt; }
 log waiting
-until grep -q '^rc=' /tmp/full3.log; do sleep 30; done
-log "full3 done: $(grep '^rc=' /tmp/full3.log)"
 until awk '{exit !($1<1.5)}' /proc/loadavg; do sleep 30; done
 log costs start
 $PY -m bench.costs --corun-core 1 --out $D/costs.json > $D/costs.out 2>&1; log costs end rc=$?
