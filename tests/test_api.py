@@ -7,6 +7,7 @@ import json
 import httpx
 import openai
 import pytest
+from helpers import wait_until
 from stack import Stack
 
 import pdserve
@@ -61,8 +62,7 @@ def test_stop_string_cuts_the_text(client, stack):
         pytest.fail(f"the tiny model's answer {free!r} has no usable stop string at [3:5]")
     cut = client.completions.create(model="tiny", prompt="stop test", max_tokens=12, temperature=0, stop=[stop])
     assert cut.choices[0].text == free[: free.index(stop)] and cut.choices[0].finish_reason == "stop"
-    used = stack.wait_kv_free()
-    assert not any(used.values()), used
+    stack.wait_kv_free()
 
 
 # ---- log-probabilities and echo ----------------------------------------------------------------------------------
@@ -154,8 +154,7 @@ def test_echo_without_tokens_ends_by_length_whatever_the_sampling(client, stack,
                                               stream=True, extra_body=body))  # fmt: skip
     assert "".join(p.choices[0].text for p in streamed if p.choices) == c.choices[0].text
     assert [p.choices[0].finish_reason for p in streamed if p.choices][-1] == "length"
-    used = stack.wait_kv_free()
-    assert not any(used.values()), used
+    stack.wait_kv_free()
 
 
 def test_streamed_logprobs_match_unstreamed(client):
@@ -318,6 +317,9 @@ def test_health_and_metrics(stack):
     assert any(k.startswith("pdserve:kv_blocks_free{") for k in after)
     assert any(k.startswith("pdserve:num_requests_waiting{") for k in after)
     assert any(k.startswith("pdserve:num_preemptions_total{") for k in after)
+    reports = {k: v for k, v in after.items() if k.startswith("pdserve:stats_reports_total{")}
+    assert len(reports) == len(h["nodes"]), reports  # every node's heartbeats are counted, and keep coming:
+    assert wait_until(lambda: all(scrape(stack)[k] > v for k, v in reports.items()), 30), reports
 
 
 def scrape(stack) -> dict[str, float]:
