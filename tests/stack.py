@@ -16,6 +16,7 @@ from bench.systems import free_port
 from pdserve.flags import router_command
 
 START_TIMEOUT_S = 120
+REPORTS = "pdserve:stats_reports_total"  # Stats received from each node: a reading after it grew is fresh
 
 
 class Stack:
@@ -125,26 +126,32 @@ class Stack:
 
     def kv_used(self) -> dict[str, int]:
         """kv_blocks_used per node, from /metrics."""
-        text = httpx.get(self.url + "/metrics", headers=self.headers, timeout=5).text
-        used = {}
-        for line in text.splitlines():
-            if line.startswith("pdserve:kv_blocks_used{"):
-                used[line.split('node="')[1].split('"')[0]] = int(float(line.rsplit(" ", 1)[1]))
-        return used
+        return self.node_series("pdserve:kv_blocks_used")[0]
 
-    def wait_kv_free(self, timeout: float = 10.0) -> dict[str, int]:
-        """Poll until every node reports zero KV blocks in use (stats arrive every 0.5 s)."""
+    def node_series(self, *names: str) -> list[dict[str, int]]:
+        """Per-node series of one /metrics reading (node gauges, `pdserve:stats_reports_total`): {node: value} each."""
+        lines = httpx.get(self.url + "/metrics", headers=self.headers, timeout=30).text.splitlines()
+        return [{line.split('node="')[1].split('"')[0]: int(float(line.rsplit(" ", 1)[1]))
+                 for line in lines if line.startswith(name + "{")} for name in names]  # fmt: skip
+
+    def wait_kv_free(self, timeout: float = 60.0, dead: tuple[str, ...] = ()) -> dict[str, int]:
+        """Wait until every node but the `dead` addresses (killed: their last report stays) reports zero KV blocks
+        in use, in a report sent after this call began (its second from then: the first may have been on its way
+        already). Returns {node: 0}; raises with the last reading if that does not happen within `timeout`."""
+        (since,) = self.node_series(REPORTS)
+        used, reports = {}, {}
         deadline = time.monotonic() + timeout
-        used = self.kv_used()
         while time.monotonic() < deadline:
-            used = self.kv_used()
-            if used and not any(used.values()):
-                time.sleep(0.6)  # one more stats period, to be sure the zero is current
-                used = self.kv_used()
-                if not any(used.values()):
-                    return used
-            time.sleep(0.2)
-        return used
+            used, reports = (_without(d, dead) for d in self.node_series("pdserve:kv_blocks_used", REPORTS))
+            fresh = bool(reports) and all(n >= since.get(node, 0) + 2 for node, n in reports.items())
+            if fresh and used.keys() == reports.keys() and not any(used.values()):
+                return used
+            time.sleep(0.1)
+        raise AssertionError(f"the nodes' KV pools were not seen empty within {timeout} s: last kv_blocks_used "
+                             f"{used}, stats reports {reports} (at the start {since})")
+
+def _without(series: dict[str, int], nodes: tuple[str, ...]) -> dict[str, int]:
+    return {node: v for node, v in series.items() if node not in nodes}
 
 
 def _address() -> str:

@@ -244,11 +244,21 @@ def make_job(
         )  # fmt: skip
     except ValueError as e:
         raise ApiError(400, str(e)) from None
+    if not show_tokens:
+        params = _hidden_token(params)
     opts = _stream_options(body.stream_options)
     return Job(prompt_ids, params, [s for s in stops if s], body.stream, bool(opts.get("include_usage")),
                body.return_token_ids, body.model, chat=chat_default, logprobs=top, echo=echo,
                show_tokens=show_tokens, include_stop=bool(body.include_stop_str_in_output),
                skip_special=body.skip_special_tokens is not False)  # fmt: skip
+
+
+def _hidden_token(params: P.SamplingParams) -> P.SamplingParams:
+    """Echo with max_tokens 0: the nodes still compute one token, which the client never sees. It is drawn
+    greedily with EOS and stop tokens ignored, so that the request ends by length whatever the client's sampling
+    parameters (which were checked all the same); the prompt's log-probabilities are those of the raw model."""
+    return P.SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, eos_token_ids=params.eos_token_ids,
+                            prompt_logprobs=params.prompt_logprobs)  # fmt: skip
 
 
 # ---- running a job -------------------------------------------------------------------------------

@@ -74,6 +74,7 @@ class NodeConn:
     draining: bool = False  # shutting down: finishes what it holds, takes nothing new
     last_seen: float = 0.0
     stats: P.Stats | None = None
+    reports: int = 0  # Stats messages received since the router started
     info: dict = field(default_factory=dict)
     requests: set[str] = field(default_factory=set)
     ever_up: asyncio.Event = field(default_factory=asyncio.Event)
@@ -237,6 +238,7 @@ class RouterCore:
                     self._deliver(ev, node)
             elif isinstance(msg, P.Stats):
                 node.stats, node.draining = msg, msg.draining
+                node.reports += 1
                 if msg.draining:  # it may exit once nothing routed to it is left
                     node.sock.send(P.encode(P.Pending(sorted(node.requests))))
             elif isinstance(msg, P.HelloAck):

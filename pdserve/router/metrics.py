@@ -71,7 +71,7 @@ class NodeCollector:
     """The nodes' last Stats as gauges and counters labelled by role and address, read at scrape time."""
 
     def __init__(self, nodes: list) -> None:
-        self.nodes = nodes  # RouterCore.nodes: objects with role, addr, up and stats (a protocol.Stats or None)
+        self.nodes = nodes  # RouterCore.nodes: role, addr, up, stats (a protocol.Stats or None), reports (a count)
 
     def collect(self) -> Iterator[Metric]:
         reporting = [n for n in self.nodes if n.stats is not None]
@@ -87,4 +87,14 @@ class NodeCollector:
                 if key in n.stats.counters:
                     c.add_metric([n.role, n.addr], n.stats.counters[key])
             yield c
+        yield _reports(reporting)
         yield GaugeMetricFamily("pdserve:nodes_up", "Nodes the router sees up.", value=sum(n.up for n in self.nodes))
+
+
+def _reports(nodes: list) -> Metric:
+    """How many Stats each node sent the router: a reading taken after it grew is fresh."""
+    c = CounterMetricFamily("pdserve:stats_reports", "Stats reports (heartbeats) received from each node.",
+                            labels=["role", "node"])  # fmt: skip
+    for n in nodes:
+        c.add_metric([n.role, n.addr], n.reports)
+    return c
