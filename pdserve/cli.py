@@ -9,6 +9,7 @@ import sys
 
 from pdserve.config import ROLES, EngineConfig, NodeConfig, RouterConfig
 from pdserve.flags import GLOBAL_FLAGS, add_flags, add_verb_flags, from_args
+from pdserve.startup import check_checkpoint, check_device, check_port_free
 from pdserve.wire.protocol import Role
 
 VERB_HELP = {
@@ -42,6 +43,8 @@ def node_config(a: argparse.Namespace) -> NodeConfig:
 
 def run_node(a: argparse.Namespace) -> None:
     cfg = node_config(a)
+    check_device(cfg.engine.device)
+    check_checkpoint(cfg.engine.model, tokenizer=False)
     if a.verb == Role.COLOCATED:
         from pdserve.colocated_node import ColocatedNode as Node
     elif a.verb == Role.PREFILL:
@@ -54,7 +57,10 @@ def run_node(a: argparse.Namespace) -> None:
 def run_router(a: argparse.Namespace) -> None:
     from pdserve.router.server import serve
 
-    serve(from_args(RouterConfig, a))
+    cfg = from_args(RouterConfig, a)
+    check_port_free(cfg.host, cfg.port)
+    check_checkpoint(cfg.model)
+    serve(cfg)
 
 
 def make_keys(a: argparse.Namespace) -> None:

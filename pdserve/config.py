@@ -224,6 +224,8 @@ class RouterConfig:
     queue_timeout_s: float = option(300.0, "a request without a first token after this long gets 503", type=float)
     drain_timeout_s: float = _drain_timeout_s()
     zmq_keys: str = _zmq_keys()
+    instance_id: str = option("", "an id /health reports, by which a launcher knows it reached the router it "
+                                  "started")  # fmt: skip
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

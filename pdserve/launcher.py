@@ -1,8 +1,14 @@
 """`pdserve up`: the whole local stack as child processes, each started with its role's own command.
 
-Nodes bind free ports and report their addresses in a ready file; the router starts once every
-node is ready; the URL is printed once the router answers /health. Ctrl-C or SIGTERM stops every
-child, by PID.
+1. Start-up checks (pdserve/startup.py): the HTTP port is free, each device exists, the checkpoint is one
+   pdserve can serve. A mistake ends it here, in one line, before any process starts.
+2. Nodes bind free ports and report their addresses in a ready file; the router starts once every node is
+   ready, with an instance id of this launch; the URL is printed once /health answers with that id (so
+   another server on the port cannot pass for ours).
+3. Ctrl-C or SIGTERM: "stopping", then the router is stopped first (it drains its requests while the
+   nodes still serve), then the nodes, each by PID. The children run in their own session, so a Ctrl-C
+   in the terminal reaches the launcher alone and the order holds. A child that exits by itself while
+   serving is a failure: it is named, the stack stopped, the exit code 1.
 """
 
 from __future__ import annotations
@@ -16,9 +22,11 @@ import sys
 import tempfile
 import time
 import urllib.request
+import uuid
 from pathlib import Path
 
 from pdserve.flags import engine_argv, router_command, router_options
+from pdserve.startup import check_checkpoint, check_device, check_port_free
 from pdserve.wire.protocol import KvTransport, Role
 
 READY_TIMEOUT_S = 300
@@ -60,7 +68,7 @@ def plan(a: argparse.Namespace, tmp: Path) -> list[tuple[str, list[str], Path]]:
     devices = role_devices(a)
     check_devices(a, devices)
     pin = {role: not a.no_pin and dev == "cpu" for role, dev in devices.items()}
-    base = [sys.executable, "-m", "pdserve"]
+    base = [sys.executable, "-m", "pdserve", "--log-level", a.log_level]
     nodes = []
     if a.mode == "colocated":
         all_cores = f"0-{(os.cpu_count() or 1) - 1}"
@@ -91,19 +99,42 @@ def _wait_ready(procs: list[subprocess.Popen], files: list[Path]) -> list[dict]:
     raise RuntimeError("nodes did not become ready in time")
 
 
-def _wait_http(url: str, proc: subprocess.Popen) -> None:
+def _wait_http(url: str, proc: subprocess.Popen, instance_id: str) -> None:
+    """Until the router started as `proc` answers /health: a server answering with another instance id is not it."""
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"the router exited during start-up (code {proc.returncode})")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
+        if _health_instance(url) == instance_id:
+            return
         time.sleep(0.1)
     raise RuntimeError("the router did not become ready in time")
+
+
+def _health_instance(url: str) -> str | None:
+    """The instance id that the server at `url` reports on /health (None: no answer, or not a pdserve router)."""
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=1) as r:
+            return json.loads(r.read()).get("instance")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def start_child(argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    """A child in a session of its own: a terminal's Ctrl-C reaches only the launcher, which stops them in order."""
+    return subprocess.Popen(argv, env=env, start_new_session=True)
+
+
+def router_argv(a: argparse.Namespace, infos: list[dict], instance_id: str) -> list[str]:
+    return router_command(a.model, infos, [*router_options(a), "--instance-id", instance_id], a.log_level)
+
+
+def preflight(a: argparse.Namespace) -> None:
+    """Every start-up check of the stack `a` describes (ValueError: one line that says what to change)."""
+    check_port_free(a.host, a.port)
+    for device in set(role_devices(a).values()):
+        check_device(device)
+    check_checkpoint(a.model)
 
 
 def stop_all(procs: list[subprocess.Popen], drain_s: float = 0.0) -> None:
@@ -138,34 +169,38 @@ def router_env(a: argparse.Namespace) -> dict[str, str]:
 
 
 def launch(a: argparse.Namespace) -> int:
+    preflight(a)
     procs: list[subprocess.Popen] = []
-    stopping = False
+    roles: dict[int, str] = {}  # pid -> what it runs, for messages
 
     def on_signal(*_):
-        nonlocal stopping
-        stopping = True
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
     with tempfile.TemporaryDirectory(prefix="pdserve-up-") as tmp:
         try:
             nodes = plan(a, Path(tmp))
-            for _, argv, ready in nodes:
-                procs.append(subprocess.Popen([*argv, "--ready-file", str(ready)]))
+            for role, argv, ready in nodes:
+                procs.append(start_child([*argv, "--ready-file", str(ready)]))
+                roles[procs[-1].pid] = f"the {role} node"
             infos = _wait_ready(procs, [r for _, _, r in nodes])
-            router = subprocess.Popen(router_command(a.model, infos, router_options(a)), env=router_env(a))
-            procs.append(router)
+            instance_id = uuid.uuid4().hex
+            procs.append(start_child(router_argv(a, infos, instance_id), env=router_env(a)))
+            roles[procs[-1].pid] = "the router"
             url = f"http://{a.host}:{a.port}"
-            _wait_http(url, router)
+            _wait_http(url, procs[-1], instance_id)
             print(f"pdserve is serving {a.model} ({a.mode}) at {url}/v1", flush=True)
             while all(p.poll() is None for p in procs):
                 time.sleep(0.5)
-            print("pdserve: a child process exited; stopping the stack", file=sys.stderr)
+            gone = next(p for p in procs if p.poll() is not None)
+            print(f"pdserve: {roles[gone.pid]} (pid {gone.pid}) exited with code {gone.returncode}; stopping the "
+                  "stack", file=sys.stderr, flush=True)  # fmt: skip
             return 1
         except KeyboardInterrupt:
+            print("pdserve: stopping (the router first, then the nodes)", file=sys.stderr, flush=True)
             return 0
         except RuntimeError as e:
-            print(f"pdserve: {e}", file=sys.stderr)
+            print(f"pdserve: {e}", file=sys.stderr, flush=True)
             return 1
         finally:
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown short

@@ -38,6 +38,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import ray
@@ -46,12 +47,14 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pdserve.flags import engine_argv, router_command, router_options
 from pdserve.router.membership import RAY_NAMESPACE, controller_name
+from pdserve.startup import check_checkpoint, check_port_free
 from pdserve.wire.protocol import KvTransport, Role
 
 log = logging.getLogger("pdserve.ray")
 HEARTBEAT_S = 1.0
 ENTRY_TTL_S = 10.0
 READY_TIMEOUT_S = 300.0
+FIT_CHECK_S = 2.0  # a placement group pending this long is checked against the cluster's resources
 DRAIN_MARGIN_S = 15.0  # beyond the nodes' --drain-timeout-s: their wait for the router's answer, and exiting
 STRATEGIES = {"pack": "PACK", "spread": "SPREAD"}
 
@@ -173,7 +176,14 @@ class Controller:
         return self.counts()
 
     def _add(self, roles: list[str]) -> None:
-        pg = placement_group([dict(self.bundle)] * len(roles), strategy=STRATEGIES[self.placement])
+        bundles = [dict(self.bundle)] * len(roles)
+        pg = placement_group(bundles, strategy=STRATEGIES[self.placement])
+        if not pg.wait(FIT_CHECK_S):  # pending: say so at once if the cluster could never hold it
+            hosts = cluster_hosts()
+            if hosts_for(self.bundle, hosts) < len(bundles):
+                state = ray.util.placement_group_table(pg).get("state", "?")
+                remove_placement_group(pg)
+                raise ValueError(no_room(len(bundles), self.bundle, hosts, state))
         if not pg.wait(READY_TIMEOUT_S):
             remove_placement_group(pg)
             raise RuntimeError(f"the cluster has no room for {len(roles)} nodes of {self.bundle} each")
@@ -233,6 +243,30 @@ class Controller:
 RemoteController = ray.remote(Controller)
 
 
+def cluster_hosts() -> list[dict[str, float]]:
+    """The resources (CPU, GPU, memory...) of each live host of the cluster, in all (used or not)."""
+    return [n["Resources"] for n in ray.nodes() if n["Alive"]]
+
+
+def hosts_for(bundle: dict, hosts: list[dict[str, float]]) -> int:
+    """How many bundles like `bundle` the hosts could hold at most, each bundle on one host."""
+    return sum(int(min(host.get(k, 0) // v for k, v in bundle.items() if v)) for host in hosts)
+
+
+def no_room(count: int, bundle: dict, hosts: list[dict[str, float]], state: str) -> str:
+    """One line: what was asked, what the cluster has, what to change."""
+    each = ", ".join(f"{v:g} {k}" for k, v in bundle.items())
+    asked = ", ".join(f"{v * count:g} {k}" for k, v in bundle.items())
+    has = ", ".join(f"{sum(h.get(k, 0) for h in hosts):g} {k}" for k in bundle)
+    most = ", ".join(f"{max(h.get(k, 0) for h in hosts):g} {k}" for k in bundle)
+    return (
+        f"the Ray cluster cannot place {count} nodes of {each} each (placement group {state}): they ask for "
+        f"{asked} in all, one node's share on one host; the cluster has {has} on {len(hosts)} host(s), at most "
+        f"{most} on one. Start "
+        f"fewer nodes (--num-prefill, --num-decode), give each fewer CPUs (--ray-node-cpus), or add hosts"
+    )
+
+
 # ---- the launcher --------------------------------------------------------------------------------
 def node_bundle(a: argparse.Namespace) -> dict:
     """What one node holds on its host: a GPU (and a CPU to drive it), or --ray-node-cpus CPUs."""
@@ -274,14 +308,24 @@ def start_controller(a: argparse.Namespace):
     return ctl.remote(a.name, node_spec(a), node_bundle(a), a.placement, a.max_restarts)
 
 
-def router_argv(a: argparse.Namespace, gcs_address: str) -> list[str]:
-    options = ["--ray", gcs_address, "--ray-deployment", a.name, *router_options(a)]
+def router_argv(a: argparse.Namespace, gcs_address: str, instance_id: str) -> list[str]:
+    options = ["--ray", gcs_address, "--ray-deployment", a.name, *router_options(a), "--instance-id", instance_id]
     return router_command(a.model, [], options, a.log_level)
 
 
 def with_absolute_paths(a: argparse.Namespace) -> argparse.Namespace:
     """`a` with its --zmq-keys folder absolute: node processes start in their Ray worker's folder."""
     return argparse.Namespace(**{**vars(a), "zmq_keys": os.path.abspath(a.zmq_keys) if a.zmq_keys else ""})
+
+
+def get(ref):
+    """ray.get, where a user's mistake the controller found (a ValueError) is raised as itself: one line, no trace."""
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayTaskError as e:
+        if isinstance(e.cause, ValueError):
+            raise ValueError(str(e.cause)) from None
+        raise
 
 
 def stop_nodes(controller, timeout_s: float) -> None:
@@ -294,9 +338,11 @@ def stop_nodes(controller, timeout_s: float) -> None:
 
 def launch_on_ray(a: argparse.Namespace) -> int:
     """`pdserve up --ray`: nodes on the cluster, the router here; stops everything on Ctrl-C / SIGTERM."""
-    from pdserve.launcher import _wait_http, router_env, stop_all
+    from pdserve.launcher import _wait_http, router_env, start_child, stop_all
 
     check_args(a)
+    check_port_free(a.host, a.port)
+    check_checkpoint(a.model)  # the router reads it here (the nodes on their hosts)
     a = with_absolute_paths(a)
 
     def on_signal(*_):
@@ -308,20 +354,22 @@ def launch_on_ray(a: argparse.Namespace) -> int:
     try:
         connect(a.ray)
         controller = start_controller(a)
-        counts = ray.get(controller.scale.remote(a.num_prefill, a.num_decode))
-        procs.append(subprocess.Popen(router_argv(a, ray.get_runtime_context().gcs_address), env=router_env(a)))
+        counts = get(controller.scale.remote(a.num_prefill, a.num_decode))
+        instance_id = uuid.uuid4().hex
+        procs.append(start_child(router_argv(a, ray.get_runtime_context().gcs_address, instance_id), router_env(a)))
         url = f"http://{a.host}:{a.port}"
-        _wait_http(url, procs[0])
+        _wait_http(url, procs[0], instance_id)
         print(f"pdserve is serving {a.model} at {url}/v1 with {counts['prefill']} prefill and {counts['decode']} "
               f"decode nodes on the Ray cluster (deployment {a.name!r})", flush=True)  # fmt: skip
         while procs[0].poll() is None:
             time.sleep(0.5)
-        print("pdserve: the router exited; stopping the deployment", file=sys.stderr)
+        print(f"pdserve: the router exited with code {procs[0].returncode}; stopping the deployment", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        print("pdserve: stopping (the router first, then the nodes)", file=sys.stderr, flush=True)
         return 0
     except (RuntimeError, ray.exceptions.RayError) as e:
-        print(f"pdserve: {e}", file=sys.stderr)
+        print(f"pdserve: {e}", file=sys.stderr, flush=True)
         return 1
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -340,7 +388,7 @@ def scale(a: argparse.Namespace) -> int:
     except ValueError:
         raise ValueError(f"no pdserve deployment {a.name!r} on the Ray cluster at {a.ray}") from None
     have = ray.get(controller.counts.remote())
-    counts = ray.get(controller.scale.remote(a.prefill or have[Role.PREFILL], a.decode or have[Role.DECODE]))
+    counts = get(controller.scale.remote(a.prefill or have[Role.PREFILL], a.decode or have[Role.DECODE]))
     print(f"pdserve deployment {a.name!r}: {counts['prefill']} prefill and {counts['decode']} decode nodes")
     ray.shutdown()
     return 0

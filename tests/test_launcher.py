@@ -29,7 +29,7 @@ def test_cuda_ipc_with_each_role_on_its_own_gpu(tmp_path):
                   "--prefill-device", "cuda:0", "--decode-device", "cuda:1")  # fmt: skip
     assert [role for role, _ in nodes] == ["prefill", "decode"]
     for (role, argv), dev in zip(nodes, ["cuda:0", "cuda:1"], strict=True):
-        assert argv[3] == role and _flag(argv, "--device") == dev and _flag(argv, "--kv-transport") == "cuda_ipc"
+        assert argv[5] == role and _flag(argv, "--device") == dev and _flag(argv, "--kv-transport") == "cuda_ipc"
         assert _flag(argv, "--cpu-cores") == "", "a GPU node must not be pinned to one core"
         cfg = _child_config(argv)
         assert (cfg.role, cfg.engine.device, cfg.engine.dtype, cfg.kv_transport) == (role, dev, "float16", "cuda_ipc")

@@ -131,6 +131,20 @@ def _host_of() -> dict[str, str]:
     return {n["NodeID"]: next((h for h in HOSTS if h in n["Resources"]), "head") for n in ray.nodes()}
 
 
+def test_a_placement_the_cluster_cannot_hold_is_refused_in_one_line(cluster):
+    """Three nodes of 2 CPUs on two hosts of 2 CPUs: said at once (what was asked, what the cluster has), exit 2."""
+    argv = [sys.executable, "-m", "pdserve", "up", "--ray", cluster.address, "--name", "too-big", "--model", "tiny",
+            "--num-prefill", "2", "--num-decode", "1", "--ray-node-cpus", "2", "--port", str(free_port())]  # fmt: skip
+    out = subprocess.run(argv, capture_output=True, text=True, env=os.environ.copy(), timeout=START_TIMEOUT_S)
+    assert out.returncode == 2 and "Traceback" not in out.stderr and "serving" not in out.stdout, out.stderr
+    [line] = out.stderr.strip().splitlines()
+    assert line.startswith("pdserve: error: the Ray cluster cannot place 3 nodes of 2 CPU each"), line
+    assert "6 CPU in all" in line and "the cluster has 4 CPU on 3 host(s), at most 2 CPU on one" in line, line
+    assert ray.util.placement_group_table() == {} or all(
+        pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values()
+    ), "the placement group was left behind"
+
+
 def test_pack_places_a_prefill_and_a_decode_node_on_one_host(cluster):
     """A controller of its own (the deployment below comes after it): both nodes on one simulated host."""
     a = build_parser().parse_args(["up", "--ray", cluster.address, "--name", "packed", "--model", "tiny",

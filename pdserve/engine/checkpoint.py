@@ -28,6 +28,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")  # config.json's model_type
 
 
 @dataclass(frozen=True)

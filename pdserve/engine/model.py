@@ -27,12 +27,11 @@ from torch import nn
 from pdserve.config import max_model_len
 from pdserve.engine.backends import Chunk, ForwardInputs, make_backend
 from pdserve.engine.block_allocator import blocks_for, cdiv
+from pdserve.engine.checkpoint import SUPPORTED_MODEL_TYPES
 from pdserve.engine.kv_cache import DTYPES, KVLayout, KVPool
 from pdserve.engine.scheduler import Batch
 
 log = logging.getLogger("pdserve.model")
-
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
 
 
 def load_model(path: Path, dtype: str, device: str = "cpu"):

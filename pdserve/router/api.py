@@ -519,7 +519,7 @@ def create_app(cfg: RouterConfig) -> FastAPI:
 
     @app.get("/health")
     async def health(request: Request):
-        h = request.app.state.core.health()
+        h = {**request.app.state.core.health(), "instance": cfg.instance_id}
         return JSONResponse(h, status_code=200 if h["status"] == "ok" else 503)
 
     @app.get("/metrics")

@@ -1,0 +1,134 @@
+"""Start-up mistakes: each ends `pdserve` at once with one line on stderr, a non-zero exit, no traceback, and no
+"serving" line; and `pdserve up` knows its own router from another server on the same port."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+from stack import free_port
+
+from pdserve.engine.checkpoint import resolve_model
+from pdserve.launcher import _wait_http
+
+START_TIMEOUT_S = 60  # a refusal comes before any node starts: seconds, not a model load
+
+
+def _pdserve(*args: str) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-m", "pdserve", *args]
+    return subprocess.run(argv, capture_output=True, text=True, env=os.environ.copy(), timeout=START_TIMEOUT_S)
+
+
+def _refused(out: subprocess.CompletedProcess, says: str) -> str:
+    """The single line `pdserve` ended with."""
+    assert out.returncode != 0, out.stdout + out.stderr
+    assert "Traceback" not in out.stderr and "serving" not in out.stdout, out.stderr[-3000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith("pdserve: error: ") and says in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture
+def taken_port():
+    """A port another server listens on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def test_up_refuses_a_port_in_use(taken_port):
+    line = _refused(_pdserve("up", "--model", "tiny", "--port", str(taken_port)), "already in use")
+    assert str(taken_port) in line
+
+
+def test_router_refuses_a_port_in_use(taken_port):
+    out = _pdserve("router", "--port", str(taken_port), "--colocated", "tcp://127.0.0.1:1")
+    _refused(out, f"port {taken_port} on 127.0.0.1 is already in use")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+@pytest.mark.parametrize("args", [["up", "--device", "cuda"], ["up", "--decode-device", "cuda:1"],
+                                  ["prefill", "--device", "cuda:0"]])  # fmt: skip
+def test_cuda_device_without_cuda_is_refused(args):
+    _refused(_pdserve(*args), "use --device cpu")
+
+
+def _checkpoint_copy(folder: Path, files: list[str], **config_changes) -> Path:
+    """A checkpoint folder with some of tiny's files, its config changed by `config_changes`."""
+    tiny = resolve_model("tiny")
+    folder.mkdir()
+    for name in files:
+        shutil.copy(tiny / name, folder / name)
+    config = {**json.loads((tiny / "config.json").read_text()), **config_changes}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_a_checkpoint_without_tokenizer_files_is_refused(tmp_path):
+    folder = _checkpoint_copy(tmp_path / "no-tokenizer", ["model.safetensors"])
+    _refused(_pdserve("up", "--model", str(folder), "--port", str(free_port())), "has no tokenizer files")
+
+
+@pytest.mark.parametrize("verb", ["up", "decode"])
+def test_an_unsupported_architecture_is_refused(tmp_path, verb):
+    tiny = resolve_model("tiny")
+    files = [p.name for p in tiny.iterdir() if p.name != "config.json"]
+    folder = _checkpoint_copy(tmp_path / "gpt2", files, model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    _refused(_pdserve(verb, "--model", str(folder)), "model type 'gpt2' (GPT2LMHeadModel) is not supported")
+
+
+def test_a_folder_that_is_no_checkpoint_is_refused(tmp_path):
+    _refused(_pdserve("up", "--model", str(tmp_path), "--port", str(free_port())), "nor a folder with a config.json")
+
+
+class _OtherServer(BaseHTTPRequestHandler):
+    """A server of another launch on the port: /health answers 200, with another instance id."""
+
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        body = json.dumps({"status": "ok", "instance": "another"}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+        self.server.answered.set()
+
+    def log_message(self, *_):
+        pass
+
+
+def test_the_readiness_poll_does_not_take_another_server_for_its_router():
+    """The other server answers the poll, yet the launcher waits for its own router, and fails when that exits."""
+    server = HTTPServer(("127.0.0.1", 0), _OtherServer)
+    server.answered = threading.Event()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    router = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        waiter = threading.Thread(target=_expect_router_exit, args=(server, router))
+        waiter.start()
+        assert server.answered.wait(30), "the launcher never polled /health"
+        router.stdin.close()  # the router exits: the poll, which took no answer for ours, must say so
+        waiter.join(30)
+        assert not waiter.is_alive() and waiter.outcome == "router exited"
+    finally:
+        server.shutdown()
+        router.kill()
+        router.wait()
+
+
+def _expect_router_exit(server: HTTPServer, router: subprocess.Popen) -> None:
+    try:
+        _wait_http(f"http://127.0.0.1:{server.server_port}", router, "ours")
+        threading.current_thread().outcome = "took another server for its router"
+    except RuntimeError as e:
+        threading.current_thread().outcome = "router exited" if "exited during start-up" in str(e) else str(e)
