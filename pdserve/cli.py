@@ -6,11 +6,14 @@ import argparse
 import logging
 import os
 import sys
+import time
 
 from pdserve.config import ROLES, EngineConfig, NodeConfig, RouterConfig
 from pdserve.flags import GLOBAL_FLAGS, add_flags, add_verb_flags, from_args
 from pdserve.startup import check_checkpoint, check_device, check_port_free
 from pdserve.wire.protocol import Role
+
+log = logging.getLogger("pdserve")
 
 VERB_HELP = {
     "up": "start router + nodes as child processes",
@@ -45,12 +48,20 @@ def run_node(a: argparse.Namespace) -> None:
     cfg = node_config(a)
     check_device(cfg.engine.device)
     check_checkpoint(cfg.engine.model, tokenizer=False)
+    e = cfg.engine
+    cores = f", cores {','.join(map(str, e.cpu_cores))}" if e.cpu_cores else ""
+    log.info("starting: %s (%s on %s%s)", e.model, e.dtype, e.device, cores)
+    started = time.monotonic()
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a node's log says what it does in a line per stage, not a bar
     if a.verb == Role.COLOCATED:
         from pdserve.colocated_node import ColocatedNode as Node
     elif a.verb == Role.PREFILL:
         from pdserve.prefill_node import PrefillNode as Node
     else:
         from pdserve.decode_node import DecodeNode as Node
+    log.info("imported torch, transformers and the engine in %.1f s", time.monotonic() - started)
     Node(cfg).run()
 
 
@@ -73,9 +84,15 @@ def make_keys(a: argparse.Namespace) -> None:
           "(copy the folder to each host, and keep it private)")  # fmt: skip
 
 
+def log_format(verb: str) -> str:
+    """Each line says which process of the stack wrote it: a node by its role and pid, else the verb."""
+    who = f"{verb} {os.getpid()}" if verb in ROLES else verb
+    return f"%(asctime)s %(levelname)s {who}: %(message)s"
+
+
 def main(argv: list[str] | None = None) -> None:
     a = build_parser().parse_args(argv)
-    logging.basicConfig(level=a.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=a.log_level, format=log_format(a.verb), datefmt="%Y-%m-%d %H:%M:%S")
     try:
         if a.verb == "up" and a.ray is not None:
             from pdserve.ray_cluster import launch_on_ray

@@ -42,7 +42,11 @@ class Flag:
 
     @property
     def switch(self) -> bool:
-        return self.options.get("action") == "store_true"
+        return self.options.get("action") in ("store_true", "store_false")
+
+    def given(self, value: Any) -> bool:
+        """Whether a switch must appear on the command line for the field to get `value`."""
+        return bool(value) if self.options.get("action") == "store_true" else value is False
 
 
 def _flag(config: type, f: dataclasses.Field) -> Flag:
@@ -75,7 +79,7 @@ ENGINE_FLAGS = flags_of(EngineConfig, skip=("device", "cpu_cores")) + flags_of(
 SHARED_FLAGS = flags_of(NodeConfig, "drain_timeout_s", "zmq_keys")  # every process of a stack, router included
 ROUTER_LIMIT_FLAGS = flags_of(RouterConfig, "max_request_bytes", "max_queued_requests", "queue_timeout_s")
 ROUTER_API_FLAGS = flags_of(RouterConfig, "host", "port", "served_model_name", "api_key", "max_n")
-UP_ROUTER_FLAGS = ROUTER_API_FLAGS + flags_of(RouterConfig, "node_timeout_s") + ROUTER_LIMIT_FLAGS
+UP_ROUTER_FLAGS = ROUTER_API_FLAGS + flags_of(RouterConfig, "node_timeout_s", "access_log") + ROUTER_LIMIT_FLAGS
 RAY_UP_FLAGS = flags_of(LaunchConfig, "ray", "name", "placement", "ray_node_cpus", "ray_bind_host", "max_restarts")
 NODE_FLAGS = flags_of(EngineConfig, "device", "cpu_cores") + flags_of(NodeConfig, "listen", "ready_file", "host_id")
 
@@ -116,13 +120,14 @@ def _argv_value(value: Any) -> str:
 
 
 def to_argv(flags: Iterable[Flag], values: dict) -> list[str]:
-    """The command line that gives `flags` these `values` (by dest): a switch alone when true, any other flag with
-    its value unless that is None or "". Flags without a value in `values` are left out (the child's default)."""
+    """The command line that gives `flags` these `values` (by dest): a switch alone when it must be given (a
+    --no-... switch when its value is false), any other flag with its value unless that is None or "". Flags
+    without a value in `values` are left out (the child's default)."""
     argv = []
     for f in flags:
         value = values.get(f.dest)
         if f.switch:
-            argv += [f.name] if value else []
+            argv += [f.name] if f.given(value) else []
         elif value is not None and value != "":
             argv += [f.name, _argv_value(value)]
     return argv

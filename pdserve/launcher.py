@@ -177,6 +177,7 @@ def launch(a: argparse.Namespace) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)  # even where the shell that started us ignores it (a background job)
     with tempfile.TemporaryDirectory(prefix="pdserve-up-") as tmp:
         try:
             nodes = plan(a, Path(tmp))

@@ -61,6 +61,7 @@ class NodeBase:
     role: P.Role
 
     def __init__(self, cfg: NodeConfig) -> None:
+        self.started = time.monotonic()
         pin_process(cfg.engine)
         self.cfg = cfg
         self.host_id = cfg.host_id or default_host_id()
@@ -125,7 +126,7 @@ class NodeBase:
         """Tell the router before refusing anything, so that it knows to dispatch the refused requests elsewhere."""
         if not self._drain_announced:
             self._drain_announced = True
-            log.info("%s node draining (SIGTERM): finishing what it holds, taking nothing new", self.role)
+            log.info("%s node stopping (SIGTERM): finishing what it holds, taking nothing new", self.role)
             self.send_stats()
 
     def holds_work(self) -> bool:
@@ -188,7 +189,11 @@ class NodeBase:
             with open(tmp, "w") as f:
                 json.dump(self.ready_info(), f)
             os.replace(tmp, self.cfg.ready_file)
-        log.info("%s node ready: %s", self.role, self.ready_info())
+        log.info("%s node ready in %.1f s: %s", self.role, time.monotonic() - self.started, self.ready_words())
+
+    def ready_words(self) -> str:
+        """Where this node serves, in words (its ready line)."""
+        return f"takes requests from the router at {self.front_addr}"
 
     def close(self) -> None:
         if self.auth is not None:

@@ -349,6 +349,7 @@ def launch_on_ray(a: argparse.Namespace) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     procs: list[subprocess.Popen] = []
     controller = None
     try:

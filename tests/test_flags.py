@@ -86,3 +86,12 @@ def test_up_passes_its_router_flags_on(tmp_path, parser):
     router = from_args(RouterConfig, parser.parse_args(argv[3:]))
     assert (router.served_model_name, router.port, router.max_n, router.node_timeout_s, router.queue_timeout_s) == (
         "my-model", 9, 2, 3.0, 5.0)  # fmt: skip
+
+
+def test_no_access_log_reaches_the_router_of_up(parser):
+    from pdserve.flags import router_command, router_options
+
+    for given, logged in (([], True), (["--no-access-log"], False)):
+        up = parser.parse_args(["up", *given])
+        argv = router_command("tiny", [{"role": "colocated", "listen": "tcp://c"}], router_options(up))
+        assert from_args(RouterConfig, parser.parse_args(argv[3:])).access_log is logged

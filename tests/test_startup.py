@@ -1,11 +1,14 @@
 """Start-up mistakes: each ends `pdserve` at once with one line on stderr, a non-zero exit, no traceback, and no
-"serving" line; and `pdserve up` knows its own router from another server on the same port."""
+"serving" line; `pdserve up` knows its own router from another server on the same port; and a start and a stop
+read well."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -13,6 +16,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from stack import free_port
@@ -132,3 +136,31 @@ def _expect_router_exit(server: HTTPServer, router: subprocess.Popen) -> None:
         threading.current_thread().outcome = "took another server for its router"
     except RuntimeError as e:
         threading.current_thread().outcome = "router exited" if "exited during start-up" in str(e) else str(e)
+
+
+def test_up_says_each_stage_serves_logs_requests_and_stops_cleanly_on_ctrl_c(tmp_path):
+    """A line per stage per node with seconds, the ready line in words, an access line per request, and on
+    Ctrl-C "stopping" and nothing that reads like a failure."""
+    port = free_port()
+    argv = [sys.executable, "-m", "pdserve", "up", "--model", "tiny", "--mode", "colocated", "--port", str(port),
+            "--no-pin", "--num-kv-blocks", "64"]  # fmt: skip
+    with open(tmp_path / "stderr", "w") as err:
+        up = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, env=os.environ.copy())
+    try:
+        assert "is serving" in up.stdout.readline()
+        body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        assert httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60).status_code == 200
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=START_TIMEOUT_S) == 0
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+    log = (tmp_path / "stderr").read_text()
+    for stage in (r"colocated \d+: starting: tiny", r"colocated \d+: loaded the weights of tiny .* in [\d.]+ s",
+                  r"colocated \d+: built the kernels and warmed up in [\d.]+ s",
+                  r"colocated \d+: colocated node ready in [\d.]+ s: takes requests from the router at tcp://",
+                  r"router: POST /v1/completions 200 3\+4 tokens [\d.]+ s", r"pdserve: stopping"):  # fmt: skip
+        assert len(re.findall(stage, log)) == 1, (stage, log)
+    for failure in ("Traceback", "is down", "exited with code", "{'role'", "Loading weights"):
+        assert failure not in log, log

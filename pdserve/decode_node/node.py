@@ -75,6 +75,9 @@ class DecodeNode(NodeBase):
     def ready_info(self) -> dict:
         return {**super().ready_info(), "kv_listen": self.kv_addr, "host_id": self.host_id}
 
+    def ready_words(self) -> str:
+        return f"{super().ready_words()}, KV from prefill nodes at {self.kv_addr} ({self.cfg.kv_transport})"
+
     def busy(self) -> bool:
         return bool(self.incoming)
 

@@ -10,6 +10,7 @@ then loaded exactly like a downloaded one. Nothing here reaches for the network.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch is imported where weights are drawn: the router resolves names without it
     import torch
 
+log = logging.getLogger("pdserve.checkpoint")
 CACHE_ENV_DEFAULT = Path.home() / ".cache" / "pdserve"  # PDSERVE_CACHE overrides it
 FORMAT_VERSION = 1  # bump when a built-in's weights or tokenizer change
 
@@ -73,6 +75,7 @@ def resolve_model(name_or_path: str) -> Path:
     if name_or_path in BUILTIN_MODELS:
         folder = cache_dir() / f"{name_or_path}-v{FORMAT_VERSION}"
         if not (folder / "model.safetensors").exists():
+            log.info("writing the built-in model %s (random weights, once) to %s", name_or_path, folder)
             write_random_checkpoint(folder, BUILTIN_MODELS[name_or_path])
         return folder
     path = Path(name_or_path)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -79,17 +80,24 @@ class Engine:
     def __init__(self, cfg: EngineConfig, prefill_only: bool = False, pool_storage=None) -> None:
         self.cfg = cfg
         self.prefill_only = prefill_only
+        started = time.perf_counter()
         checkpoint = resolve_model(cfg.model)
         self.model = load_model(checkpoint, cfg.dtype, cfg.device)
+        log.info("loaded the weights of %s (%s on %s) in %.1f s", cfg.model, cfg.dtype, cfg.device,
+                 time.perf_counter() - started)  # fmt: skip
         self.guides = Guides(checkpoint, self.model.config.vocab_size, eos_token_ids(self.model.config))
         self.layout = kv_layout(self.model, cfg.block_size, cfg.dtype)
         num_blocks = cfg.num_blocks_for(self.layout.bytes_per_token())
         storage = pool_storage(self.layout, num_blocks, cfg.device) if pool_storage else None
         self.pool = KVPool(self.layout, num_blocks, cfg.device, data=storage)
         self.scheduler = Scheduler(self.pool.allocator, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        started = time.perf_counter()
         self.runner = ModelRunner(self.model, self.pool, cfg.attention_backend, cfg.cpu_kernels,
                                   graphs=not (cfg.enforce_eager or prefill_only), max_batch=cfg.max_num_seqs)
         self.runner.warm_up(cfg.max_num_batched_tokens, cfg.max_num_seqs)
+        log.info("built the kernels%s and warmed up in %.1f s (attention: %s; KV pool: %d blocks of %d tokens)",
+                 " and CUDA graphs" if self.runner.graphs else "", time.perf_counter() - started,
+                 self.runner.backend.name, num_blocks, cfg.block_size)  # fmt: skip
         self.sampler = Sampler()
         self.max_model_len = max_model_len(self.model.config)
         self.requests: dict[str, Request] = {}

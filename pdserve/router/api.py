@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.config import RouterConfig
 from pdserve.router import small_routes
+from pdserve.router.access_log import AccessLog
 from pdserve.router.auth import ApiKeyGuard
 from pdserve.router.choices import derive_seed, gather_all, merge
 from pdserve.router.core import NoNodeAvailable, Overloaded, RouterCore
@@ -377,7 +378,7 @@ async def _complete(core, info, jobs: list[Job], chat: bool, request: Request) -
     body = _envelope(jobs[0], chat, stream=False)
     body["choices"] = [_choice(job, chat, text, ids, reason, stream=False, logprobs=lps)
                        for job, (text, ids, reason, lps) in zip(jobs, results, strict=True)]  # fmt: skip
-    body["usage"] = _usage(jobs, sum(len(ids) for _, ids, _, _ in results))
+    body["usage"] = request.state.usage = _usage(jobs, sum(len(ids) for _, ids, _, _ in results))
     return body
 
 
@@ -394,7 +395,8 @@ def submit_all(core: RouterCore, jobs: list[Job]) -> list:
     return flights
 
 
-async def _stream(core, info, jobs: list[Job], chat: bool, flights: list) -> AsyncIterator[str]:
+async def _stream(core, info, jobs: list[Job], chat: bool, flights: list, state) -> AsyncIterator[str]:
+    """The stream's events; its usage goes to `state` (the request's) when it ends, however it ends."""
     n = 0
     deltas = merge([run_job(core, info, j, f) for j, f in zip(jobs, flights, strict=True)])
     try:
@@ -408,6 +410,8 @@ async def _stream(core, info, jobs: list[Job], chat: bool, flights: list) -> Asy
     except ApiError as e:
         yield f"data: {json.dumps(error_body(e.status, e.message, e.param, e.code))}\n\n"
         return
+    finally:
+        state.usage = _usage(jobs, n)
     if jobs[0].include_usage:
         chunk = _envelope(jobs[0], chat, stream=True)
         chunk["choices"], chunk["usage"] = [], _usage(jobs, n)
@@ -464,6 +468,8 @@ def create_app(cfg: RouterConfig) -> FastAPI:
     app.add_middleware(RequestLimits, limit=cfg.max_request_bytes)
     if cfg.api_key:  # added last, so outermost: a stranger's body is not even read
         app.add_middleware(ApiKeyGuard, api_key=cfg.api_key)
+    if cfg.access_log:  # outside even the key guard: a refused request is logged too
+        app.add_middleware(AccessLog)
 
     @app.exception_handler(ApiError)
     async def _api_error(_, e: ApiError):
@@ -495,7 +501,8 @@ def create_app(cfg: RouterConfig) -> FastAPI:
         jobs = expand(jobs, body.n)
         if body.stream:  # dispatch first, so that a refusal is still an HTTP error, not a 200 stream
             flights = submit_all(st.core, jobs)
-            return StreamingResponse(_stream(st.core, st.info, jobs, chat, flights), media_type="text/event-stream")
+            events = _stream(st.core, st.info, jobs, chat, flights, request.state)
+            return StreamingResponse(events, media_type="text/event-stream")
         return await _complete(st.core, st.info, jobs, chat, request)
 
     @app.post("/v1/completions")
