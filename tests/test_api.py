@@ -7,10 +7,12 @@ import json
 import httpx
 import openai
 import pytest
-from helpers import wait_until
+from helpers import hf_greedy, optional, wait_until
 from stack import Stack
 
 import pdserve
+from pdserve.engine.checkpoint import resolve_model
+from pdserve.wire.protocol import SamplingParams
 
 
 @pytest.fixture(scope="module", params=["colocated", "disagg"])
@@ -347,12 +349,16 @@ def test_numbers_a_node_cannot_take_are_refused(stack, body, words):
     assert httpx.get(stack.url + "/health", timeout=10).status_code == 200
 
 
-def test_tiny_temperature_is_greedy(client):
-    kw = dict(model="tiny", prompt="abc", max_tokens=6)
-    assert (
-        client.completions.create(temperature=1e-30, **kw).choices[0].text
-        == client.completions.create(temperature=0, **kw).choices[0].text
-    )
+def test_tiny_temperatures_give_the_greedy_tokens_on_both_paths(client):
+    """1e-30 takes the greedy branch (below 1e-5: dividing by it would overflow); 1e-4 really samples (seeded), its
+    logits divided by the temperature, which leaves all but the most likely token with no chance here: both give
+    transformers' greedy tokens, and neither a NaN nor an overflow."""
+    assert SamplingParams(temperature=1e-30).greedy and not SamplingParams(temperature=1e-4).greedy
+    want = hf_greedy(resolve_model("tiny"), [PROMPT], [6])[0]
+    kw = dict(model="tiny", prompt=PROMPT, max_tokens=6, extra_body={"ignore_eos": True, "return_token_ids": True})
+    for temperature in (1e-30, 1e-4):
+        got = client.completions.create(temperature=temperature, seed=11, **kw).choices[0].token_ids
+        assert got == want, temperature
 
 
 def _chat_tokens(stack, content: str) -> int:
@@ -515,8 +521,8 @@ JSON_SEED = 3  # the random tiny model, sampled with this seed, closes its JSON 
 
 def test_response_format_json_schema_and_json_object(client):
     """Greedy, n=3 sampled and streamed, and json_object: every answer parses, and is an instance of its schema."""
-    jsonschema = pytest.importorskip("jsonschema")
-    pytest.importorskip("llguidance")
+    jsonschema = optional("jsonschema")
+    optional("llguidance")
     kw = dict(model="tiny", messages=[{"role": "user", "content": "a person, as JSON"}], max_tokens=120)
     schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
     greedy = client.chat.completions.create(response_format=schema, temperature=0, **kw)
@@ -542,7 +548,7 @@ def test_response_format_json_schema_and_json_object(client):
 
 
 def test_bad_schema_is_a_clear_400(client):
-    pytest.importorskip("llguidance")
+    optional("llguidance")
     bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "required": 3}}}
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], response_format=bad)

@@ -10,17 +10,22 @@ from safetensors import safe_open
 from test_engine import greedy_requests, run_engine
 
 from pdserve.config import EngineConfig
-from pdserve.engine.checkpoint import BUILTIN_MODELS, ModelSpec, write_random_checkpoint
+from pdserve.engine.checkpoint import BUILTIN_MODELS, ModelSpec, hf_config, write_random_checkpoint
 from pdserve.engine.engine import Engine
 
 TIED_BF16 = ModelSpec("qwen3", 512, 64, 128, 2, 4, 2, 16, 1024, seed=4, tie_embeddings=True, dtype="bfloat16")
 
 
-def test_qwen3_06b_spec_is_qwen3_06b_shaped():
-    s = BUILTIN_MODELS["qwen3-0.6b"]
-    shape = (s.num_layers, s.hidden_size, s.intermediate_size, s.num_heads, s.num_kv_heads, s.head_dim, s.vocab_size)
-    assert shape == (28, 1024, 3072, 16, 8, 128, 151936)
-    assert s.tie_embeddings and s.dtype == "bfloat16"
+def test_qwen3_06b_spec_builds_a_model_of_qwen3_06bs_size():
+    """What the spec turns into (the transformers model of its config, on the meta device: no weights) has the
+    published size of Qwen3-0.6B: 596,049,920 parameters, 440,467,456 without the embedding its head is tied to."""
+    config = hf_config(BUILTIN_MODELS["qwen3-0.6b"])
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    total = sum(p.numel() for p in model.parameters())  # a tied head is counted once
+    assert type(model).__name__ == "Qwen3ForCausalLM" and model.lm_head.weight is model.model.embed_tokens.weight
+    assert (total, total - model.model.embed_tokens.weight.numel()) == (596_049_920, 440_467_456)
+    assert config.to_dict().get("dtype", config.to_dict().get("torch_dtype")) in ("bfloat16", torch.bfloat16)
 
 
 def test_spec_rejects_an_unknown_save_dtype():

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import hf_greedy, mixed_workload
+from helpers import hf_greedy, mixed_workload, optional
 
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine
@@ -29,7 +29,7 @@ def backend_args(kernels: str) -> dict:
     """EngineConfig fields for "on" / "off" (the CPU kernels, or torch) and "triton" (the GPU kernels, run here
     by Triton's interpreter)."""
     if kernels == "triton":
-        pytest.importorskip("triton")
+        optional("triton")
         return {"attention_backend": "triton"}
     return {"cpu_kernels": kernels}
 

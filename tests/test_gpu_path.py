@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import optional
 
 from pdserve.engine.backends import PREFILL_TILE_M, Chunk
 from pdserve.engine.block_allocator import blocks_for, cdiv
@@ -17,7 +18,11 @@ from pdserve.engine.request import Request
 from pdserve.engine.sampling import Sampler
 from pdserve.wire.protocol import SamplingParams
 
-triton = pytest.importorskip("triton")
+
+@pytest.fixture
+def triton():
+    """The Triton kernels' tests need triton (run here by its interpreter); the buckets' and the sampler's do not."""
+    return optional("triton")
 
 
 def _reference(q, pool, q_start, reqs, tables, bs):
@@ -38,7 +43,7 @@ def _reference(q, pool, q_start, reqs, tables, bs):
     [(4, 4, 16, 16, torch.float32), (8, 2, 64, 16, torch.float32), (4, 1, 32, 32, torch.float32),
      (16, 8, 128, 16, torch.float16)],  # fmt: skip
 )
-def test_paged_attention_matches_torch(nh, nkv, d, bs, dtype):
+def test_paged_attention_matches_torch(triton, nh, nkv, d, bs, dtype):
     """Decodes and prompt chunks (first chunks and chunks after a cached past), scattered blocks, GQA."""
     from pdserve.engine import triton_attention as ta
 
@@ -72,7 +77,7 @@ def test_paged_attention_matches_torch(nh, nkv, d, bs, dtype):
         torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
 
 
-def test_paged_attention_reads_only_its_blocks():
+def test_paged_attention_reads_only_its_blocks(triton):
     """Garbage outside a request's blocks (and past its length in its last block) does not reach its output."""
     from pdserve.engine import triton_attention as ta
 
@@ -92,7 +97,7 @@ def test_paged_attention_reads_only_its_blocks():
     torch.testing.assert_close(a, b)
 
 
-def test_store_kv_writes_slots_and_skips_padding():
+def test_store_kv_writes_slots_and_skips_padding(triton):
     from pdserve.engine import triton_attention as ta
 
     k, v = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
@@ -126,7 +131,7 @@ def test_graphable_only_pure_decode_steps():
     assert not graphable([], [])
 
 
-def test_packed_inputs_padded_for_a_graph(tiny_models):
+def test_packed_inputs_padded_for_a_graph(triton, tiny_models):
     """A decode step packed into a larger bucket: real rows first, padding rows store nowhere, padding
     requests attend to nothing; the views read the packed values back."""
     from pdserve.config import EngineConfig
@@ -150,7 +155,7 @@ def test_packed_inputs_padded_for_a_graph(tiny_models):
     assert inp.sample_index is None  # a graph samples every row
 
 
-def test_packed_inputs_of_a_mixed_step(tiny_models):
+def test_packed_inputs_of_a_mixed_step(triton, tiny_models):
     from pdserve.config import EngineConfig
     from pdserve.engine.engine import Engine
 
@@ -235,7 +240,7 @@ class _EagerReplay:
         self.logits.copy_(self.runner.forward(self.inp))
 
 
-def test_graph_replay_path_equals_transformers(tiny_models):
+def test_graph_replay_path_equals_transformers(triton, tiny_models):
     """Decode steps through DecodeGraphs (bucketing, packing into a bucket's fixed buffer, padding rows and
     requests, reading the first n rows of logits), with each graph replay standing in as an eager forward
     over the static inputs: token for token the transformers output."""

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import transformers
+from helpers import optional
 
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine
@@ -16,8 +17,8 @@ from pdserve.router.errors import ApiError
 from pdserve.router.response_format import compile_schema, grammar_for
 from pdserve.wire.protocol import SamplingParams
 
-jsonschema = pytest.importorskip("jsonschema")
-pytest.importorskip("llguidance")
+jsonschema = optional("jsonschema")
+optional("llguidance")
 
 SCHEMAS = [
     {"type": "object", "additionalProperties": False, "required": ["name", "age", "ok"],

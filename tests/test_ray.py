@@ -21,7 +21,7 @@ import httpx
 import pytest
 import zmq
 import zmq.auth
-from helpers import hf_greedy, mixed_workload, probe_answers, wait_until
+from helpers import hf_greedy, mixed_workload, optional, probe_answers, wait_until
 from stack import free_port
 
 from bench.systems import node_counters_per_node
@@ -29,7 +29,7 @@ from pdserve.cli import build_parser
 from pdserve.engine.checkpoint import resolve_model
 from pdserve.wire import protocol as P
 
-ray = pytest.importorskip("ray")
+ray = optional("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from pdserve.ray_cluster import start_controller  # noqa: E402

@@ -230,7 +230,39 @@ RUN_COSTS = replace(COSTS, corun_slowdown_prefill=1.5, corun_slowdown_decode=1.3
                     prefill_iteration_s=3e-3, router_s_per_token=1e-4, client_s_per_token=5e-5)  # fmt: skip
 
 
-def test_validating_a_run_the_simulator_made_finds_no_error() -> None:
+def test_validate_sets_hand_computed_predictions_beside_a_measured_run() -> None:
+    """A run measured by hand: one request (100 prompt tokens, 3 out) on 1P1D, each node on its own device, that
+    took 25% longer to prefill and twice as long a decode step as COSTS say. Predicted by hand from COSTS: first
+    token 0.1 s (100 x 1 ms), hand-off 1.01 s (1 s of transfer, one 10 ms step), decode steps 10 ms. Calibrated:
+    the step costs scaled to the measured mean steps (1.25x prefill, 1.5x decode): a first token at 0.125 s, a
+    hand-off of 1.015 s (the transfer is no step), 15 ms decode steps."""
+    from bench.metrics import SLO, RequestRecord, summarize
+    from bench.sim import validate
+
+    times = [0.125, 1.125 + 0.125, 1.125 + 0.125 + 0.02]  # measured: TTFT, + hand-off, + one decode interval
+    rec = RequestRecord(0.0, 3, 100, times)
+    result = {"system": "disagg", "ok": True, "workload": "hand", "label": "hand",
+              "summary": summarize([rec], 0.0, SLO(2.0, 0.2)),
+              "records": [{"send_s": 0.0, "token_s": times, "expected_output_len": 3, "prompt_len": 100}],
+              "node_counters": {"prefill": {"steps": 1, "step_time_s": 0.125, "busy_time_s": 0.125},
+                                "decode": {"steps": 2, "step_time_s": 0.03, "busy_time_s": 0.03}}}  # fmt: skip
+    config = {"engine_args": ["--num-prefill", "1", "--num-decode", "1", "--no-pin"], "max_batch": 16,
+              "max_num_batched_tokens": 512, "slo_ttft_s": 2.0, "slo_tpot_s": 0.2}  # fmt: skip
+    rows = {r["metric"]: r for r in validate({"config": config, "environment": {"cpu_count": 2}, "results": [result]},
+                                             COSTS)}  # fmt: skip
+    want = {"TTFT p50": (0.1, 0.125, 0.125), "hand-off p50": (1.01, 1.125, 1.015),
+            "decode ITL p50": (0.01, 0.02, 0.015), "prefill mean step": (0.1, 0.125, 0.125),
+            "decode mean step": (0.01, 0.015, 0.015)}  # (predicted, measured, calibrated)  # fmt: skip
+    for metric, (pred, meas, calib) in want.items():
+        row = rows[metric]
+        assert (row["predicted"], row["measured"], row["calibrated"]) == pytest.approx((pred, meas, calib)), metric
+        assert row["error"] == pytest.approx(pred / meas - 1) and row["calibrated_error"] == pytest.approx(
+            calib / meas - 1), metric
+
+
+def test_a_run_the_simulator_made_is_predicted_exactly() -> None:
+    """The run's deployment (2P1D on 2 cores, from its engine arguments) and CPU per token are read back from its
+    JSON: a misread topology or cost would show as an error."""
     from bench.sim import validate
 
     w = make_workload("sharegpt_like", 1000, 2048, seed=2, rate=3.0, num_requests=24)
