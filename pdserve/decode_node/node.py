@@ -69,7 +69,7 @@ class DecodeNode(NodeBase):
         self.handles: dict[bytes, dict] = {}  # paired prefill peers -> how their pool was mapped
         self.incoming: dict[str, Incoming] = {}  # offered, KV not landed yet (the engine holds the request)
         self.aborted: OrderedDict[str, None] = OrderedDict()
-        self.counters.update(kv_received=0, kv_refused=0, kv_bad=0, kv_recomputed=0)
+        self.counters.update(kv_offers=0, kv_received=0, kv_refused=0, kv_bad=0, kv_recomputed=0)
         self._next_notice = 0.0
 
     def ready_info(self) -> dict:
@@ -152,6 +152,7 @@ class DecodeNode(NodeBase):
         return ""
 
     def _on_offer(self, identity: bytes, offer: P.KvOffer) -> None:
+        self.counters["kv_offers"] += 1  # taken or refused: every offer of a paired peer counts
         why = self.engine.check_fits(offer.num_tokens, offer.params.max_tokens)
         code = P.ErrorCode.INVALID_REQUEST
         rid = offer.request_id

@@ -9,8 +9,9 @@ together: temperature scaling, the min-p mask, top-k and top-p masks in one sort
 distribution. The noise comes from a counter-based hash of (request key, token index, vocabulary
 id), computed on the device: a seeded request draws its i-th token from (seed, i) alone, so it
 samples the same tokens whatever it is batched with, after a preemption, on whichever node and
-device draws it, and no per-request generator or host round trip is needed. An unseeded request's
-key is its id hashed with a per-process random salt.
+device draws it, and after the router dispatched it again (its i-th token then counts the
+`SamplingParams.resumed` tokens it streamed before); no per-request generator or host round trip
+is needed. An unseeded request's key is its id hashed with a per-process random salt.
 
 Log-probabilities, for the rows that ask (`logprobs`, and the prompt rows of `echo` with logprobs), are
 those of the raw model distribution: a log-softmax of the logits before temperature, top-k/top-p and
@@ -126,7 +127,7 @@ class Sampler:
     def row_params(self, req: Request) -> tuple[float, int, float, int, float]:
         """(temperature, top_k, top_p, noise key, min_p) of a request's next draw."""
         p = req.params
-        step = len(req.output_token_ids)
+        step = p.resumed + len(req.output_token_ids)  # a resumed request's streamed tokens are its prompt's tail
         base = p.seed if p.seed is not None else (hash(req.request_id) ^ self._salt)
         return p.temperature, p.top_k, p.top_p, draw_key(base, step), p.min_p
 

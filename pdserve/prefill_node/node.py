@@ -67,8 +67,8 @@ class PrefillNode(NodeBase):
         self.peers: dict[str, DecodePeer] = {}
         self.transfers: dict[str, Transfer] = {}
         self.decode_addr: dict[str, str] = {}
-        self.counters.update(kv_transfers=0, kv_transfer_bytes=0, kv_transfer_time_s=0.0, kv_transfer_failures=0,
-                             kv_faults_injected=0)  # fmt: skip
+        self.counters.update(kv_offers=0, kv_transfers=0, kv_transfer_bytes=0, kv_transfer_time_s=0.0,
+                             kv_transfer_failures=0, kv_faults_injected=0)  # fmt: skip
         self.faults = FaultInjector(cfg.kv_fault_rate, cfg.kv_fault_kinds)
         self.delayed: list[tuple[float, str, list]] = []  # (when, request id, messages): transfers delayed on purpose
         self.counters.update({f"kv_pairings_{name}": 0 for name in self.backends})
@@ -135,6 +135,7 @@ class PrefillNode(NodeBase):
 
     def _send_offer(self, req: Request, peer: DecodePeer) -> None:
         self.transfers[req.request_id].started = time.monotonic()  # the lease runs from the offer
+        self.counters["kv_offers"] += 1
         offer = P.KvOffer(req.request_id, req.prompt_token_ids, req.output_token_ids[0], req.params,
                           len(req.prompt_token_ids), self.engine.kv_checksums(req))  # fmt: skip
         transport.send(peer.sock, offer)

@@ -14,9 +14,9 @@ A request's life in the router:
 4. a node it depends on is lost (dead, silent, or failing it because it drains): the request is
    dispatched again, under a new id, to other nodes, its old id aborted on the nodes that remain. It
    resumes where the client's stream stands: the new prompt is the old one plus the tokens already
-   streamed, max_tokens what is left (greedy output is unchanged; a seeded sampler restarts its
-   draws). A request whose KV landed on a decode node no longer depends on its prefill node. At most
-   MAX_ATTEMPTS dispatches in all; with no node left of a role, it fails (503).
+   streamed, max_tokens what is left (greedy output is unchanged, and so is a seeded sampler's: it
+   draws on from the token it stands at). A request whose KV landed on a decode node no longer depends
+   on its prefill node. At most MAX_ATTEMPTS dispatches in all; with no node left of a role, it fails (503).
 5. end: a final event (stop, length, error), an abort from the client side (disconnect or stop
    string: Abort goes to every node the request touched), no first token within --queue-timeout-s
    (503), or a lost node as above.
@@ -341,13 +341,15 @@ class RouterCore:
     @staticmethod
     def _resumed_params(flight: Flight) -> P.SamplingParams:
         """The request's parameters for what is left of it once `flight.output` has been streamed: the tokens
-        left, min_tokens likewise, no prompt log-probabilities again (they came with the first token), and for a guided
-        request the grammar told to replay the streamed tokens, now the prompt's tail."""
+        left, min_tokens likewise, no prompt log-probabilities again (they came with the first token), the count of
+        streamed tokens (now the prompt's tail) so that a seeded sampler draws on from there, and for a guided request
+        the grammar told to replay them."""
         done, params = len(flight.output), flight.params
         if not done:
             return params
         return dataclasses.replace(params, max_tokens=params.max_tokens - done,
                                    min_tokens=max(0, params.min_tokens - done), prompt_logprobs=None,
+                                   resumed=done,
                                    grammar_prefix=done if params.grammar else 0)  # fmt: skip
 
     def _lost(self, flight: Flight, why: str, code: P.ErrorCode) -> None:

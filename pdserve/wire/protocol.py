@@ -23,8 +23,9 @@ import msgpack
 
 # 2: KV head-major, [2, nkv, n, d] per layer; 3: log-probabilities, KvHello transports; 4: Stats.draining, Pending;
 # 5: guided decoding (SamplingParams.grammar, grammar_prefix), KV checksums (KvOffer.kv_checksums), Stats.num_held,
-#    error codes (TokenEvent.error_code, KvAck.error_code), no StatsRequest, enum-checked finish reasons and roles
-PROTOCOL_VERSION = 5
+#    error codes (TokenEvent.error_code, KvAck.error_code), no StatsRequest, enum-checked finish reasons and roles;
+# 6: SamplingParams.resumed (a resumed seeded request draws on from where its stream stands)
+PROTOCOL_VERSION = 6
 MAX_LOGPROBS = 20  # the most alternatives per position a request may ask for (OpenAI's limit)
 MAX_HEADER_BYTES = 64 * 1024 * 1024  # one control message; tensor frames are bounded separately
 MAX_LIST_LEN = 4 * 1024 * 1024
@@ -97,6 +98,7 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop token ids are masked until this many tokens are generated
     grammar: str = ""  # guided decoding: an llguidance grammar (JSON text, never code) the output must match
     grammar_prefix: Id = 0  # how many of the prompt's last tokens the grammar has matched (a request resumed)
+    resumed: Id = 0  # how many of the prompt's last tokens the request generated before it was dispatched again
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
