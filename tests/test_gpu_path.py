@@ -97,18 +97,6 @@ def test_paged_attention_reads_only_its_blocks(triton):
     torch.testing.assert_close(a, b)
 
 
-def test_store_kv_writes_slots_and_skips_padding(triton):
-    from pdserve.engine import triton_attention as ta
-
-    k, v = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
-    pool = torch.zeros(2, 2, 64, 16)
-    ta.store_kv(k, v, pool, torch.tensor([9, -1, 40], dtype=torch.int32))
-    torch.testing.assert_close(pool[0, :, 9], k[0])
-    torch.testing.assert_close(pool[1, :, 40], v[2])
-    pool[:, :, [9, 40]] = 0
-    assert pool.abs().sum() == 0  # nothing else written: the padding row went nowhere
-
-
 # ---- packed inputs and graph buckets ---------------------------------------------------------------
 
 

@@ -7,11 +7,12 @@ as one of these backends:
 - `CpuKernelBackend`: pdserve's C kernels on the CPU in float32 (`kernels.py`): fused residual add +
   RMSNorm, silu*mul, rotary + KV store in one pass, and every decode token of the iteration in one
   paged-attention call per layer. Prompt chunks keep SDPA.
-- `TritonBackend`: the GPU path (`triton_attention.py`): the iteration's integer inputs packed into
-  one pinned host buffer and copied to the device at once, the KV store and paged attention as Triton
-  kernels straight from the block tables, one launch for the decode tokens and one for the prompt
-  chunks. Its inputs can be written into fixed device buffers, which CUDA graphs replay
-  (`cuda_graphs.py`). Under `TRITON_INTERPRET=1` it runs on the CPU, which is how the tests run it.
+- `TritonBackend`: the GPU path: the iteration's integer inputs packed into one pinned host buffer and
+  copied to the device at once; a layer's small ops as fused Triton kernels (`triton_layers.py`: residual
+  add + RMSNorm, q/k norms + rotary + KV store, silu*mul), and paged attention straight from the block
+  tables (`triton_attention.py`), one launch for the decode tokens and one for the prompt chunks: a
+  decode layer is its 4 GEMMs and 5 kernels. Its inputs can be written into fixed device buffers, which
+  CUDA graphs replay (`cuda_graphs.py`). Under `TRITON_INTERPRET=1` it runs on the CPU, which is how the tests run it.
 """
 
 from __future__ import annotations
@@ -122,6 +123,16 @@ class TorchBackend:
         return mlp.act_fn(gate) * up
 
     # ---- attention ------------------------------------------------------------------------------
+    def attention(self, attn: nn.Module, qkv: torch.Tensor, splits: list[int], rope, kv_pool: torch.Tensor,
+                  inp: ForwardInputs) -> torch.Tensor:  # fmt: skip
+        """From the QKV projection [T, (nh + 2 nkv) * d] (split as `splits`): q/k norms where the model has them,
+        then `attend`: [T, nh, d]."""
+        T, d = qkv.shape[0], self.pool.layout.head_dim
+        q, k, v = (t.view(T, -1, d) for t in qkv.split(splits, dim=-1))  # [T, heads, d] each
+        if hasattr(attn, "q_norm"):
+            q, k = self.norm(attn.q_norm, q), self.norm(attn.k_norm, k)
+        return self.attend(q, k, v, rope, kv_pool, inp)
+
     def attend(self, q, k, v, rope, kv_pool: torch.Tensor, inp: ForwardInputs) -> torch.Tensor:
         """Rotate q and k [T, heads, d], store k and v in kv_pool [2, nkv, S, d], attend: [T, nh, d]."""
         q, k = self.apply_rope(q, k, *rope, unsqueeze_dim=1)
@@ -262,11 +273,13 @@ class PackLayout:
 class TritonBackend(TorchBackend):
     name = "triton"
 
-    def __init__(self, pool: KVPool, scale: float, apply_rope, device: torch.device, num_heads: int) -> None:
+    def __init__(self, pool: KVPool, scale: float, apply_rope, device: torch.device, num_heads: int,
+                 silu_gated: bool) -> None:  # fmt: skip
         super().__init__(pool, scale, apply_rope, device)
-        from pdserve.engine import triton_attention
+        from pdserve.engine import triton_attention, triton_layers
 
-        self.ta = triton_attention
+        self.ta, self.tl = triton_attention, triton_layers
+        self.num_heads, self.silu_gated = num_heads, silu_gated
         self.group = num_heads // pool.layout.num_kv_heads  # query heads per KV head
         self.decode_tile = max(DECODE_TILE_M, 1 << (self.group - 1).bit_length())
         self._staging = torch.empty(0, dtype=torch.int32)
@@ -340,12 +353,36 @@ class TritonBackend(TorchBackend):
         host = self.pack(lay, ids, positions, slots, sample, chunks)
         return self.views(host.to(self.device, non_blocking=True), lay)
 
+    # ---- the layer's small ops: fused kernels ----------------------------------------------------
+    def norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if not _fusable_norm(norm, x):
+            return super().norm(norm, x)
+        return self.tl.add_rms_norm(x, None, norm.weight, norm.variance_epsilon)
+
+    def add_norm(self, h: torch.Tensor, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        if not _fusable_norm(norm, h):
+            return super().add_norm(h, x, norm)
+        return self.tl.add_rms_norm(h, x, norm.weight, norm.variance_epsilon)
+
+    def act(self, mlp: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.tl.silu_mul(gate_up) if self.silu_gated else super().act(mlp, gate_up)
+
     # ---- attention ------------------------------------------------------------------------------
-    def attend(self, q, k, v, rope, kv_pool: torch.Tensor, inp: ForwardInputs) -> torch.Tensor:
-        q, k = self.apply_rope(q, k, *rope, unsqueeze_dim=1)  # [T, nh, d], [T, nkv, d]
-        self.ta.store_kv(k, v, kv_pool, inp.slot_mapping)
+    def attention(self, attn: nn.Module, qkv: torch.Tensor, splits: list[int], rope, kv_pool: torch.Tensor,
+                  inp: ForwardInputs) -> torch.Tensor:  # fmt: skip
+        """One kernel for the q/k norms, rotary and the KV store (q rotated in place in qkv), then attention."""
+        d = self.pool.layout.head_dim
+        qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        eps = qn.variance_epsilon if qn is not None else 0.0
+        q = self.tl.qk_norm_rope_store(qkv, self.num_heads, self.pool.layout.num_kv_heads, d,
+                                       None if qn is None else qn.weight, None if kn is None else kn.weight, eps,
+                                       *rope, kv_pool, inp.slot_mapping)  # fmt: skip
+        return self.attend_paged(q, kv_pool, inp)
+
+    def attend_paged(self, q: torch.Tensor, kv_pool: torch.Tensor, inp: ForwardInputs) -> torch.Tensor:
+        """Paged attention of q [T, nh, d] (any strides) over the pool, its new keys already stored: [T, nh, d]."""
         m = inp.attn
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         for work, tile in ((m.decode_work, self.decode_tile), (m.prefill_work, PREFILL_TILE_M)):
             self.ta.paged_attention(q, out, kv_pool, m.q_start, m.q_len, m.ctx_len, m.block_tables, work,
                                     self.pool.block_size, self.scale, tile)  # fmt: skip
@@ -362,7 +399,19 @@ def _views(buf, lay: PackLayout) -> dict:
     return out
 
 
+def _fusable_norm(norm: nn.Module, x: torch.Tensor) -> bool:
+    """An RMSNorm over x's rows that the fused kernel computes: eps known, weight as wide as a row, rows contiguous."""
+    eps, w = getattr(norm, "variance_epsilon", None), getattr(norm, "weight", None)
+    return eps is not None and w is not None and w.shape == x.shape[-1:] and x.dim() == 2 and x.stride(1) == 1
+
+
 # ---- choosing one --------------------------------------------------------------------------------
+
+
+def _silu_gated(model_config) -> bool:
+    """The model's MLP is silu(gate) * up."""
+    return getattr(model_config, "hidden_act", None) == "silu"
+
 
 
 def triton_available(device: torch.device) -> bool:
@@ -380,12 +429,12 @@ def make_backend(setting: str, cpu_kernels: str, pool: KVPool, model_config, sca
     if setting == "triton" or (setting == "auto" and device.type == "cuda" and triton_available(device)):
         if not triton_available(device):
             raise RuntimeError("--attention-backend triton: Triton is not installed, or not usable on this device")
-        return TritonBackend(pool, scale, apply_rope, device, model_config.num_attention_heads)
+        return TritonBackend(pool, scale, apply_rope, device, model_config.num_attention_heads,
+                             _silu_gated(model_config))
     if setting == "auto" and cpu_kernels != "off" and device.type == "cpu" and dtype == torch.float32:
         ops = kernels.load()
         if ops is None and cpu_kernels == "on":
             raise RuntimeError("--cpu-kernels on: the CPU kernels could not be built here (see the log)")
         if ops is not None:
-            silu = getattr(model_config, "hidden_act", None) == "silu"
-            return CpuKernelBackend(pool, scale, apply_rope, device, ops, silu)
+            return CpuKernelBackend(pool, scale, apply_rope, device, ops, _silu_gated(model_config))
     return TorchBackend(pool, scale, apply_rope, device)

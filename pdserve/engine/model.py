@@ -236,15 +236,8 @@ class ModelRunner:
 
     def _attention(self, attn, w: LayerWeights, x: torch.Tensor, rope, layer_idx: int,
                    inp: ForwardInputs) -> torch.Tensor:  # fmt: skip
-        T, d = x.shape[0], self.head_dim
-        q, k, v = w.qkv(x).split(w.qkv.splits, dim=-1)
-        q = q.view(T, -1, d)  # [T, nh, d]
-        k = k.view(T, -1, d)  # [T, nkv, d]
-        v = v.view(T, -1, d)  # [T, nkv, d]
-        if hasattr(attn, "q_norm"):
-            q, k = self.backend.norm(attn.q_norm, q), self.backend.norm(attn.k_norm, k)
-        out = self.backend.attend(q, k, v, rope, self.pool.data[layer_idx], inp)  # [T, nh, d]
-        return w.o(out.view(T, -1))  # [T, H]
+        out = self.backend.attention(attn, w.qkv(x), w.qkv.splits, rope, self.pool.data[layer_idx], inp)  # [T, nh, d]
+        return w.o(out.view(x.shape[0], -1))  # [T, H]
 
 
 def _token_ids(req, start: int, end: int) -> list[int]:

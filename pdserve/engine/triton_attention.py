@@ -1,4 +1,5 @@
-"""Triton kernels for the GPU: paged attention over the block tables, and the KV store.
+"""Triton kernels for the GPU: paged attention over the block tables (the KV store is fused into the rotary
+kernel of `triton_layers.py`).
 
 `paged_attention` serves every new token of an iteration straight from the paged pool, in one
 launch per kind of work (decode tokens, prompt chunks), with no gather into contiguous copies:
@@ -17,26 +18,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-
-@triton.jit
-def _store_kv_kernel(
-    k_ptr, v_ptr, pool_ptr, slots_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_pool_kv, stride_pool_h, stride_pool_s,
-    D: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    """Program (token t, KV head h): k[t, h], v[t, h] -> pool[0 / 1, h, slots[t]]; a negative slot is padding."""
-    t = tl.program_id(0)
-    h = tl.program_id(1)
-    slot = tl.load(slots_ptr + t).to(tl.int64)
-    if slot >= 0:
-        d = tl.arange(0, BLOCK_D)
-        dmask = d < D
-        k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=dmask)
-        v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=dmask)
-        dst = pool_ptr + h * stride_pool_h + slot * stride_pool_s + d
-        tl.store(dst, k, mask=dmask)
-        tl.store(dst + stride_pool_kv, v, mask=dmask)
 
 
 @triton.jit(do_not_specialize=["stride_tr", "stride_tc"])  # they follow the batch size: one compile for all
@@ -106,17 +87,6 @@ def _paged_attention_kernel(
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # padding rows saw no key
     o_off = (q_start + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
     tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & dmask[None, :])
-
-
-def store_kv(k: torch.Tensor, v: torch.Tensor, pool_layer: torch.Tensor, slots: torch.Tensor) -> None:
-    """k, v [T, nkv, d] -> pool_layer [2, nkv, S, d] at slots [T] (int32; negative: skip)."""
-    T, nkv, d = k.shape
-    if T == 0:
-        return
-    _store_kv_kernel[(T, nkv)](
-        k, v, pool_layer, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        pool_layer.stride(0), pool_layer.stride(1), pool_layer.stride(2), D=d, BLOCK_D=triton.next_power_of_2(d),
-    )  # fmt: skip
 
 
 def paged_attention(
