@@ -25,7 +25,8 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-from pdserve.flags import engine_argv, router_command, router_options
+from pdserve.config import EngineConfig, NodeConfig, RouterConfig
+from pdserve.flags import engine_argv, from_args, router_command, router_options
 from pdserve.startup import check_checkpoint, check_device, check_port_free
 from pdserve.wire.protocol import KvTransport, Role
 
@@ -131,10 +132,21 @@ def router_argv(a: argparse.Namespace, infos: list[dict], instance_id: str) -> l
 
 def preflight(a: argparse.Namespace) -> None:
     """Every start-up check of the stack `a` describes (ValueError: one line that says what to change)."""
+    devices = role_devices(a)
+    check_devices(a, devices)
+    check_configs(a, devices)
     check_port_free(a.host, a.port)
-    for device in set(role_devices(a).values()):
+    for device in set(devices.values()):
         check_device(device)
     check_checkpoint(a.model)
+
+
+def check_configs(a: argparse.Namespace, devices: dict[str, str]) -> None:
+    """The configs the nodes and the router will build from the flags `up` passes on: refused here, once, rather
+    than by each child."""
+    for role, device in devices.items():
+        from_args(NodeConfig, a, role=role, engine=from_args(EngineConfig, a, device=device, cpu_cores=()))
+    from_args(RouterConfig, a, colocated=("tcp://127.0.0.1:0",))  # its nodes' addresses are not known yet
 
 
 def stop_all(procs: list[subprocess.Popen], drain_s: float = 0.0) -> None:

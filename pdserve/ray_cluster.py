@@ -275,11 +275,15 @@ def node_bundle(a: argparse.Namespace) -> dict:
     return {"CPU": a.ray_node_cpus}
 
 
+def node_device(a: argparse.Namespace) -> str:
+    """A node's device on its host: the GPU Ray gives it is its cuda:0."""
+    return "cuda:0" if a.device.startswith("cuda") else "cpu"
+
+
 def node_spec(a: argparse.Namespace) -> dict:
     """How every node starts (see NodeActor): the engine's flags, and the device Ray gives it (its GPU is cuda:0)."""
-    device = "cuda:0" if a.device.startswith("cuda") else "cpu"
-    return {"argv": [*engine_argv(a), "--device", device], "log_level": a.log_level, "bind_host": a.ray_bind_host,
-            "drain_timeout_s": a.drain_timeout_s, "deployment": a.name}  # fmt: skip
+    return {"argv": [*engine_argv(a), "--device", node_device(a)], "log_level": a.log_level,
+            "bind_host": a.ray_bind_host, "drain_timeout_s": a.drain_timeout_s, "deployment": a.name}  # fmt: skip
 
 
 def check_args(a: argparse.Namespace) -> None:
@@ -338,9 +342,10 @@ def stop_nodes(controller, timeout_s: float) -> None:
 
 def launch_on_ray(a: argparse.Namespace) -> int:
     """`pdserve up --ray`: nodes on the cluster, the router here; stops everything on Ctrl-C / SIGTERM."""
-    from pdserve.launcher import _wait_http, router_env, start_child, stop_all
+    from pdserve.launcher import _wait_http, check_configs, router_env, start_child, stop_all
 
     check_args(a)
+    check_configs(a, {Role.PREFILL: node_device(a), Role.DECODE: node_device(a)})
     check_port_free(a.host, a.port)
     check_checkpoint(a.model)  # the router reads it here (the nodes on their hosts)
     a = with_absolute_paths(a)

@@ -68,6 +68,16 @@ def test_cuda_device_without_cuda_is_refused(args):
     _refused(_pdserve(*args), "use --device cpu")
 
 
+@pytest.mark.parametrize(("args", "says"), [
+    (["--kv-cache-gb", "-1"], "--kv-cache-gb must be positive"),  # a node's config
+    (["--max-n", "0"], "--max-n must be at least 1"),  # the router's
+    (["--kv-transport", "cuda_ipc"], "cuda_ipc needs every node on a GPU"),  # the stack's
+])  # fmt: skip
+def test_up_refuses_a_config_its_children_would_refuse(args, says):
+    """Once, in the launcher, before any child starts: not once per child, then "a node exited"."""
+    _refused(_pdserve("up", *args, "--port", str(free_port())), says)
+
+
 def _checkpoint_copy(folder: Path, files: list[str], **config_changes) -> Path:
     """A checkpoint folder with some of tiny's files, its config changed by `config_changes`."""
     tiny = resolve_model("tiny")
