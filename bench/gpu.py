@@ -1,4 +1,4 @@
-"""The GPU benchmark of issue 7: one command, a few minutes on one GPU box.
+"""The GPU benchmark: one command, a few minutes on one GPU host (docs/gpu.md).
 
     python -m bench.gpu                    # qwen3-0.6b in bf16, 256 ShareGPT-like requests, 128 concurrent
     python -m bench.gpu --device cpu --model tiny --requests 16 --concurrency 8   # a CPU smoke test
@@ -466,7 +466,7 @@ def prepare(cfg: GpuBenchConfig) -> tuple[Path, Workload, dict]:
 
 
 def exit_on_sigterm() -> None:
-    """SIGTERM (`timeout`, a closing session) unwinds like Ctrl-C: every started stack is stopped by PID."""
+    """SIGTERM (`timeout`, a closing terminal) unwinds like Ctrl-C: every started stack is stopped by PID."""
 
     def handler(signum: int, frame) -> None:
         raise SystemExit(128 + signum)

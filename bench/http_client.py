@@ -21,13 +21,16 @@ import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-import httpx
 from tqdm import tqdm
 
 from bench.metrics import RequestRecord
 from bench.workloads import BenchRequest, Workload
+
+if TYPE_CHECKING:
+    import httpx
 
 CONNECT_TIMEOUT_S = 30.0
 
@@ -153,6 +156,8 @@ async def _send_at(
 
 async def run_async(target: HttpTarget, workload: Workload, desc: str = "", progress: bool = True):
     """Send `workload` to `target`; return (t0, records in workload order)."""
+    import httpx  # the bench extra: imported where used, so that a run without it can say so in one line
+
     n = len(workload.requests)
     async with httpx.AsyncClient(timeout=httpx.Timeout(CONNECT_TIMEOUT_S)) as client:
         model = target.model or await served_model(client, target.base_url)

@@ -19,6 +19,7 @@ within one run.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -45,6 +46,7 @@ RUNS_DIR = Path(__file__).parent / "runs"  # every other run (git-ignored)
 WARMUP = Workload("warmup", (BenchRequest(tuple(range(1, 9)), 4), BenchRequest(tuple(range(1, 65)), 4)))
 KV_BANDWIDTH_TIMEOUT_S = 300.0
 TOKEN_REFERENCES = ("static", "hf_cb", "colocated")  # whose greedy tokens the others are compared to
+BENCH_EXTRA = ("httpx", "matplotlib", "tqdm")  # what `pip install -e '.[bench]'` adds that a run needs
 
 
 @dataclass(frozen=True)
@@ -427,7 +429,16 @@ def warn_if_busy(cores: int) -> None:
         )
 
 
+def missing_bench_extra() -> list[str]:
+    """The modules of the bench extra that are not installed."""
+    return [m for m in BENCH_EXTRA if importlib.util.find_spec(m) is None]
+
+
 def main(argv: list[str] | None = None) -> int:
+    if missing := missing_bench_extra():
+        print(f"bench: error: the benchmarks need the bench extra, pip install -e '.[bench]' (missing: "
+              f"{', '.join(missing)})", file=sys.stderr)  # fmt: skip
+        return 2
     try:
         cfg = parse_args(argv)
         config = model_config(cfg.model)

@@ -24,8 +24,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
 from bench.baselines import cb_manager, run_hf_cb, run_static
 from bench.http_client import HttpTarget, run_http
 from bench.metrics import RequestRecord
@@ -223,6 +221,8 @@ class StackRunner:
         return result
 
     def metrics(self) -> str:
+        import httpx  # the bench extra, as in http_client
+
         return httpx.get(f"{self.target.base_url}/metrics", timeout=METRICS_TIMEOUT_S).text
 
 

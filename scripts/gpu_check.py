@@ -1,4 +1,4 @@
-"""GPU check (issue 7): pdserve on CUDA gives the right tokens, in a few minutes.
+"""GPU check: pdserve on CUDA gives the right tokens, in a few minutes (docs/gpu.md).
 
     python scripts/gpu_check.py [--model small] [--out gpu_check.json]
     python scripts/gpu_check.py --device cpu --model tiny      # the same checks on the CPU: zmq and shm

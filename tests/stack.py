@@ -23,7 +23,7 @@ class Stack:
     def __init__(self, tmp: Path, model: str, mode: str = "colocated", transport: str = "zmq",
                  num_prefill: int = 1, num_decode: int = 1, engine_args: tuple[str, ...] = (),
                  decode_args: tuple[str, ...] = (), router_args: tuple[str, ...] = (),
-                 api_key: str = "") -> None:  # fmt: skip
+                 api_key: str = "", router_log: bool = False) -> None:  # fmt: skip
         self.tmp, self.model, self.mode, self.transport = tmp, model, mode, transport
         self.num_prefill, self.num_decode = num_prefill, num_decode
         self.engine_args, self.decode_args = list(engine_args), list(decode_args)
@@ -32,6 +32,7 @@ class Stack:
         self.procs: dict[str, subprocess.Popen] = {}
         self.infos: dict[str, dict] = {}
         self.url = ""
+        self.router_log = tmp / "router.log" if router_log else None  # the router's output, else inherited
 
     # ---- processes --------------------------------------------------------------------------------
     def start_node(self, name: str, role: str, extra: list[str] = ()) -> dict:
@@ -74,7 +75,11 @@ class Stack:
         options = ["--port", str(port), "--node-timeout-s", "3", *self.router_args, *extra]
         argv = router_command(self.model, self.infos.values(), options, log_level="WARNING")
         env = {**os.environ, "PDSERVE_API_KEY": self.api_key}
-        self.procs["router"] = subprocess.Popen(argv, env=env)
+        if self.router_log is None:
+            self.procs["router"] = subprocess.Popen(argv, env=env)
+        else:
+            with open(self.router_log, "ab") as out:
+                self.procs["router"] = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{port}"
         self.wait_healthy()
         return self

@@ -17,7 +17,7 @@ from pdserve.wire.protocol import SamplingParams
 
 @pytest.fixture(scope="module", params=["colocated", "disagg"])
 def stack(request, tmp_path_factory):
-    s = Stack(tmp_path_factory.mktemp(request.param), "tiny", mode=request.param)
+    s = Stack(tmp_path_factory.mktemp(request.param), "tiny", mode=request.param, router_log=True)
     yield s.start()
     s.close()
 
@@ -267,6 +267,47 @@ BAD = [
     ({"model": "tiny", "prompt": "x" * 200_000}, 400, "characters"),
     ({"model": "tiny", "prompt": list(range(1, 5000))}, 400, "context"),
 ]
+
+
+CHAT = {"messages": [{"role": "user", "content": "x"}]}
+ONE_FIELD = [
+    ("completions", {"prompt": "x", "max_tokens": -1}, "max_tokens"),
+    ("completions", {"prompt": "x", "temperature": -1}, "temperature"),
+    ("completions", {"prompt": "x", "temperature": "hot"}, "temperature"),
+    ("completions", {"prompt": "x", "top_p": 0}, "top_p"),
+    ("completions", {"prompt": "x", "top_k": 0}, "top_k"),
+    ("completions", {"prompt": "x", "n": 0}, "n"),
+    ("completions", {"prompt": "x", "frequency_penalty": 3}, "frequency_penalty"),
+    ("completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
+    ("completions", {"prompt": "x", "echo": True, "logprobs": 21, "max_tokens": 0}, "logprobs"),
+    ("completions", {"prompt": "x", "response_format": {"type": "json_object"}, "ignore_eos": True},
+     "response_format"),
+    ("chat/completions", {**CHAT, "max_completion_tokens": -1}, "max_completion_tokens"),
+    ("chat/completions", {**CHAT, "max_tokens": -1}, "max_tokens"),
+    ("chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("chat/completions", {**CHAT, "temperature": -0.5}, "temperature"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("path,body,param", ONE_FIELD, ids=[f"{p}-{pa}-{i}" for i, (p, _, pa) in enumerate(ONE_FIELD)])
+def test_a_bad_field_is_named_as_param_and_code_is_a_string_or_null(stack, path, body, param):
+    r = httpx.post(f"{stack.url}/v1/{path}", json={"model": "tiny", **body}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and param in err["message"] and err["code"] is None, err
+
+
+def test_error_codes_are_strings_and_the_router_logs_each_error(stack):
+    r = httpx.post(stack.url + "/v1/completions", json={"model": "nope", "prompt": "x"}, timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = httpx.get(stack.url + "/no/such/route", timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] is None
+    r = httpx.post(stack.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "top_p": 7}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_p"
+    lines = ("POST /v1/completions -> 404 code=model_not_found param=model: model 'nope' does not exist",
+             "GET /no/such/route -> 404: Not Found", "POST /v1/completions -> 400 param=top_p: top_p must be in (0, 1]")
+    logged = lambda: stack.router_log.read_text(errors="replace")  # noqa: E731
+    assert wait_until(lambda: all(line in logged() for line in lines), 10), logged()[-3000:]
 
 
 @pytest.mark.parametrize("body,status,words", BAD, ids=[f"{i}-{b[2]}" for i, b in enumerate(BAD)])

@@ -177,3 +177,11 @@ def test_a_recorded_run_goes_to_results_named_by_date_and_commit():
     with pytest.raises(ValueError, match="git commit"):
         run_bench.recorded_name("smoke", "", "2026-12-01")
     assert run_bench.parse_args(["--record", "--out-dir", "/tmp/x"]).out_dir == Path("/tmp/x")
+
+
+def test_a_run_without_the_bench_extra_says_so_in_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(run_bench, "BENCH_EXTRA", ("httpx", "no_such_module_of_the_extra"))
+    assert run_bench.main(["--model", "tiny", "--quick"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "pip install -e '.[bench]'" in err and "no_such_module_of_the_extra" in err and "\n" not in err
+    assert run_bench.missing_bench_extra() == ["no_such_module_of_the_extra"]

@@ -98,3 +98,12 @@ def test_the_link_checker_finds_a_broken_link_and_a_missing_anchor():
     assert link_problem(page, "architecture.md#no-such-heading").startswith("no heading")
     assert link_problem(page, "../../outside.md") == "leaves the repository"
     assert slug("Latest run (2026-12-01, AVX-512 host)") == "latest-run-2026-12-01-avx-512-host"
+
+
+def test_ci_runs_the_readmes_test_command_verbatim():
+    """The README's install-and-test command is what .ci/run runs, character for character."""
+    readme = (ROOT / "README.md").read_text()
+    commands = re.findall(r"```bash\n(python3 -m venv [^\n]+)\n```", readme)
+    assert len(commands) == 2 and commands[0].endswith("pdserve up --model tiny"), commands
+    assert commands[1].endswith("python -m pytest -q")
+    assert commands[1] in (ROOT / ".ci" / "run").read_text().splitlines()

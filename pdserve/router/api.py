@@ -23,7 +23,7 @@ from pdserve.router.access_log import AccessLog
 from pdserve.router.auth import ApiKeyGuard
 from pdserve.router.choices import derive_seed, gather_all, merge
 from pdserve.router.core import NoNodeAvailable, Overloaded, RouterCore
-from pdserve.router.errors import HTTP_STATUS, ApiError, error_body
+from pdserve.router.errors import HTTP_STATUS, ApiError, api_error_body, logged_error
 from pdserve.router.limits import Offload, RequestLimits, content_chars, stop_problem
 from pdserve.router.logprobs import ChoiceExtras, merge_pieces
 from pdserve.router.openai_fields import UnsupportedField, check_fields
@@ -197,6 +197,18 @@ def _stream_options(opts: dict | None) -> dict:
     return opts or {}
 
 
+def _field_error(e: P.InvalidField, body: _Common, chat: bool) -> ApiError:
+    """A sampling parameter out of range, named as the request named it (`param`, and in the message)."""
+    names = {"grammar": "response_format", "prompt_logprobs": "logprobs", "logprobs": "logprobs"}
+    if chat:
+        names["logprobs"] = "top_logprobs"
+    if body.max_completion_tokens is not None:
+        names["max_tokens"] = "max_completion_tokens"
+    param = names.get(e.field, e.field)
+    message = str(e) if e.field == "grammar" else str(e).replace(e.field, param, 1)
+    return ApiError(400, message, param)
+
+
 def make_job(
     body: _Common,
     prompt_ids: list[int],
@@ -243,8 +255,8 @@ def make_job(
             min_p=body.min_p or 0.0, logit_bias=_logit_bias(body, info.vocab_size), min_tokens=body.min_tokens or 0,
             grammar=grammar,
         )  # fmt: skip
-    except ValueError as e:
-        raise ApiError(400, str(e)) from None
+    except P.InvalidField as e:
+        raise _field_error(e, body, chat_default) from None
     if not show_tokens:
         params = _hidden_token(params)
     opts = _stream_options(body.stream_options)
@@ -408,7 +420,8 @@ async def _stream(core, info, jobs: list[Job], chat: bool, flights: list, state)
                                             logprobs=d.logprobs)]  # fmt: skip
                 yield f"data: {json.dumps(chunk)}\n\n"
     except ApiError as e:
-        yield f"data: {json.dumps(error_body(e.status, e.message, e.param, e.code))}\n\n"
+        where = "stream of POST " + ("/v1/chat/completions" if chat else "/v1/completions")
+        yield f"data: {json.dumps(api_error_body(where, e))}\n\n"
         return
     finally:
         state.usage = _usage(jobs, n)
@@ -431,6 +444,10 @@ def _parse(raw: bytes, model: type[_Common]) -> _Common:
         return model.model_validate(data)
     except ValidationError as e:
         raise ApiError(400, *_invalid_message(e.errors())) from None
+
+
+def _where(request: Request) -> str:
+    return f"{request.method} {request.url.path}"
 
 
 def _invalid_message(errors: list) -> tuple[str, str | None]:
@@ -472,22 +489,22 @@ def create_app(cfg: RouterConfig) -> FastAPI:
         app.add_middleware(AccessLog)
 
     @app.exception_handler(ApiError)
-    async def _api_error(_, e: ApiError):
-        body = error_body(e.status, e.message, e.param, e.code)
-        return JSONResponse(body, status_code=e.status, headers=e.headers)
+    async def _api_error(request: Request, e: ApiError):
+        return JSONResponse(api_error_body(_where(request), e), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(UnsupportedField)
-    async def _unsupported(_, e: UnsupportedField):
-        return JSONResponse(error_body(400, str(e), e.field), status_code=400)
+    async def _unsupported(request: Request, e: UnsupportedField):
+        return JSONResponse(logged_error(_where(request), 400, str(e), e.field), status_code=400)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_, e: RequestValidationError):
-        msg, where = _invalid_message([{**x, "loc": tuple(x.get("loc", ()))[1:]} for x in e.errors()])
-        return JSONResponse(error_body(400, msg, where), status_code=400)
+    async def _invalid(request: Request, e: RequestValidationError):
+        msg, param = _invalid_message([{**x, "loc": tuple(x.get("loc", ()))[1:]} for x in e.errors()])
+        return JSONResponse(logged_error(_where(request), 400, msg, param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_, e: StarletteHTTPException):
-        return JSONResponse(error_body(e.status_code, str(e.detail)), status_code=e.status_code)
+    async def _http(request: Request, e: StarletteHTTPException):
+        body = logged_error(_where(request), e.status_code, str(e.detail))
+        return JSONResponse(body, status_code=e.status_code)
 
     async def serve(request: Request, body: _Common, prompts: list[list[int]], chat: bool):
         st = request.app.state

@@ -7,7 +7,7 @@ import hmac
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pdserve.router.errors import error_body
+from pdserve.router.errors import logged_error
 
 OPEN_PATHS = frozenset({"/health"})
 
@@ -23,7 +23,8 @@ class ApiKeyGuard:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self._authorized(scope):
             await self.app(scope, receive, send)
             return
-        body = error_body(401, "a valid API key is required (Authorization: Bearer <key>)", code="invalid_api_key")
+        body = logged_error(f"{scope['method']} {scope['path']}", 401,
+                            "a valid API key is required (Authorization: Bearer <key>)", code="invalid_api_key")
         await JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
 
     def _authorized(self, scope: Scope) -> bool:

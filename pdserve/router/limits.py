@@ -17,6 +17,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from pdserve.router.errors import logged_error
+
 MAX_STOPS = 16  # stop strings a request may give (OpenAI allows 4)
 MAX_STOP_CHARS = 128  # characters of one stop string: each is matched against every new token's text
 MAX_STOP_TOKEN_IDS = 256
@@ -38,12 +40,8 @@ def _send_json(status: int, body: dict) -> Callable:
     return reply
 
 
-def _error(status: int, msg: str) -> dict:
-    return {"error": {"message": msg, "type": "invalid_request_error", "param": None, "code": status}}
-
-
-def too_large_body(limit: int) -> dict:
-    return _error(413, f"the request body exceeds {limit} bytes (--max-request-bytes)")
+def too_large_body(where: str, limit: int) -> dict:
+    return logged_error(where, 413, f"the request body exceeds {limit} bytes (--max-request-bytes)")
 
 
 class RequestLimits:
@@ -59,11 +57,13 @@ class RequestLimits:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        where = f"{scope['method']} {scope['path']}"
         if sum(len(k) + len(v) for k, v in scope.get("headers", ())) > MAX_HEADER_BYTES:
-            return await _send_json(431, _error(431, f"the request headers exceed {MAX_HEADER_BYTES} bytes"))(send)
+            body = logged_error(where, 431, f"the request headers exceed {MAX_HEADER_BYTES} bytes")
+            return await _send_json(431, body)(send)
         declared = _content_length(scope)
         if declared is not None and declared > self.limit:
-            return await _send_json(413, too_large_body(self.limit))(send)
+            return await _send_json(413, too_large_body(where, self.limit))(send)
         chunks, size = [], 0
         while True:
             msg = await receive()
@@ -72,7 +72,7 @@ class RequestLimits:
             chunk = msg.get("body", b"")
             size += len(chunk)
             if size > self.limit:
-                return await _send_json(413, too_large_body(self.limit))(send)
+                return await _send_json(413, too_large_body(where, self.limit))(send)
             chunks.append(chunk)
             if not msg.get("more_body", False):
                 break

@@ -2,8 +2,10 @@
 
 Completions: `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`, one entry per token; each
 `top_logprobs` entry maps token text to log-probability for the most likely tokens, plus the chosen
-one (as vLLM does); `text_offset` counts characters from the start of the choice's text (the
-prompt's, with echo). An echoed prompt's first token has no log-probability: `null` in both lists.
+one (as vLLM does); where ids decode to the same text the higher value is kept, and the chosen token's
+text always carries its own value (the one in `token_logprobs`); `text_offset` counts characters from
+the start of the choice's text (the prompt's, with echo). An echoed prompt's first token has no
+log-probability: `null` in both lists.
 Chat: `{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}`.
 The values come from the nodes (the raw model distribution, see engine/sampling.py); `-inf` is sent
 as -9999.0, since JSON has no infinity.
@@ -59,8 +61,11 @@ class LogprobFormatter:
     def _top_map(self, token_id: int, lp: float | None, top: list[tuple[int, float]] | None) -> dict | None:
         if lp is None or top is None:
             return None
-        best = {self.text(i): _finite(v) for i, v in top}
-        best.setdefault(self.text(token_id), _finite(lp))
+        best: dict[str, float] = {}
+        for i, v in top:  # ids whose texts collide (byte pieces as "\ufffd") share a key: the higher value stays
+            text = self.text(i)
+            best[text] = max(best.get(text, _finite(v)), _finite(v))
+        best[self.text(token_id)] = _finite(lp)  # the chosen token's own value, as in token_logprobs
         return best
 
     def _chat(self, items: list[Entry]) -> dict:

@@ -35,6 +35,14 @@ class ProtocolError(ValueError):
     """A peer sent something we refuse to decode."""
 
 
+class InvalidField(ValueError):
+    """One field of a request's parameters is out of its range: `field` names it (the API's error `param`)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 Id = NewType("Id", int)  # a token id, block id, count or size: an int >= 0
 
 
@@ -102,34 +110,34 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
-            raise ValueError("max_tokens must be at least 1")
+            raise InvalidField("max_tokens", "max_tokens must be at least 1")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not (type(value) is int and 0 <= value <= MAX_LOGPROBS):
-                raise ValueError(f"{name} must be an integer from 0 to {MAX_LOGPROBS}")
+                raise InvalidField(name, f"{name} must be an integer from 0 to {MAX_LOGPROBS}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError("temperature must be a finite number >= 0")
+            raise InvalidField("temperature", "temperature must be a finite number >= 0")
         if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
-            raise ValueError("top_p must be in (0, 1]")
+            raise InvalidField("top_p", "top_p must be in (0, 1]")
         if self.top_k == 0 or self.top_k < -1:
-            raise ValueError("top_k must be -1 (disabled) or a positive integer")
+            raise InvalidField("top_k", "top_k must be -1 (disabled) or a positive integer")
         self._check_processors()
 
     def _check_processors(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
-                raise ValueError(f"{name} must be in [-2, 2]")
+                raise InvalidField(name, f"{name} must be in [-2, 2]")
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
-            raise ValueError("repetition_penalty must be a finite number > 0")
+            raise InvalidField("repetition_penalty", "repetition_penalty must be a finite number > 0")
         if not 0 <= self.min_p <= 1:
-            raise ValueError("min_p must be in [0, 1]")
+            raise InvalidField("min_p", "min_p must be in [0, 1]")
         if any(type(t) is not int or t < 0 or not -100 <= b <= 100 for t, b in self.logit_bias):
-            raise ValueError("logit_bias maps token ids to biases in [-100, 100]")
+            raise InvalidField("logit_bias", "logit_bias maps token ids to biases in [-100, 100]")
         if type(self.min_tokens) is not int or not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError("min_tokens must be an integer from 0 to max_tokens")
+            raise InvalidField("min_tokens", "min_tokens must be an integer from 0 to max_tokens")
         if self.grammar and (self.ignore_eos or self.min_tokens):
-            raise ValueError("a grammar (response_format) ends the output at EOS: it cannot be combined with "
-                             "ignore_eos or min_tokens")
+            raise InvalidField("grammar", "a grammar (response_format) ends the output at EOS: it cannot be combined "
+                               "with ignore_eos or min_tokens")
 
     @property
     def processed(self) -> bool:
