@@ -24,6 +24,9 @@ KV_FAULT_KINDS = ("drop", "delay", "truncate", "corrupt")
 LAUNCH_MODES = ("disagg", "colocated")
 PLACEMENTS = ("pack", "spread")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+ENGINES = ("model", "mock")  # model: run the checkpoint; mock: no model (engine/mock.py)
+MOCK_STEP_S = (0.003, 1e-5, 2e-5, 0.0)  # a mock step's seconds: a + b*tokens + c*requests (+ d*attended context)
+MOCK_KV_MODES = ("full", "header")  # mock KV transfers: the real bytes, or the headers only
 
 
 def option(default: Any, help: str, *, flag: str = "", env: str = "", repr: bool = True, **argparse_options) -> Any:
@@ -37,6 +40,11 @@ def option(default: Any, help: str, *, flag: str = "", env: str = "", repr: bool
 def comma_list(text: str) -> tuple[str, ...]:
     """'a,b' -> ('a', 'b'); the flag form of a tuple field."""
     return tuple(x for x in text.split(",") if x)
+
+
+def comma_floats(text: str) -> tuple[float, ...]:
+    """'0.003,1e-5' -> (0.003, 1e-05); the flag form of a tuple of numbers."""
+    return tuple(float(x) for x in comma_list(text))
 
 
 def _model() -> Any:
@@ -116,8 +124,19 @@ class EngineConfig:
                                             "paged kernels; torch: SDPA per request",
                                     choices=ATTENTION_BACKENDS)  # fmt: skip
     enforce_eager: bool = option(False, "no CUDA graphs for decode steps", action="store_true")
+    engine: str = option("model", "mock: no model and no torch; the real scheduler, KV accounting and protocol, a "
+                                  "modelled step time and made-up tokens (router tests and benchmarks)",
+                         choices=ENGINES)  # fmt: skip
+    mock_step_s: tuple[float, ...] = option(MOCK_STEP_S, "mock: a step takes A + B*tokens + C*requests "
+                                            "(+ D*attended context) seconds; give A,B,C[,D]", type=comma_floats,
+                                            metavar="A,B,C[,D]")  # fmt: skip
+    mock_costs: str = option("", "mock: the step time of a bench.costs JSON file (its prefill or decode costs, by "
+                                 "the node's role) instead of --mock-step-s")  # fmt: skip
+    mock_kv: str = option("full", "mock: KV transfers carry the real number of bytes (full) or their headers only",
+                          choices=MOCK_KV_MODES)  # fmt: skip
 
     def __post_init__(self) -> None:
+        self._check_mock()
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, not {self.dtype!r}")
         if self.cpu_kernels not in CPU_KERNELS:
@@ -139,6 +158,17 @@ class EngineConfig:
             raise ValueError("--kv-cache-gb must be positive")
         if self.cpu_cores and os.cpu_count() and max(self.cpu_cores) >= os.cpu_count():
             raise ValueError(f"--cpu-cores {self.cpu_cores} names a core this machine lacks ({os.cpu_count()} cores)")
+
+    def _check_mock(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, not {self.engine!r}")
+        if len(self.mock_step_s) not in (3, 4) or not all(x >= 0 for x in self.mock_step_s):
+            raise ValueError("--mock-step-s takes 3 or 4 non-negative numbers: A,B,C[,D] (seconds a step, per token, "
+                             "per request[, per attended context token])")  # fmt: skip
+        if self.mock_kv not in MOCK_KV_MODES:
+            raise ValueError(f"--mock-kv must be one of {', '.join(MOCK_KV_MODES)}")
+        if self.mock_costs and not os.path.isfile(self.mock_costs):
+            raise ValueError(f"--mock-costs {self.mock_costs!r} is not a file (write one with python -m bench.costs)")
 
     def num_blocks_for(self, bytes_per_token: int) -> int:
         if self.num_kv_blocks is not None:

@@ -28,12 +28,13 @@ import time
 import zmq
 
 from pdserve.config import NodeConfig
+from pdserve.engine.draws import TokenLogprob
 from pdserve.engine.engine import Engine, TokenOutput, pin_process
 from pdserve.engine.request import Request
-from pdserve.engine.sampling import TokenLogprob
 from pdserve.wire import protocol as P
 from pdserve.wire import transport
-from pdserve.wire.kv_transfer import default_host_id
+from pdserve.wire.kv_mock import MockKvBackend
+from pdserve.wire.kv_peers import accepted_transports, default_host_id
 
 log = logging.getLogger("pdserve.node")
 STATS_INTERVAL_S = 0.5
@@ -51,6 +52,17 @@ def token_event(o: TokenOutput) -> P.TokenEvent:
 def error_event(request_id: str, why: str, code: P.ErrorCode) -> P.TokenEvent:
     """The last event of a request this node fails: `why` for people, `code` for the router's HTTP status."""
     return P.TokenEvent(request_id, [], P.FinishReason.ERROR, why, error_code=code)
+
+
+def kv_backends(cfg: NodeConfig) -> dict:
+    """The KV transfer backends of a prefill or decode node, preferred first, by transport name. A mock node's move
+    no KV (wire/kv_mock.py); only a model node imports the real ones (and torch)."""
+    names = accepted_transports(cfg.kv_transport, cfg.engine.device)
+    if cfg.engine.engine == "mock":
+        return {n: MockKvBackend(n, header_only=cfg.engine.mock_kv == "header") for n in names}
+    from pdserve.wire.kv_transfer import make_backend
+
+    return {n: make_backend(n) for n in names}
 
 
 def wire_logprobs(scores: list[TokenLogprob]) -> P.Logprobs:

@@ -23,11 +23,12 @@ class Stack:
     def __init__(self, tmp: Path, model: str, mode: str = "colocated", transport: str = "zmq",
                  num_prefill: int = 1, num_decode: int = 1, engine_args: tuple[str, ...] = (),
                  decode_args: tuple[str, ...] = (), router_args: tuple[str, ...] = (),
-                 api_key: str = "", router_log: bool = False) -> None:  # fmt: skip
+                 api_key: str = "", router_log: bool = False, parallel_start: bool = False) -> None:  # fmt: skip
         self.tmp, self.model, self.mode, self.transport = tmp, model, mode, transport
         self.num_prefill, self.num_decode = num_prefill, num_decode
         self.engine_args, self.decode_args = list(engine_args), list(decode_args)
         self.router_args, self.api_key = list(router_args), api_key
+        self.parallel_start = parallel_start  # start every node, then wait for them all (many light nodes)
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.procs: dict[str, subprocess.Popen] = {}
         self.infos: dict[str, dict] = {}
@@ -36,12 +37,18 @@ class Stack:
 
     # ---- processes --------------------------------------------------------------------------------
     def start_node(self, name: str, role: str, extra: list[str] = ()) -> dict:
+        self.spawn_node(name, role, extra)
+        return self.wait_ready(name)
+
+    def spawn_node(self, name: str, role: str, extra: list[str] = ()) -> None:
         ready = self.tmp / f"{name}.json"
         ready.unlink(missing_ok=True)
         argv = [sys.executable, "-m", "pdserve", "--log-level", "WARNING", role, "--model", self.model,
                 "--kv-transport", self.transport, "--ready-file", str(ready), *self.engine_args, *extra]  # fmt: skip
-        proc = subprocess.Popen(argv, env=os.environ.copy())
-        self.procs[name] = proc
+        self.procs[name] = subprocess.Popen(argv, env=os.environ.copy())
+
+    def wait_ready(self, name: str) -> dict:
+        ready, proc = self.tmp / f"{name}.json", self.procs[name]
         deadline = time.monotonic() + START_TIMEOUT_S
         while not ready.exists():
             if proc.poll() is not None or time.monotonic() > deadline:
@@ -59,14 +66,16 @@ class Stack:
 
     def _start(self) -> Stack:
         # explicit ports, below the ephemeral range (free_port): a node restarted on its address finds it free
+        start = self.spawn_node if self.parallel_start else self.start_node
         if self.mode == "colocated":
-            self.start_node("colocated0", "colocated", ["--listen", _address()])
+            start("colocated0", "colocated", ["--listen", _address()])
         else:
             for i in range(self.num_prefill):
-                self.start_node(f"prefill{i}", "prefill", ["--listen", _address()])
+                start(f"prefill{i}", "prefill", ["--listen", _address()])
             for i in range(self.num_decode):
-                argv = ["--listen", _address(), "--kv-listen", _address(), *self.decode_args]
-                self.start_node(f"decode{i}", "decode", argv)
+                start(f"decode{i}", "decode", ["--listen", _address(), "--kv-listen", _address(), *self.decode_args])
+        for name in list(self.procs) if self.parallel_start else ():
+            self.wait_ready(name)
         return self.start_router()
 
     def start_router(self, extra: tuple[str, ...] = ()) -> Stack:

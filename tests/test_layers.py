@@ -31,7 +31,8 @@ ROLE_ALLOWED = ("pdserve.node", "pdserve.engine.engine", "pdserve.engine.request
 ALLOWED = {  # package -> the pdserve modules (or packages) its modules may import, beside its own
     "router": ("pdserve.wire.protocol", "pdserve.wire.transport", "pdserve.config", "pdserve.engine.checkpoint"),
     "engine": ("pdserve.wire.protocol", "pdserve.config"),
-    "wire": ("pdserve.engine.kv_cache", "pdserve.engine.block_allocator"),
+    # kv_layout: what a mock node's KV transfer (wire/kv_mock.py) checks, without the torch pool of kv_cache
+    "wire": ("pdserve.engine.kv_cache", "pdserve.engine.kv_layout", "pdserve.engine.block_allocator"),
     "prefill_node": ROLE_ALLOWED,
     "decode_node": ROLE_ALLOWED,
     "colocated_node": ROLE_ALLOWED,

@@ -32,10 +32,10 @@ import zmq
 
 from pdserve.config import NodeConfig
 from pdserve.engine.request import Request, Status
-from pdserve.node import NodeBase
+from pdserve.node import NodeBase, kv_backends
 from pdserve.wire import protocol as P
 from pdserve.wire import transport
-from pdserve.wire.kv_transfer import TransferError, accepted_transports, choose_transport, make_backend
+from pdserve.wire.kv_peers import TransferError, choose_transport
 
 log = logging.getLogger("pdserve.decode")
 REMEMBER_ABORTS = 4096
@@ -58,7 +58,7 @@ class DecodeNode(NodeBase):
 
     def __init__(self, cfg: NodeConfig) -> None:
         super().__init__(cfg)
-        self.backends = {n: make_backend(n) for n in accepted_transports(cfg.kv_transport, cfg.engine.device)}
+        self.backends = kv_backends(cfg)
         self.peer_backends: dict[bytes, object] = {}  # paired prefill peers -> the transport chosen at pairing
         self.kv_sock = self.ctx.socket(zmq.ROUTER)
         transport.configure(self.kv_sock)

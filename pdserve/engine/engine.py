@@ -17,19 +17,13 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from dataclasses import dataclass, field
 
-import torch
-
-from pdserve.config import EngineConfig, eos_token_ids
+from pdserve.config import EngineConfig
 from pdserve.engine.block_allocator import blocks_for
-from pdserve.engine.checkpoint import resolve_model
-from pdserve.engine.grammar import Guides
-from pdserve.engine.kv_cache import KVPool
-from pdserve.engine.model import ModelRunner, kv_layout, load_model, max_model_len
+from pdserve.engine.draws import Drawn, TokenLogprob, finish_reason
+from pdserve.engine.parts import build_parts
 from pdserve.engine.request import Request, Status
-from pdserve.engine.sampling import Drawn, PendingDraw, Sampler, TokenLogprob, finish_reason
 from pdserve.engine.scheduler import Batch, Scheduler
 from pdserve.wire.protocol import ErrorCode, FinishReason, Role, kv_tokens_needed
 
@@ -53,7 +47,7 @@ class Step:
 
     batch: Batch
     scored: list[Request]  # the request of each prompt row scored (echo with logprobs)
-    draw: PendingDraw | None  # its sampling, queued on the device; None when launching it failed
+    draw: object | None  # its sampling, queued on the device (`wait()` gives the Drawn); None when launching failed
     error: str = ""  # why it failed
     members: set[Request] = field(init=False)  # the batch's requests
 
@@ -62,10 +56,9 @@ class Step:
 
 
 def pin_process(cfg: EngineConfig) -> None:
-    """Pin this process to its cores and size torch's thread pool to them."""
+    """Pin this process to its cores (a model engine sizes torch's thread pool to them)."""
     if cfg.cpu_cores:
         os.sched_setaffinity(0, cfg.cpu_cores)
-        torch.set_num_threads(len(cfg.cpu_cores))
 
 
 def checksum_mismatch(got: list[int], want: list[int]) -> str:
@@ -80,30 +73,14 @@ class Engine:
     def __init__(self, cfg: EngineConfig, prefill_only: bool = False, pool_storage=None) -> None:
         self.cfg = cfg
         self.prefill_only = prefill_only
-        started = time.perf_counter()
-        checkpoint = resolve_model(cfg.model)
-        self.model = load_model(checkpoint, cfg.dtype, cfg.device)
-        log.info("loaded the weights of %s (%s on %s) in %.1f s", cfg.model, cfg.dtype, cfg.device,
-                 time.perf_counter() - started)  # fmt: skip
-        self.guides = Guides(checkpoint, self.model.config.vocab_size, eos_token_ids(self.model.config))
-        self.layout = kv_layout(self.model, cfg.block_size, cfg.dtype)
-        num_blocks = cfg.num_blocks_for(self.layout.bytes_per_token())
-        storage = pool_storage(self.layout, num_blocks, cfg.device) if pool_storage else None
-        self.pool = KVPool(self.layout, num_blocks, cfg.device, data=storage)
+        parts = build_parts(cfg, prefill_only, pool_storage)  # the model's, or the mock's (no torch)
+        self.guides, self.layout, self.pool = parts.guides, parts.layout, parts.pool
+        self.runner, self.sampler, self.max_model_len = parts.runner, parts.sampler, parts.max_model_len
         self.scheduler = Scheduler(self.pool.allocator, cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        started = time.perf_counter()
-        self.runner = ModelRunner(self.model, self.pool, cfg.attention_backend, cfg.cpu_kernels,
-                                  graphs=not (cfg.enforce_eager or prefill_only), max_batch=cfg.max_num_seqs)
-        self.runner.warm_up(cfg.max_num_batched_tokens, cfg.max_num_seqs)
-        log.info("built the kernels%s and warmed up in %.1f s (attention: %s; KV pool: %d blocks of %d tokens)",
-                 " and CUDA graphs" if self.runner.graphs else "", time.perf_counter() - started,
-                 self.runner.backend.name, num_blocks, cfg.block_size)  # fmt: skip
-        self.sampler = Sampler()
-        self.max_model_len = max_model_len(self.model.config)
         self.requests: dict[str, Request] = {}
         self.in_flight: Step | None = None  # launched, not finished
         self._parked: list[list[int]] = []  # blocks of requests released while a step that writes them ran
-        self.overlapped = self.runner.device.type == "cuda"  # launch() returns before the device is done
+        self.overlapped = parts.overlapped  # launch() returns before the device (or the mock's step) is done
 
     # ---- requests -----------------------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> str:

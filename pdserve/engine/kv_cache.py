@@ -12,38 +12,14 @@ of a prefill node's pool.
 from __future__ import annotations
 
 import zlib
-from dataclasses import asdict, dataclass
 
 import torch
 
 from pdserve.engine.block_allocator import BlockAllocator, blocks_for
 from pdserve.engine.copies import to_device
+from pdserve.engine.kv_layout import KVLayout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """What two pools must agree on before KV moves between them."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    dtype: str
-    model_fingerprint: str
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def bytes_per_token(self) -> int:
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * DTYPES[self.dtype].itemsize
-
-    def mismatch(self, other: dict) -> str:
-        """A readable list of the fields that differ from `other`, or "" when they pair."""
-        mine = self.to_dict()
-        diffs = [f"{k}: {mine[k]!r} here, {other.get(k)!r} there" for k in mine if other.get(k) != mine[k]]
-        return "; ".join(diffs)
 
 
 class KVPool:

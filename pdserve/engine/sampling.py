@@ -35,33 +35,14 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.copies import HostCopy, to_device
+from pdserve.engine.draws import Drawn, TokenLogprob
 from pdserve.engine.grammar import mask_rows
 from pdserve.engine.request import Request
-from pdserve.wire.protocol import FinishReason, SamplingParams
 
 _M32 = 0xFFFFFFFF
 _M64 = 0xFFFFFFFFFFFFFFFF
 # odd multipliers below 2**31, so that a 32-bit value times one stays below 2**63 in int64 arithmetic
 _K1, _K2 = 0x7FEB352D, 0x2C1B3C6D
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """A token's log-probability under the raw model distribution, and the most likely ids there with theirs."""
-
-    logprob: float
-    top_ids: list[int]
-    top_logprobs: list[float]
-
-
-@dataclass(frozen=True)
-class Drawn:
-    """One step's sampling: a token per sampling request, its log-probability where asked (else None), and the
-    scores of the prompt rows (echo with logprobs), in the order they were given."""
-
-    tokens: list[int]
-    logprobs: list[TokenLogprob | None]
-    prompt_logprobs: list[TokenLogprob]
 
 
 @dataclass
@@ -252,15 +233,3 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 def _f32_bits(x: float) -> int:
     """A float32's bit pattern as a signed 32-bit int (so that int64 -> int32 keeps it exactly)."""
     return struct.unpack("<i", struct.pack("<f", x))[0]
-
-
-def finish_reason(req: Request, params: SamplingParams, max_model_len: int) -> FinishReason | None:
-    """Why `req` stops after its newest token, or None to go on."""
-    last = req.output_token_ids[-1]
-    if last in params.stop_token_ids:
-        return FinishReason.STOP
-    if not params.ignore_eos and last in params.eos_token_ids:
-        return FinishReason.STOP
-    if len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= max_model_len:
-        return FinishReason.LENGTH
-    return None

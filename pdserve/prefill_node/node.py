@@ -29,11 +29,10 @@ import zmq
 from pdserve.config import NodeConfig
 from pdserve.engine.engine import Engine, TokenOutput
 from pdserve.engine.request import Request, Status
-from pdserve.node import NodeBase, error_event
+from pdserve.node import NodeBase, error_event, kv_backends
 from pdserve.wire import protocol as P
 from pdserve.wire import transport
 from pdserve.wire.kv_faults import DELAY_S, FaultInjector
-from pdserve.wire.kv_transfer import accepted_transports, make_backend
 
 log = logging.getLogger("pdserve.prefill")
 
@@ -61,7 +60,7 @@ class PrefillNode(NodeBase):
     role = P.Role.PREFILL
 
     def __init__(self, cfg: NodeConfig) -> None:
-        self.backends = {n: make_backend(n) for n in accepted_transports(cfg.kv_transport, cfg.engine.device)}
+        self.backends = kv_backends(cfg)
         self.backend = next(iter(self.backends.values()))  # the preferred one holds the pool (shared if it can)
         super().__init__(cfg)
         self.peers: dict[str, DecodePeer] = {}

@@ -22,7 +22,6 @@ from __future__ import annotations
 import _posixshmem
 import mmap
 import os
-import socket
 import uuid
 import warnings
 from multiprocessing import shared_memory
@@ -32,11 +31,8 @@ import torch
 from pdserve.engine.block_allocator import blocks_for
 from pdserve.engine.kv_cache import DTYPES, KVLayout, KVPool
 from pdserve.wire import protocol as P
+from pdserve.wire.kv_peers import TransferError
 from pdserve.wire.protocol import KvTransport
-
-
-class TransferError(ValueError):
-    pass
 
 
 class ZmqBackend:
@@ -293,33 +289,6 @@ BACKENDS = {KvTransport.ZMQ: ZmqBackend, KvTransport.SHM: ShmBackend, KvTranspor
 
 def make_backend(name: KvTransport):
     return BACKENDS[name]()
-
-
-def accepted_transports(configured: KvTransport, device: str) -> tuple[KvTransport, ...]:
-    """The backends a node configured with `--kv-transport configured` moves KV with, preferred first.
-    auto: a shared pool (shm on the CPU, cuda_ipc on a GPU) with peers on this host, zmq with the others."""
-    if configured == KvTransport.AUTO:
-        return (KvTransport.CUDA_IPC if device.startswith("cuda") else KvTransport.SHM, KvTransport.ZMQ)
-    return (KvTransport(configured),)
-
-
-def choose_transport(offered: list[str], accepted: tuple[KvTransport, ...], same_host: bool) -> str:
-    """The first transport the prefill node offers that the decode node accepts and that reaches it
-    (a shared pool only on the same host), or "" if there is none."""
-    for name in offered:
-        if name in accepted and (name == KvTransport.ZMQ or same_host):
-            return name
-    return ""
-
-
-def default_host_id() -> str:
-    """What tells two nodes they share a host (and so may share memory): hostname and boot id."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
 
 
 def _numel(shape) -> int:

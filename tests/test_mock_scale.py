@@ -1,0 +1,155 @@
+"""32 mock nodes (8 prefill, 24 decode) behind one router: membership, the least-loaded pick, a node killed
+mid-stream, a node drained mid-stream, and aborts that free KV on every node. Nothing here is timed: the decode
+nodes' modelled step (10 ms) only keeps streams running while the tests act on them."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+
+import httpx
+import pytest
+from helpers import wait_until
+from stack import Stack
+
+from pdserve.engine.checkpoint import resolve_model
+from pdserve.engine.mock import mock_tokens
+
+NUM_PREFILL, NUM_DECODE = 8, 24
+MOCK = ("--engine", "mock", "--mock-step-s", "0.001,0,0", "--max-num-seqs", "64")
+DECODE_STEP = ("--mock-step-s", "0.01,0,0")
+
+
+class Stream(threading.Thread):
+    """One streamed completion (token ids), that the test can stop (the client disconnects) at any point."""
+
+    def __init__(self, url: str, prompt: list[int], max_tokens: int) -> None:
+        super().__init__(daemon=True)
+        self.url, self.prompt, self.max_tokens = url, prompt, max_tokens
+        self.token_ids: list[int] = []
+        self.first, self.stop = threading.Event(), threading.Event()
+        self.done, self.error = False, ""
+
+    def run(self) -> None:
+        body = {"model": "tiny", "prompt": self.prompt, "max_tokens": self.max_tokens, "stream": True,
+                "return_token_ids": True}  # fmt: skip
+        try:
+            with httpx.stream("POST", self.url + "/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if self.stop.is_set():
+                        return  # leaving the block closes the connection: the router aborts the request
+                    self._line(line)
+        except httpx.HTTPError as e:
+            self.error = repr(e)
+        finally:
+            self.first.set()
+
+    def _line(self, line: str) -> None:
+        if line == "data: [DONE]":
+            self.done = True
+        elif line.startswith("data: "):
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                self.error = chunk["error"]["message"]
+                return
+            for c in chunk["choices"]:
+                self.token_ids += c.get("token_ids", [])
+            self.first.set()
+
+    @property
+    def exact(self) -> bool:
+        return self.done and not self.error and self.token_ids == mock_tokens(self.prompt, self.max_tokens)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    resolve_model("tiny")  # the router's tokenizer, written with torch here so that the router needs none
+    s = Stack(tmp_path_factory.mktemp("mock32"), "tiny", mode="disagg", num_prefill=NUM_PREFILL, num_decode=NUM_DECODE,
+              engine_args=MOCK, decode_args=DECODE_STEP, parallel_start=True).start()  # fmt: skip
+    yield s
+    s.close()
+
+
+def _health(stack: Stack) -> dict:
+    return httpx.get(stack.url + "/health", timeout=10).json()
+
+
+def _in_flight(stack: Stack, role: str) -> dict[str, int]:
+    return {n["addr"]: n["in_flight"] for n in _health(stack)["nodes"] if n["role"] == role and n["up"]}
+
+
+def _name(stack: Stack, addr: str) -> str:
+    return next(name for name, info in stack.infos.items() if info["listen"] == addr)
+
+
+def _start(stack: Stack, n: int, max_tokens: int) -> list[Stream]:
+    streams = [Stream(stack.url, [7 + i, 11, 13 + i] * (4 + i), max_tokens) for i in range(n)]
+    for s in streams:
+        s.start()
+    for s in streams:
+        assert s.first.wait(60) and not s.error, s.error
+    return streams
+
+
+def _counter(stack: Stack, name: str) -> float:
+    text = httpx.get(stack.url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_32_mock_nodes_join_one_router_and_serve_exactly(stack):
+    health = _health(stack)
+    roles = [n["role"] for n in health["nodes"] if n["up"]]
+    assert health["status"] == "ok" and (roles.count("prefill"), roles.count("decode")) == (NUM_PREFILL, NUM_DECODE)
+    streams = _start(stack, 8, 30)
+    for s in streams:
+        s.join(60)
+    assert all(s.exact for s in streams), [(len(s.token_ids), s.error) for s in streams]
+
+
+def test_the_router_gives_each_stream_the_least_loaded_decode_node_and_aborts_free_every_block(stack):
+    streams = _start(stack, NUM_DECODE, 1500)  # each has its first token: all were dispatched, none is near its end
+    try:
+        assert sorted(_in_flight(stack, "decode").values()) == [1] * NUM_DECODE  # one each: none got two
+    finally:
+        for s in streams:
+            s.stop.set()
+    for s in streams:
+        s.join(60)
+    assert wait_until(lambda: _health(stack)["waiting"] == 0 and not any(_in_flight(stack, "decode").values()), 30)
+    used = stack.wait_kv_free()
+    assert len(used) == NUM_PREFILL + NUM_DECODE and not any(used.values()), used
+
+
+def _stream_on_one_decode_node(stack: Stack, max_tokens: int) -> tuple[Stream, str]:
+    """A stream under way (20 tokens in), alone on its decode node: that node's name in the stack."""
+    (s,) = _start(stack, 1, max_tokens)
+    assert wait_until(lambda: len(s.token_ids) >= 20, 30)
+    (addr,) = [a for a, n in _in_flight(stack, "decode").items() if n]
+    return s, _name(stack, addr)
+
+
+def test_a_decode_node_killed_mid_stream_loses_no_token(stack):
+    before = _counter(stack, "pdserve:requests_redispatched_total")
+    s, name = _stream_on_one_decode_node(stack, 400)
+    stack.kill(name)
+    s.join(60)
+    assert s.exact, (len(s.token_ids), s.error)
+    assert _counter(stack, "pdserve:requests_redispatched_total") == before + 1
+    assert wait_until(lambda: stack.infos[name]["listen"] not in _in_flight(stack, "decode"), 30)
+
+
+def test_a_draining_decode_node_finishes_its_stream_and_leaves(stack):
+    before = _counter(stack, "pdserve:requests_redispatched_total")
+    s, name = _stream_on_one_decode_node(stack, 400)
+    stack.procs[name].send_signal(signal.SIGTERM)
+    s.join(60)
+    assert s.exact, (len(s.token_ids), s.error)
+    assert _counter(stack, "pdserve:requests_redispatched_total") == before  # it finished there
+    assert stack.procs[name].wait(timeout=60) == 0
+    addr = stack.infos[name]["listen"]
+    assert wait_until(lambda: addr not in _in_flight(stack, "decode"), 30)
+    after = _start(stack, 4, 30)  # the others take the new requests
+    for t in after:
+        t.join(60)
+    assert all(t.exact for t in after), [t.error for t in after]
