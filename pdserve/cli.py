@@ -70,7 +70,7 @@ def run_router(a: argparse.Namespace) -> None:
 
     cfg = from_args(RouterConfig, a)
     check_port_free(cfg.host, cfg.port)
-    check_checkpoint(cfg.model)
+    check_checkpoint(cfg.model, tokenizer=not cfg.skip_tokenizer)
     serve(cfg)
 
 

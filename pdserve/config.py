@@ -238,6 +238,9 @@ class RouterConfig:
     decode: tuple[str, ...] = option((), "decode nodes' router-facing addresses", nargs="*", metavar="ADDR")
     decode_kv: tuple[str, ...] = option((), "decode nodes' KV addresses, in --decode's order", nargs="*",
                                         metavar="ADDR")  # fmt: skip
+    skip_tokenizer: bool = option(False, "serve a checkpoint without tokenizer files: prompts as token ids only, "
+                                         "answers as token ids (return_token_ids), text fields empty",
+                                  action="store_true")  # fmt: skip
     served_model_name: str = option("", "the model id the API lists and answers to (default: --model)")
     node_timeout_s: float = option(10.0, "a node silent this long is taken as down", type=float)
     connect_timeout_s: float = 120.0

@@ -138,7 +138,7 @@ def preflight(a: argparse.Namespace) -> None:
     check_port_free(a.host, a.port)
     for device in set(devices.values()):
         check_device(device)
-    check_checkpoint(a.model)
+    check_checkpoint(a.model, tokenizer=not a.skip_tokenizer)
 
 
 def check_configs(a: argparse.Namespace, devices: dict[str, str]) -> None:

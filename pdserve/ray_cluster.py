@@ -347,7 +347,7 @@ def launch_on_ray(a: argparse.Namespace) -> int:
     check_args(a)
     check_configs(a, {Role.PREFILL: node_device(a), Role.DECODE: node_device(a)})
     check_port_free(a.host, a.port)
-    check_checkpoint(a.model)  # the router reads it here (the nodes on their hosts)
+    check_checkpoint(a.model, tokenizer=not a.skip_tokenizer)  # the router reads it here (the nodes on their hosts)
     a = with_absolute_paths(a)
 
     def on_signal(*_):

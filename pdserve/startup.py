@@ -62,7 +62,8 @@ def check_checkpoint(model: str, tokenizer: bool = True) -> None:
                          f"{', '.join(SUPPORTED_MODEL_TYPES)}")  # fmt: skip
     if tokenizer and not any((folder / f).is_file() for f in TOKENIZER_FILES):
         raise ValueError(f"--model {model} has no tokenizer files ({', '.join(TOKENIZER_FILES)}): copy the "
-                         "tokenizer's files into that folder")  # fmt: skip
+                         "tokenizer's files into that folder, or give --skip-tokenizer to serve token-id prompts "
+                         "only")  # fmt: skip
 
 
 def _read_config(folder: Path) -> dict:

@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from helpers import hf_greedy
 from stack import free_port
 
 from pdserve.engine.checkpoint import resolve_model
@@ -92,6 +93,35 @@ def _checkpoint_copy(folder: Path, files: list[str], **config_changes) -> Path:
 def test_a_checkpoint_without_tokenizer_files_is_refused(tmp_path):
     folder = _checkpoint_copy(tmp_path / "no-tokenizer", ["model.safetensors"])
     _refused(_pdserve("up", "--model", str(folder), "--port", str(free_port())), "has no tokenizer files")
+
+
+def test_skip_tokenizer_serves_token_id_prompts_exactly_and_refuses_text(tmp_path):
+    """With --skip-tokenizer the same folder serves: token ids in, token ids out (those of HF greedy); text gets 400."""
+    folder = _checkpoint_copy(tmp_path / "no-tokenizer", ["model.safetensors"])
+    port = free_port()
+    argv = [sys.executable, "-m", "pdserve", "--log-level", "WARNING", "up", "--model", str(folder),
+            "--skip-tokenizer", "--mode", "colocated", "--port", str(port), "--no-pin", "--num-kv-blocks", "64"]
+    up = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=os.environ.copy())  # fmt: skip
+    url, model = f"http://127.0.0.1:{port}/v1", str(folder)
+    try:
+        assert "is serving" in up.stdout.readline()
+        body = {"model": model, "prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True}  # fmt: skip
+        r = httpx.post(f"{url}/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == hf_greedy(folder, [[5, 6, 7]], [6])[0]
+        r = httpx.post(f"{url}/completions", json={**body, "prompt": "hello"}, timeout=60)
+        assert r.status_code == 400 and "--skip-tokenizer" in r.json()["error"]["message"], r.text
+        chat = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+        r = httpx.post(f"{url}/chat/completions", json=chat, timeout=60)
+        assert r.status_code == 400 and "--skip-tokenizer" in r.json()["error"]["message"], r.text
+    finally:
+        up.send_signal(signal.SIGTERM)
+        try:
+            up.wait(timeout=START_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            up.kill()
+            up.wait()
 
 
 @pytest.mark.parametrize("verb", ["up", "decode"])

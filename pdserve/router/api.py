@@ -28,7 +28,7 @@ from pdserve.router.limits import Offload, RequestLimits, content_chars, stop_pr
 from pdserve.router.logprobs import ChoiceExtras, merge_pieces
 from pdserve.router.openai_fields import UnsupportedField, check_fields
 from pdserve.router.response_format import grammar_for, schema_size
-from pdserve.router.text import Detokenizer, ModelInfo, chat_prompt_ids, load_model_info
+from pdserve.router.text import Detokenizer, ModelInfo, NoTokenizerError, chat_prompt_ids, load_model_info
 from pdserve.wire import protocol as P
 
 # ---- request bodies ------------------------------------------------------------------------------
@@ -149,7 +149,10 @@ async def _prompt_ids(body: CompletionBody, info: ModelInfo, offload: Offload) -
 
 
 def _encode(tokenizer, text: str) -> list[int]:
-    return tokenizer.encode(text, add_special_tokens=False)
+    try:
+        return tokenizer.encode(text, add_special_tokens=False)
+    except NoTokenizerError as e:
+        raise ApiError(400, str(e), "prompt") from None
 
 
 async def _chat_ids(body: ChatBody, info: ModelInfo, offload: Offload) -> list[int]:
@@ -469,7 +472,7 @@ async def _read(request: Request, model: type[_Common]) -> _Common:
 def create_app(cfg: RouterConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        app.state.info = load_model_info(cfg.model)
+        app.state.info = load_model_info(cfg.model, tokenizer=not cfg.skip_tokenizer)
         app.state.served = {cfg.served_model_name or cfg.model, cfg.model}
         app.state.offload = Offload()
         app.state.core = RouterCore(cfg)

@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict
 import pdserve
 from pdserve.router.errors import ApiError
 from pdserve.router.limits import content_chars
-from pdserve.router.text import chat_prompt_ids
+from pdserve.router.text import NoTokenizerError, chat_prompt_ids
 
 router = APIRouter()
 
@@ -43,7 +43,10 @@ def _tokenize(info, body: TokenizeBody) -> list[int]:
     if (body.prompt is None) == (body.messages is None):
         raise ApiError(400, "give exactly one of prompt and messages", "prompt")
     if body.prompt is not None:
-        return info.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        try:
+            return info.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        except NoTokenizerError as e:
+            raise ApiError(400, str(e), "prompt") from None
     try:
         return chat_prompt_ids(info.tokenizer, body.messages, body.add_generation_prompt)
     except ValueError as e:

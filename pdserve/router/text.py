@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 
 from pdserve.engine.checkpoint import resolve_model
@@ -19,24 +20,54 @@ class ModelInfo:
     max_prompt_chars: int  # longer prompts cannot fit the context, whatever they say
 
 
-def load_model_info(model: str) -> ModelInfo:
+class NoTokenizer:
+    """The tokenizer of a router started with --skip-tokenizer: prompts come as token ids, and answers go out as
+    token ids (`return_token_ids`); text prompts and chat are refused, and every text field is empty."""
+
+    WHY = "this server has no tokenizer (--skip-tokenizer): send the prompt as token ids"
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        raise NoTokenizerError(self.WHY)
+
+    def apply_chat_template(self, *_, **__) -> list[int]:
+        raise ValueError("this server has no tokenizer (--skip-tokenizer), hence no chat template: use "
+                         "/v1/completions with token ids")  # fmt: skip
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return ""
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return [""] * len(ids)
+
+    def get_vocab(self) -> dict[str, int]:
+        return {}
+
+
+class NoTokenizerError(ValueError):
+    """A text prompt sent to a router without a tokenizer."""
+
+
+def load_model_info(model: str, tokenizer: bool = True) -> ModelInfo:
     """Tokenizer and config only: the router never loads weights, nor torch. The config is read as JSON
     and a checkpoint's tokenizer.json through the generic fast tokenizer (transformers' Auto classes
-    import torch); a checkpoint without one falls back to AutoTokenizer."""
-    import transformers
-
+    import torch); a checkpoint without one falls back to AutoTokenizer. tokenizer=False: NoTokenizer."""
     from pdserve.config import eos_token_ids, max_model_len
 
     path = resolve_model(model)
     config = SimpleNamespace(**json.loads((path / "config.json").read_text()))
-    if (path / "tokenizer.json").is_file():
-        tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
-    else:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    tokenizer = _load_tokenizer(path) if tokenizer else NoTokenizer()
     eos_ids = eos_token_ids(config)
     context = max_model_len(config)
     limit = max_prompt_chars(context, max_token_chars(tokenizer))
     return ModelInfo(tokenizer, config.vocab_size, context, eos_ids, limit)
+
+
+def _load_tokenizer(path: Path):
+    import transformers
+
+    if (path / "tokenizer.json").is_file():
+        return transformers.PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+    return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
