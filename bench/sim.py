@@ -12,7 +12,10 @@ What it models (pdserve/engine/scheduler.py, node.py, prefill_node, decode_node,
    modelled). A request counts on its prefill node until the decode node's first token reaches the router, on
    its decode node until it ends. A node sends one message a step with a token for each request that made one;
    the router's one event loop serves them FIFO, each taking `router_s_per_message` + `router_s_per_token` a
-   token of its CPU; on one host (5.), the load generator's `client_s_per_token` a token too.
+   token of its CPU; on one host (5.), the load generator's `client_s_per_token` a token too. With
+   `router_workers` W > 1, requests go to the workers in turn, each worker an event loop (a process) of its own;
+   a node's step sends one message to each worker with a token in it, each paying the cost per message. The
+   pick stays the global least-loaded one (the workers share the nodes' load through their heartbeats).
 2. A node's loop: drain the messages that came in, run one step, then its chores; while it has no work it
    waits for a message. Messages that arrive during a step wait for the step's end.
 3. Prefill step: running requests first, then waiting ones FCFS, each as many prompt tokens as the token budget
@@ -79,10 +82,13 @@ class Topology:
     core_sharing: str = "fair"  # one of CORE_SHARING (see 5. above)
     sleeper_credit_s: float = CFS_SLEEPER_CREDIT_S  # core_sharing "wakeup": a waking node's most head start
     host_cores: int = 0  # with cores: how many the host has (0: as many as the nodes are pinned to)
+    router_workers: int = 1  # router processes (see 1. above)
 
     def __post_init__(self) -> None:
-        if min(self.num_prefill, self.num_decode, self.max_num_seqs, self.max_num_batched_tokens) < 1:
-            raise ValueError("node counts, --max-num-seqs and --max-num-batched-tokens must be at least 1")
+        if min(self.num_prefill, self.num_decode, self.max_num_seqs, self.max_num_batched_tokens,
+               self.router_workers) < 1:  # fmt: skip
+            raise ValueError("node counts, router workers, --max-num-seqs and --max-num-batched-tokens must be at "
+                             "least 1")  # fmt: skip
         if self.cores and len(self.cores) != self.num_prefill + self.num_decode:
             raise ValueError("give one core per node, prefill nodes first, or none")
         if self.core_sharing not in CORE_SHARING:
@@ -101,6 +107,7 @@ class SimRequest:
     outputs: int = 0  # tokens sampled
     prefill: PrefillNode | None = None
     decode: DecodeNode | None = None
+    worker: int = 0  # the router worker that dispatched it, which its tokens go to
     token_times: list[float] = field(default_factory=list)  # at the client, after the router
 
     @property
@@ -252,18 +259,22 @@ class Cores:
 
 
 class Router:
-    """The router's event loop, a FIFO server of token events (see 1. and 5. above)."""
+    """The router's event loops, one per worker, each a FIFO server of token events (see 1. and 5. above)."""
 
-    def __init__(self, clock: Clock, costs: Costs, cores: Cores) -> None:
+    def __init__(self, clock: Clock, costs: Costs, cores: Cores, workers: int = 1) -> None:
         self.clock, self.costs, self.cores = clock, costs, cores
-        self.free_at = 0.0  # the event loop's next free moment (no cores: the router has a CPU of its own)
-        self.queue: deque[tuple[SimRequest, float]] = deque()  # on the host's cores: tokens not yet served
-        self.busy_s = 0.0  # the router's CPU (its own, not the client's)
-        self.serving = False
+        self.loops = [RouterLoop() for _ in range(workers)]
         self.prefill: list[PrefillNode] = []
         self.decode: list[DecodeNode] = []
+        self._turn = itertools.count()
+
+    @property
+    def busy_s(self) -> float:
+        """The CPU of every worker (their own, not the client's)."""
+        return sum(loop.busy_s for loop in self.loops)
 
     def submit(self, req: SimRequest) -> None:
+        req.worker = next(self._turn) % len(self.loops)
         req.prefill = min(self.prefill, key=lambda n: len(n.assigned))
         req.decode = min(self.decode, key=lambda n: len(n.assigned))
         req.prefill.assigned.add(req)
@@ -271,34 +282,51 @@ class Router:
         req.prefill.deliver(("generate", req))
 
     def tokens(self, reqs: list[SimRequest], from_decode: bool) -> None:
-        """A node's message with one token for each of `reqs` (one step's) reaches the router now. Its loop takes
-        the message, then hands the tokens out one by one: the client sees each once its share is served."""
-        for i, req in enumerate(reqs):
+        """A node's step made one token for each of `reqs`: one message to each worker with a token in it reaches
+        it now. A worker's loop takes the message, then hands its tokens out one by one: the client sees each once
+        its share is served."""
+        first = {}
+        for req in reqs:
+            first.setdefault(req.worker, req)
             if from_decode:
                 req.prefill.assigned.discard(req)
             if req.outputs == req.output_len:
                 req.prefill.assigned.discard(req)
                 req.decode.assigned.discard(req)
-            work = self.costs.router_s_per_token + (self.costs.router_s_per_message if i == 0 else 0.0)
-            self.busy_s += work
-            if not self.cores.shared:
-                self.free_at = max(self.clock.now, self.free_at) + work
-                req.token_times.append(self.free_at)
-            else:
-                self.queue.append((req, work + self.costs.client_s_per_token))
-        if self.cores.shared and not self.serving:
-            self._serve()
+            work = self.costs.router_s_per_token + (self.costs.router_s_per_message if first[req.worker] is req else 0)
+            self.loops[req.worker].take(self, req, work)
+        for w in first:
+            if self.cores.shared and not self.loops[w].serving:
+                self._serve(self.loops[w])
 
-    def _serve(self) -> None:
-        """The next token: the router's CPU for it and the client's, on the host's cores."""
-        self.serving = bool(self.queue)
-        if self.serving:
-            req, work = self.queue.popleft()
-            self.cores.run_unpinned(work, lambda: self._served(req))
+    def _serve(self, loop: RouterLoop) -> None:
+        """A worker's next token: its CPU for it and the client's, on the host's cores."""
+        loop.serving = bool(loop.queue)
+        if loop.serving:
+            req, work = loop.queue.popleft()
+            self.cores.run_unpinned(work, lambda: self._served(loop, req))
 
-    def _served(self, req: SimRequest) -> None:
+    def _served(self, loop: RouterLoop, req: SimRequest) -> None:
         req.token_times.append(self.clock.now)
-        self._serve()
+        self._serve(loop)
+
+
+@dataclass(eq=False)
+class RouterLoop:
+    """One router worker's event loop."""
+
+    free_at: float = 0.0  # its next free moment (no cores: each worker has a CPU of its own)
+    queue: deque[tuple[SimRequest, float]] = field(default_factory=deque)  # on the host's cores: tokens not served
+    busy_s: float = 0.0
+    serving: bool = False
+
+    def take(self, router: Router, req: SimRequest, work: float) -> None:
+        self.busy_s += work
+        if not router.cores.shared:
+            self.free_at = max(router.clock.now, self.free_at) + work
+            req.token_times.append(self.free_at)
+        else:
+            self.queue.append((req, work + router.costs.client_s_per_token))
 
 
 class Node:
@@ -463,7 +491,7 @@ def simulate(workload: Workload, costs: Costs, topo: Topology, counters: dict | 
     if given, gets each role's steps and step time summed over its nodes (as bench records the real nodes')."""
     clock = Clock()
     cores = Cores(clock, costs, topo)
-    router = Router(clock, costs, cores)
+    router = Router(clock, costs, cores, topo.router_workers)
     core = list(topo.cores) or list(range(topo.num_prefill + topo.num_decode))
     router.prefill = [PrefillNode(clock, costs, topo, router, cores, core.pop(0)) for _ in range(topo.num_prefill)]
     router.decode = [DecodeNode(clock, costs, topo, router, cores, core.pop(0)) for _ in range(topo.num_decode)]
@@ -475,7 +503,7 @@ def simulate(workload: Workload, costs: Costs, topo: Topology, counters: dict | 
         for role, nodes in (("prefill", router.prefill), ("decode", router.decode)):
             counters[role] = {"steps": sum(n.steps for n in nodes), "step_time_s": sum(n.step_time_s for n in nodes),
                               "busy_time_s": sum(n.busy_time_s for n in nodes)}  # fmt: skip
-        counters["router"] = {"busy_s": router.busy_s}
+        counters["router"] = {"busy_s": router.busy_s, "worker_busy_s": [loop.busy_s for loop in router.loops]}
     return [RequestRecord(r.arrival, r.output_len, r.prompt_len, r.token_times) for r in reqs]
 
 

@@ -53,6 +53,16 @@ def test_the_router_pays_once_for_a_message_and_then_for_each_token_in_it() -> N
     assert counters["router"]["busy_s"] == pytest.approx(2 * (5e-3 + 2e-3))
 
 
+def test_router_workers_each_get_their_own_requests_and_a_message_of_each_step() -> None:
+    """The same two requests behind two workers: each worker gets one, and a message of each of the two steps with
+    one token in it, on a loop of its own (no waiting behind the other worker's token)."""
+    costs = replace(COSTS, kv_bytes_per_token=0, router_s_per_message=5e-3, router_s_per_token=1e-3)
+    counters: dict = {}
+    a, b = simulate(workload(one(10, 2), one(10, 2)), costs, Topology(router_workers=2), counters)
+    assert a.token_times == pytest.approx([0.026, 0.036]) and b.token_times == pytest.approx([0.026, 0.036])
+    assert counters["router"]["worker_busy_s"] == pytest.approx([2 * (5e-3 + 1e-3)] * 2)
+
+
 def test_the_router_spreads_simultaneous_requests_over_prefill_nodes() -> None:
     w = workload(one(100, 1), one(100, 1))
     both = [r.ttft for r in simulate(w, COSTS, Topology(num_prefill=2))]

@@ -1,0 +1,323 @@
+"""The router's CPU per streamed token, driven by mock nodes fast enough to saturate it.
+
+    python -m bench.router --prefill 1 --decode 4 --concurrency 8 16 32 64 128 --out bench/results
+
+For each number of router workers (1, and 2 where `pdserve up` takes --router-workers), `pdserve up --engine mock`
+starts the stack (mock nodes: no model, a modelled step, see pdserve/engine/mock.py) and this process, the load
+generator, runs a closed load at each concurrency C: C streamed completions in flight (token-id prompts, a fixed
+number of output tokens, ignore_eos) until --requests are done. For each run it records, from /proc, the CPU seconds
+of every router process (the `pdserve router` child of the launcher and its own children) and of this process, each
+per streamed token; the streamed tokens a second; and TPOT p50/p99. The capacity of a configuration is the highest
+streamed rate of a run whose TPOT p99 is at most twice that of the lightest run (the nodes' own step time): past it,
+the router (or the shared cores) is what the streams wait for.
+
+vLLM's API server cannot be put in front of mock nodes; where vLLM is installed, `--vllm-url` and `--vllm-pid`
+name a running `vllm serve` (started by the user) whose API process's CPU per token is measured under the same
+client and load. Without them the column is left out, saying why.
+
+Results go to <out>/router-<date>-<commit>.json, .md and .png; the Markdown names the machine (lscpu's model name).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.costs import _least_squares
+from bench.http_client import HttpTarget, run_http
+from bench.metrics import SLO, cpu_per_token_us, summarize
+from bench.systems import Stack, child_pids, cpu_seconds, free_port, settled_counters
+from bench.workloads import BenchRequest, Workload
+
+RESULTS_DIR = Path(__file__).parent / "results"
+MOCK_STEP_S = "0.002,2e-6,2e-5"  # a GPU-like node: 64 streams decode in 3.4 ms (19k tokens/s)
+NO_SLO = SLO(ttft_s=float("inf"), tpot_s=float("inf"))
+READY_TIMEOUT_S = 300.0
+TPOT_GROWTH = 2.0  # capacity: the highest rate before TPOT p99 grows past this many times the lightest run's
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterBench:
+    prefill: int
+    decode: int
+    concurrency: tuple[int, ...]
+    requests_per_stream: int  # requests a run sends per stream in flight (at least one run's worth of each)
+    prompt_tokens: int
+    max_tokens: int
+    mock_step_s: str
+    workers: tuple[int, ...]
+    out: Path
+    vllm_url: str = ""
+    vllm_pid: int = 0
+
+
+def parse_args(argv: list[str] | None = None) -> RouterBench:
+    p = argparse.ArgumentParser(prog="python -m bench.router", description=__doc__.split("\n\n")[0])
+    p.add_argument("--prefill", type=int, default=1, help="mock prefill nodes")
+    p.add_argument("--decode", type=int, default=4, help="mock decode nodes")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[8, 16, 32, 64, 128])
+    p.add_argument("--requests-per-stream", type=int, default=3, help="a run sends this many requests per stream")
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=128, help="output tokens of each request")
+    p.add_argument("--mock-step-s", default=MOCK_STEP_S, help="the mock nodes' step time A,B,C (see --engine mock)")
+    p.add_argument("--workers", type=int, nargs="+", default=[1, 2],
+                   help="router workers to measure (more than 1 only where pdserve up takes --router-workers)")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR)
+    p.add_argument("--vllm-url", default="", help="a running vLLM server (CPU build) to measure beside")
+    p.add_argument("--vllm-pid", type=int, default=0, help="the PID of that server's API process")
+    a = p.parse_args(argv)
+    if min(a.concurrency) < 1 or a.prefill < 1 or a.decode < 1 or a.max_tokens < 2:
+        p.error("concurrency, node counts must be at least 1 and --max-tokens at least 2")
+    return RouterBench(a.prefill, a.decode, tuple(sorted(a.concurrency)), a.requests_per_stream, a.prompt_tokens,
+                       a.max_tokens, a.mock_step_s, tuple(a.workers), a.out, a.vllm_url, a.vllm_pid)  # fmt: skip
+
+
+# ---- the stack and its router processes -------------------------------------------------------------
+
+
+def takes_router_workers() -> bool:
+    """Whether this pdserve's `up` has --router-workers."""
+    out = subprocess.run([sys.executable, "-m", "pdserve", "up", "--help"], capture_output=True, text=True, check=False)
+    return "--router-workers" in out.stdout
+
+
+def stack_argv(cfg: RouterBench, workers: int, port: int) -> list[str]:
+    biggest = max(cfg.concurrency)
+    argv = [sys.executable, "-m", "pdserve", "up", "--mode", "disagg", "--engine", "mock", "--model", "tiny",
+            "--num-prefill", str(cfg.prefill), "--num-decode", str(cfg.decode), "--port", str(port), "--no-pin",
+            "--mock-step-s", cfg.mock_step_s, "--max-num-seqs", str(biggest), "--max-queued-requests",
+            str(biggest * 4)]  # fmt: skip
+    return argv + (["--router-workers", str(workers)] if workers > 1 else [])
+
+
+def descendants(pid: int) -> list[int]:
+    out = []
+    for child in child_pids(pid):
+        out += [child, *descendants(child)]
+    return out
+
+
+def router_processes(launcher_pid: int) -> list[int]:
+    """Every process of the router: the launcher's `pdserve router` child and all below it."""
+    for pid in child_pids(launcher_pid):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"router" in argv:
+            return [pid, *descendants(pid)]
+    return []
+
+
+def cpu_of(pids: list[int]) -> float:
+    return sum(cpu_seconds(p) or 0.0 for p in pids)
+
+
+# ---- one run ----------------------------------------------------------------------------------------
+
+
+def workload(cfg: RouterBench, concurrency: int) -> Workload:
+    n = concurrency * cfg.requests_per_stream
+    prompts = [tuple((7 * i + j) % 500 for j in range(cfg.prompt_tokens)) for i in range(n)]
+    return Workload(f"closed-{concurrency}", tuple(BenchRequest(p, cfg.max_tokens) for p in prompts))
+
+
+class Metrics:
+    """The router's /metrics, read the way bench.systems.settled_counters reads a stack's."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def metrics(self) -> str:
+        return httpx.get(self.url + "/metrics", timeout=10).text
+
+    def node_steps(self) -> float:
+        """Every node's steps so far (the messages the nodes have sent the router: one a step)."""
+        return sum(c.get("steps", 0.0) for c in settled_counters(self).values())
+
+
+def run_once(url: str, cfg: RouterBench, concurrency: int, pids: list[int], model: str | None = "tiny") -> dict:
+    """One closed run at `concurrency`: the front processes' (`pids`) and this process's CPU per streamed token,
+    the streamed rate and TPOT, and (pdserve) the nodes' messages. `model`: None for the first one listed."""
+    w = workload(cfg, concurrency)
+    target = HttpTarget(url, model=model, max_concurrency=concurrency)
+    metrics = Metrics(url) if model else None
+    steps0 = metrics.node_steps() if metrics else 0.0
+    router0, client0 = cpu_of(pids), time.process_time()
+    t0, records = run_http(target, w, f"c={concurrency}", progress=False)
+    router_s, client_s = cpu_of(pids) - router0, time.process_time() - client0
+    s = summarize(records, t0, NO_SLO)
+    messages = metrics.node_steps() - steps0 if metrics else None
+    return {"concurrency": concurrency, "node_messages": messages, "requests": len(records),
+            "failed": s["num_failed"], "errors": s["errors"],
+            "tokens": s["total_output_tokens"], "wall_s": s["wall_s"], "tok_per_s": s["output_throughput"],
+            "tpot_p50_ms": _ms(s["tpot_s"], "p50"), "tpot_p99_ms": _ms(s["tpot_s"], "p99"),
+            "router_cpu_s": router_s, "router_us_per_token": cpu_per_token_us(router_s, records),
+            "client_cpu_s": client_s, "client_us_per_token": cpu_per_token_us(client_s, records)}  # fmt: skip
+
+
+def _ms(dist: dict | None, key: str) -> float | None:
+    return None if dist is None else dist[key] * 1e3
+
+
+def capacity(runs: list[dict]) -> dict:
+    """The highest streamed rate before TPOT p99 grows past TPOT_GROWTH times the lightest run's."""
+    ok = [r for r in runs if not r["failed"] and r["tpot_p99_ms"]]
+    if not ok:
+        return {"tok_per_s": None, "concurrency": None, "base_tpot_p99_ms": None}
+    base = ok[0]["tpot_p99_ms"]
+    within = [r for r in ok if r["tpot_p99_ms"] <= TPOT_GROWTH * base]
+    best = max(within, key=lambda r: r["tok_per_s"])
+    return {"tok_per_s": best["tok_per_s"], "concurrency": best["concurrency"], "base_tpot_p99_ms": base}
+
+
+def router_fit(runs: list[dict]) -> dict | None:
+    """The router's CPU as µs per message from a node plus µs per token, least squares over the runs (as
+    `bench.sim --fit-router` fits run_bench results), for bench.sim's Costs."""
+    ok = [r for r in runs if r["node_messages"] and r["router_cpu_s"] and not r["failed"]]
+    if len(ok) < 2:
+        return None
+    a, b = _least_squares([[r["node_messages"], r["tokens"]] for r in ok], [r["router_cpu_s"] for r in ok])
+    return {"us_per_message": a * 1e6, "us_per_token": b * 1e6, "runs": len(ok)}
+
+
+def measure_workers(cfg: RouterBench, workers: int, log_dir: Path) -> dict:
+    port = free_port()
+    stack = Stack(stack_argv(cfg, workers, port), log_dir / f"router-bench-w{workers}.log")
+    try:
+        stack.wait_ready(READY_TIMEOUT_S)
+        pids = router_processes(stack.proc.pid)
+        url = f"http://127.0.0.1:{port}"
+        run_once(url, cfg, min(cfg.concurrency), pids)  # warm-up: connections, the tokenizer's caches
+        runs = []
+        for c in cfg.concurrency:
+            runs.append(run_once(url, cfg, c, pids))
+            print(json.dumps({"workers": workers, **runs[-1]}), flush=True)
+        return {"workers": workers, "router_processes": len(pids), "runs": runs, "capacity": capacity(runs),
+                "fit": router_fit(runs)}  # fmt: skip
+    finally:
+        stack.stop()
+
+
+def measure_vllm(cfg: RouterBench) -> dict:
+    """vLLM's API server under the same client and load, or why not."""
+    if importlib.util.find_spec("vllm") is None and not cfg.vllm_url:
+        return {"skipped": "vLLM is not installed here"}
+    if not (cfg.vllm_url and cfg.vllm_pid):
+        return {"skipped": "give --vllm-url and --vllm-pid of a running `vllm serve` to measure it"}
+    runs = [run_once(cfg.vllm_url, cfg, c, [cfg.vllm_pid], model=None) for c in cfg.concurrency]
+    return {"runs": runs, "capacity": capacity(runs)}
+
+
+# ---- the machine and the report ---------------------------------------------------------------------
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+    except OSError:
+        out = ""
+    for line in out.splitlines():
+        if line.startswith("Model name:"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def commit() -> str:
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False,
+                         cwd=Path(__file__).parent)  # fmt: skip
+    return out.stdout.strip() or "unknown"
+
+
+def machine() -> dict:
+    return {"cpu_model": cpu_model(), "cpu_count": os.cpu_count(), "platform": platform.platform(),
+            "python": platform.python_version(), "loadavg_at_start": os.getloadavg()}  # fmt: skip
+
+
+def markdown(result: dict) -> str:
+    cfg, m = result["config"], result["machine"]
+    lines = [f"# Router CPU per streamed token on mock nodes ({result['date']}, commit {result['commit']})", "",
+             f"Machine: {m['cpu_model']}, {m['cpu_count']} cores (load average {m['loadavg_at_start'][0]:.1f} at "
+             f"start). Stack: {cfg['prefill']}P{cfg['decode']}D mock nodes (step {cfg['mock_step_s']} s), "
+             f"{cfg['prompt_tokens']}-token prompts, {cfg['max_tokens']} output tokens a request, closed load.", "",
+             "| workers | streams | tok/s | TPOT p50 ms | TPOT p99 ms | router CPU µs/token | client CPU µs/token |"
+             " failed |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for w in result["workers"]:
+        for r in w["runs"]:
+            lines.append(f"| {w['workers']} | {r['concurrency']} | {r['tok_per_s']:,.0f} | {_f(r['tpot_p50_ms'])} | "
+                         f"{_f(r['tpot_p99_ms'])} | {_f(r['router_us_per_token'])} | {_f(r['client_us_per_token'])} | "
+                         f"{r['failed']} |")  # fmt: skip
+    lines += ["", "Capacity (the highest streamed rate before TPOT p99 doubles over the lightest run's):", ""]
+    for w in result["workers"]:
+        c = w["capacity"]
+        rate = "n/a" if c["tok_per_s"] is None else f"{c['tok_per_s']:,.0f} tok/s at {c['concurrency']} streams"
+        fit = w.get("fit")
+        fitted = "" if not fit else (f"; router CPU fitted over the runs: {fit['us_per_message']:.0f} µs a node "
+                                     f"message + {fit['us_per_token']:.1f} µs a token")  # fmt: skip
+        lines.append(f"- {w['workers']} worker(s): {rate}{fitted}")
+    lines += ["", f"vLLM API server: {result['vllm'].get('skipped') or 'see the JSON'}."]
+    lines += [f"Router workers: {result['workers_note']}"] if result.get("workers_note") else []
+    return "\n".join(lines) + "\n"
+
+
+def _f(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.1f}"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for w in result["workers"]:
+        runs = [r for r in w["runs"] if r["router_us_per_token"] is not None]
+        label = f"{w['workers']} worker(s)"
+        left.plot([r["tok_per_s"] for r in runs], [r["router_us_per_token"] for r in runs], "o-", label=label)
+        right.plot([r["tok_per_s"] for r in runs], [r["tpot_p99_ms"] for r in runs], "o-", label=label)
+    left.set(xlabel="streamed tokens/s", ylabel="router CPU µs per token", title="Router CPU per token")
+    right.set(xlabel="streamed tokens/s", ylabel="TPOT p99 (ms)", title="TPOT p99 against rate")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"Mock nodes, {result['machine']['cpu_model']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a stopped benchmark still stops its stack (finally)
+    workers = [w for w in cfg.workers if w == 1 or takes_router_workers()]
+    skipped = sorted(set(cfg.workers) - set(workers))
+    note = f"{skipped} skipped: this pdserve has no --router-workers" if skipped else ""
+    result = {"date": time.strftime("%Y-%m-%d"), "commit": commit(), "machine": machine(),
+              "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(cfg).items()},
+              "workers_note": note}  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="bench-router-") as tmp:
+        result["workers"] = [measure_workers(cfg, w, Path(tmp)) for w in workers]
+    result["vllm"] = measure_vllm(cfg)
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    stem = cfg.out / f"router-{result['date']}-{result['commit']}"
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    stem.with_suffix(".md").write_text(markdown(result))
+    plot(result, stem.with_suffix(".png"))
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

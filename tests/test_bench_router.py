@@ -1,0 +1,32 @@
+"""bench/router.py and bench/router_reach.py: the capacity rule, the router cost fit and the served rule, by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.router import capacity, router_fit
+from bench.router_reach import served
+
+
+def _run(c: int, tok_s: float, p99: float, messages: float = 0.0, tokens: int = 0, cpu: float = 0.0) -> dict:
+    return {"concurrency": c, "tok_per_s": tok_s, "tpot_p99_ms": p99, "failed": 0, "node_messages": messages,
+            "tokens": tokens, "router_cpu_s": cpu}  # fmt: skip
+
+
+def test_capacity_is_the_fastest_run_before_tpot_p99_doubles_over_the_lightest():
+    runs = [_run(8, 1000, 3.0), _run(16, 2000, 5.9), _run(32, 2500, 6.1), _run(64, 2400, 5.0)]
+    assert capacity(runs) == {"tok_per_s": 2400, "concurrency": 64, "base_tpot_p99_ms": 3.0}
+
+
+def test_the_router_fit_splits_cpu_into_a_cost_per_message_and_per_token():
+    runs = [_run(8, 0, 1, messages=m, tokens=t, cpu=70e-6 * m + 38e-6 * t) for m, t in ((100, 200), (300, 3000))]
+    fit = router_fit(runs)
+    assert fit["us_per_message"] == pytest.approx(70) and fit["us_per_token"] == pytest.approx(38)
+    assert router_fit(runs[:1]) is None
+
+
+def test_a_deployment_is_served_within_twice_the_base_tpot_and_below_saturation():
+    base = {"tpot_p99_ms": 4.0}
+    assert served({"tpot_p99_ms": 7.9, "worker_busy": [0.5, 0.89]}, base)
+    assert not served({"tpot_p99_ms": 8.1, "worker_busy": [0.5]}, base)
+    assert not served({"tpot_p99_ms": 5.0, "worker_busy": [0.2, 0.95]}, base)
