@@ -2,12 +2,14 @@
 field it sets (pdserve/config.py).
 
 How to add a flag: add a field to the config it belongs to with `option(default, "help", type=..., ...)`
-(a field of plain `= value` is config only, no flag). If that dataclass's flags are taken whole by a verb
-(RouterConfig for `pdserve router`, LaunchConfig for `up`, ScaleConfig, LogConfig) the flag appears there at
-once; otherwise name the field in the verb's table below (VERB_FLAGS, or the ENGINE_FLAGS group that every
-node and `up` share: those `up` also passes on to its nodes). The verb's code then reads it from the parsed
-args under the field's name, and `from_args(SomeConfig, args)` carries it into the config without a hand-written
-copy. tests/test_flags.py checks that every flag has help and that its parser default is its field's default.
+(a field of plain `= value` is config only, no flag). Some groups take their dataclass whole, so the flag
+appears at once: an EngineConfig field on every node verb and on `up` (which passes it on to its nodes), a
+RouterConfig field on `pdserve router`, a LaunchConfig field on `up`, a ScaleConfig field on `scale`. Any
+other field is named in the tables below: a NodeConfig field in ENGINE_FLAGS (every node, and `up` passes it
+on) or NODE_FLAGS (the node verbs only); a router flag that `up` should take and pass on in UP_ROUTER_FLAGS.
+The verb's code reads it from the parsed args under the field's name, and `from_args(SomeConfig, args)`
+carries it into the config without a hand-written copy. tests/test_flags.py checks that every flag has help
+and that its parser default is its field's default.
 
 `to_argv` turns parsed (or given) values back into argv for a child process (`pdserve up` starting its nodes
 and router, the Ray launcher, bench, the tests' stacks). cli.py and launcher.py both import this module; it
