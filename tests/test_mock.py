@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -70,6 +71,14 @@ def test_a_mock_step_takes_its_modelled_time():
     batch = Batch([ScheduledRequest(reqs[0], 10, True), *(ScheduledRequest(r, 1, False) for r in reqs[1:])])
     attended = 10 * 5 + 2 * (10 + 0.5)
     assert StepCost(1.0, 0.1, 0.01, 0.001).seconds(batch) == pytest.approx(1.0 + 0.1 * 12 + 0.01 * 3 + 0.001 * attended)
+
+
+def test_a_bench_costs_file_gives_each_role_its_step_costs():
+    path = str(Path(__file__).resolve().parents[1] / "bench" / "results" / "costs-mock-4p12d.json")
+    prefill = Engine(EngineConfig(engine="mock", mock_costs=path), prefill_only=True)
+    decode = Engine(EngineConfig(engine="mock", mock_costs=path))
+    assert prefill.runner.cost == StepCost(0.005, 5e-05, 0.0, 0.0)
+    assert decode.runner.cost == StepCost(0.02, 0.0, 0.002, 0.0)
 
 
 def test_mock_costs_must_be_a_bench_costs_file(tmp_path):
