@@ -26,9 +26,10 @@ from pdserve.engine.scheduler import Batch, ScheduledRequest
 from pdserve.wire.protocol import SamplingParams
 
 MOCK = ("--engine", "mock", "--mock-step-s", "0.002,0,0")
-# a node started so that, when it exits, it says whether torch was ever imported in it
-REPORTING_NODE = ("import atexit, sys; atexit.register(lambda: print('TORCH', any(m.split('.')[0] == 'torch' "
-                  "for m in sys.modules), flush=True)); from pdserve.cli import main; main(sys.argv[1:])")  # fmt: skip
+# a node started so that, when it exits, it says whether torch or transformers was ever imported in it
+REPORTING_NODE = ("import atexit, sys; atexit.register(lambda: print('HEAVY', sorted({m.split('.')[0] for m in "
+                  "sys.modules} & {'torch', 'transformers'}), flush=True)); from pdserve.cli import main; "
+                  "main(sys.argv[1:])")  # fmt: skip
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -109,7 +110,7 @@ def _reporting_node(tmp_path, role: str, extra: list[str]) -> tuple[subprocess.P
 
 
 @pytest.mark.parametrize("mode", ["colocated", "disagg-header", "disagg-full"])
-def test_mock_nodes_serve_the_mock_tokens_through_the_router_without_torch(tmp_path, mode):
+def test_mock_nodes_serve_the_mock_tokens_through_the_router_without_torch_or_transformers(tmp_path, mode):
     roles = [("colocated", [])] if mode == "colocated" else \
         [("decode", ["--kv-listen", _address()]), ("prefill", ["--mock-kv", mode.split("-")[1]])]  # fmt: skip
     stack = Stack(tmp_path, "tiny")
@@ -129,7 +130,7 @@ def test_mock_nodes_serve_the_mock_tokens_through_the_router_without_torch(tmp_p
             proc = stack.procs[role]
             proc.send_signal(signal.SIGTERM)
             out, _ = proc.communicate(timeout=60)
-            assert proc.returncode == 0 and "TORCH False" in out, (role, out)
+            assert proc.returncode == 0 and "HEAVY []" in out, (role, out)
     finally:
         stack.close()
 
