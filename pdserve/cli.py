@@ -52,18 +52,19 @@ def run_node(a: argparse.Namespace) -> None:
     cores = f", cores {','.join(map(str, e.cpu_cores))}" if e.cpu_cores else ""
     log.info("starting: %s (%s on %s%s)", e.model, e.dtype, e.device, cores)
     started = time.monotonic()
-    if e.engine == "model":  # a node's log says what it does in a line per stage, without transformers' bars
+    mock = e.engine == "mock"  # no model: neither transformers nor torch is imported
+    if not mock:
         from transformers.utils import logging as hf_logging
 
-        hf_logging.disable_progress_bar()
+        hf_logging.disable_progress_bar()  # a node's log says what it does in a line per stage, not a bar
     if a.verb == Role.COLOCATED:
         from pdserve.colocated_node import ColocatedNode as Node
     elif a.verb == Role.PREFILL:
         from pdserve.prefill_node import PrefillNode as Node
     else:
         from pdserve.decode_node import DecodeNode as Node
-    log.info("imported the engine%s in %.1f s", " (torch, transformers)" if e.engine == "model" else "",
-             time.monotonic() - started)  # fmt: skip
+    what = "the mock engine" if mock else "torch, transformers and the engine"
+    log.info("imported %s in %.1f s", what, time.monotonic() - started)
     Node(cfg).run()
 
 

@@ -29,6 +29,7 @@ class Stack:
         self.engine_args, self.decode_args = list(engine_args), list(decode_args)
         self.router_args, self.api_key = list(router_args), api_key
         self.parallel_start = parallel_start  # start every node, then wait for them all (many light nodes)
+        self._given: set[str] = set()  # the node addresses handed out
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.procs: dict[str, subprocess.Popen] = {}
         self.infos: dict[str, dict] = {}
@@ -68,15 +69,24 @@ class Stack:
         # explicit ports, below the ephemeral range (free_port): a node restarted on its address finds it free
         start = self.spawn_node if self.parallel_start else self.start_node
         if self.mode == "colocated":
-            start("colocated0", "colocated", ["--listen", _address()])
+            start("colocated0", "colocated", ["--listen", self._address()])
         else:
             for i in range(self.num_prefill):
-                start(f"prefill{i}", "prefill", ["--listen", _address()])
+                start(f"prefill{i}", "prefill", ["--listen", self._address()])
             for i in range(self.num_decode):
-                start(f"decode{i}", "decode", ["--listen", _address(), "--kv-listen", _address(), *self.decode_args])
+                argv = ["--listen", self._address(), "--kv-listen", self._address(), *self.decode_args]
+                start(f"decode{i}", "decode", argv)
         for name in list(self.procs) if self.parallel_start else ():
             self.wait_ready(name)
         return self.start_router()
+
+    def _address(self) -> str:
+        """A free port's address, none given twice by this stack: nodes started in parallel bind theirs later."""
+        addr = _address()
+        while addr in self._given:
+            addr = _address()
+        self._given.add(addr)
+        return addr
 
     def start_router(self, extra: tuple[str, ...] = ()) -> Stack:
         """(Re)start the router on a new port, over the running nodes."""

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -25,9 +26,10 @@ from pdserve.engine.scheduler import Batch, ScheduledRequest
 from pdserve.wire.protocol import SamplingParams
 
 MOCK = ("--engine", "mock", "--mock-step-s", "0.002,0,0")
-# a node started so that, when it exits, it says whether torch was ever imported in it
-REPORTING_NODE = ("import atexit, sys; atexit.register(lambda: print('TORCH', any(m.split('.')[0] == 'torch' "
-                  "for m in sys.modules), flush=True)); from pdserve.cli import main; main(sys.argv[1:])")  # fmt: skip
+# a node started so that, when it exits, it says whether torch or transformers was ever imported in it
+REPORTING_NODE = ("import atexit, sys; atexit.register(lambda: print('HEAVY', sorted({m.split('.')[0] for m in "
+                  "sys.modules} & {'torch', 'transformers'}), flush=True)); from pdserve.cli import main; "
+                  "main(sys.argv[1:])")  # fmt: skip
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -72,6 +74,14 @@ def test_a_mock_step_takes_its_modelled_time():
     assert StepCost(1.0, 0.1, 0.01, 0.001).seconds(batch) == pytest.approx(1.0 + 0.1 * 12 + 0.01 * 3 + 0.001 * attended)
 
 
+def test_a_bench_costs_file_gives_each_role_its_step_costs():
+    path = str(Path(__file__).resolve().parents[1] / "bench" / "results" / "costs-mock-4p12d.json")
+    prefill = Engine(EngineConfig(engine="mock", mock_costs=path), prefill_only=True)
+    decode = Engine(EngineConfig(engine="mock", mock_costs=path))
+    assert prefill.runner.cost == StepCost(0.005, 5e-05, 0.0, 0.0)
+    assert decode.runner.cost == StepCost(0.02, 0.0, 0.002, 0.0)
+
+
 def test_mock_costs_must_be_a_bench_costs_file(tmp_path):
     bad = tmp_path / "costs.json"
     bad.write_text("{}")
@@ -100,7 +110,7 @@ def _reporting_node(tmp_path, role: str, extra: list[str]) -> tuple[subprocess.P
 
 
 @pytest.mark.parametrize("mode", ["colocated", "disagg-header", "disagg-full"])
-def test_mock_nodes_serve_the_mock_tokens_through_the_router_without_torch(tmp_path, mode):
+def test_mock_nodes_serve_the_mock_tokens_through_the_router_without_torch_or_transformers(tmp_path, mode):
     roles = [("colocated", [])] if mode == "colocated" else \
         [("decode", ["--kv-listen", _address()]), ("prefill", ["--mock-kv", mode.split("-")[1]])]  # fmt: skip
     stack = Stack(tmp_path, "tiny")
@@ -120,7 +130,7 @@ def test_mock_nodes_serve_the_mock_tokens_through_the_router_without_torch(tmp_p
             proc = stack.procs[role]
             proc.send_signal(signal.SIGTERM)
             out, _ = proc.communicate(timeout=60)
-            assert proc.returncode == 0 and "TORCH False" in out, (role, out)
+            assert proc.returncode == 0 and "HEAVY []" in out, (role, out)
     finally:
         stack.close()
 
