@@ -124,6 +124,9 @@ class EngineConfig:
                                             "paged kernels; torch: SDPA per request",
                                     choices=ATTENTION_BACKENDS)  # fmt: skip
     enforce_eager: bool = option(False, "no CUDA graphs for decode steps", action="store_true")
+    prefix_caching: bool = option(True, "recompute every prompt from its first token: share no cached prefix KV "
+                                        "(docs/prefix-caching.md)", flag="--no-prefix-caching",
+                                  action="store_false")  # fmt: skip
     engine: str = option("model", "mock: no model and no torch; the real scheduler, KV accounting and protocol, a "
                                   "modelled step time and made-up tokens (router tests and benchmarks)",
                          choices=ENGINES)  # fmt: skip

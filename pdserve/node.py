@@ -284,7 +284,7 @@ class NodeBase:
 
     def stats(self) -> P.Stats:
         (running, waiting), (used, free, _) = self.engine.queue_lengths(), self.engine.kv_stats()
-        counters = {**self.counters, "preemptions": self.engine.num_preemptions()}
+        counters = {**self.counters, "preemptions": self.engine.num_preemptions(), **self.engine.cache_counters()}
         return P.Stats(self.role, running, waiting, used, free, counters, self.draining, self.num_held())
 
     def num_held(self) -> int:
