@@ -44,6 +44,7 @@ class BlockAllocator:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # named blocks no request holds, least recent first
         self._num_free = num_blocks  # free or evictable
         self.num_evicted = 0  # since start
+        self.changes: dict[int, bool] | None = None  # set to {} to follow the cache: name -> stored (True) or evicted
 
     @property
     def num_free(self) -> int:
@@ -113,9 +114,24 @@ class BlockAllocator:
 
     def _evict(self) -> int:
         block, _ = self._evictable.popitem(last=False)
-        del self._by_name[self._named.pop(block)]
+        name = self._named.pop(block)
+        del self._by_name[name]
         self.num_evicted += 1
+        self._changed(name, False)
         return block
+
+    def _changed(self, name: int, stored: bool) -> None:
+        if self.changes is not None:
+            self.changes[name] = stored  # the last change of a name is its state
+
+    def take_changes(self) -> tuple[list[int], list[int]]:
+        """The names stored in and evicted from the cache since the last call (each as it stands now)."""
+        changes, self.changes = self.changes or {}, {}
+        return [n for n, s in changes.items() if s], [n for n, s in changes.items() if not s]
+
+    def cached_names(self) -> list[int]:
+        """Every name in the cache now."""
+        return list(self._by_name)
 
     def free(self, block_ids: list[int]) -> None:
         """Release every block of `block_ids` and empty the list: a block no request holds any more goes back to
@@ -161,6 +177,7 @@ class BlockAllocator:
             return False
         self._named[block] = block_hash
         self._by_name[block_hash] = block
+        self._changed(block_hash, True)
         return True
 
     def cached_prefix(self, hashes: list[int]) -> int:

@@ -27,7 +27,8 @@ import msgpack
 # 5: guided decoding (SamplingParams.grammar, grammar_prefix), KV checksums (KvOffer.kv_checksums), Stats.num_held,
 #    error codes (TokenEvent.error_code, KvAck.error_code), no StatsRequest, enum-checked finish reasons and roles;
 # 6: SamplingParams.resumed (a resumed seeded request draws on from where its stream stands)
-# 7: partial KV transfers (KvPull.first_block), the checksums travel with the KV (KvData.kv_checksums, not KvOffer)
+# 7: partial KV transfers (KvPull.first_block), the checksums travel with the KV (KvData.kv_checksums, not KvOffer),
+#    prefix cache events in Stats (cache_stored, cache_evicted, cache_reset)
 PROTOCOL_VERSION = 7
 MAX_LOGPROBS = 20  # the most alternatives per position a request may ask for (OpenAI's limit)
 MAX_HEADER_BYTES = 64 * 1024 * 1024  # one control message; tensor frames are bounded separately
@@ -282,6 +283,9 @@ class Stats:
     counters: dict = field(default_factory=dict)
     draining: bool = False  # shutting down: finishes what it holds, takes nothing new
     num_held: Id = 0  # entries in the node's request tables (0 when it holds nothing: no leak)
+    cache_stored: list[Id] = field(default_factory=list)  # prefix cache: block names stored since the last Stats
+    cache_evicted: list[Id] = field(default_factory=list)  # and evicted
+    cache_reset: bool = False  # cache_stored is the whole cache (the first Stats after a Hello)
 
 
 @dataclass(frozen=True)
