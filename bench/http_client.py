@@ -140,16 +140,21 @@ async def _send_at(
 ) -> RequestRecord:
     await asyncio.sleep(max(0.0, t0 + req.arrival_s - time.perf_counter()))
     async with slots or contextlib.nullcontext():
-        rec = RequestRecord(time.perf_counter(), req.output_len, len(req.prompt_token_ids))
-        timeout_s = target.timeout_s
-        if target.run_timeout_s is not None:
-            timeout_s = min(timeout_s, t0 + target.run_timeout_s - rec.send_time)
-        try:
-            await asyncio.wait_for(_stream(url, completion_body(model, req), rec), max(0.0, timeout_s))
-        except asyncio.TimeoutError:
-            rec.error = f"TimeoutError: not done within {max(0.0, timeout_s):.1f} s (the request's or the run's limit)"
-        except (HttpError, OSError, ValueError, IndexError, asyncio.IncompleteReadError) as e:
-            rec.error = f"{type(e).__name__}: {e}"
+        return await send(url, model, req, target, t0)
+
+
+async def send(url: str, model: str, req: BenchRequest, target: HttpTarget, t0: float | None = None) -> RequestRecord:
+    """Send one request now and stream its answer; the run that started at `t0` bounds it too."""
+    rec = RequestRecord(time.perf_counter(), req.output_len, len(req.prompt_token_ids))
+    timeout_s = target.timeout_s
+    if target.run_timeout_s is not None and t0 is not None:
+        timeout_s = min(timeout_s, t0 + target.run_timeout_s - rec.send_time)
+    try:
+        await asyncio.wait_for(_stream(url, completion_body(model, req), rec), max(0.0, timeout_s))
+    except asyncio.TimeoutError:
+        rec.error = f"TimeoutError: not done within {max(0.0, timeout_s):.1f} s (the request's or the run's limit)"
+    except (HttpError, OSError, ValueError, IndexError, asyncio.IncompleteReadError) as e:
+        rec.error = f"{type(e).__name__}: {e}"
     rec.check_length()
     return rec
 

@@ -124,6 +124,9 @@ class EngineConfig:
                                             "paged kernels; torch: SDPA per request",
                                     choices=ATTENTION_BACKENDS)  # fmt: skip
     enforce_eager: bool = option(False, "no CUDA graphs for decode steps", action="store_true")
+    prefix_caching: bool = option(True, "recompute every prompt from its first token: share no cached prefix KV "
+                                        "(docs/prefix-caching.md)", flag="--no-prefix-caching",
+                                  action="store_false")  # fmt: skip
     engine: str = option("model", "mock: no model and no torch; the real scheduler, KV accounting and protocol, a "
                                   "modelled step time and made-up tokens (router tests and benchmarks)",
                          choices=ENGINES)  # fmt: skip
@@ -261,6 +264,9 @@ class RouterConfig:
                               flag="--no-access-log", action="store_false")  # fmt: skip
     instance_id: str = option("", "an id /health reports, by which a launcher knows it reached the router it "
                                   "started")  # fmt: skip
+    cache_balance_margin: int = option(4, "route to the node holding the longest cached prefix of the prompt unless "
+                                          "it holds more than this many requests above the least loaded node; -1: "
+                                          "least loaded only", type=int)  # fmt: skip
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -285,6 +291,8 @@ class RouterConfig:
             raise ValueError("give one --decode-kv address per --decode node")
         if self.max_n < 1:
             raise ValueError("--max-n must be at least 1")
+        if self.cache_balance_margin < -1:
+            raise ValueError("--cache-balance-margin must be -1 (off) or a number of requests >= 0")
 
     @property
     def mode(self) -> str:

@@ -96,6 +96,8 @@ class NodeBase:
         self.drain_deadline: float | None = None  # set by SIGTERM
         self._drain_announced = False
         self.router_pending: set[str] | None = None  # while draining: what the router still counts here
+        self._cache_reset = True  # the next Stats carries the whole prefix cache, not its changes
+        self.engine.pool.allocator.changes = {}  # follow the prefix cache, for the router's view of it
 
     def make_engine(self) -> Engine:
         return Engine(self.cfg.engine)
@@ -243,7 +245,7 @@ class NodeBase:
         ok = msg.protocol_version == P.PROTOCOL_VERSION
         reason = "" if ok else f"protocol {msg.protocol_version} here is {P.PROTOCOL_VERSION}"
         if ok:
-            self.router_id = identity
+            self.router_id, self._cache_reset = identity, True
         info = {"layout": self.engine.layout.to_dict(), "max_model_len": self.engine.max_model_len,
                 "kv_capacity_tokens": self.engine.kv_stats()[2]}  # fmt: skip
         transport.send(self.front, P.HelloAck(ok, self.role, info, reason), identity=identity)
@@ -283,9 +285,15 @@ class NodeBase:
             self.send_stats()
 
     def stats(self) -> P.Stats:
+        """Load, counters, and the prefix cache's changes since the last Stats (the whole cache after a Hello)."""
         (running, waiting), (used, free, _) = self.engine.queue_lengths(), self.engine.kv_stats()
-        counters = {**self.counters, "preemptions": self.engine.num_preemptions()}
-        return P.Stats(self.role, running, waiting, used, free, counters, self.draining, self.num_held())
+        counters = {**self.counters, "preemptions": self.engine.num_preemptions(), **self.engine.cache_counters()}
+        alloc, reset = self.engine.pool.allocator, self._cache_reset
+        stored, evicted = alloc.take_changes()
+        if reset:
+            stored, evicted, self._cache_reset = alloc.cached_names(), [], False
+        return P.Stats(self.role, running, waiting, used, free, counters, self.draining, self.num_held(),
+                       stored, evicted, reset)  # fmt: skip
 
     def num_held(self) -> int:
         """Entries in this node's request tables (the engine's, and its role's own)."""

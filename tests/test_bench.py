@@ -185,3 +185,18 @@ def test_a_run_without_the_bench_extra_says_so_in_one_line(monkeypatch, capsys):
     err = capsys.readouterr().err.strip()
     assert "pip install -e '.[bench]'" in err and "no_such_module_of_the_extra" in err and "\n" not in err
     assert run_bench.missing_bench_extra() == ["no_such_module_of_the_extra"]
+
+
+def test_prefix_workloads_share_their_prefixes_and_repeat():
+    from bench.prefix_bench import Sizes, multi_turn_messages, shared_prefix
+
+    sizes = Sizes()
+    reqs = shared_prefix(sizes, 1000, seed=3)
+    assert len(reqs) == sizes.requests and reqs == shared_prefix(sizes, 1000, seed=3)
+    prefix = reqs[0].prompt_token_ids[: sizes.prefix]
+    assert all(r.prompt_token_ids[: sizes.prefix] == prefix and r.output_len == sizes.output for r in reqs)
+    assert len({r.prompt_token_ids for r in reqs}) == len(reqs)  # distinct suffixes
+    system, convs = multi_turn_messages(sizes, 1000, seed=3)
+    assert len(system) == sizes.system and len(convs) == sizes.conversations
+    assert all(len(c) == sizes.turns and all(sizes.message[0] <= len(m) <= sizes.message[1] for m in c) for c in convs)
+    assert max(t for r in reqs for t in r.prompt_token_ids) < 1000 - 3  # no special tokens

@@ -6,9 +6,11 @@ A request's life here (the engine owns the request, its queue and its blocks; th
 2. KvOffer: the request joins the engine as WAITING_FOR_KV, queued FCFS until the scheduler reserves
    blocks for its KV; never dropped. While it waits, a KvWaiting notice renews the prefill node's
    lease on that KV every WAITING_NOTICE_S.
-3. RECEIVING_KV: blocks reserved (`engine.reserve_remote()`), KvPull sent; the KV lands by the chosen
-   backend (`engine.receive_kv`); once every layer is in, it is checked against the offer's per-layer
-   checksums (`engine.kv_landed`) and KvAck frees the prefill node's copy. KV that the backend refuses
+3. RECEIVING_KV: blocks reserved (`engine.reserve_remote()`), the first of them shared from the prefix
+   cache when it holds the prompt's first blocks; KvPull sent, naming the first block to ship (the KV
+   of the cached ones is not shipped again); the KV lands by the chosen backend (`engine.receive_kv`);
+   once every layer is in, it is checked against the sender's per-layer checksums of what it shipped
+   (`engine.kv_landed`) and KvAck frees the prefill node's copy. KV that the backend refuses
    (wrong shape, size, blocks), that fails its checksums, or that has not all arrived within half the
    lease of the pull is never decoded from: by --kv-failure the request recomputes its prompt here
    (`engine.kv_lost`: WAITING with nothing computed, like a preempted request; the prefill node gets a
@@ -26,7 +28,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 
@@ -48,7 +50,7 @@ class Incoming:
 
     identity: bytes  # the prefill peer
     request: Request
-    checksums: list[int]  # the sender's CRC-32 per layer ([]: none to check)
+    checksums: list[int] = field(default_factory=list)  # the sender's CRC-32 per layer of the KV it sends
     layers_landed: int = 0
     reserved_at: float = 0.0
 
@@ -171,12 +173,14 @@ class DecodeNode(NodeBase):
         except ValueError as e:  # a grammar this node cannot use
             self._refuse(identity, rid, str(e), P.ErrorCode.INVALID_REQUEST)
             return
-        self.incoming[rid] = Incoming(identity, req, list(offer.kv_checksums))
+        self.incoming[rid] = Incoming(identity, req)
 
     def _on_data(self, identity: bytes, header: P.KvData, frames: list) -> None:
         inc = self.incoming.get(header.request_id)
         if inc is None or inc.identity != identity or inc.request.status is not Status.RECEIVING_KV:
             return  # cancelled after the pull (or not this peer's, or not pulled)
+        if header.kv_checksums:
+            inc.checksums = list(header.kv_checksums)
         try:
             inc.layers_landed += self.engine.receive_kv(inc.request, self.peer_backends[identity], header, frames,
                                                         self.sources.get(identity))  # fmt: skip
@@ -237,7 +241,8 @@ class DecodeNode(NodeBase):
         for req in self.engine.reserve_remote():
             inc = self.incoming[req.request_id]
             inc.reserved_at = now
-            transport.send(self.kv_sock, P.KvPull(req.request_id), identity=inc.identity)
+            pull = P.KvPull(req.request_id, self.engine.first_block_to_pull(req))
+            transport.send(self.kv_sock, pull, identity=inc.identity)
         wait = self.cfg.kv_lease_s / 2  # well before the prefill node's lease on the KV runs out
         for inc in [i for i in self.incoming.values() if i.reserved_at and now - i.reserved_at > wait]:
             self._kv_failed(inc, f"not all of its KV arrived within {wait:g}s of the pull")

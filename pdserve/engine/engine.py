@@ -25,7 +25,7 @@ from pdserve.engine.draws import Drawn, TokenLogprob, finish_reason
 from pdserve.engine.parts import build_parts
 from pdserve.engine.request import Request, Status
 from pdserve.engine.scheduler import Batch, Scheduler
-from pdserve.wire.protocol import ErrorCode, FinishReason, Role, kv_tokens_needed
+from pdserve.wire.protocol import ErrorCode, FinishReason, Role, chain_seed, kv_tokens_needed
 
 log = logging.getLogger("pdserve.engine")
 
@@ -76,7 +76,8 @@ class Engine:
         parts = build_parts(cfg, prefill_only, pool_storage)  # the model's, or the mock's (no torch)
         self.guides, self.layout, self.pool = parts.guides, parts.layout, parts.pool
         self.runner, self.sampler, self.max_model_len = parts.runner, parts.sampler, parts.max_model_len
-        self.scheduler = Scheduler(self.pool.allocator, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        seed = chain_seed(self.layout.model_fingerprint) if cfg.prefix_caching else None
+        self.scheduler = Scheduler(self.pool.allocator, cfg.max_num_seqs, cfg.max_num_batched_tokens, seed)
         self.requests: dict[str, Request] = {}
         self.in_flight: Step | None = None  # launched, not finished
         self._parked: list[list[int]] = []  # blocks of requests released while a step that writes them ran
@@ -110,31 +111,43 @@ class Engine:
         """Requests still queued for blocks, oldest first."""
         return list(self.scheduler.waiting_for_kv)
 
+    def first_block_to_pull(self, req: Request) -> int:
+        """A RECEIVING_KV request's first prompt block whose KV it lacks (those before came from the prefix cache)."""
+        return req.num_computed_tokens // self.pool.block_size
+
     def receive_kv(self, req: Request, backend, header, frames, source) -> int:
         """Land part of a request's KV (RECEIVING_KV) in its blocks; return how many layers it carried."""
-        return backend.unpack(self.pool, req.block_ids, len(req.prompt_token_ids), header, frames, source)
+        blocks, num_tokens = self.prompt_kv(req, self.first_block_to_pull(req))
+        return backend.unpack(self.pool, blocks, num_tokens, header, frames, source)
 
     def kv_landed(self, req: Request, backend, checksums: list[int]) -> str:
         """Every layer is in: once the copies have read the sender's memory, the KV is checked against the sender's
-        per-layer `checksums` ([]: none to check). If it matches, the request joins the queue and "" is returned;
-        else why not, and the request stays RECEIVING_KV (then `kv_lost` or `abort`): never decoded from."""
+        per-layer `checksums` of what it sent ([]: none to check). If it matches, the request joins the queue and ""
+        is returned; else why not, and the request stays RECEIVING_KV (then `kv_lost` or `abort`): never decoded
+        from."""
         backend.wait_landed(self.pool)
-        why = checksum_mismatch(self.kv_checksums(req), checksums) if checksums else ""
+        why = checksum_mismatch(self.kv_checksums(req, self.first_block_to_pull(req)), checksums) if checksums else ""
         if not why:
             self.scheduler.kv_landed(req)
         return why
 
-    def kv_checksums(self, req: Request) -> list[int]:
-        """A CRC-32 per layer of a request's prompt KV as it lies in the pool ([] for a pool off the CPU)."""
-        return self.pool.checksums(req.block_ids, len(req.prompt_token_ids))
+    def prompt_kv(self, req: Request, first_block: int) -> tuple[list[int], int]:
+        """The blocks holding a request's prompt KV from block `first_block` on, and how many tokens of it."""
+        return req.block_ids[first_block:], len(req.prompt_token_ids) - first_block * self.pool.block_size
+
+    def kv_checksums(self, req: Request, first_block: int = 0) -> list[int]:
+        """A CRC-32 per layer of a request's prompt KV from block `first_block` on, as it lies in the pool ([] for a
+        pool off the CPU)."""
+        return self.pool.checksums(*self.prompt_kv(req, first_block))
 
     def kv_lost(self, req: Request) -> None:
         """A RECEIVING_KV request whose KV was lost or damaged: it waits to recompute its prompt here."""
         self.scheduler.kv_lost(req)
 
-    def send_kv(self, req: Request, backend):
-        """A held request's KV for shipping: (header, frames) messages from the backend."""
-        return backend.pack(self.pool, req.request_id, req.block_ids, len(req.prompt_token_ids))
+    def send_kv(self, req: Request, backend, first_block: int = 0):
+        """A held request's prompt KV from block `first_block` on, for shipping: (header, frames) messages from the
+        backend."""
+        return backend.pack(self.pool, req.request_id, *self.prompt_kv(req, first_block))
 
     def kv_stats(self) -> tuple[int, int, int]:
         """(blocks used, blocks free, tokens the pool holds)."""
@@ -144,6 +157,12 @@ class Engine:
     def num_preemptions(self) -> int:
         """Preemptions since start."""
         return self.scheduler.num_preemptions
+
+    def cache_counters(self) -> dict[str, int]:
+        """The prefix cache since start: tokens looked up and tokens found (vLLM's names), blocks evicted."""
+        s = self.scheduler
+        return {"prefix_cache_queries": s.prefix_cache_queries, "prefix_cache_hits": s.prefix_cache_hits,
+                "prefix_cache_evictions": self.pool.allocator.num_evicted}  # fmt: skip
 
     def queue_lengths(self) -> tuple[int, int]:
         """(running, waiting) requests."""

@@ -54,6 +54,8 @@ class Request:
     status: Status = Status.WAITING
     prompt_logprobs: list = field(default_factory=list)  # echo: the scores of prompt tokens 1.. so far
     guide: Any = None  # a guided request's grammar state (engine.grammar.Guide), built when it joins an engine
+    block_hashes: list[int] = field(default_factory=list)  # names of its first full blocks of tokens, so far
+    num_cached_blocks: int = 0  # its first blocks that are in the prefix cache (shared from it, or named by it)
 
     def prompt_logprob_positions(self, past: int, n: int) -> range:
         """The positions of a chunk [past, past + n) whose logits score a prompt token not scored yet (position p
@@ -61,6 +63,13 @@ class Request:
         if self.params.prompt_logprobs is None or self.output_token_ids:
             return range(0)
         return range(max(past, len(self.prompt_logprobs)), min(past + n, len(self.prompt_token_ids) - 1))
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Token ids [start, end) of prompt + output."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        return (self.prompt_token_ids[start:] + self.output_token_ids[: end - n])[max(0, start - n) :]
 
     @property
     def num_tokens(self) -> int:

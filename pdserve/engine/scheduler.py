@@ -5,6 +5,11 @@ up towards `num_tokens` by as many tokens as the budget allows; a decoding reque
 prompt needs the rest of its prompt (in chunks). Running requests go first, oldest first, then
 waiting ones FCFS while the token budget, `max_num_seqs` and the KV pool allow. When the pool runs
 dry the newest running request is preempted: its blocks are freed and it recomputes later.
+
+Prefix caching (`cache_seed` set): a request admitted without KV first shares the cached blocks of its
+longest cached prefix (never its last token, whose logits it needs; never for echo with logprobs,
+which scores every prompt position), and starts computing after them. After each step, the full
+blocks a request has computed are named in the cache (`commit`), so they outlive it.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.block_allocator import BlockAllocator
 from pdserve.engine.request import Request, Status
+from pdserve.wire.protocol import block_hashes
 
 
 @dataclass(frozen=True)
@@ -53,8 +59,10 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int,
+                 cache_seed: int | None = None) -> None:  # fmt: skip
         self.allocator = allocator
+        self.cache_seed = cache_seed  # the block hash chain's seed (protocol.chain_seed); None: no prefix caching
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -62,6 +70,8 @@ class Scheduler:
         self.waiting_for_kv: deque[Request] = deque()  # decode node: prompts computed elsewhere, no blocks yet
         self.receiving_kv: dict[str, Request] = {}  # decode node: blocks reserved, KV on its way
         self.num_preemptions = 0  # since start, for the node's counters
+        self.prefix_cache_queries = 0  # since start: tokens of the requests admitted without KV, looked up
+        self.prefix_cache_hits = 0  # of those, the tokens found in the prefix cache
 
     # ---- queue --------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -89,14 +99,21 @@ class Scheduler:
     # ---- remote KV (decode node) ----------------------------------------------------------------
     def reserve_remote(self) -> list[Request]:
         """Blocks for the requests waiting for remote KV, FCFS, while the pool has them: each gets its
-        prompt's blocks and its first token's, so that it can run once its KV lands. Requests here that
-        wait without KV (preempted ones) go first: blocks freed for them must not go to new imports."""
+        prompt's blocks and its first token's, so that it can run once its KV lands; the first of them are
+        shared from the prefix cache when it holds them (then `num_computed_tokens` counts their tokens, and
+        only the KV after them is pulled; never the whole prompt). Requests here that wait without KV
+        (preempted ones) go first: blocks freed for them must not go to new imports."""
         reserved = []
         while self.waiting_for_kv and not self._waiting_without_kv():
             req = self.waiting_for_kv[0]
             n = len(req.prompt_token_ids)
+            looked_up = self._share_prefix(req, (n - 1) // self.allocator.block_size)
             if not self.allocator.grow(req.block_ids, n + 1, req.max_total_tokens):
+                if looked_up:
+                    self._drop_kv(req)
                 break
+            if looked_up:
+                self._count_lookup(req, n)
             self.waiting_for_kv.popleft()
             req.move_to(Status.RECEIVING_KV)
             self.receiving_kv[req.request_id] = req
@@ -104,17 +121,19 @@ class Scheduler:
         return reserved
 
     def kv_landed(self, req: Request) -> None:
-        """A request's KV is in its blocks: it joins the queue with its prompt computed."""
+        """A request's KV is in its blocks: it joins the queue with its prompt computed (its full blocks cached)."""
         del self.receiving_kv[req.request_id]
         req.num_computed_tokens = len(req.prompt_token_ids)
+        self._commit(req)
         req.move_to(Status.WAITING)
         self.waiting.append(req)
 
     def kv_lost(self, req: Request) -> None:
-        """A request's KV was lost or damaged on the way: it joins the queue with nothing computed and recomputes its
-        prompt (and first token) in the blocks it holds, like a preempted request."""
+        """A request's KV was lost or damaged on the way: it joins the queue and recomputes its prompt (and first
+        token) in the blocks it holds, like a preempted request, from the first block it did not share (never
+        writing into a block of the prefix cache)."""
         del self.receiving_kv[req.request_id]
-        req.num_computed_tokens = 0
+        req.num_computed_tokens = req.num_cached_blocks * self.allocator.block_size
         req.move_to(Status.WAITING)
         self.waiting.append(req)
 
@@ -144,15 +163,55 @@ class Scheduler:
     def _admit(self, batch: Batch, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            looked_up = self._share_prefix(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self._grow_head(req, n):
+                if looked_up:
+                    self._drop_kv(req)  # the shared blocks go back (evictable) until it is admitted
                 break  # FCFS: nobody overtakes the head of the queue
+            if looked_up:
+                self._count_lookup(req, req.num_tokens)
             self.waiting.popleft()
             req.move_to(Status.RUNNING)
             self.running.append(req)
             batch.scheduled.append(ScheduledRequest.of(req, n))
             budget -= n
         return budget
+
+    def _share_prefix(self, req: Request, max_blocks: int | None = None) -> bool:
+        """A request without KV takes the cached blocks of its longest cached prefix (at most `max_blocks`; by
+        default all but its last token's), as computed tokens; False when it does not look (no caching, it holds
+        KV, or it is scored at every prompt position)."""
+        if self.cache_seed is None or req.block_ids or req.params.prompt_logprobs is not None:
+            return False
+        bs = self.allocator.block_size
+        limit = (req.num_tokens - 1) // bs if max_blocks is None else max_blocks
+        req.block_ids = self.allocator.match(self._hashes(req, limit))
+        req.num_cached_blocks = len(req.block_ids)
+        req.num_computed_tokens = len(req.block_ids) * bs
+        return True
+
+    def _count_lookup(self, req: Request, num_tokens: int) -> None:
+        self.prefix_cache_queries += num_tokens
+        self.prefix_cache_hits += req.num_computed_tokens
+
+    def _hashes(self, req: Request, num_blocks: int) -> list[int]:
+        """The names of a request's first `num_blocks` full blocks (fewer if the host lacks their tokens yet)."""
+        have, bs = len(req.block_hashes), self.allocator.block_size
+        if have < num_blocks:
+            parent = req.block_hashes[-1] if have else self.cache_seed
+            req.block_hashes += block_hashes(req.token_ids(have * bs, num_blocks * bs), bs, parent)
+        return req.block_hashes[:num_blocks]
+
+    def _commit(self, req: Request) -> None:
+        """Name the full blocks of a request's computed KV in the prefix cache."""
+        if self.cache_seed is None or req.is_finished:
+            return
+        full = min(req.num_computed_tokens // self.allocator.block_size, len(req.block_ids))
+        hashes = self._hashes(req, full)
+        for i in range(req.num_cached_blocks, len(hashes)):
+            self.allocator.commit(req.block_ids[i], hashes[i])
+        req.num_cached_blocks = max(req.num_cached_blocks, len(hashes))
 
     def _grow_head(self, req: Request, n: int) -> bool:
         """Blocks for the head of the queue. With nothing running, waiting requests that hold KV (imported
@@ -190,9 +249,11 @@ class Scheduler:
         """Free a request's KV; it recomputes it when it runs again."""
         self.allocator.free(req.block_ids)
         req.num_computed_tokens = 0
+        req.num_cached_blocks = 0
 
     # ---- after the forward --------------------------------------------------------------------
     def advance(self, batch: Batch) -> None:
-        """Count the computed tokens of every scheduled request."""
+        """Count the computed tokens of every scheduled request, and cache its full blocks."""
         for s in batch.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
+            self._commit(s.request)

@@ -11,15 +11,18 @@ A request's life here:
    If the decode node goes quiet about it for --kv-lease-s (no pull, no ack, no KvWaiting notice
    that it is still queued for blocks there), or disconnects or refuses, the KV is freed and the
    router is told the request failed. No block is ever stranded, and no waiting offer is dropped.
-   The offer carries a CRC-32 per layer of the KV, computed here over our pool, which the decode node
-   checks once the KV has landed there. `--kv-fault-rate` damages a share of the transfers on purpose
-   (wire/kv_faults.py), for tests and drills; a decode node that recomputes a damaged request's KV
-   acknowledges it all the same (with the reason), and our copy is freed.
+   The pull names the first prompt block the decode node lacks (it shares the KV of those before from
+   its prefix cache): only the KV from there on is shipped. The first KvData carries a CRC-32 per layer
+   of the KV shipped, computed here over our pool, which the decode node checks once the KV has landed.
+   `--kv-fault-rate` damages a share of the transfers on purpose (wire/kv_faults.py), for tests and
+   drills; a decode node that recomputes a damaged request's KV acknowledges it all the same (with the
+   reason), and our copy is freed.
 5. An Abort from the router at any point frees the KV and cancels the transfer on the decode node.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -54,6 +57,7 @@ class Transfer:
     peer: DecodePeer
     started: float = field(default_factory=time.monotonic)  # lease start; renewed by KvWaiting
     pulled_at: float = 0.0
+    first_block: int = 0  # the first prompt block pulled (the decode node had the KV of those before cached)
 
 
 class PrefillNode(NodeBase):
@@ -66,8 +70,8 @@ class PrefillNode(NodeBase):
         self.peers: dict[str, DecodePeer] = {}
         self.transfers: dict[str, Transfer] = {}
         self.decode_addr: dict[str, str] = {}
-        self.counters.update(kv_offers=0, kv_transfers=0, kv_transfer_bytes=0, kv_transfer_time_s=0.0,
-                             kv_transfer_failures=0, kv_faults_injected=0)  # fmt: skip
+        self.counters.update(kv_offers=0, kv_transfers=0, kv_transfer_bytes=0, kv_skipped_bytes=0,
+                             kv_transfer_time_s=0.0, kv_transfer_failures=0, kv_faults_injected=0)  # fmt: skip
         self.faults = FaultInjector(cfg.kv_fault_rate, cfg.kv_fault_kinds)
         self.delayed: list[tuple[float, str, list]] = []  # (when, request id, messages): transfers delayed on purpose
         self.counters.update({f"kv_pairings_{name}": 0 for name in self.backends})
@@ -136,7 +140,7 @@ class PrefillNode(NodeBase):
         self.transfers[req.request_id].started = time.monotonic()  # the lease runs from the offer
         self.counters["kv_offers"] += 1
         offer = P.KvOffer(req.request_id, req.prompt_token_ids, req.output_token_ids[0], req.params,
-                          len(req.prompt_token_ids), self.engine.kv_checksums(req))  # fmt: skip
+                          len(req.prompt_token_ids))  # fmt: skip
         transport.send(peer.sock, offer)
 
     # ---- from decode nodes ---------------------------------------------------------------------
@@ -144,7 +148,7 @@ class PrefillNode(NodeBase):
         if isinstance(msg, P.HelloAck):
             self._on_pairing(peer, msg)
         elif isinstance(msg, P.KvPull):
-            self._on_pull(msg.request_id)
+            self._on_pull(msg)
         elif isinstance(msg, P.KvAck):
             t = self.transfers.get(msg.request_id)
             if t is not None:
@@ -174,18 +178,30 @@ class PrefillNode(NodeBase):
                     self._send_offer(self.transfers[rid].request, peer)
         peer.queued.clear()
 
-    def _on_pull(self, request_id: str) -> None:
-        t = self.transfers.get(request_id)
+    def _on_pull(self, pull: P.KvPull) -> None:
+        t = self.transfers.get(pull.request_id)
         if t is None:  # aborted meanwhile; the decode node got a KvCancel
             return
-        req = t.request
-        t.pulled_at, t.started = time.perf_counter(), time.monotonic()
-        messages = self.engine.send_kv(req, t.peer.backend)
+        req, first = t.request, pull.first_block
+        if first * self.engine.pool.block_size >= len(req.prompt_token_ids):
+            self._end_transfer(t, ok=False, why=f"the decode node pulled KV from block {first} of a "
+                                                f"{len(req.prompt_token_ids)}-token prompt")  # fmt: skip
+            return
+        t.pulled_at, t.started, t.first_block = time.perf_counter(), time.monotonic(), first
+        messages = self._with_checksums(self.engine.send_kv(req, t.peer.backend, first), req, first)
         kind = self.faults.pick()
         if kind is not None:
-            messages = self._inject(kind, request_id, list(messages), len(req.prompt_token_ids))
+            shipped = self.engine.prompt_kv(req, first)[1]
+            messages = self._inject(kind, pull.request_id, list(messages), shipped)
         for header, frames in messages:
             transport.send(t.peer.sock, header, frames)
+
+    def _with_checksums(self, messages, req: Request, first_block: int):
+        """The transfer's messages, the first carrying a CRC-32 per layer of the KV shipped."""
+        for i, (header, frames) in enumerate(messages):
+            if i == 0:
+                header = dataclasses.replace(header, kv_checksums=self.engine.kv_checksums(req, first_block))
+            yield header, frames
 
     def _inject(self, kind: str, request_id: str, messages: list, num_tokens: int) -> list:
         """Damage one transfer on purpose (--kv-fault-rate); a delayed one is sent later by tick()."""
@@ -212,15 +228,22 @@ class PrefillNode(NodeBase):
         rid = t.request.request_id
         self.transfers.pop(rid, None)
         if ok and t.pulled_at and not why:  # (ok with a reason: the decode node recomputed the KV)
-            self.counters["kv_transfers"] += 1
-            self.counters["kv_transfer_bytes"] += len(t.request.prompt_token_ids) * self.engine.layout.bytes_per_token()
-            self.counters["kv_transfer_time_s"] += time.perf_counter() - t.pulled_at
+            self._count_transfer(t)
         self.engine.release(t.request, Status.FINISHED if ok else Status.ABORTED)
         if not ok and t.peer.paired:  # the decode node may still hold an offer or blocks for it
             transport.send(t.peer.sock, P.KvCancel(rid))
         if not ok and why:
             self.counters["kv_transfer_failures"] += 1
             self.emit([error_event(rid, why, code)])
+
+    def _count_transfer(self, t: Transfer) -> None:
+        """A transfer that landed: the KV bytes shipped, and those the decode node had cached (not shipped)."""
+        per_token = self.engine.layout.bytes_per_token()
+        shipped = self.engine.prompt_kv(t.request, t.first_block)[1]
+        self.counters["kv_transfers"] += 1
+        self.counters["kv_transfer_bytes"] += shipped * per_token
+        self.counters["kv_skipped_bytes"] += (len(t.request.prompt_token_ids) - shipped) * per_token
+        self.counters["kv_transfer_time_s"] += time.perf_counter() - t.pulled_at
 
     def _fail(self, request_id: str, why: str) -> None:
         t = self.transfers.get(request_id)

@@ -6,9 +6,12 @@ feeds those queues; one watchdog marks silent or disconnected nodes down and fai
 
 A request's life in the router:
 1. admission: refused (429, Retry-After) while --max-queued-requests requests wait for a first token.
-2. submit: pick the least loaded live node of each role it needs (fewest requests, then fewest KV
-   blocks used; ties go to the node listed first: command-line or registration order), draining ones
-   excepted; send Generate (the prefill node also learns the decode node's KV address).
+2. submit: pick a live node of each role it needs, draining ones excepted: the one whose prefix cache
+   holds the longest prefix of the prompt (the router names the prompt's blocks as the nodes do, and
+   follows each node's cache through the changes its Stats carry), unless it holds more than
+   --cache-balance-margin requests above the least loaded; among equals the least loaded (fewest
+   requests, then fewest KV blocks used; ties go to the node listed first: command-line or
+   registration order); send Generate (the prefill node also learns the decode node's KV address).
 3. events: the colocated or prefill node sends the first token, the decode node an empty "KV
    landed" event and then the rest.
 4. a node it depends on is lost (dead, silent, or failing it because it drains): the request is
@@ -77,6 +80,7 @@ class NodeConn:
     reports: int = 0  # Stats messages received since the router started
     info: dict = field(default_factory=dict)
     requests: set[str] = field(default_factory=set)
+    cached: set[int] = field(default_factory=set)  # the block names its prefix cache holds, as its Stats tell
     ever_up: asyncio.Event = field(default_factory=asyncio.Event)
     tasks: list[asyncio.Task] = field(default_factory=list)  # its reader and connection monitor
 
@@ -110,6 +114,23 @@ class Flight:
     attempts: int = 0
     ended: bool = False
     early: list[P.TokenEvent] = field(default_factory=list)  # decode events that beat the first token
+
+
+def follow_cache(node: NodeConn, stats: P.Stats) -> None:
+    """Apply a node's prefix cache changes (or, after a Hello, its whole cache) to the router's view of it."""
+    if stats.cache_reset:
+        node.cached = set(stats.cache_stored)
+        return
+    node.cached.update(stats.cache_stored)
+    node.cached.difference_update(stats.cache_evicted)
+
+
+def cached_prefix(cached: set[int], names: list[int]) -> int:
+    """How many of `names`, from the first, are in `cached`."""
+    n = 0
+    while n < len(names) and names[n] in cached:
+        n += 1
+    return n
 
 
 class RouterCore:
@@ -239,6 +260,7 @@ class RouterCore:
             elif isinstance(msg, P.Stats):
                 node.stats, node.draining = msg, msg.draining
                 node.reports += 1
+                follow_cache(node, msg)
                 if msg.draining:  # it may exit once nothing routed to it is left
                     node.sock.send(P.encode(P.Pending(sorted(node.requests))))
             elif isinstance(msg, P.HelloAck):
@@ -289,6 +311,7 @@ class RouterCore:
         if node.up:
             log.error("%s is down (%s); %d requests in flight there", node.name, why, len(node.requests))
         node.up = False
+        node.cached.clear()  # it sends its whole cache again once it is back
         for rid in list(node.requests):
             flight = self.flights.get(rid)
             if flight is not None:
@@ -313,22 +336,40 @@ class RouterCore:
         self.metrics.prompt_tokens.inc(len(flight.prompt))
         return flight
 
-    def _pick(self, role: P.Role) -> NodeConn:
+    def _pick(self, role: P.Role, names: list[int] = ()) -> NodeConn:
+        """The live node of `role` holding the longest cached prefix of the prompt whose block names are `names`,
+        among those within --cache-balance-margin requests of the least loaded; the least loaded among equals
+        (fewest requests, then fewest KV blocks used; ties go to the node listed first)."""
         live = [n for n in self.nodes if n.role == role and n.usable]
         if not live:
             raise NoNodeAvailable(f"no {role} node is up")
-        return min(live, key=lambda n: (len(n.requests), n.stats.kv_blocks_used if n.stats else 0))
+        least = min(len(n.requests) for n in live)
+        margin = self.cfg.cache_balance_margin
+        near = [n for n in live if len(n.requests) <= least + margin] if names and margin >= 0 else live
+        return min(near, key=lambda n: (-cached_prefix(n.cached, names), len(n.requests),
+                                        n.stats.kv_blocks_used if n.stats else 0))  # fmt: skip
+
+    def _block_names(self, prompt: list[int]) -> list[int]:
+        """The prompt's block names as the nodes name them ([] when cache-aware routing is off or no node caches)."""
+        if self.cfg.cache_balance_margin < 0 or not any(n.cached for n in self.nodes):
+            return []
+        layout = next((n.info.get("layout") for n in self.nodes if isinstance(n.info.get("layout"), dict)), None)
+        if layout is None:
+            return []
+        return P.block_hashes(prompt, layout["block_size"], P.chain_seed(layout["model_fingerprint"]))
 
     def _dispatch(self, flight: Flight) -> None:
-        """Send the request, from where its stream stands, to the least loaded nodes under a new id."""
+        """Send the request, from where its stream stands, to the nodes that cache most of it or are least loaded,
+        under a new id."""
         rid = f"{uuid.uuid4().hex[:12]}-{next(self._ids)}"
         prompt = flight.prompt + flight.output
         params = self._resumed_params(flight)
+        names = self._block_names(prompt)
         if self.cfg.mode == "colocated":
-            nodes = [self._pick(P.Role.COLOCATED)]
+            nodes = [self._pick(P.Role.COLOCATED, names)]
             msg = P.Generate(rid, prompt, params)
         else:
-            prefill, decode = self._pick(P.Role.PREFILL), self._pick(P.Role.DECODE)
+            prefill, decode = self._pick(P.Role.PREFILL, names), self._pick(P.Role.DECODE, names)
             nodes = [prefill, decode]
             msg = P.Generate(rid, prompt, params, decode_addr=decode.kv_addr)
         flight.request_id, flight.nodes = rid, nodes

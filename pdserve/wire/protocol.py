@@ -10,9 +10,11 @@ No pickle anywhere.
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import enum
 import functools
+import hashlib
 import math
 import types
 import typing
@@ -25,7 +27,9 @@ import msgpack
 # 5: guided decoding (SamplingParams.grammar, grammar_prefix), KV checksums (KvOffer.kv_checksums), Stats.num_held,
 #    error codes (TokenEvent.error_code, KvAck.error_code), no StatsRequest, enum-checked finish reasons and roles;
 # 6: SamplingParams.resumed (a resumed seeded request draws on from where its stream stands)
-PROTOCOL_VERSION = 6
+# 7: partial KV transfers (KvPull.first_block), the checksums travel with the KV (KvData.kv_checksums, not KvOffer),
+#    prefix cache events in Stats (cache_stored, cache_evicted, cache_reset)
+PROTOCOL_VERSION = 7
 MAX_LOGPROBS = 20  # the most alternatives per position a request may ask for (OpenAI's limit)
 MAX_HEADER_BYTES = 64 * 1024 * 1024  # one control message; tensor frames are bounded separately
 MAX_LIST_LEN = 4 * 1024 * 1024
@@ -157,6 +161,36 @@ def kv_tokens_needed(role: Role, num_prompt_tokens: int, max_tokens: int) -> int
     return num_prompt_tokens + (1 if role == Role.PREFILL else max_tokens)
 
 
+# ---- prefix caching: the names of full KV blocks -------------------------------------------------
+# A full block of KV is named by a 64-bit hash chained over its parent's name and its token ids, the chain
+# seeded by the model's fingerprint: equal names mean equal KV (the same tokens at the same positions, after
+# the same prefix, on the same weights). Every node and the router name blocks alike, so names travel.
+
+
+def chain_seed(model_fingerprint: str) -> int:
+    """The parent name of a sequence's first block."""
+    return _hash64(model_fingerprint.encode())
+
+
+def block_hashes(token_ids: list[int], block_size: int, parent: int) -> list[int]:
+    """Names of the full blocks of `token_ids`, chained from `parent` (the chain seed, or the name of the block
+    before the first of them). A partial last block has no name."""
+    names = []
+    for i in range(len(token_ids) // block_size):
+        parent = block_name(parent, token_ids[i * block_size : (i + 1) * block_size])
+        names.append(parent)
+    return names
+
+
+def block_name(parent: int, token_ids: list[int]) -> int:
+    """The name of a full block holding `token_ids`, after the block named `parent`."""
+    return _hash64(parent.to_bytes(8, "little") + array.array("q", token_ids).tobytes())
+
+
+def _hash64(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
 # ---- router <-> node ---------------------------------------------------------------------------
 
 
@@ -249,6 +283,9 @@ class Stats:
     counters: dict = field(default_factory=dict)
     draining: bool = False  # shutting down: finishes what it holds, takes nothing new
     num_held: Id = 0  # entries in the node's request tables (0 when it holds nothing: no leak)
+    cache_stored: list[Id] = field(default_factory=list)  # prefix cache: block names stored since the last Stats
+    cache_evicted: list[Id] = field(default_factory=list)  # and evicted
+    cache_reset: bool = False  # cache_stored is the whole cache (the first Stats after a Hello)
 
 
 @dataclass(frozen=True)
@@ -284,14 +321,15 @@ class KvOffer:
     first_token_id: Id
     params: SamplingParams
     num_tokens: Id  # tokens whose KV is shipped (the prompt)
-    kv_checksums: list[Id] = field(default_factory=list)  # a CRC-32 per layer of that KV ([]: none, a GPU pool)
 
 
 @dataclass(frozen=True)
 class KvPull:
-    """Decode -> prefill: blocks are reserved, send the KV now."""
+    """Decode -> prefill: blocks are reserved, send the KV now, from block `first_block` of the prompt on (the
+    decode node holds the KV of the blocks before, from its prefix cache)."""
 
     request_id: str
+    first_block: Id = 0
 
 
 @dataclass(frozen=True)
@@ -304,6 +342,7 @@ class KvData:
     shape: list[Id]  # zmq: [2, num_kv_heads, num_block_tokens, head_dim] of one layer
     layer: int = -1
     src_blocks: list[Id] = field(default_factory=list)
+    kv_checksums: list[Id] = field(default_factory=list)  # first message: a CRC-32 per layer of the KV shipped
 
 
 @dataclass(frozen=True)

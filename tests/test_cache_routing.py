@@ -1,0 +1,137 @@
+"""Cache-aware routing: the nodes' prefix cache changes in their Stats, the router's view of each node's cache, and
+its pick of the node holding the longest cached prefix unless that node is too loaded. In-process, fake sockets."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.colocated_node.node import ColocatedNode
+from pdserve.config import EngineConfig, NodeConfig, RouterConfig
+from pdserve.engine.block_allocator import BlockAllocator
+from pdserve.engine.request import Request
+from pdserve.router.core import NodeConn, RouterCore, follow_cache
+from pdserve.wire import protocol as P
+
+LAYOUT = {"block_size": 4, "model_fingerprint": "fp"}
+
+
+class FakeSock:
+    def __init__(self) -> None:
+        self.sent: list = []
+
+    def send(self, data: bytes) -> None:
+        self.sent.append(P.decode(data))
+
+
+def stats(role: P.Role, stored=(), evicted=(), reset: bool = False) -> P.Stats:
+    return P.Stats(role, 0, 0, 0, 10, {}, cache_stored=list(stored), cache_evicted=list(evicted), cache_reset=reset)
+
+
+def names(prompt: list[int]) -> list[int]:
+    return P.block_hashes(prompt, 4, P.chain_seed("fp"))
+
+
+@pytest.fixture
+def colocated():
+    c = RouterCore(RouterConfig(model="tiny", colocated=("tcp://c0", "tcp://c1", "tcp://c2")))
+    for m in c.membership._members:
+        c.nodes.append(NodeConn(m.role, m.addr, m.kv_addr, sock=FakeSock(), up=True, info={"layout": LAYOUT}))
+    yield c
+    c.ctx.destroy(linger=0)
+
+
+def submit(core: RouterCore, prompt: list[int]) -> str:
+    return core.submit(prompt, P.SamplingParams(max_tokens=4)).nodes[0].addr
+
+
+def test_the_allocator_reports_net_changes_and_its_whole_cache():
+    alloc = BlockAllocator(4, 4)
+    alloc.changes = {}
+    blocks: list[int] = []
+    alloc.grow(blocks, 16)
+    for b, h in zip(blocks, [1, 2, 3, 4], strict=True):
+        alloc.commit(b, h)
+    assert alloc.take_changes() == ([1, 2, 3, 4], []) and alloc.take_changes() == ([], [])
+    alloc.free(blocks)
+    other: list[int] = []
+    alloc.grow(other, 8)  # evicts two (the last released first)
+    alloc.commit(other[0], 9)
+    stored, evicted = alloc.take_changes()
+    assert stored == [9] and sorted(evicted) == [3, 4] and sorted(alloc.cached_names()) == [1, 2, 9]
+
+
+def test_the_router_follows_a_nodes_cache_and_a_reset_replaces_it():
+    node = NodeConn(P.Role.COLOCATED, "tcp://c0")
+    follow_cache(node, stats(P.Role.COLOCATED, stored=[1, 2, 3]))
+    follow_cache(node, stats(P.Role.COLOCATED, stored=[4], evicted=[2]))
+    assert node.cached == {1, 3, 4}
+    follow_cache(node, stats(P.Role.COLOCATED, stored=[7], reset=True))  # a restarted node: its whole cache
+    assert node.cached == {7}
+
+
+def test_the_node_with_the_longest_cached_prefix_is_picked(colocated):
+    prompt = list(range(40))
+    c1, c2 = colocated.nodes[1], colocated.nodes[2]
+    follow_cache(c1, stats(P.Role.COLOCATED, stored=names(prompt)[:3]))
+    follow_cache(c2, stats(P.Role.COLOCATED, stored=names(prompt)[:6]))
+    assert submit(colocated, prompt) == "tcp://c2"
+    assert submit(colocated, list(range(100, 140))) == "tcp://c0"  # no overlap anywhere: the least loaded
+
+
+def test_a_loaded_node_is_passed_over_beyond_the_margin(colocated):
+    prompt = list(range(40))
+    hot = colocated.nodes[1]
+    follow_cache(hot, stats(P.Role.COLOCATED, stored=names(prompt)))
+    picked = [submit(colocated, prompt) for _ in range(8)]
+    # c0 and c2 stay at 0 requests; the hot node takes requests while it holds at most 4 more than they do
+    assert picked == ["tcp://c1"] * 5 + ["tcp://c0", "tcp://c2", "tcp://c1"]
+
+
+def test_margin_minus_one_routes_by_load_only():
+    c = RouterCore(RouterConfig(model="tiny", colocated=("tcp://c0", "tcp://c1"), cache_balance_margin=-1))
+    try:
+        for m in c.membership._members:
+            c.nodes.append(NodeConn(m.role, m.addr, sock=FakeSock(), up=True, info={"layout": LAYOUT}))
+        follow_cache(c.nodes[1], stats(P.Role.COLOCATED, stored=names(list(range(40)))))
+        assert submit(c, list(range(40))) == "tcp://c0"
+    finally:
+        c.ctx.destroy(linger=0)
+
+
+def test_disagg_picks_the_prefill_and_the_decode_node_by_their_caches():
+    c = RouterCore(RouterConfig(model="tiny", prefill=("tcp://p0", "tcp://p1"), decode=("tcp://d0", "tcp://d1"),
+                                decode_kv=("tcp://k0", "tcp://k1")))  # fmt: skip
+    try:
+        for m in c.membership._members:
+            c.nodes.append(NodeConn(m.role, m.addr, m.kv_addr, sock=FakeSock(), up=True, info={"layout": LAYOUT}))
+        prompt = list(range(40))
+        follow_cache(c.nodes[1], stats(P.Role.PREFILL, stored=names(prompt)[:2]))
+        follow_cache(c.nodes[3], stats(P.Role.DECODE, stored=names(prompt)[:8]))
+        flight = c.submit(prompt, P.SamplingParams(max_tokens=4))
+        assert [n.addr for n in flight.nodes] == ["tcp://p1", "tcp://d1"]
+        c._node_down(c.nodes[3], "test")
+        assert not c.nodes[3].cached  # a node that is back sends its whole cache again
+    finally:
+        c.ctx.destroy(linger=0)
+
+
+def test_a_nodes_stats_carry_its_whole_cache_after_a_hello_then_its_changes(tiny_models, monkeypatch):
+    """What a (re)connecting router gets first is the node's whole cache, so that a restarted node or router starts
+    from the truth; then only what changed."""
+    node = ColocatedNode(NodeConfig("colocated", EngineConfig(model=str(tiny_models["qwen3"]), num_kv_blocks=32)))
+    try:
+        first = node.stats()
+        assert first.cache_reset and first.cache_stored == []
+        node.engine.add(Request("a", list(range(40)), P.SamplingParams(max_tokens=2, temperature=0)))
+        while node.engine.has_work():
+            node.engine.step()
+        changes = node.stats()
+        assert not changes.cache_reset and len(changes.cache_stored) == 2 and changes.cache_evicted == []
+        assert node.stats().cache_stored == []
+        sent = []
+        monkeypatch.setattr(node, "send_stats", lambda: sent.append(node.stats()))
+        node.on_hello(b"router", P.Hello(P.PROTOCOL_VERSION, P.Role.ROUTER))  # a router (re)connects
+        again = sent[0]
+        assert again.cache_reset and sorted(again.cache_stored) == sorted(changes.cache_stored)
+    finally:
+        node.close()
