@@ -83,8 +83,10 @@ def _name(stack: Stack, addr: str) -> str:
     return next(name for name, info in stack.infos.items() if info["listen"] == addr)
 
 
-def _start(stack: Stack, n: int, max_tokens: int) -> list[Stream]:
-    streams = [Stream(stack.url, [7 + i, 11, 13 + i] * (4 + i), max_tokens) for i in range(n)]
+def _start(stack: Stack, n: int, max_tokens: int, first: int = 7) -> list[Stream]:
+    """`n` streams of prompts that start with `first`, `first` + 1, ... (a prompt no node has seen has no cached
+    prefix anywhere, so the router picks by load alone)."""
+    streams = [Stream(stack.url, [first + i, 11, 13 + i] * (4 + i), max_tokens) for i in range(n)]
     for s in streams:
         s.start()
     for s in streams:
@@ -108,7 +110,7 @@ def test_32_mock_nodes_join_one_router_and_serve_exactly(stack):
 
 
 def test_the_router_gives_each_stream_the_least_loaded_decode_node_and_aborts_free_every_block(stack):
-    streams = _start(stack, NUM_DECODE, 1500)  # each has its first token: all were dispatched, none is near its end
+    streams = _start(stack, NUM_DECODE, 1500, first=100)  # each has its first token: all dispatched, none near its end
     try:
         assert sorted(_in_flight(stack, "decode").values()) == [1] * NUM_DECODE  # one each: none got two
     finally:
