@@ -26,9 +26,10 @@
    run's tail (few long requests) does not dilute; then a larger run (`--large-run`, 1,024 requests at most
    256 in flight) on the pdserve systems (`--large-systems`), each started with --max-num-seqs 256.
 6. Kernels per step: `bench.kernels` counts the kernels of a decode and a mixed step through the GPU path
-   on the device, for the model's layer count (on the CPU only under TRITON_INTERPRET=1). The share of
-   tokens computed in CUDA-graph replays and Triton compilations inside the measured window are not
-   counted by the engine yet: the report says so rather than guess.
+   on the device, for the model's layer count (on the CPU only under TRITON_INTERPRET=1). Triton
+   compilations inside the measured window: each pdserve stack compiles into its own fresh Triton cache
+   folder (TRITON_CACHE_DIR), whose new entries between the warm-up and the run's end are counted. The
+   share of tokens computed in CUDA-graph replays is not counted by the engine yet: the report says so.
 7. Writes <out>/gpu.json, gpu.md and gpu.png (and the stacks' logs under <out>/logs/), where <out> is
    `--out-dir`, else $OUT when set, else bench/runs/gpu (git-ignored). The report is rewritten after each system,
    so a run cut short still leaves what it measured.
@@ -45,9 +46,11 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -66,11 +69,11 @@ FINISH_MARGIN_S = 15.0  # kept back from each run's time limit, to stop the syst
 COPY_BYTES = 256 * 2**20
 COPY_REPEATS = 20
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-NOT_COUNTED = ("the share of tokens computed in CUDA-graph replays and the Triton compilations inside the measured "
-               "window: the engine does not count them yet")
+NOT_COUNTED = ("the share of tokens computed in CUDA-graph replays (the engine does not count replayed steps yet); "
+               "graphs are captured only at a node's start")
 STEADY_SHARE = 0.9  # the steady state: at least this share of --concurrency decoding
-STEADY_HEADER = ("| run | system | in flight | steady window (s) | of the run | steady tok/s | whole-run tok/s |\n"
-                 "|---|---|---|---|---|---|---|")  # fmt: skip
+STEADY_HEADER = ("| run | system | in flight | steady window (s) | of the run | steady tok/s | whole-run tok/s | "
+                 "Triton compilations in the run (at start) |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
 STEP_HEADER = (
     "| system | node | steps | mean batch | mean step (ms) | weights + KV / step (GB) | floor (ms) | step/floor |"
 )
@@ -370,19 +373,44 @@ def _not_run(system: str, w: Workload, why: str) -> dict:
     return {"system": system, "workload": w.name, "label": w.label, "rate": None, "ok": False, "error": why}
 
 
+@contextmanager
+def triton_cache(path: Path):
+    """Processes started inside compile their Triton kernels into `path`, emptied first."""
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    old = os.environ.get("TRITON_CACHE_DIR")
+    os.environ["TRITON_CACHE_DIR"] = str(path)
+    try:
+        yield path
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_CACHE_DIR", None)
+        else:
+            os.environ["TRITON_CACHE_DIR"] = old
+
+
+def compiled_kernels(path: Path) -> int:
+    """Kernels compiled into a Triton cache folder: Triton writes one group file (`__grp__*.json`) for each."""
+    return sum(1 for _ in path.rglob("__grp__*.json"))
+
+
 def run_system(cfg: GpuBenchConfig, system: str, w: Workload, hf: HfModel, ctx: dict, deadline: float) -> dict:
     left = deadline - time.monotonic()
     if left < MIN_SYSTEM_S:
         return _not_run(system, w, f"skipped: {left:.0f} s of the --budget-s left")
     started = time.monotonic()
+    cache = cfg.out_dir / "triton-cache" / f"{system}-{cfg.requests}"
     try:
-        with open_system(cfg, system, hf, deadline - FINISH_MARGIN_S) as run:
+        with triton_cache(cache), open_system(cfg, system, hf, deadline - FINISH_MARGIN_S) as run:
             warm_up(run, system)
+            compiled = compiled_kernels(cache)
             before = systems.settled_counters(run) if isinstance(run, systems.StackRunner) else {}
             result = run_workload(cfg.slo, system, run, w)
             result["concurrency"] = cfg.concurrency
             result["steady_state"] = steady_state(result.get("records", []), cfg.concurrency)
             if isinstance(run, systems.StackRunner):
+                result["triton_compiled_at_start"] = compiled
+                result["triton_compilations"] = compiled_kernels(cache) - compiled
                 add_node_figures(result, systems.counters_diff(systems.settled_counters(run), before), system, ctx)
     except Exception as e:  # a system that fails is reported; the others still run
         print(f"bench.gpu: {system} failed: {type(e).__name__}: {e}", file=sys.stderr)
@@ -425,8 +453,9 @@ def _steady_lines(results: list[dict]) -> list[str]:
         st, whole = r.get("steady_state"), r["summary"]["output_throughput"]
         cells = ([f"{st['window_s']:.1f}", f"{st['share_of_run']:.0%}", f"{st['output_throughput']:.0f}"] if st
                  else ["none", "", ""])  # fmt: skip
+        compiled = f"{r['triton_compilations']} ({r['triton_compiled_at_start']})" if "triton_compilations" in r else ""
         lines.append(f"| {r['label']} | {r['system']} | {r.get('concurrency', '')} | " + " | ".join(cells)
-                     + f" | {whole:.0f} |")  # fmt: skip
+                     + f" | {whole:.0f} | {compiled} |")  # fmt: skip
     return lines
 
 

@@ -66,7 +66,8 @@ def test_the_report_shows_the_steady_state_kernels_and_what_is_not_measured(tmp_
                "ttft_s": {"p50": 0.1, "p99": 0.2}, "e2e_s": {"mean": 1.0}, "slo_attainment": 1.0,
                "num_failed": 0}  # fmt: skip
     result = {"system": "colocated", "label": "sharegpt_like 8/4", "ok": True, "summary": summary,
-              "concurrency": 4, "steady_state": st, "decode_step": None}  # fmt: skip
+              "concurrency": 4, "steady_state": st, "decode_step": None, "triton_compilations": 0,
+              "triton_compiled_at_start": 7}  # fmt: skip
     kernels = {"counted": True, "layers": 28, "limit": 300,
                "steps": [{"kind": "decode", "total": 265, "per_layer": 9.0, "fixed": 13, "ops": {}}]}  # fmt: skip
     run = {"config": {"name": "t", "model": "tiny", "dtype": "float32", "concurrency": 4, "max_num_batched_tokens": 64,
@@ -79,10 +80,26 @@ def test_the_report_shows_the_steady_state_kernels_and_what_is_not_measured(tmp_
                          "workload": {"requests": 16, "prompt_tokens": 200, "output_tokens": 90}}],
            "kernels": kernels, "not_counted": gpu.NOT_COUNTED, "checkpoint_s": 0.1, "results": [result]}  # fmt: skip
     md = gpu.markdown(run)
-    assert "| sharegpt_like 8/4 | colocated | 4 | 4.0 | 20% | 4 | 2 |" in md
+    assert "| sharegpt_like 8/4 | colocated | 4 | 4.0 | 20% | 4 | 2 | 0 (7) |" in md
     assert "| decode | 265 | 9.0 | 13 |" in md and "limit for a decode step 300" in md
     assert "Not measured: the share of tokens computed in CUDA-graph replays" in md
     assert "Then `sharegpt_like 16/8`: 16 requests" in md
     pytest.importorskip("matplotlib")
     gpu.plot(run, tmp_path / "gpu.png")
     assert (tmp_path / "gpu.png").stat().st_size > 0
+
+
+def test_compilations_are_the_triton_cache_folders_new_group_files(tmp_path):
+    import os
+
+    cache = tmp_path / "cache"
+    (cache / "stale").mkdir(parents=True)
+    (cache / "stale" / "__grp__old.json").write_text("{}")
+    with gpu.triton_cache(cache) as path:
+        assert os.environ["TRITON_CACHE_DIR"] == str(path) and gpu.compiled_kernels(path) == 0  # emptied first
+        for h, name in (("a1", "_k"), ("b2", "_k"), ("c3", "_j")):
+            (path / h).mkdir()
+            (path / h / f"__grp__{name}.json").write_text("{}")
+            (path / h / f"{name}.json").write_text("{}")  # the kernel's metadata: not a second compilation
+        assert gpu.compiled_kernels(path) == 3
+    assert os.environ.get("TRITON_CACHE_DIR") != str(cache)
