@@ -7,10 +7,10 @@ warm-up needs no key the warm-up did not meet."""
 
 from __future__ import annotations
 
-import pytest
 import torch
+from helpers import optional
 
-pytest.importorskip("triton")
+optional("triton")
 
 from bench.kernels import TritonVariants  # noqa: E402
 from pdserve.engine.backends import SEGMENT_ALIGN, Chunk  # noqa: E402
