@@ -21,7 +21,16 @@
    - KV transfer bandwidth (the prefill node's bytes over its transfer time, pull to ack) beside a
      device-to-device copy between the same devices (bytes copied per second);
    - the router's CPU time per streamed token.
-5. Writes <out>/gpu.json, gpu.md and gpu.png (and the stacks' logs under <out>/logs/), where <out> is
+5. For every run, the steady-state decode throughput: output tokens per second over the window in which
+   at least 90% of `--concurrency` requests are decoding (between their first and last token), which the
+   run's tail (few long requests) does not dilute; then a larger run (`--large-run`, 1,024 requests at most
+   256 in flight) on the pdserve systems (`--large-systems`), each started with --max-num-seqs 256.
+6. Kernels per step: `bench.kernels` counts the kernels of a decode and a mixed step through the GPU path
+   on the device, for the model's layer count (on the CPU only under TRITON_INTERPRET=1). Triton
+   compilations inside the measured window: each pdserve stack compiles into its own fresh Triton cache
+   folder (TRITON_CACHE_DIR), whose new entries between the warm-up and the run's end are counted. The
+   share of tokens computed in CUDA-graph replays is not counted by the engine yet: the report says so.
+7. Writes <out>/gpu.json, gpu.md and gpu.png (and the stacks' logs under <out>/logs/), where <out> is
    `--out-dir`, else $OUT when set, else bench/runs/gpu (git-ignored). The report is rewritten after each system,
    so a run cut short still leaves what it measured.
 
@@ -32,11 +41,16 @@ and requests still unfinished when the time is up are reported as failed.
 from __future__ import annotations
 
 import argparse
+import bisect
+import dataclasses
 import json
+import math
 import os
+import shutil
 import signal
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -55,6 +69,11 @@ FINISH_MARGIN_S = 15.0  # kept back from each run's time limit, to stop the syst
 COPY_BYTES = 256 * 2**20
 COPY_REPEATS = 20
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+NOT_COUNTED = ("the share of tokens computed in CUDA-graph replays (the engine does not count replayed steps yet); "
+               "graphs are captured only at a node's start")
+STEADY_SHARE = 0.9  # the steady state: at least this share of --concurrency decoding
+STEADY_HEADER = ("| run | system | in flight | steady window (s) | of the run | steady tok/s | whole-run tok/s | "
+                 "Triton compilations in the run (at start) |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
 STEP_HEADER = (
     "| system | node | steps | mean batch | mean step (ms) | weights + KV / step (GB) | floor (ms) | step/floor |"
 )
@@ -77,6 +96,9 @@ class GpuBenchConfig:
     slo_tpot_s: float = 0.05
     hf_cuda_graphs: bool = False
     engine_args: tuple[str, ...] = ()  # passed on to `pdserve up` as they are
+    large_requests: int = 1024  # the larger run; 0: none
+    large_concurrency: int = 256
+    large_systems: tuple[str, ...] = ("colocated",)
     out_dir: Path = field(default=Path(__file__).parent / "runs" / "gpu")
     name: str = "gpu"
     progress: bool = True
@@ -91,6 +113,10 @@ class GpuBenchConfig:
             raise ValueError(f"unknown system(s) {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
         if min(self.requests, self.concurrency, self.max_num_batched_tokens) < 1:
             raise ValueError("--requests, --concurrency and --max-num-batched-tokens must be at least 1")
+        if self.large_requests < 0 or (self.large_requests and self.large_concurrency < 1):
+            raise ValueError("--large-run takes a request count (0: none) and a concurrency of at least 1")
+        if set(self.large_systems) - {"colocated", "disagg"}:
+            raise ValueError("--large-systems: colocated and/or disagg")
         if self.kv_cache_gb <= 0 or self.budget_s <= 0:
             raise ValueError("--kv-cache-gb and --budget-s must be positive")
         if self.dtype not in DTYPE_BYTES:
@@ -132,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slo-tpot-s", type=float, default=0.05)
     p.add_argument("--hf-cuda-graphs", action="store_true", help="let HF continuous batching use CUDA graphs")
     p.add_argument("--engine-arg", action="append", default=[], help="e.g. --engine-arg=--enforce-eager")
+    p.add_argument("--large-run", type=int, nargs=2, default=[1024, 256], metavar=("REQUESTS", "CONCURRENCY"),
+                   help="the larger run after the others (0 0: none)")
+    p.add_argument("--large-systems", nargs="+", default=["colocated"], choices=("colocated", "disagg"))
     p.add_argument("--out-dir", type=Path, default=None, help="default: $OUT when set, else bench/runs/gpu")
     p.add_argument("--name", default="gpu", help="stem of the result files")
     p.add_argument("--no-progress", action="store_true")
@@ -148,6 +177,7 @@ def parse_args(argv: list[str] | None = None) -> GpuBenchConfig:
         kv_cache_gb=a.kv_cache_gb or (16.0 if on_gpu else 0.25), systems=tuple(a.systems), budget_s=a.budget_s,
         seed=a.seed, slo_ttft_s=a.slo_ttft_s, slo_tpot_s=a.slo_tpot_s, hf_cuda_graphs=a.hf_cuda_graphs,
         engine_args=tuple(a.engine_arg), out_dir=out_dir, name=a.name, progress=not a.no_progress,
+        large_requests=a.large_run[0], large_concurrency=a.large_run[1], large_systems=tuple(a.large_systems),
     )  # fmt: skip
 
 
@@ -225,6 +255,40 @@ def model_figures(config, cfg: GpuBenchConfig, workload: Workload) -> dict:
         "decode_kv_bytes": decode_context_tokens(workload) * per_token,
         "decode_tokens": sum(r.output_len - 1 for r in workload.requests),
     }
+
+
+# ---- steady state -----------------------------------------------------------------------------------
+
+
+def steady_windows(records: list[dict], threshold: int) -> list[tuple[float, float]]:
+    """The intervals in which at least `threshold` requests are decoding (first token to last token)."""
+    events = sorted(ev for r in records if len(r["token_s"]) >= 2
+                    for ev in ((r["token_s"][0], 1), (r["token_s"][-1], -1)))  # fmt: skip
+    windows, running, opened = [], 0, None
+    for t, delta in events:  # at equal times an end (-1) sorts first: a request ending as another starts
+        running += delta
+        if running >= threshold and opened is None:
+            opened = t
+        elif running < threshold and opened is not None:
+            if t > opened:
+                windows.append((opened, t))
+            opened = None
+    return windows
+
+
+def steady_state(records: list[dict], concurrency: int, share: float = STEADY_SHARE) -> dict | None:
+    """Output tokens per second over the windows where at least `share` of `concurrency` requests decode (the
+    tokens after each request's first, arriving inside a window). None when there is no such window."""
+    threshold = max(1, math.ceil(share * concurrency))
+    windows = steady_windows(records, threshold)
+    seconds = sum(b - a for a, b in windows)
+    if not seconds:
+        return None
+    times = sorted(t for r in records for t in r["token_s"][1:])
+    tokens = sum(bisect.bisect_right(times, b) - bisect.bisect_left(times, a) for a, b in windows)
+    run_s = max((r["token_s"][-1] for r in records if r["token_s"]), default=0.0)
+    return {"threshold": threshold, "window_s": seconds, "share_of_run": seconds / run_s if run_s else None,
+            "tokens": tokens, "output_throughput": tokens / seconds}  # fmt: skip
 
 
 # ---- node counters ---------------------------------------------------------------------------------
@@ -309,17 +373,44 @@ def _not_run(system: str, w: Workload, why: str) -> dict:
     return {"system": system, "workload": w.name, "label": w.label, "rate": None, "ok": False, "error": why}
 
 
+@contextmanager
+def triton_cache(path: Path):
+    """Processes started inside compile their Triton kernels into `path`, emptied first."""
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    old = os.environ.get("TRITON_CACHE_DIR")
+    os.environ["TRITON_CACHE_DIR"] = str(path)
+    try:
+        yield path
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_CACHE_DIR", None)
+        else:
+            os.environ["TRITON_CACHE_DIR"] = old
+
+
+def compiled_kernels(path: Path) -> int:
+    """Kernels compiled into a Triton cache folder: Triton writes one group file (`__grp__*.json`) for each."""
+    return sum(1 for _ in path.rglob("__grp__*.json"))
+
+
 def run_system(cfg: GpuBenchConfig, system: str, w: Workload, hf: HfModel, ctx: dict, deadline: float) -> dict:
     left = deadline - time.monotonic()
     if left < MIN_SYSTEM_S:
         return _not_run(system, w, f"skipped: {left:.0f} s of the --budget-s left")
     started = time.monotonic()
+    cache = cfg.out_dir / "triton-cache" / f"{system}-{cfg.requests}"
     try:
-        with open_system(cfg, system, hf, deadline - FINISH_MARGIN_S) as run:
+        with triton_cache(cache), open_system(cfg, system, hf, deadline - FINISH_MARGIN_S) as run:
             warm_up(run, system)
+            compiled = compiled_kernels(cache)
             before = systems.settled_counters(run) if isinstance(run, systems.StackRunner) else {}
             result = run_workload(cfg.slo, system, run, w)
+            result["concurrency"] = cfg.concurrency
+            result["steady_state"] = steady_state(result.get("records", []), cfg.concurrency)
             if isinstance(run, systems.StackRunner):
+                result["triton_compiled_at_start"] = compiled
+                result["triton_compilations"] = compiled_kernels(cache) - compiled
                 add_node_figures(result, systems.counters_diff(systems.settled_counters(run), before), system, ctx)
     except Exception as e:  # a system that fails is reported; the others still run
         print(f"bench.gpu: {system} failed: {type(e).__name__}: {e}", file=sys.stderr)
@@ -354,6 +445,32 @@ def _step_lines(results: list[dict]) -> list[str]:
     return lines
 
 
+def _steady_lines(results: list[dict]) -> list[str]:
+    rows = [r for r in results if r.get("ok")]
+    lines = ["", f"## Steady state: output tok/s while at least {STEADY_SHARE:.0%} of the requests in flight decode",
+             "", STEADY_HEADER]  # fmt: skip
+    for r in rows:
+        st, whole = r.get("steady_state"), r["summary"]["output_throughput"]
+        cells = ([f"{st['window_s']:.1f}", f"{st['share_of_run']:.0%}", f"{st['output_throughput']:.0f}"] if st
+                 else ["none", "", ""])  # fmt: skip
+        compiled = f"{r['triton_compilations']} ({r['triton_compiled_at_start']})" if "triton_compilations" in r else ""
+        lines.append(f"| {r['label']} | {r['system']} | {r.get('concurrency', '')} | " + " | ".join(cells)
+                     + f" | {whole:.0f} | {compiled} |")  # fmt: skip
+    return lines
+
+
+def _kernel_lines(run: dict) -> list[str]:
+    k = run.get("kernels") or {}
+    lines = ["", "## Kernels per step (bench.kernels, the GPU path's eager forward and sampling)", ""]
+    if not k.get("counted"):
+        lines.append(f"Not counted: {k.get('why', 'no count')}.")
+    else:
+        lines += [f"{k['layers']} layers, limit for a decode step {k['limit']}:", "",
+                  "| step | kernels | per layer | outside the layers |", "|---|---|---|---|"]  # fmt: skip
+        lines += [f"| {c['kind']} | {c['total']} | {c['per_layer']:.1f} | {c['fixed']} |" for c in k["steps"]]
+    return lines + ["", f"Not measured: {run.get('not_counted', NOT_COUNTED)}."]
+
+
 def _kv_lines(results: list[dict], hw: dict) -> list[str]:
     rows = [r for r in results if r.get("kv_transfer")]
     copy = f"| device copy {hw['prefill_device']} → {hw['decode_device']} | | | {hw['kv_copy_GBps']:.1f} | |"
@@ -383,9 +500,15 @@ def markdown(run: dict) -> str:
         report.TABLE_HEADER,
         "|" + "---|" * 9,
     ]
+    for extra in run.get("runs", [])[1:]:
+        ew = extra["workload"]
+        head[2] += (f" Then `{extra['label']}`: {ew['requests']} requests ({ew['prompt_tokens']} prompt, "
+                    f"{ew['output_tokens']} output tokens), at most {extra['concurrency']} in flight (also "
+                    f"--max-num-seqs), on {', '.join(extra['systems'])}.")  # fmt: skip
     base = report.baseline_throughput(results)
     lines = head + [report.table_row(r, base) for r in results]
-    lines += _step_lines(results) + _kv_lines(results, hw) + report.router_cpu_lines(results)
+    lines += _steady_lines(results) + _step_lines(results) + _kernel_lines(run) + _kv_lines(results, hw)
+    lines += report.router_cpu_lines(results)
     lines += ["", f"Total {run.get('total_s', 0):.0f} s of a {c['budget_s']:.0f} s budget."]
     return "\n".join(lines) + "\n"
 
@@ -406,13 +529,17 @@ def plot(run: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [r["system"] for r in run["results"]]
     summaries = [r["summary"] if r["ok"] else None for r in run["results"]]
     fig, axes = plt.subplots(1, 3, figsize=(14, 4), layout="constrained")
-    axes[0].bar(names, [s["output_throughput"] if s else 0 for s in summaries])
+    names = [f"{r['system']}\n{r['label'].removeprefix('sharegpt_like ')}" for r in run["results"]]
+    steady = [(r.get("steady_state") or {}).get("output_throughput", 0) for r in run["results"]]
+    xs = range(len(names))
+    axes[0].bar([x - 0.2 for x in xs], [s["output_throughput"] if s else 0 for s in summaries], 0.4, label="run")
+    axes[0].bar([x + 0.2 for x in xs], steady, 0.4, label="steady state")
+    axes[0].set_xticks(list(xs), names)
+    axes[0].legend(fontsize="small")
     axes[0].set_title("output tokens/s (higher is better)")
     tpot = [(s["tpot_s"] or {}) if s else {} for s in summaries]
-    xs = range(len(names))
     axes[1].bar([x - 0.2 for x in xs], [t.get("p50", 0) * 1e3 for t in tpot], 0.4, label="p50")
     axes[1].bar([x + 0.2 for x in xs], [t.get("p99", 0) * 1e3 for t in tpot], 0.4, label="p99")
     axes[1].set_xticks(list(xs), names)
@@ -440,29 +567,67 @@ def workload_summary(w: Workload) -> dict:
             "shape": SHAREGPT_SHAPE}  # fmt: skip
 
 
-def prepare(cfg: GpuBenchConfig) -> tuple[Path, Workload, dict]:
-    """The checkpoint, the workload, and the run's header (config, environment, hardware, model figures)."""
+def sharegpt(config, cfg: GpuBenchConfig) -> Workload:
+    """`sharegpt_like` with cfg's request count, named by its requests and concurrency."""
+    from pdserve.engine.model import max_model_len
+
+    w = make_workload("sharegpt_like", config.vocab_size, max_model_len(config), cfg.seed, None, cfg.requests,
+                      shape_args=SHAREGPT_SHAPE)  # fmt: skip
+    return dataclasses.replace(w, name=f"sharegpt_like {cfg.requests}/{cfg.concurrency}")
+
+
+def plan_runs(cfg: GpuBenchConfig, config) -> list[tuple[GpuBenchConfig, Workload]]:
+    """The main run, then the larger one on the pdserve systems that both lists name."""
+    runs = [(cfg, sharegpt(config, cfg))]
+    large_systems = tuple(s for s in cfg.systems if s in cfg.large_systems)
+    if cfg.large_requests and large_systems:
+        big = dataclasses.replace(cfg, requests=cfg.large_requests, concurrency=cfg.large_concurrency,
+                                  systems=large_systems)  # fmt: skip
+        runs.append((big, sharegpt(config, big)))
+    return runs
+
+
+def kernels_per_step(cfg: GpuBenchConfig, config) -> dict:
+    """bench.kernels' counts for the model's layer count on the benchmark device, or why there are none."""
+    from bench import kernels
+
+    if not kernels.can_count(cfg.device):
+        return {"counted": False, "why": "the Triton path runs on a GPU, or on the CPU under TRITON_INTERPRET=1"}
+    layers = config.num_hidden_layers
+    try:
+        counts = kernels.count(layers, device=cfg.device)
+    except Exception as e:  # the count is a figure of the report: its failure must not end the run
+        return {"counted": False, "why": f"{type(e).__name__}: {e}"}
+    return {"counted": True, "layers": layers, "limit": kernels.limit(layers), "steps": [asdict(c) for c in counts]}
+
+
+def prepare(cfg: GpuBenchConfig) -> tuple[Path, list[tuple[GpuBenchConfig, Workload]], dict]:
+    """The checkpoint, the runs (config, workload), and the report's header (config, environment, hardware,
+    model figures per run, kernels per step)."""
     import transformers
 
     from pdserve.engine.checkpoint import resolve_model
-    from pdserve.engine.model import max_model_len
 
     t0 = time.perf_counter()
     path = resolve_model(cfg.model)
     checkpoint_s = time.perf_counter() - t0
     config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
-    w = make_workload("sharegpt_like", config.vocab_size, max_model_len(config), cfg.seed, None, cfg.requests,
-                      shape_args=SHAREGPT_SHAPE)  # fmt: skip
+    runs = plan_runs(cfg, config)
     run = {
         "config": {**asdict(cfg), "out_dir": str(cfg.out_dir)},
         "environment": environment(),
         "checkpoint_s": checkpoint_s,
-        "workload": workload_summary(w),
+        "workload": workload_summary(runs[0][1]),
         "hardware": hardware(cfg),
-        "model_figures": model_figures(config, cfg, w),
+        "model_figures": model_figures(config, cfg, runs[0][1]),
+        "runs": [{"label": w.label, "concurrency": c.concurrency, "systems": list(c.systems),
+                  "workload": workload_summary(w), "model_figures": model_figures(config, c, w)}
+                 for c, w in runs],  # fmt: skip
+        "kernels": kernels_per_step(cfg, config),
+        "not_counted": NOT_COUNTED,
         "results": [],
     }
-    return path, w, run
+    return path, runs, run
 
 
 def exit_on_sigterm() -> None:
@@ -484,14 +649,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     deadline = started + cfg.budget_s
     (cfg.out_dir / "logs").mkdir(parents=True, exist_ok=True)
-    path, w, run = prepare(cfg)
+    path, runs, run = prepare(cfg)
     hf = HfModel(path, cfg)
-    ctx = {"model": run["model_figures"], "hardware": run["hardware"]}
     paths = write_report(run, cfg)
-    for system in cfg.systems:
-        run["results"].append(run_system(cfg, system, w, hf, ctx, deadline))
-        run["total_s"] = time.monotonic() - started
-        paths = write_report(run, cfg)
+    for (rcfg, w), figures in zip(runs, run["runs"], strict=True):
+        ctx = {"model": figures["model_figures"], "hardware": run["hardware"]}
+        for system in rcfg.systems:
+            run["results"].append(run_system(rcfg, system, w, hf, ctx, deadline))
+            run["total_s"] = time.monotonic() - started
+            paths = write_report(run, cfg)
     print(markdown(run))
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0 if all(r["ok"] for r in run["results"]) else 1

@@ -43,6 +43,69 @@ def launches_work(func) -> bool:
     return not any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
 
 
+@contextmanager
+def on_triton_launch(around):
+    """While open, every Triton kernel launch runs inside `around(kernel, args, kwargs)` (a context manager)."""
+    from pdserve.engine import triton_layers
+
+    kernel_class = type(triton_layers._add_rms_norm_kernel)  # JITFunction, or InterpretedFunction on the CPU
+    run = kernel_class.run
+
+    def wrapped(fn, *args, **kwargs):
+        if kwargs.get("warmup"):
+            return run(fn, *args, **kwargs)
+        with around(fn, args, kwargs):
+            return run(fn, *args, **kwargs)
+
+    kernel_class.run = wrapped
+    try:
+        yield
+    finally:
+        kernel_class.run = run
+
+
+LAUNCH_OPTIONS = {"grid", "warmup", "num_warps", "num_stages", "num_ctas", "maxnreg"}
+
+
+class TritonVariants:
+    """The compiled variants Triton launches need, keyed as its JIT keys them: per argument, a tensor's dtype and
+    whether its pointer is 16-byte aligned, an integer's width and whether it is 1 or a multiple of 16 (not for
+    the arguments a kernel names in `do_not_specialize`), and the constexpr values. On a GPU each new key is a
+    compilation; under the interpreter nothing compiles, and the keys say what would."""
+
+    def __init__(self) -> None:
+        self.keys: set[tuple] = set()
+
+    @contextmanager
+    def recording(self):
+        def launch(fn, args, kwargs):
+            self.keys.add(variant_key(fn, args, kwargs))
+            yield
+
+        with on_triton_launch(contextmanager(launch)):
+            yield self
+
+
+def variant_key(fn, args: tuple, kwargs: dict) -> tuple:
+    names = fn.arg_names
+    listed = getattr(fn, "do_not_specialize", None) or getattr(fn, "kwargs", {}).get("do_not_specialize") or ()
+    opted_out = {names[i] if isinstance(i, int) else i for i in listed}
+    spec = tuple(_arg_key(a, names[i] in opted_out) for i, a in enumerate(args))
+    consts = tuple(sorted((k, str(v)) for k, v in kwargs.items() if k not in LAUNCH_OPTIONS))
+    return fn.__name__, spec, consts
+
+
+def _arg_key(a, opted_out: bool):
+    if isinstance(a, torch.Tensor):
+        return str(a.dtype), opted_out or a.data_ptr() % 16 == 0
+    if isinstance(a, bool) or a is None:
+        return a
+    if isinstance(a, int):
+        width = "i32" if -(2**31) <= a < 2**31 else "i64"
+        return (width,) if opted_out else (width, a == 1, a % 16 == 0)
+    return type(a).__name__
+
+
 def _composite(func) -> bool:
     """An op defined by the ops it calls (CompositeImplicitAutograd), such as `linear` or `to`."""
     return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
@@ -71,26 +134,17 @@ class KernelCounter(TorchDispatchMode):
     @contextmanager
     def triton_launches(self):
         """Count each Triton launch (by kernel name) and nothing it dispatches meanwhile (the interpreter's copies)."""
-        from pdserve.engine import triton_layers
 
-        kernel_class = type(triton_layers._add_rms_norm_kernel)  # JITFunction, or InterpretedFunction on the CPU
-        run = kernel_class.run
-
-        def counted(fn, *args, **kwargs):
-            if kwargs.get("warmup"):
-                return run(fn, *args, **kwargs)
+        def launch(fn, args, kwargs):
             self.ops[f"triton::{fn.__name__}"] += 1
             self.inside_triton += 1
             try:
-                return run(fn, *args, **kwargs)
+                yield
             finally:
                 self.inside_triton -= 1
 
-        kernel_class.run = counted
-        try:
+        with on_triton_launch(contextmanager(launch)):
             yield self
-        finally:
-            kernel_class.run = run
 
     def total(self) -> int:
         return sum(self.ops.values())

@@ -3,11 +3,11 @@ decode step's kernel count on a 28-layer model of qwen3-0.6b's layout through th
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.nn.functional as F
+from helpers import optional
 
-pytest.importorskip("triton")
+optional("triton")
 
 from bench import kernels as bk  # noqa: E402
 

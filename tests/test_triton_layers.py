@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import optional
 
-triton = pytest.importorskip("triton")
+optional("triton")
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 

@@ -17,6 +17,7 @@ as one of these backends:
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from pdserve.engine.kv_cache import KVPool
 
 DECODE_TILE_M = 16  # query rows of a decode tile: the query heads of one KV head (tl.dot needs >= 16)
 PREFILL_TILE_M = 64  # query rows of a prompt-chunk tile: (token, query head) pairs
+SEGMENT_ALIGN = 4  # int32s (16 bytes): where each segment of the packed inputs may start
 
 
 @dataclass
@@ -250,7 +252,9 @@ class PackLayout:
 
     The block tables come last and column-major ([W, R]): the columns a step uses are a prefix of the
     buffer, so only that prefix is copied, however wide a graph's tables are (as wide as the longest
-    request can be); columns past a request's length are never read.
+    request can be); columns past a request's length are never read. Every segment starts on a
+    SEGMENT_ALIGN boundary (16 bytes): Triton specialises a kernel on its pointers' 16-byte alignment, so
+    aligned segments make one variant of each kernel for every batch, built at warm-up.
     """
 
     rows: int  # T (padded)
@@ -266,8 +270,21 @@ class PackLayout:
                 ("q_start", (R,)), ("q_len", (R,)), ("ctx_len", (R,)), ("decode_work", (self.decodes,)),
                 ("prefill_work", (self.prefill_tiles, 2)), ("block_tables", (self.width, R))]  # fmt: skip
 
+    @functools.cached_property
+    def offsets(self) -> dict[str, int]:
+        """Where each segment starts, in int32s: each on a SEGMENT_ALIGN boundary."""
+        out, off = {}, 0
+        for name, shape in self.segments():
+            out[name] = off
+            off += cdiv(int(np.prod(shape)), SEGMENT_ALIGN) * SEGMENT_ALIGN
+        return out
+
     def size(self) -> int:
-        return sum(int(np.prod(shape)) for _, shape in self.segments())
+        return self.prefix(self.width)
+
+    def prefix(self, width: int) -> int:
+        """The int32s up to and including the block tables' first `width` columns."""
+        return self.offsets["block_tables"] + width * self.requests
 
 
 class TritonBackend(TorchBackend):
@@ -309,7 +326,7 @@ class TritonBackend(TorchBackend):
         seg["sample"][:] = sample
         self._pack_requests(seg, chunks)
         width = self._pack_tables(seg["block_tables"], chunks)
-        return buf[: lay.size() - (lay.width - width) * lay.requests]
+        return buf[: lay.prefix(width)]
 
     def _pack_requests(self, seg: dict, chunks: list[Chunk]) -> None:
         """Per-request rows and lengths, and the work lists (padding decode items point at padding requests)."""
@@ -391,11 +408,10 @@ class TritonBackend(TorchBackend):
 
 def _views(buf, lay: PackLayout) -> dict:
     """Named views into a packed buffer (a numpy array or a tensor) of layout `lay`."""
-    out, off = {}, 0
+    out = {}
     for name, shape in lay.segments():
-        n = int(np.prod(shape))
-        out[name] = buf[off : off + n].reshape(shape)
-        off += n
+        off = lay.offsets[name]
+        out[name] = buf[off : off + int(np.prod(shape))].reshape(shape)
     return out
 
 

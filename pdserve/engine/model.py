@@ -172,12 +172,16 @@ class ModelRunner:
     def warm_up(self, max_rows: int, max_samples: int) -> None:
         """Run each distinct packed projection once at every padded row count it will see (the layers' up to
         `max_rows` = the token budget, capped at WARM_UP_ROWS; the LM head's up to `max_samples`), so that oneDNN
-        builds the code it keeps now, at start, and a node's memory does not grow with the shapes it meets."""
+        builds the code it keeps now, at start, and a node's memory does not grow with the shapes it meets. On the
+        Triton backend, run one mixed step (`warm_up_step`): every kernel variant is built then."""
         layers = {lin.weight.shape: lin for w in self.weights for lin in (w.qkv, w.o, w.gate_up, w.down)}
         limits = [(lin, min(max_rows, WARM_UP_ROWS)) for lin in layers.values()] + [(self.lm_head, max_samples)]
         for lin, limit in limits:
             for rows in sorted({padded_rows(t) for t in range(1, limit + 1)}) if lin.packed else ():
                 lin(torch.zeros(rows, lin.in_features))  # [rows, K]
+        if self.backend.name == "triton":
+            self.forward(self.backend.inputs(*warm_up_step(self.pool.block_size)))
+
 
     # ---- inputs ----------------------------------------------------------------------------------
     @staticmethod
@@ -238,6 +242,15 @@ class ModelRunner:
                    inp: ForwardInputs) -> torch.Tensor:  # fmt: skip
         out = self.backend.attention(attn, w.qkv(x), w.qkv.splits, rope, self.pool.data[layer_idx], inp)  # [T, nh, d]
         return w.o(out.view(x.shape[0], -1))  # [T, H]
+
+
+def warm_up_step(block_size: int) -> tuple[list[int], list[int], list[int], list[int], list[Chunk]]:
+    """Flat inputs of a step with a decode and a prompt chunk that store nothing (every slot -1) and read
+    only block 0: run once at start, it meets every Triton kernel variant a step can (the packed inputs'
+    pointers are always aligned alike), so that on a GPU each is compiled then, not while serving."""
+    n = 2 * block_size  # the chunk, over two blocks
+    chunks = [Chunk(0, 1, 1, [0]), Chunk(1, n, 0, [0] * blocks_for(n, block_size))]
+    return [0] * (n + 1), [1, *range(n)], [-1] * (n + 1), [0, n], chunks
 
 
 def _token_ids(req, start: int, end: int) -> list[int]:
