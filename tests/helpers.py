@@ -117,6 +117,11 @@ class Streamer(threading.Thread):
         self.done = False
         self.error = ""
         self.status = 0
+        self._hang_up = threading.Event()
+
+    def hang_up(self) -> None:
+        """Disconnect at the next chunk (the router then aborts the request)."""
+        self._hang_up.set()
 
     def run(self) -> None:
         try:
@@ -131,6 +136,8 @@ class Streamer(threading.Thread):
         with httpx.stream("POST", self.url + "/v1/completions", json=self.body, timeout=120) as r:
             self.status = r.status_code
             for line in r.iter_lines():
+                if self._hang_up.is_set():
+                    return
                 if line == "data: [DONE]":
                     self.done = True
                 elif line.startswith("data: "):

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -14,6 +15,8 @@ from helpers import Streamer, wait_until
 from stack import Stack, free_port
 
 SHORT = {"model": "tiny", "prompt": "x", "max_tokens": 2}
+HANG_S = 600  # drain periods and waits that only guard against a hang: a loaded host may decode a few tokens a second
+STREAM = 100  # tokens a stream decodes: SIGSTOP, not length, keeps a stream running where a test needs it to
 
 
 def _start_streams(url: str, n: int, max_tokens: int) -> list[Streamer]:
@@ -27,7 +30,7 @@ def _start_streams(url: str, n: int, max_tokens: int) -> list[Streamer]:
 
 def _join(streams: list[Streamer]) -> None:
     for s in streams:
-        s.join(timeout=120)
+        s.join(timeout=HANG_S)
 
 
 def _refused(url: str) -> bool:
@@ -39,27 +42,42 @@ def _refused(url: str) -> bool:
 
 
 def test_router_sigterm_finishes_streams_or_past_its_grace_fails_them_clearly(tmp_path):
-    stack = Stack(tmp_path, "tiny", mode="colocated", router_args=("--drain-timeout-s", "120")).start()
+    """The node is stopped (SIGSTOP) around the router's SIGTERM, so that the streams are surely still running when
+    it comes, and, with a short grace, still running when the grace ends, however fast the host."""
+    stack = Stack(tmp_path, "tiny", mode="colocated", router_args=("--drain-timeout-s", str(HANG_S))).start()
+    node = stack.procs["colocated0"]
     try:
-        streams = _start_streams(stack.url, 4, 1800)
+        streams = _start_streams(stack.url, 4, STREAM)
         router = stack.procs["router"]
-        router.send_signal(signal.SIGTERM)
-        alive = any(s.is_alive() for s in streams)
-        assert _refused(stack.url)
-        assert alive, "the streams had ended before SIGTERM: the test proves nothing"
+        with _stopped(node):
+            router.send_signal(signal.SIGTERM)
+            assert _refused(stack.url)
+            assert not any(s.complete for s in streams), "a stream had ended before SIGTERM: the test proves nothing"
         _join(streams)
         assert all(s.complete for s in streams), [(len(s.token_ids), s.error) for s in streams]
-        assert router.wait(timeout=60) == 0
-        assert stack.procs["colocated0"].poll() is None  # a router's drain leaves its nodes alone
+        assert router.wait(timeout=HANG_S) == 0
+        assert node.poll() is None  # a router's drain leaves its nodes alone
 
-        stack.start_router(("--drain-timeout-s", "0.2"))  # the streams need ~1.2 s more
-        streams = _start_streams(stack.url, 2, 1800)
-        stack.procs["router"].send_signal(signal.SIGTERM)
-        _join(streams)
+        stack.start_router(("--drain-timeout-s", "0.2"))
+        streams = _start_streams(stack.url, 2, STREAM)
+        with _stopped(node):  # the streams cannot end within the grace
+            stack.procs["router"].send_signal(signal.SIGTERM)
+            _join(streams)
+            assert stack.procs["router"].wait(timeout=60) == 0
         assert all(not s.done and "shutting down" in s.error for s in streams), [s.error for s in streams]
-        assert stack.procs["router"].wait(timeout=60) == 0
     finally:
         stack.close()
+
+
+@contextmanager
+def _stopped(proc: subprocess.Popen):
+    """The process stopped (SIGSTOP) for the block: it answers nothing and makes no progress (far less than the
+    stack's --node-timeout-s, so the router does not count it lost)."""
+    proc.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        proc.send_signal(signal.SIGCONT)
 
 
 def _wait_draining(stack: Stack, role: str) -> None:
@@ -72,22 +90,25 @@ def _wait_draining(stack: Stack, role: str) -> None:
 
 
 def test_decode_node_sigterm_finishes_its_streams_or_past_its_grace_fails_them_clearly(tmp_path):
-    stack = Stack(tmp_path, "tiny", mode="disagg", decode_args=("--drain-timeout-s", "120")).start()
+    stack = Stack(tmp_path, "tiny", mode="disagg", decode_args=("--drain-timeout-s", str(HANG_S))).start()
     try:
-        streams = _start_streams(stack.url, 3, 600)
+        streams = _start_streams(stack.url, 3, STREAM)
         decode = stack.procs["decode0"]
-        decode.send_signal(signal.SIGTERM)
+        with _stopped(decode):  # SIGTERM is handled when it runs again, the streams surely unfinished
+            decode.send_signal(signal.SIGTERM)
+            assert not any(s.complete for s in streams), "a stream had ended before SIGTERM: the test proves nothing"
         _wait_draining(stack, "decode")
         r = httpx.post(stack.url + "/v1/completions", json=SHORT, timeout=30)  # no other decode node: refused
         assert r.status_code == 503, r.text
         _join(streams)
         assert all(s.complete for s in streams), [(len(s.token_ids), s.error) for s in streams]
-        assert decode.wait(timeout=60) == 0
+        assert decode.wait(timeout=HANG_S) == 0
         assert stack.procs["prefill0"].poll() is None and stack.procs["router"].poll() is None
 
-        stack.restart_node("decode0", "decode", ("--drain-timeout-s", "0.2"))  # the streams need ~1.2 s
+        # a grace of 1 ms: no host decodes 300 tokens in it (the grace runs in the node, which must run)
+        stack.restart_node("decode0", "decode", ("--drain-timeout-s", "0.001"))
         stack.wait_healthy(timeout=60)
-        streams = _start_streams(stack.url, 2, 1800)
+        streams = _start_streams(stack.url, 2, 300)
         stack.procs["decode0"].send_signal(signal.SIGTERM)
         _join(streams)
         assert all(not s.done and "drain period" in s.error for s in streams), [s.error for s in streams]
@@ -107,17 +128,17 @@ def _children(pid: int) -> list[int]:
 def test_pdserve_up_forwards_sigterm_and_every_child_exits(tmp_path):
     port = free_port()
     argv = [sys.executable, "-m", "pdserve", "--log-level", "WARNING", "up", "--model", "tiny", "--mode",
-            "colocated", "--port", str(port), "--no-pin"]  # fmt: skip
+            "colocated", "--port", str(port), "--no-pin", "--drain-timeout-s", str(HANG_S)]  # fmt: skip
     up = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=os.environ.copy())
     try:
         assert "is serving" in up.stdout.readline()
         children = _children(up.pid)
         assert len(children) == 2, children
-        streams = _start_streams(f"http://127.0.0.1:{port}", 2, 600)
+        streams = _start_streams(f"http://127.0.0.1:{port}", 2, STREAM)
         up.send_signal(signal.SIGTERM)
         _join(streams)
         assert all(s.complete for s in streams), [(len(s.token_ids), s.error) for s in streams]
-        assert up.wait(timeout=90) == 0
+        assert up.wait(timeout=HANG_S) == 0
         assert not [c for c in children if Path(f"/proc/{c}").exists() and _alive(c)], "children left running"
     finally:
         if up.poll() is None:

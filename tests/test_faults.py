@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import threading
+import math
+import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -12,29 +14,29 @@ from helpers import Streamer, wait_until
 from stack import Stack
 
 
-def _stream_some(url: str, n_chunks: int, max_tokens: int = 1500, n: int = 1) -> int:
-    """Start a long streamed completion (of `n` choices), read `n_chunks` chunks, then hang up."""
+def _stream_some(url: str, n_chunks: int, max_tokens: int = 1500, n: int = 1) -> tuple[int, int]:
+    """Start a long streamed completion (of `n` choices), read `n_chunks` token chunks, then hang up: (its HTTP
+    status, the chunks read)."""
     body = {"model": "tiny", "prompt": list(range(1, 200)), "max_tokens": max_tokens, "ignore_eos": True,
             "temperature": 0, "stream": True, "n": n}  # fmt: skip
     seen = 0
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
         for line in r.iter_lines():
-            if line.startswith("data: {"):
+            if line.startswith("data: {") and '"choices"' in line:
                 seen += 1
                 if seen >= n_chunks:
                     break
-    return seen
+        return r.status_code, seen
 
 
 @pytest.mark.parametrize("mode,transport,n", [("colocated", "zmq", 3), ("disagg", "zmq", 1), ("disagg", "shm", 2)])
 def test_client_disconnect_frees_kv_everywhere(tmp_path, mode, transport, n):
     with_stack = Stack(tmp_path, "tiny", mode=mode, transport=transport).start()
     try:
-        threads = [threading.Thread(target=_stream_some, args=(with_stack.url, 3, 1500, n)) for _ in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
+        with ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(_stream_some, with_stack.url, 3, 1500, n) for _ in range(4)]
+            hung_up = [f.result(timeout=120) for f in futures]  # a thread's exception is raised here
+        assert hung_up == [(200, 3)] * 4, hung_up  # every stream was running when its client left
         with_stack.wait_kv_free()
         # the nodes still serve
         r = httpx.post(with_stack.url + "/v1/completions", json={"model": "tiny", "prompt": "a", "max_tokens": 3},
@@ -57,32 +59,29 @@ def test_mismatched_pairing_is_refused(tmp_path):
         stack.close()
 
 
+HANG_S = 60  # a guard against a hang, not a latency target: a failure is known by its cause, not its timing
+
+
 def test_dead_decode_node_fails_fast_and_recovers(tmp_path):
+    """SIGKILL a decode node holding four requests: its sockets close, the router sees the disconnect and fails
+    them with a 503 that says so (no redispatch: no other decode node), without waiting for --node-timeout-s."""
     stack = Stack(tmp_path, "tiny", mode="disagg").start()
-    results: list[tuple[int, float]] = []
-
-    def long_request():
-        body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2000, "ignore_eos": True, "temperature": 0}
-        try:
-            r = httpx.post(stack.url + "/v1/completions", json=body, timeout=60)
-            results.append((r.status_code, time.monotonic()))
-        except httpx.HTTPError:
-            results.append((-1, time.monotonic()))
-
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2000, "ignore_eos": True, "temperature": 0}
     try:
-        threads = [threading.Thread(target=long_request) for _ in range(3)]
-        beside = Streamer(stack.url, 2000)  # its tokens say when the decode node generates (stats lag 0.5 s)
-        for t in [*threads, beside]:
-            t.start()
-        assert wait_until(lambda: len(beside.times) >= 2 and _decode_nodes(stack)[0]["in_flight"] == 4, 30, 0.01)
-        killed_at = time.monotonic()
-        stack.kill("decode0")
-        for t in [*threads, beside]:
-            t.join(timeout=30)
-        assert beside.error and not beside.done, "the stream beside them ended before the kill"
-        assert len(results) == 3
-        assert all(code == 503 for code, _ in results), results
-        assert max(at for _, at in results) - killed_at < 5.0, "in-flight requests must fail within 5 s"
+        with ThreadPoolExecutor(3) as pool:
+            futures = [pool.submit(httpx.post, stack.url + "/v1/completions", json=body, timeout=HANG_S)
+                       for _ in range(3)]  # fmt: skip
+            beside = Streamer(stack.url, 2000)  # its tokens say when the decode node generates (stats lag 0.5 s)
+            beside.start()
+            assert wait_until(lambda: len(beside.times) >= 2 and _decode_nodes(stack)[0]["in_flight"] == 4, 60, 0.01)
+            stack.kill("decode0")
+            results = [f.result(timeout=HANG_S) for f in futures]  # a thread's exception is raised here
+        beside.join(timeout=HANG_S)
+        assert not beside.is_alive() and beside.error and not beside.done, "the stream beside them did not fail"
+        assert stack.procs["decode0"].returncode == -signal.SIGKILL
+        assert [r.status_code for r in results] == [503] * 3, [r.text for r in results]
+        for msg in [r.json()["error"]["message"] for r in results] + [beside.error]:
+            assert "decode node" in msg and "disconnected" in msg, msg  # the cause: the lost connection
         h = httpx.get(stack.url + "/health", timeout=10)
         assert h.status_code == 503 and not _decode_nodes(stack)[0]["up"]
         # the router still answers, with a clear error, while no decode node is up
@@ -91,7 +90,7 @@ def test_dead_decode_node_fails_fast_and_recovers(tmp_path):
         )
         assert r.status_code == 503 and "decode" in r.json()["error"]["message"]
         stack.restart_node("decode0", "decode")
-        stack.wait_healthy(timeout=30)
+        stack.wait_healthy(timeout=60)
         four = {"model": "tiny", "prompt": "x", "max_tokens": 4, "ignore_eos": True}  # sampled: EOS may come early
         r = httpx.post(stack.url + "/v1/completions", json=four, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
@@ -105,23 +104,35 @@ def _decode_nodes(stack: Stack) -> list[dict]:
 
 def test_offers_wait_for_a_full_decode_node_beyond_the_lease(tmp_path):
     """A decode pool that holds one request at a time, a 2 s lease (eight KvWaiting notices long, so that a
-    loaded host's scheduling delays do not end it), and 64 requests that each decode for a while: the later
-    ones wait on the decode node longer than the lease, and must still complete."""
+    loaded host's scheduling delays do not end it), and enough requests that each decode for a while (sized by
+    one request's measured time) that the later ones wait on the decode node longer than the lease, as the router's
+    hand-off histogram shows: they must still complete."""
     lease_s = 2.0
     stack = Stack(tmp_path, "tiny", mode="disagg", engine_args=("--kv-lease-s", str(lease_s)),
                   decode_args=("--num-kv-blocks", "8")).start()  # fmt: skip
     try:
         body = {"model": "tiny", "prompt": list(range(1, 21)), "max_tokens": 108, "ignore_eos": True}  # 128: the pool
+        t0 = time.monotonic()
+        assert httpx.post(stack.url + "/v1/completions", json=body, timeout=HANG_S).status_code == 200
+        n = max(32, math.ceil(3 * lease_s / (time.monotonic() - t0)))  # a queue 3 leases long, one at a time
 
         async def all_requests():
-            async with httpx.AsyncClient(base_url=stack.url, timeout=120) as client:
-                return await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(64)))
+            async with httpx.AsyncClient(base_url=stack.url, timeout=10 * HANG_S) as client:  # a hang guard
+                return await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(n)))
 
-        t0 = time.monotonic()
         responses = asyncio.run(all_requests())
-        assert [r.status_code for r in responses] == [200] * 64, [r.text for r in responses if r.status_code != 200]
+        assert [r.status_code for r in responses] == [200] * n, [r.text for r in responses if r.status_code != 200]
         assert all(r.json()["usage"]["completion_tokens"] == 108 for r in responses)
-        assert time.monotonic() - t0 > 1.5 * lease_s, "the queue never outlived the lease: the test proves nothing"
+        handoffs = _metrics(stack)
+        beyond = handoffs["pdserve:request_handoff_time_seconds_count"] - handoffs[
+            'pdserve:request_handoff_time_seconds_bucket{le="2.5"}']  # hand-offs longer than 2.5 s > the lease
+        assert beyond > 0, "no offer outlived the lease: the test proves nothing"
         stack.wait_kv_free()
     finally:
         stack.close()
+
+
+def _metrics(stack: Stack) -> dict[str, float]:
+    text = httpx.get(stack.url + "/metrics", timeout=30).text
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}  # fmt: skip

@@ -5,16 +5,15 @@ from __future__ import annotations
 import json
 import socket
 import threading
-import time
 
 import httpx
 import pytest
-from helpers import Streamer
+from helpers import Streamer, wait_until
 from stack import Stack
 
 HUGE = 64 * 2**20
-STREAM_TOKENS = 1800  # ~2-3 s of decoding for 16 streams on tiny: they must outlast both huge bodies
-HANG_S = 5.0  # a hang detector, not a latency target: a stalled loop shows as a gap of many seconds
+STREAM_TOKENS = 1800
+HANG_S = 30.0  # a guard against a hang, not a latency target (a loaded host may starve the router for seconds)
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +23,13 @@ def stack(tmp_path_factory):
     s.close()
 
 
-def _chunks(total: int, size: int = 2**20):
-    for _ in range(total // size):
+def _chunks_while_streams_run(streams: list[Streamer], total: int, seen: list[bool], size: int = 2**20):
+    """A body of `total` bytes in chunks of `size`; after the first, wait for a token on some stream (it goes to
+    `seen`): the router reads the body and serves the streams at once, or that never comes."""
+    yield b"x" * size
+    tokens = sum(len(s.times) for s in streams)
+    seen.append(wait_until(lambda: sum(len(s.times) for s in streams) > tokens, HANG_S, 0.01))
+    for _ in range(total // size - 1):
         yield b"x" * size
 
 
@@ -36,20 +40,21 @@ def test_huge_bodies_get_413_while_streams_run(stack):
         s.start()
     started.wait(timeout=60)  # every stream is receiving tokens
     rss_before = stack.rss_bytes("router")
-    t0 = time.monotonic()
-    r = httpx.post(stack.url + "/v1/completions", content=b"x" * HUGE, timeout=30,
+    r = httpx.post(stack.url + "/v1/completions", content=b"x" * HUGE, timeout=HANG_S,
                    headers={"content-type": "application/json"})  # fmt: skip
     assert r.status_code == 413 and "max-request-bytes" in r.json()["error"]["message"], r.text
-    assert time.monotonic() - t0 < HANG_S
-    # no Content-Length: the body is counted as it streams in
-    r = httpx.post(stack.url + "/v1/completions", content=_chunks(HUGE), timeout=30)
+    # no Content-Length: the body is counted as it streams in, while the streams go on
+    seen: list[bool] = []
+    r = httpx.post(stack.url + "/v1/completions", content=_chunks_while_streams_run(streams, HUGE, seen),
+                   timeout=HANG_S)  # fmt: skip
     assert r.status_code == 413, r.text
+    assert seen == [True], "no stream got a token while the router read a refused body"
     assert stack.rss_bytes("router") - rss_before < 48 * 2**20, "the router buffered a refused body"
-    alive = [s.is_alive() for s in streams]
+    for s in streams:  # they went on through both bodies: no need to wait for their end on a slow host
+        s.hang_up()
     for s in streams:
-        s.join(timeout=120)
-    assert any(alive), "every stream had ended before the huge bodies: the test proves nothing"
-    assert all(s.complete for s in streams), [(len(s.token_ids), s.error) for s in streams]
+        s.join(timeout=HANG_S)
+    assert not any(s.is_alive() or s.error or s.status != 200 for s in streams), [s.error for s in streams]
     assert max(s.max_gap() for s in streams) < HANG_S
 
 

@@ -4,6 +4,8 @@ with 503 when none is left; requests whose KV reached the decode node carry on; 
 from __future__ import annotations
 
 import asyncio
+import signal
+import subprocess
 
 import httpx
 import pytest
@@ -79,14 +81,31 @@ def _requests_move_to_the_other_prefill_node(stack: Stack, prompts, outs, ref) -
     stack.wait_kv_free(dead=(victim,))
 
 
-async def _kill_while_running(stack: Stack, victims: list[str], prompts, outs, held: int) -> list[httpx.Response]:
-    """Send the requests; once the first victim holds `held` of them, SIGKILL every victim."""
-    addr = stack.infos[victims[0]]["listen"]
+async def _kill_while_running(stack: Stack, victims: list[str], prompts, outs, held: int,
+                              stopped: subprocess.Popen | None = None) -> list[httpx.Response]:  # fmt: skip
+    """Send the requests; once the first victim holds `held` of them, SIGKILL every victim, then let the `stopped`
+    process (SIGSTOP) run again."""
     task = asyncio.create_task(_complete(stack.url, prompts, outs))
-    await asyncio.to_thread(_wait_for, lambda: _in_flight(stack, addr) >= held, f"{victims[0]} holds requests")
+    await asyncio.to_thread(_stop_holding, stack, victims, held)
     for v in victims:
         stack.kill(v)
+    if stopped is not None:
+        stopped.send_signal(signal.SIGCONT)
     return await task
+
+
+def _stop_holding(stack: Stack, victims: list[str], held: int) -> None:
+    """Stop (SIGSTOP) the victims once the router counts `held` requests on the first, as it still does with them
+    stopped: however fast the host, they are held there at the kill."""
+    addr = stack.infos[victims[0]]["listen"]
+    while True:
+        _wait_for(lambda: _in_flight(stack, addr) >= held, f"{victims[0]} holds requests")
+        for v in victims:
+            stack.procs[v].send_signal(signal.SIGSTOP)
+        if _in_flight(stack, addr) >= held:
+            return
+        for v in victims:
+            stack.procs[v].send_signal(signal.SIGCONT)
 
 
 def _a_restarted_prefill_node_rejoins(stack: Stack, prompts, ref) -> None:
@@ -105,16 +124,21 @@ def _node_requests(stack: Stack, addr: str) -> int:
 
 
 def _with_none_left_queued_requests_fail_and_decoding_ones_finish(stack: Stack) -> None:
-    decoding = Streamer(stack.url, 1800)
+    decoding = Streamer(stack.url, 600)
     decoding.start()
     _wait_for(lambda: len(decoding.times) >= 2, "a request is decoding")
-    prompts = [[1 + i % 500 for i in range(1200)]] * 6
-    queued = asyncio.run(_kill_while_running(stack, ["prefill0", "prefill1"], prompts, [4] * 6, 3))
-    assert decoding.is_alive(), "the decoding request ended before the kill: the test proves nothing"
+    decode = stack.procs["decode0"]
+    decode.send_signal(signal.SIGSTOP)  # however fast the host, the decoding request is still there at the kill
+    try:
+        assert not decoding.done, "the decoding request ended before the kill: the test proves nothing"
+        prompts = [[1 + i % 500 for i in range(1200)]] * 6
+        queued = asyncio.run(_kill_while_running(stack, ["prefill0", "prefill1"], prompts, [4] * 6, 3, decode))
+    finally:
+        decode.send_signal(signal.SIGCONT)
     failed = [r for r in queued if r.status_code == 503]
     assert failed, "every request was prefilled before the kill: the test proves nothing"
     assert all("no prefill node is up" in r.json()["error"]["message"] for r in failed)
     assert all(r.json()["usage"]["completion_tokens"] == 4 for r in queued if r.status_code == 200)
     assert {r.status_code for r in queued} <= {200, 503}
-    decoding.join(timeout=120)
+    decoding.join(timeout=600)  # a hang guard
     assert decoding.complete, (len(decoding.token_ids), decoding.error)

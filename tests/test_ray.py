@@ -242,23 +242,22 @@ def _node_counters(url: str, role: str) -> dict[str, dict[str, float]]:
 
 def test_a_killed_decode_actors_requests_move_on_and_it_rejoins(deployment):
     """Killing a decode actor: the requests in flight on it are dispatched again to the surviving decode node
-    (the router's node-loss handling) and every one completes; Ray's restart brings the node back."""
+    (the router's node-loss handling) and every one completes with transformers' greedy tokens, as if nothing had
+    happened; Ray's restart brings the node back."""
     ray.get(_controller().scale.remote(1, 2))  # no-op after the scaling test
     _wait(lambda: sum(n["up"] for n in _nodes(deployment, "decode")) == 2, 120)
-    results: list[int] = []
-    threads = [threading.Thread(target=lambda: results.append(_complete(deployment, [5, 6, 7], 1500)[0]))
-               for _ in range(4)]  # fmt: skip
-    for t in threads:
-        t.start()
-    _wait(lambda: sum(n["in_flight"] for n in _nodes(deployment, "decode")) == len(threads), 60)
-    in_flight = {n["addr"]: n["in_flight"] for n in _nodes(deployment, "decode")}
-    victim = max((m for m in ray.get(_controller().members.remote()) if m["role"] == "decode"),
-                 key=lambda m: in_flight[m["listen"]])  # fmt: skip
-    ray.kill(ray.get_actor(f"{DEPLOYMENT}-{victim['key']}", namespace=RAY_NAMESPACE), no_restart=False)
-    for t in threads:
-        t.join(timeout=180)
+    want = _four_ref()[0]  # FOUR[0]'s LONG greedy tokens
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(_complete, deployment, FOUR[0], LONG) for _ in range(4)]
+        _wait(lambda: sum(n["in_flight"] for n in _nodes(deployment, "decode")) == len(futures), 60, 0.02)
+        in_flight = {n["addr"]: n["in_flight"] for n in _nodes(deployment, "decode")}
+        victim = max((m for m in ray.get(_controller().members.remote()) if m["role"] == "decode"),
+                     key=lambda m: in_flight[m["listen"]])  # fmt: skip
+        ray.kill(ray.get_actor(f"{DEPLOYMENT}-{victim['key']}", namespace=RAY_NAMESPACE), no_restart=False)
+        results = [f.result(timeout=180) for f in futures]  # a thread's exception is raised here
     assert in_flight[victim["listen"]] > 0, "the victim held no request: the test proves nothing"
-    assert results == [200] * len(threads), (results, in_flight)
+    assert [code for code, _ in results] == [200] * len(futures), (results, in_flight)
+    assert all(ids == want for _, ids in results), [len(ids) for _, ids in results]
     # Ray restarts the actor; its new node registers and the router takes it in, in place of the dead one
     _wait(lambda: _rejoined(deployment, victim["listen"]), START_TIMEOUT_S)
     code, ids = _complete(deployment, [1, 2, 3], 4)

@@ -70,7 +70,7 @@ def test_strangers_without_the_key_get_nothing_through(tmp_path, keys):
         messages = [hello, generate, kv_hello]
         addrs = list(_node_ports(stack).values())
         # counters come with the nodes' periodic stats: wait for the first request's
-        wait_until(lambda: _node_counter(stack, "requests", "prefill") >= 1, 30)
+        assert wait_until(lambda: _node_counter(stack, "requests", "prefill") >= 1, 60), "no request was counted"
         requests_before = _node_counter(stack, "requests", "prefill")
         for curve in (None, (stranger_public, stranger_secret, server_public),
                       (client_public, client_secret, wrong_server)):  # fmt: skip
@@ -82,7 +82,7 @@ def test_strangers_without_the_key_get_nothing_through(tmp_path, keys):
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
         # counters come with the nodes' periodic stats: wait until one counts our request (and, sent earlier,
         # any stranger's Generate that ran)
-        wait_until(lambda: _node_counter(stack, "requests", "prefill") >= requests_before + 1, 30)
+        assert wait_until(lambda: _node_counter(stack, "requests", "prefill") >= requests_before + 1, 60)
         assert _node_counter(stack, "requests", "prefill") == requests_before + 1, "a stranger's Generate ran"
     finally:
         stack.close()

@@ -16,7 +16,6 @@ from helpers import wait_until
 from stack import Stack
 
 WARMUP = 100
-PATIENT_ROUTER = ("--node-timeout-s", "15")  # a node starved for a few seconds on a busy host is not lost
 EMPTY_GAUGES = (
     "pdserve:num_requests_running{", "pdserve:num_requests_waiting{", "pdserve:node_requests_held{",
     "pdserve:kv_blocks_used{", "pdserve:num_requests_in_flight ", "pdserve:router_requests_waiting ",
@@ -64,7 +63,7 @@ def _not_empty(stack: Stack) -> list[str]:
 @pytest.mark.slow
 def test_soak_leaves_no_requests_kv_descriptors_or_memory_behind(tmp_path, request):
     n = request.config.getoption("--soak-requests")
-    stack = Stack(tmp_path, "tiny", mode="disagg", router_args=PATIENT_ROUTER).start()
+    stack = Stack(tmp_path, "tiny", mode="disagg").start()
     try:
         assert set(asyncio.run(_wave(stack.url, WARMUP, 0))) == {200}
         stack.wait_kv_free()
@@ -73,7 +72,7 @@ def test_soak_leaves_no_requests_kv_descriptors_or_memory_behind(tmp_path, reque
         fds = {p: _settled_fds(stack, p, 10**6) for p in names}
         assert set(asyncio.run(_wave(stack.url, n, WARMUP))) == {200}
         stack.wait_kv_free()
-        wait_until(lambda: not _not_empty(stack), 10, 0.2)  # node gauges come with their stats, every 0.5 s
+        wait_until(lambda: not _not_empty(stack), 60, 0.2)  # node gauges come with their stats, every 0.5 s
         busy = _not_empty(stack)
         assert not busy, f"requests or KV still held after the soak: {busy}"
         grown = {p: _settled_fds(stack, p, fds[p]) - fds[p] for p in names}
