@@ -36,6 +36,7 @@ import dataclasses
 import itertools
 import logging
 import math
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -177,6 +178,7 @@ class RouterCore:
         self._ttft_recent = 1.0  # seconds, a moving average: the Retry-After of a refused request
         self._tasks: list[asyncio.Task] = []
         self._ids = itertools.count()
+        self.routing_id = f"router-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # on every node connection; leads our ids
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -239,6 +241,7 @@ class RouterCore:
 
     def _join(self, node: NodeConn) -> None:
         node.sock = self.ctx.socket(zmq.DEALER)
+        node.sock.setsockopt(zmq.ROUTING_ID, self.routing_id.encode())
         transport.configure(node.sock)
         transport.secure_client(node.sock, self.keys)
         node.sock.setsockopt(zmq.RECONNECT_IVL, 100)
@@ -388,7 +391,7 @@ class RouterCore:
     def _dispatch(self, flight: Flight) -> None:
         """Send the request, from where its stream stands, to the nodes that cache most of it or are least loaded,
         under a new id."""
-        rid = f"{uuid.uuid4().hex[:12]}-{next(self._ids)}"
+        rid = f"{self.routing_id}{P.ROUTER_ID_END}{uuid.uuid4().hex[:12]}-{next(self._ids)}"
         prompt = flight.prompt + flight.output
         params = self._resumed_params(flight)
         names = self._block_names(prompt)
