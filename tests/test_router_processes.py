@@ -4,13 +4,18 @@ it (its routing id leads the request id), and its heartbeat to every router."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 
+import httpx
 import pytest
 
 from pdserve.config import RouterConfig
 from pdserve.router.core import RouterCore
 from pdserve.wire import protocol as P
+from tests.helpers import wait_until
 from tests.stack import Stack
+from tests.test_drain import SHORT, _join, _start_streams
 
 
 @pytest.fixture(scope="module")
@@ -67,3 +72,38 @@ def test_each_router_gets_the_events_of_its_own_requests_and_every_heartbeat(dis
     assert P.router_of(rid_a) != P.router_of(rid_b) != ""
     assert set(seen[0]) == {rid_a} and set(seen[1]) == {rid_b}, "a router got another router's events"
     assert stats_seen == [[True, True], [True, True]], "every router hears every node's heartbeat"
+
+
+def _workers(url: str) -> dict[int, dict]:
+    """Each router worker's /health by its number, asked over new connections until both have answered (the kernel
+    spreads connections over the workers; one that is starting answers none)."""
+    seen: dict[int, dict] = {}
+
+    def both() -> bool:
+        h = httpx.get(url + "/health", timeout=10).json()
+        seen[h["worker"]] = h
+        return len(seen) == 2
+
+    assert wait_until(both, 120, interval=0.01), f"only workers {sorted(seen)} answered"
+    return seen
+
+
+def test_two_router_workers_share_the_port_and_one_that_dies_fails_only_its_streams_and_comes_back(tmp_path):
+    stack = Stack(tmp_path, "tiny", mode="colocated", router_args=("--router-workers", "2")).start()
+    try:
+        workers = _workers(stack.url)
+        assert sorted(workers) == [0, 1] and len({h["instance"] for h in workers.values()}) == 1
+        streams = _start_streams(stack.url, 8, 300)
+        workers = _workers(stack.url)
+        victim = max(workers.values(), key=lambda h: h["in_flight"])
+        assert victim["in_flight"] > 0 and sum(h["in_flight"] for h in workers.values()) == 8
+        os.kill(victim["pid"], signal.SIGKILL)
+        _join(streams)
+        failed = [s for s in streams if not s.complete]
+        assert len(failed) == victim["in_flight"] and all(s.error and not s.done for s in failed)
+        assert all(len(s.token_ids) == 300 for s in streams if s.complete), "the other worker's streams went on"
+        assert _workers(stack.url)[victim["worker"]]["pid"] != victim["pid"], "the dead worker was started again"
+        r = httpx.post(stack.url + "/v1/completions", json={**SHORT, "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    finally:
+        stack.close()

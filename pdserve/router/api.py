@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -514,7 +515,9 @@ async def _read(request: Request, model: type[_Common]) -> _Common:
     return body
 
 
-def create_app(cfg: RouterConfig) -> FastAPI:
+def create_app(cfg: RouterConfig, worker: int | None = None) -> FastAPI:
+    """The router's app; `worker`: its number among --router-workers processes (None: the only one)."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         app.state.info = load_model_info(cfg.model, tokenizer=not cfg.skip_tokenizer)
@@ -591,7 +594,9 @@ def create_app(cfg: RouterConfig) -> FastAPI:
 
     @app.get("/health")
     async def health(request: Request):
-        h = {**request.app.state.core.health(), "instance": cfg.instance_id}
+        core = request.app.state.core
+        h = {**core.health(), "instance": cfg.instance_id, "router_workers": cfg.router_workers,
+             "worker": worker or 0, "pid": os.getpid(), "in_flight": len(core.flights)}  # fmt: skip
         return JSONResponse(h, status_code=200 if h["status"] == "ok" else 503)
 
     @app.get("/metrics")
