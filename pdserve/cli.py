@@ -74,6 +74,10 @@ def run_router(a: argparse.Namespace) -> None:
     cfg = from_args(RouterConfig, a)
     check_port_free(cfg.host, cfg.port)
     check_checkpoint(cfg.model, tokenizer=not cfg.skip_tokenizer)
+    if cfg.router_workers > 1:
+        from pdserve.router.workers import Workers
+
+        sys.exit(Workers(cfg).run())
     serve(cfg)
 
 

@@ -264,6 +264,8 @@ class RouterConfig:
                               flag="--no-access-log", action="store_false")  # fmt: skip
     instance_id: str = option("", "an id /health reports, by which a launcher knows it reached the router it "
                                   "started")  # fmt: skip
+    router_workers: int = option(1, "router processes sharing the HTTP port (SO_REUSEPORT), each connected to every "
+                                    "node", type=int)  # fmt: skip
     cache_balance_margin: int = option(4, "route to the node holding the longest cached prefix of the prompt unless "
                                           "it holds more than this many requests above the least loaded node; -1: "
                                           "least loaded only", type=int)  # fmt: skip
@@ -279,6 +281,8 @@ class RouterConfig:
             raise ValueError("--max-request-bytes must be at least 1024")
         if self.max_queued_requests < 1:
             raise ValueError("--max-queued-requests must be at least 1")
+        if self.router_workers < 1:
+            raise ValueError("--router-workers must be at least 1")
         for name in ("queue_timeout_s", "drain_timeout_s", "node_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")

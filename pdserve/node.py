@@ -84,18 +84,19 @@ class NodeBase:
         self.auth = transport.start_authenticator(self.ctx, self.keys)
         self.front = self.ctx.socket(zmq.ROUTER)
         transport.configure(self.front)
+        self.front.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a router reconnecting under its routing id takes it over
         self.front_addr = transport.bind(self.front, cfg.listen, self.keys)
         self.poller = zmq.Poller()
         self.poller.register(self.front, zmq.POLLIN)
         self.handlers = {self.front: self.handle_front}
-        self.router_id: bytes | None = None
+        self.routers: dict[bytes, None] = {}  # the routing ids of the routers that said Hello, the latest last
         self.counters = {"requests": 0, "tokens_out": 0, "steps": 0, "step_time_s": 0.0, "busy_time_s": 0.0}
         self.held: list[TokenOutput] = []  # a step's outputs, not published yet
         self._next_stats = 0.0
         self._stop = False
         self.drain_deadline: float | None = None  # set by SIGTERM
         self._drain_announced = False
-        self.router_pending: set[str] | None = None  # while draining: what the router still counts here
+        self.router_pending: dict[bytes, set[str]] = {}  # while draining: what each router still counts here
         self._cache_reset = True  # the next Stats carries the whole prefix cache, not its changes
         self.engine.pool.allocator.changes = {}  # follow the prefix cache, for the router's view of it
 
@@ -145,12 +146,10 @@ class NodeBase:
 
     def holds_work(self) -> bool:
         """Whether requests still depend on this node: held here, or routed here and not arrived yet."""
-        if self.router_pending is None:  # no answer yet: a live router answers our draining stats at once,
-            started = self.drain_deadline - self.cfg.drain_timeout_s  # one that has exited never will
-            waiting_for_router = self.router_id is not None and time.monotonic() - started < ROUTER_ANSWER_S
-        else:
-            waiting_for_router = bool(self.router_pending)
-        return bool(self.engine.requests or self.held) or waiting_for_router
+        started = self.drain_deadline - self.cfg.drain_timeout_s  # a live router answers our draining stats at
+        unanswered = any(r not in self.router_pending for r in self.routers)  # once, one that has exited never will
+        waiting = unanswered and time.monotonic() - started < ROUTER_ANSWER_S
+        return bool(self.engine.requests or self.held) or waiting or any(self.router_pending.values())
 
     def fail_all(self, why: str) -> None:
         """End every request held here with an error event (after the tokens it has; the node is shutting down)."""
@@ -237,7 +236,7 @@ class NodeBase:
         elif isinstance(msg, P.Abort):
             self.on_abort(msg.request_id)
         elif isinstance(msg, P.Pending):
-            self.router_pending = set(msg.request_ids)
+            self.router_pending[identity] = set(msg.request_ids)
         else:
             log.warning("unexpected %s on the router socket", type(msg).__name__)
 
@@ -245,7 +244,9 @@ class NodeBase:
         ok = msg.protocol_version == P.PROTOCOL_VERSION
         reason = "" if ok else f"protocol {msg.protocol_version} here is {P.PROTOCOL_VERSION}"
         if ok:
-            self.router_id, self._cache_reset = identity, True
+            self.routers.pop(identity, None)
+            self.routers[identity] = None
+            self._cache_reset = True  # every router gets the whole cache: the changes are taken once, for all
         info = {"layout": self.engine.layout.to_dict(), "max_model_len": self.engine.max_model_len,
                 "kv_capacity_tokens": self.engine.kv_stats()[2]}  # fmt: skip
         transport.send(self.front, P.HelloAck(ok, self.role, info, reason), identity=identity)
@@ -274,8 +275,22 @@ class NodeBase:
         self.emit([token_event(o) for o in outputs])
 
     def emit(self, events: list[P.TokenEvent]) -> None:
-        if self.router_id is not None and events:
-            transport.send(self.front, P.TokenEvents(events), identity=self.router_id)
+        """Each event to the router that dispatched its request: one message per router."""
+        by_router: dict[bytes, list[P.TokenEvent]] = {}
+        for ev in events:
+            router = self.router_of(ev.request_id)
+            if router is not None:
+                by_router.setdefault(router, []).append(ev)
+        for router, evs in by_router.items():
+            transport.send(self.front, P.TokenEvents(evs), identity=router)
+
+    def router_of(self, request_id: str) -> bytes | None:
+        """The router that dispatched `request_id`: the one whose routing id leads it (P.router_of), or else (a
+        router that names none) the latest to say Hello."""
+        router = P.router_of(request_id).encode()
+        if router in self.routers:
+            return router
+        return next(reversed(self.routers), None)
 
     # ---- chores -------------------------------------------------------------------------------
     def tick(self) -> None:
@@ -300,5 +315,7 @@ class NodeBase:
         return len(self.engine.requests)
 
     def send_stats(self) -> None:
-        if self.router_id is not None:
-            transport.send(self.front, self.stats(), identity=self.router_id)
+        """The heartbeat, to every router: each picks nodes by their load."""
+        stats = self.stats()
+        for router in self.routers:
+            transport.send(self.front, stats, identity=router)

@@ -40,9 +40,7 @@ def _node(core: RouterCore, addr: str):
 
 
 def _events(flight) -> list[P.TokenEvent]:
-    out = []
-    while not flight.queue.empty():
-        out.append(flight.queue.get_nowait())
+    out, flight.inbox.events = flight.inbox.events, []
     return out
 
 

@@ -8,7 +8,7 @@ import pytest
 import transformers
 
 from pdserve.engine.checkpoint import resolve_model
-from pdserve.router.text import Detokenizer
+from pdserve.router.text import Detokenizer, backend_decoder
 
 
 @pytest.fixture(scope="module")
@@ -17,6 +17,7 @@ def tokenizer():
 
 
 def test_deltas_add_up_to_the_whole_text(tokenizer):
+    assert backend_decoder(tokenizer) is not None, "the built-in models' tokenizers decode through the fast path"
     ids = tokenizer.encode("héllo wörld — ünïcode ✓ ok", add_special_tokens=False)
     ids += [random.Random(0).randrange(500) for _ in range(40)]
     for step in (1, 3):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -18,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.config import RouterConfig
-from pdserve.router import small_routes
+from pdserve.router import small_routes, sse
 from pdserve.router.access_log import AccessLog
 from pdserve.router.auth import ApiKeyGuard
 from pdserve.router.choices import derive_seed, gather_all, merge
@@ -28,6 +29,7 @@ from pdserve.router.limits import Offload, RequestLimits, content_chars, stop_pr
 from pdserve.router.logprobs import ChoiceExtras, merge_pieces
 from pdserve.router.openai_fields import UnsupportedField, check_fields
 from pdserve.router.response_format import grammar_for, schema_size
+from pdserve.router.sse import ChunkFormat
 from pdserve.router.text import Detokenizer, ModelInfo, NoTokenizerError, chat_prompt_ids, load_model_info
 from pdserve.wire import protocol as P
 
@@ -323,28 +325,55 @@ def admission_errors():
         raise ApiError(503, str(e)) from None
 
 
-async def run_job(core: RouterCore, info: ModelInfo, job: Job, flight=None) -> AsyncIterator[Delta]:
-    """Dispatch `job` (unless `flight` is given) and yield text deltas; aborts it everywhere if the consumer leaves."""
+async def run_job(core: RouterCore, info: ModelInfo, job: Job, flight=None) -> AsyncIterator[list[Delta]]:
+    """Dispatch `job` (unless `flight` is given) and yield its text deltas, a list at a time: those of the events that
+    came since the last list (one node message's, unless the stream fell behind). Aborts it everywhere if the consumer
+    leaves."""
     flight = flight or submit(core, job)
-    detok = Detokenizer(info.tokenizer, job.stops, job.include_stop, job.skip_special)
-    extras = job.extras(info.tokenizer)
-    finished, reason = False, None
+    view = _ChoiceView(info, job)
     try:
-        while not finished:
-            ev: P.TokenEvent = await flight.queue.get()
-            if ev.finish_reason == P.FinishReason.ERROR:
-                raise ApiError(HTTP_STATUS[ev.error_code], f"request failed: {ev.error}", code=ev.error_code.value)
-            shown = list(ev.token_ids) if job.show_tokens else []
-            text, stopped = detok.add(shown)
-            reason = P.FinishReason.STOP if stopped else ev.finish_reason
-            if reason is not None:
-                text += "" if stopped else detok.flush()
-                finished = True
-            prefix, logprobs = extras.event(ev, shown) if extras else ("", None)
-            yield Delta(prefix + text, shown, reason, logprobs)
+        while view.reason is None:
+            deltas, error = view.deltas(await flight.inbox.take())
+            if deltas:
+                yield deltas
+            if error is not None:
+                raise error
     finally:
-        if not finished or flight.request_id in core.flights:
-            core.abort(flight.request_id, reason or P.FinishReason.ABORT)
+        if view.reason is None or flight.request_id in core.flights:
+            core.abort(flight.request_id, view.reason or P.FinishReason.ABORT)
+
+
+class _ChoiceView:
+    """What the client sees of one choice's events: text (stop strings cut), shown tokens, log-probabilities."""
+
+    def __init__(self, info: ModelInfo, job: Job) -> None:
+        self.job = job
+        self.detok = Detokenizer(info.tokenizer, job.stops, job.include_stop, job.skip_special)
+        self.extras = job.extras(info.tokenizer)
+        self.reason: P.FinishReason | None = None  # set by the last event the client sees
+
+    def deltas(self, events: list[P.TokenEvent]) -> tuple[list[Delta], ApiError | None]:
+        """The deltas of `events` up to the choice's end, and the error that ended it, if one did."""
+        out = []
+        for ev in events:
+            if ev.finish_reason == P.FinishReason.ERROR:
+                self.reason = ev.finish_reason
+                status, code = HTTP_STATUS[ev.error_code], ev.error_code.value
+                return out, ApiError(status, f"request failed: {ev.error}", code=code)
+            out.append(self._delta(ev))
+            if self.reason is not None:
+                break
+        return out, None
+
+    def _delta(self, ev: P.TokenEvent) -> Delta:
+        shown = list(ev.token_ids) if self.job.show_tokens else []
+        text, stopped = self.detok.add(shown)
+        reason = P.FinishReason.STOP if stopped else ev.finish_reason
+        if reason is not None:
+            text += "" if stopped else self.detok.flush()
+            self.reason = reason
+        prefix, logprobs = self.extras.event(ev, shown) if self.extras else ("", None)
+        return Delta(prefix + text, shown, reason, logprobs)
 
 
 def _usage(jobs: list[Job], completion_tokens: int) -> dict:
@@ -374,11 +403,12 @@ def _envelope(job: Job, chat: bool, stream: bool) -> dict:
 
 async def _collect(core, info, job: Job) -> tuple[str, list[int], str | None, dict | None]:
     texts, ids, reason, logprobs = [], [], None, []
-    async for d in run_job(core, info, job):
-        texts.append(d.text)
-        ids.extend(d.token_ids)
-        reason = d.finish_reason
-        logprobs += [d.logprobs] if d.logprobs is not None else []
+    async for deltas in run_job(core, info, job):
+        for d in deltas:
+            texts.append(d.text)
+            ids.extend(d.token_ids)
+            reason = d.finish_reason
+            logprobs += [d.logprobs] if d.logprobs is not None else []
     return "".join(texts), ids, reason, merge_pieces(logprobs)
 
 
@@ -410,28 +440,44 @@ def submit_all(core: RouterCore, jobs: list[Job]) -> list:
     return flights
 
 
+async def _numbered(deltas: AsyncIterator[list[Delta]]) -> AsyncIterator[tuple[int, list[Delta]]]:
+    """One choice's deltas as `merge` gives several choices' (closing this closes the choice's stream)."""
+    async with aclosing(deltas):
+        async for d in deltas:
+            yield 0, d
+
+
+def _chunk(job: Job, chat: bool, fmt: ChunkFormat, d: Delta) -> str:
+    if d.logprobs is None:
+        return fmt.event(d.text, d.token_ids, d.finish_reason)
+    chunk = _envelope(job, chat, stream=True)
+    chunk["choices"] = [_choice(job, chat, d.text, d.token_ids, d.finish_reason, stream=True, logprobs=d.logprobs)]
+    return sse.event(chunk)
+
+
 async def _stream(core, info, jobs: list[Job], chat: bool, flights: list, state) -> AsyncIterator[str]:
-    """The stream's events; its usage goes to `state` (the request's) when it ends, however it ends."""
+    """The SSE body: one event per delta (per token, unless a node sent several at once), the events of one list of
+    deltas in one write; the usage chunk when asked for; [DONE]. The usage goes to `state` (the request's) when it
+    ends, however it ends."""
     n = 0
-    deltas = merge([run_job(core, info, j, f) for j, f in zip(jobs, flights, strict=True)])
+    runs = [run_job(core, info, j, f) for j, f in zip(jobs, flights, strict=True)]
+    formats = [ChunkFormat(_envelope(j, chat, stream=True), j.index, chat, j.return_token_ids) for j in jobs]
+    batches = _numbered(runs[0]) if len(runs) == 1 else merge(runs)
     try:
-        async with aclosing(deltas):  # a client that leaves closes it now: every choice is aborted at once
-            async for i, d in deltas:
-                n += len(d.token_ids)
-                chunk = _envelope(jobs[i], chat, stream=True)
-                chunk["choices"] = [_choice(jobs[i], chat, d.text, d.token_ids, d.finish_reason, stream=True,
-                                            logprobs=d.logprobs)]  # fmt: skip
-                yield f"data: {json.dumps(chunk)}\n\n"
+        async with aclosing(batches):  # a client that leaves closes it now: every choice is aborted at once
+            async for i, deltas in batches:
+                n += sum(len(d.token_ids) for d in deltas)
+                yield "".join([_chunk(jobs[i], chat, formats[i], d) for d in deltas])
     except ApiError as e:
         where = "stream of POST " + ("/v1/chat/completions" if chat else "/v1/completions")
-        yield f"data: {json.dumps(api_error_body(where, e))}\n\n"
+        yield sse.event(api_error_body(where, e))
         return
     finally:
         state.usage = _usage(jobs, n)
     if jobs[0].include_usage:
         chunk = _envelope(jobs[0], chat, stream=True)
         chunk["choices"], chunk["usage"] = [], _usage(jobs, n)
-        yield f"data: {json.dumps(chunk)}\n\n"
+        yield sse.event(chunk)
     yield "data: [DONE]\n\n"
 
 
@@ -469,7 +515,9 @@ async def _read(request: Request, model: type[_Common]) -> _Common:
     return body
 
 
-def create_app(cfg: RouterConfig) -> FastAPI:
+def create_app(cfg: RouterConfig, worker: int | None = None) -> FastAPI:
+    """The router's app; `worker`: its number among --router-workers processes (None: the only one)."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         app.state.info = load_model_info(cfg.model, tokenizer=not cfg.skip_tokenizer)
@@ -546,7 +594,9 @@ def create_app(cfg: RouterConfig) -> FastAPI:
 
     @app.get("/health")
     async def health(request: Request):
-        h = {**request.app.state.core.health(), "instance": cfg.instance_id}
+        core = request.app.state.core
+        h = {**core.health(), "instance": cfg.instance_id, "router_workers": cfg.router_workers,
+             "worker": worker or 0, "pid": os.getpid(), "in_flight": len(core.flights)}  # fmt: skip
         return JSONResponse(h, status_code=200 if h["status"] == "ok" else 503)
 
     @app.get("/metrics")

@@ -1,8 +1,8 @@
 """The router's state: its connections to the nodes, and every request in flight.
 
 Everything here runs on the router's one event loop, so one task at a time owns the state: HTTP
-handlers call `submit` / `abort` and read events from the request's queue; one reader task per node
-feeds those queues; one watchdog marks silent or disconnected nodes down and fails their requests.
+handlers call `submit` / `abort` and take events from the request's inbox; one reader task per node
+feeds those inboxes; one watchdog marks silent or disconnected nodes down and fails their requests.
 
 A request's life in the router:
 1. admission: refused (429, Retry-After) while --max-queued-requests requests wait for a first token.
@@ -36,6 +36,7 @@ import dataclasses
 import itertools
 import logging
 import math
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -97,6 +98,33 @@ class NodeConn:
         return self.up and not self.draining
 
 
+class Inbox:
+    """A request's events on their way from the core to the task that streams them: `put` appends without waking
+    anything but that task, `take` hands over every event that came since the last take (one node message's, unless
+    the stream fell behind), so a task switch and a write serve them all."""
+
+    __slots__ = ("events", "waiter")
+
+    def __init__(self) -> None:
+        self.events: list[P.TokenEvent] = []
+        self.waiter: asyncio.Future | None = None
+
+    def put(self, ev: P.TokenEvent) -> None:
+        self.events.append(ev)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def take(self) -> list[P.TokenEvent]:
+        while not self.events:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        events, self.events = self.events, []
+        return events
+
+
 @dataclass(eq=False)
 class Flight:
     """One request in flight. `request_id` changes when the request is dispatched again."""
@@ -104,7 +132,7 @@ class Flight:
     request_id: str
     prompt: list[int]
     params: P.SamplingParams
-    queue: asyncio.Queue
+    inbox: Inbox = field(default_factory=Inbox)
     nodes: list[NodeConn] = field(default_factory=list)  # [colocated] or [prefill, decode]
     start: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
@@ -150,6 +178,7 @@ class RouterCore:
         self._ttft_recent = 1.0  # seconds, a moving average: the Retry-After of a refused request
         self._tasks: list[asyncio.Task] = []
         self._ids = itertools.count()
+        self.routing_id = f"router-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # on every node connection; leads our ids
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -212,6 +241,7 @@ class RouterCore:
 
     def _join(self, node: NodeConn) -> None:
         node.sock = self.ctx.socket(zmq.DEALER)
+        node.sock.setsockopt(zmq.ROUTING_ID, self.routing_id.encode())
         transport.configure(node.sock)
         transport.secure_client(node.sock, self.keys)
         node.sock.setsockopt(zmq.RECONNECT_IVL, 100)
@@ -329,7 +359,7 @@ class RouterCore:
 
     def submit(self, prompt_token_ids: list[int], params: P.SamplingParams) -> Flight:
         self.check_admission()
-        flight = Flight("", list(prompt_token_ids), params, asyncio.Queue())
+        flight = Flight("", list(prompt_token_ids), params)
         self._dispatch(flight)
         self.waiting.add(flight)
         self.metrics.requests.inc()
@@ -361,7 +391,7 @@ class RouterCore:
     def _dispatch(self, flight: Flight) -> None:
         """Send the request, from where its stream stands, to the nodes that cache most of it or are least loaded,
         under a new id."""
-        rid = f"{uuid.uuid4().hex[:12]}-{next(self._ids)}"
+        rid = f"{self.routing_id}{P.ROUTER_ID_END}{uuid.uuid4().hex[:12]}-{next(self._ids)}"
         prompt = flight.prompt + flight.output
         params = self._resumed_params(flight)
         names = self._block_names(prompt)
@@ -444,7 +474,7 @@ class RouterCore:
             self._abort_on_nodes(flight)  # the nodes that still hold it must let it go
         if ev.finish_reason is not None:
             self._end(flight, ev.finish_reason)
-        flight.queue.put_nowait(ev)
+        flight.inbox.put(ev)
 
     def _observe_tokens(self, flight: Flight, token_ids: list[int], from_decode: bool) -> None:
         now, m = time.perf_counter(), self.metrics

@@ -9,6 +9,7 @@ then exits with status 0. A second signal exits at once.
 from __future__ import annotations
 
 import asyncio
+import socket
 from types import FrameType
 
 import uvicorn
@@ -45,9 +46,10 @@ class DrainingServer(uvicorn.Server):
             self.drain_task = asyncio.create_task(core.drain(self.drain_s))
 
 
-def serve(cfg: RouterConfig) -> None:
-    app = create_app(cfg)
+def serve(cfg: RouterConfig, sock: socket.socket | None = None, worker: int | None = None) -> None:
+    """Serve on cfg.host:cfg.port, or on `sock` (a worker of several, router/workers.py, numbered `worker`)."""
+    app = create_app(cfg, worker)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", http="h11",
                             h11_max_incomplete_event_size=MAX_HEADER_BYTES,
                             timeout_graceful_shutdown=cfg.drain_timeout_s + 5)  # fmt: skip
-    DrainingServer(config, app, cfg.drain_timeout_s).run()
+    DrainingServer(config, app, cfg.drain_timeout_s).run(sockets=[sock] if sock is not None else None)

@@ -92,6 +92,7 @@ class Detokenizer:
 
     def __init__(self, tokenizer, stops: list[str], include_stop: bool = False, skip_special: bool = True) -> None:
         self.tokenizer = tokenizer
+        self._backend = backend_decoder(tokenizer)
         self.stops = stops
         self.include_stop = include_stop  # the text ends with the stop string rather than before it
         self.skip_special = skip_special
@@ -136,7 +137,11 @@ class Detokenizer:
         return self.ids[self.prefix_offset : self.read_offset]
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special) if ids else ""
+        if not ids:
+            return ""
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=self.skip_special)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
 
     def _take(self, upto: int) -> str:
         if upto <= self.sent:
@@ -144,3 +149,13 @@ class Detokenizer:
         out = self.text[self.sent : upto]
         self.sent = upto
         return out
+
+
+def backend_decoder(tokenizer) -> object | None:
+    """The `tokenizers.Tokenizer` under a fast tokenizer, when its decode gives what the tokenizer's own does (no
+    clean-up of spaces afterwards): called directly, it skips transformers' argument conversions, most of the cost
+    of decoding a token or two. None otherwise."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None or not hasattr(backend, "decode") or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None
+    return backend

@@ -212,9 +212,21 @@ class HelloAck:
     reason: str = ""
 
 
+ROUTER_ID_END = "/"  # a request id may begin with its router's routing id, ended by this
+
+
+def router_of(request_id: str) -> str:
+    """The routing id of the router that dispatched `request_id` ("" when the id names none). A router connects to
+    every node under one routing id and begins its request ids with it, so every node, the decode node that gets the
+    request from a prefill node included, sends the request's events to the router process that dispatched it."""
+    head, end, _ = request_id.partition(ROUTER_ID_END)
+    return head if end else ""
+
+
 @dataclass(frozen=True)
 class Generate:
-    """Router -> colocated or prefill node. `decode_addr` names the decode node in disagg mode."""
+    """Router -> colocated or prefill node. `decode_addr` names the decode node in disagg mode. `request_id` begins
+    with the router's routing id (router_of)."""
 
     request_id: str
     prompt_token_ids: list[Id]

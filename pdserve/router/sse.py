@@ -1,0 +1,34 @@
+"""A streamed choice's server-sent events, the JSON around its changing parts built once per choice.
+
+A chunk whose choice carries log-probabilities is built as a dict and serialized whole; every other chunk
+is the choice's fixed head (envelope, choice index, the text's key), the text as a JSON string, its finish
+reason, and its token ids when asked for: the same JSON as serializing the dict, in the same key order.
+"""
+
+from __future__ import annotations
+
+import json
+from json.encoder import encode_basestring_ascii
+
+from pdserve.wire.protocol import FinishReason
+
+_REASONS = {None: "null", **{r: json.dumps(r.value) for r in FinishReason}}
+
+
+def event(obj: dict) -> str:
+    """One server-sent event carrying `obj` as JSON."""
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+class ChunkFormat:
+    """The events of one streamed choice (`envelope`: the chunk's id, object, created and model)."""
+
+    def __init__(self, envelope: dict, index: int, chat: bool, with_token_ids: bool) -> None:
+        key = '"delta": {"role": "assistant", "content": ' if chat else '"text": '
+        self.head = f'data: {json.dumps(envelope)[:-1]}, "choices": [{{"index": {index}, {key}'
+        self.after_text = '}, "logprobs": null, "finish_reason": ' if chat else ', "logprobs": null, "finish_reason": '
+        self.with_token_ids = with_token_ids
+
+    def event(self, text: str, token_ids: list[int], reason: FinishReason | None) -> str:
+        ids = f', "token_ids": [{", ".join(map(str, token_ids))}]' if self.with_token_ids else ""
+        return f"{self.head}{encode_basestring_ascii(text)}{self.after_text}{_REASONS[reason]}{ids}}}]}}\n\n"

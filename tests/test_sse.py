@@ -1,0 +1,37 @@
+"""A streamed chunk built from its choice's template is the JSON of the chunk's dict, key for key and in order."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdserve.router.sse import ChunkFormat
+from pdserve.wire.protocol import FinishReason
+
+TEXTS = ["", "plain", 'quo"te \\ back', "tab\tnew\nline", "héllo ✓ 😀", "\x00\x1f"]
+
+
+def _reference(envelope: dict, index: int, chat: bool, text: str, ids: list[int], reason, with_ids: bool) -> dict:
+    if chat:
+        choice = {"index": index, "delta": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": reason}  # fmt: skip
+    else:
+        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+    if with_ids:
+        choice["token_ids"] = ids
+    return {**envelope, "choices": [choice]}
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("with_ids", [False, True])
+def test_template_chunks_are_the_dicts_json(chat: bool, with_ids: bool):
+    envelope = {"id": "cmpl-ab\\\"c", "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": 1700000000, "model": "tiny ✓"}  # fmt: skip
+    fmt = ChunkFormat(envelope, 3, chat, with_ids)
+    for text in TEXTS:
+        for ids, reason in (([], None), ([7], None), ([1, 22, 333], FinishReason.LENGTH), ([5], FinishReason.STOP)):
+            out = fmt.event(text, ids, reason)
+            assert out.startswith("data: ") and out.endswith("\n\n")
+            expected = json.dumps(_reference(envelope, 3, chat, text, ids, reason, with_ids))
+            assert out[len("data: ") : -2] == expected
