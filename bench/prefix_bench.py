@@ -41,13 +41,13 @@ CONFIGS = [("colocated", True), ("colocated", False), ("disagg", True), ("disagg
 class Sizes:
     prefix: int = 800  # shared_prefix: the common prefix
     suffix: tuple[int, int] = (16, 48)  # its distinct suffixes (min, max)
-    requests: int = 16
+    requests: int = 12
     output: int = 16
     system: int = 400  # multi_turn: the shared system prompt
     message: tuple[int, int] = (32, 96)  # each user message
     answer: int = 32  # each answer
-    conversations: int = 4
-    turns: int = 4
+    conversations: int = 3
+    turns: int = 3
 
 
 QUICK = Sizes(prefix=100, suffix=(4, 8), requests=4, output=4, system=64, message=(4, 12), answer=4,
@@ -108,7 +108,7 @@ def _summary(records: list[RequestRecord]) -> dict:
 def run_config(args, mode: str, caching: bool, sizes: Sizes, vocab: int) -> dict:
     extra = () if caching else ("--no-prefix-caching",)
     opts = systems.StackOptions(args.model, 16, 512, args.kv_cache_gb, args.kv_transport,
-                                args.out_dir / f"prefix-{mode}-{'on' if caching else 'off'}", extra)  # fmt: skip
+                                RUNS_DIR / f"prefix-{mode}-{'on' if caching else 'off'}", extra)  # fmt: skip
     with systems.pdserve_stack(opts, mode, progress=False) as run:
         url, target = f"{run.target.base_url}/v1/completions", run.target
         model = asyncio.run(_served(run.target.base_url))
@@ -211,24 +211,25 @@ def main(argv: list[str] | None = None) -> int:
     config = model_config(args.model)
     env = {**environment(), "model": args.model}
     args.out_dir = args.out_dir or (RESULTS_DIR if args.record else RUNS_DIR)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    results = []
+    for folder in {args.out_dir, RUNS_DIR}:
+        folder.mkdir(parents=True, exist_ok=True)
+    stem, results = output_stem(args, env["git_commit"]), []
     for mode, caching in CONFIGS:
         print(f"{mode}, prefix caching {'on' if caching else 'off'}", file=sys.stderr)
         try:
-            results.append(run_config(args, mode, caching, sizes, config.vocab_size))
+            results.append({**run_config(args, mode, caching, sizes, config.vocab_size),
+                            "bytes_per_token": _bytes_per_token(config)})  # fmt: skip
         except systems.SystemFailed as e:
             print(f"  failed: {e}", file=sys.stderr)
             return 1
-    bpt = _bytes_per_token(config)
-    for r in results:
-        r["bytes_per_token"] = bpt
-    stem = output_stem(args, env["git_commit"])
-    (args.out_dir / f"{stem}.json").write_text(json.dumps({"env": env, "sizes": sizes.__dict__, "results": results}))
-    text = report(results, env, sizes)
-    (args.out_dir / f"{stem}.md").write_text(text)
-    print(text)
+        write(args.out_dir / stem, env, sizes, results)  # after each system: a cut-short run keeps what it has
+    print((args.out_dir / f"{stem}.md").read_text())
     return 0
+
+
+def write(path: Path, env: dict, sizes: Sizes, results: list[dict]) -> None:
+    path.with_suffix(".json").write_text(json.dumps({"env": env, "sizes": sizes.__dict__, "results": results}))
+    path.with_suffix(".md").write_text(report(results, env, sizes))
 
 
 def output_stem(args: argparse.Namespace, commit: str) -> str:
