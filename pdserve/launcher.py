@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import signal
@@ -122,8 +123,16 @@ def _health_instance(url: str) -> str | None:
 
 
 def start_child(argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-    """A child in a session of its own: a terminal's Ctrl-C reaches only the launcher, which stops them in order."""
-    return subprocess.Popen(argv, env=env, start_new_session=True)
+    """A child in a session of its own: a terminal's Ctrl-C reaches only the launcher, which stops them in order;
+    and, on Linux, one that gets SIGTERM if the launcher dies without stopping it (SIGKILL)."""
+    preexec = die_with_parent if sys.platform == "linux" else None
+    return subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=preexec)
+
+
+def die_with_parent() -> None:
+    """In a child, before exec (Linux): SIGTERM it when the process that started it dies."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def router_argv(a: argparse.Namespace, infos: list[dict], instance_id: str) -> list[str]:

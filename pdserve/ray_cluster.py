@@ -28,7 +28,6 @@ What runs where:
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import logging
 import os
@@ -46,6 +45,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pdserve.flags import engine_argv, router_command, router_options
+from pdserve.launcher import _wait_http, check_configs, die_with_parent, router_env, start_child, stop_all
 from pdserve.router.membership import RAY_NAMESPACE, controller_name
 from pdserve.startup import check_checkpoint, check_port_free
 from pdserve.wire.protocol import KvTransport, Role
@@ -60,12 +60,6 @@ STRATEGIES = {"pack": "PACK", "spread": "SPREAD"}
 
 
 # ---- a node on a Ray worker ----------------------------------------------------------------------
-def _die_with_parent() -> None:
-    """In the node process, before exec: SIGTERM it when the actor that started it dies (Linux)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 def _wait_ready(proc: subprocess.Popen, ready: Path) -> dict:
     deadline = time.monotonic() + READY_TIMEOUT_S
     while not ready.exists():
@@ -93,7 +87,7 @@ class NodeActor:
         ray_node_id = ray.get_runtime_context().get_node_id()  # one Ray node per host: it names the host
         cmd = [sys.executable, "-m", "pdserve", "--log-level", spec["log_level"], role, *spec["argv"], *addrs,
                "--ready-file", str(ready), "--host-id", f"ray:{ray_node_id}"]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
+        self.proc = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent)
         node = _wait_ready(self.proc, ready)
         self.entry = {"key": key, "role": role, "listen": node["listen"], "kv_listen": node.get("kv_listen", ""),
                       "pid": node["pid"], "ray_node_id": ray_node_id}  # fmt: skip
@@ -342,8 +336,6 @@ def stop_nodes(controller, timeout_s: float) -> None:
 
 def launch_on_ray(a: argparse.Namespace) -> int:
     """`pdserve up --ray`: nodes on the cluster, the router here; stops everything on Ctrl-C / SIGTERM."""
-    from pdserve.launcher import _wait_http, check_configs, router_env, start_child, stop_all
-
     check_args(a)
     check_configs(a, {Role.PREFILL: node_device(a), Role.DECODE: node_device(a)})
     check_port_free(a.host, a.port)

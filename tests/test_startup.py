@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from helpers import hf_greedy
+from helpers import hf_greedy, wait_until
 from stack import free_port
 
 from pdserve.engine.checkpoint import resolve_model
@@ -204,3 +204,30 @@ def test_up_says_each_stage_serves_logs_requests_and_stops_cleanly_on_ctrl_c(tmp
         assert len(re.findall(stage, log)) == 1, (stage, log)
     for failure in ("Traceback", "is down", "exited with code", "{'role'", "Loading weights"):
         assert failure not in log, log
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except OSError:
+        return True
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux's")
+def test_the_children_of_a_killed_launcher_stop(tmp_path):
+    """SIGKILL leaves the launcher no chance to stop its children (in sessions of their own): they stop anyway."""
+    argv = [sys.executable, "-m", "pdserve", "--log-level", "WARNING", "up", "--model", "tiny", "--mode",
+            "colocated", "--port", str(free_port()), "--no-pin", "--num-kv-blocks", "64"]  # fmt: skip
+    up = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+    try:
+        assert "is serving" in up.stdout.readline()
+        children = _children(up.pid)
+        assert len(children) == 2, children
+    finally:
+        up.kill()
+        up.wait()
+    assert wait_until(lambda: all(_gone(c) for c in children), START_TIMEOUT_S), "children outlived the launcher"
