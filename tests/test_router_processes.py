@@ -9,9 +9,11 @@ import signal
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.config import RouterConfig
 from pdserve.router.core import RouterCore
+from pdserve.router.metrics import RouterMetrics, merge_expositions
 from pdserve.wire import protocol as P
 from tests.helpers import wait_until
 from tests.stack import Stack
@@ -88,11 +90,20 @@ def _workers(url: str) -> dict[int, dict]:
     return seen
 
 
+def _requests_total(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+    return next(s.value for s in samples if s.name == "pdserve:requests_total")
+
+
 def test_two_router_workers_share_the_port_and_one_that_dies_fails_only_its_streams_and_comes_back(tmp_path):
     stack = Stack(tmp_path, "tiny", mode="colocated", router_args=("--router-workers", "2")).start()
     try:
         workers = _workers(stack.url)
         assert sorted(workers) == [0, 1] and len({h["instance"] for h in workers.values()}) == 1
+        for _ in range(6):  # each on a new connection, so on either worker
+            assert httpx.post(stack.url + "/v1/completions", json=SHORT, timeout=60).status_code == 200
+        assert wait_until(lambda: all(_requests_total(stack.url) == 6 for _ in range(8)), 60), "metrics not summed"
         streams = _start_streams(stack.url, 8, 300)
         workers = _workers(stack.url)
         victim = max(workers.values(), key=lambda h: h["in_flight"])
@@ -107,3 +118,21 @@ def test_two_router_workers_share_the_port_and_one_that_dies_fails_only_its_stre
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     finally:
         stack.close()
+
+
+def test_merged_metrics_sum_the_workers_and_take_the_nodes_figures_once():
+    a, b = RouterMetrics(), RouterMetrics()
+    a.requests.inc()
+    b.requests.inc(2)
+    a.ttft.observe(0.1)
+    b.ttft.observe(0.3)
+    b.success.labels("length").inc()  # a sample only the other worker has
+    own = a.render().decode() + 'pdserve:kv_blocks_used{role="decode",node="tcp://d0"} 7.0\n'
+    other = b.render().decode() + 'pdserve:kv_blocks_used{role="decode",node="tcp://d0"} 7.0\n'
+    families = {f.name: f for f in text_string_to_metric_families(merge_expositions(own, [other]))}
+    values = {s.name + str(sorted(s.labels.items())): s.value for f in families.values() for s in f.samples}
+    assert values["pdserve:requests_total[]"] == 3
+    assert values["pdserve:time_to_first_token_seconds_count[]"] == 2
+    assert values["pdserve:time_to_first_token_seconds_sum[]"] == pytest.approx(0.4)
+    assert values["pdserve:request_success_total[('finished_reason', 'length')]"] == 1
+    assert values["pdserve:kv_blocks_used[('node', 'tcp://d0'), ('role', 'decode')]"] == 7, "a node's figure once"

@@ -27,10 +27,12 @@ from pdserve.router.core import NoNodeAvailable, Overloaded, RouterCore
 from pdserve.router.errors import HTTP_STATUS, ApiError, api_error_body, logged_error
 from pdserve.router.limits import Offload, RequestLimits, content_chars, stop_problem
 from pdserve.router.logprobs import ChoiceExtras, merge_pieces
+from pdserve.router.metrics import merge_expositions
 from pdserve.router.openai_fields import UnsupportedField, check_fields
 from pdserve.router.response_format import grammar_for, schema_size
 from pdserve.router.sse import ChunkFormat
 from pdserve.router.text import Detokenizer, ModelInfo, NoTokenizerError, chat_prompt_ids, load_model_info
+from pdserve.router.workers import SharedMetrics, read_others
 from pdserve.wire import protocol as P
 
 # ---- request bodies ------------------------------------------------------------------------------
@@ -515,8 +517,9 @@ async def _read(request: Request, model: type[_Common]) -> _Common:
     return body
 
 
-def create_app(cfg: RouterConfig, worker: int | None = None) -> FastAPI:
-    """The router's app; `worker`: its number among --router-workers processes (None: the only one)."""
+def create_app(cfg: RouterConfig, worker: int | None = None, metrics_dir: str = "") -> FastAPI:
+    """The router's app; `worker`: its number among --router-workers processes (None: the only one), which share
+    their metrics through files in `metrics_dir`."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -525,9 +528,12 @@ def create_app(cfg: RouterConfig, worker: int | None = None) -> FastAPI:
         app.state.offload = Offload()
         app.state.core = RouterCore(cfg)
         await app.state.core.start()
+        shared = SharedMetrics(metrics_dir, worker or 0, app.state.core.metrics) if metrics_dir else None
         try:
             yield
         finally:
+            if shared is not None:
+                shared.close()
             await app.state.core.stop()
             app.state.offload.close()
 
@@ -601,6 +607,8 @@ def create_app(cfg: RouterConfig, worker: int | None = None) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics(request: Request):
-        return Response(request.app.state.core.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        own = request.app.state.core.metrics.render()
+        body = merge_expositions(own.decode(), read_others(metrics_dir, worker or 0)).encode() if metrics_dir else own
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     return app

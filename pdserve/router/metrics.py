@@ -12,6 +12,7 @@ Queue and prefill times inside a node are not reported per request by the nodes 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -98,3 +99,32 @@ def _reports(nodes: list) -> Metric:
     for n in nodes:
         c.add_metric([n.role, n.addr], n.reports)
     return c
+
+
+def merge_expositions(own: str, others: list[str]) -> str:
+    """The Prometheus text of several router workers as one: each sample summed over the workers (requests, tokens,
+    histogram buckets, requests in flight), except the nodes' own figures (labelled with the node, and nodes_up),
+    which every worker hears alike and which are taken from `own`, and the times counters were created (the
+    earliest). Families keep `own`'s order; a family or a sample only another worker has so far comes after."""
+    heads: dict[str, list[str]] = {}  # family -> its # HELP and # TYPE lines
+    samples: dict[str, dict[str, float]] = {}  # family -> sample (name and labels) -> value
+    for text in (own, *others):
+        family = ""
+        for line in filter(None, text.splitlines()):
+            if line.startswith("#"):
+                family = line.split(" ", 3)[2]
+                lines = heads.setdefault(family, [])
+                samples.setdefault(family, {})
+                lines += [] if line in lines else [line]
+                continue
+            key, _, value = line.rpartition(" ")
+            values = samples.setdefault(family, {})
+            if 'node="' in key or key.startswith("pdserve:nodes_up"):
+                values.setdefault(key, float(value))
+            elif family.endswith("_created"):  # when a counter started: the earliest worker's
+                values[key] = min(values.get(key, math.inf), float(value))
+            else:
+                values[key] = values.get(key, 0.0) + float(value)
+    out = [line for family in samples for line in (*heads.get(family, ()),
+                                                    *(f"{k} {v!r}" for k, v in samples[family].items()))]  # fmt: skip
+    return "\n".join(out) + "\n"

@@ -46,9 +46,11 @@ class DrainingServer(uvicorn.Server):
             self.drain_task = asyncio.create_task(core.drain(self.drain_s))
 
 
-def serve(cfg: RouterConfig, sock: socket.socket | None = None, worker: int | None = None) -> None:
-    """Serve on cfg.host:cfg.port, or on `sock` (a worker of several, router/workers.py, numbered `worker`)."""
-    app = create_app(cfg, worker)
+def serve(cfg: RouterConfig, sock: socket.socket | None = None, worker: int | None = None,
+          metrics_dir: str = "") -> None:  # fmt: skip
+    """Serve on cfg.host:cfg.port, or on `sock` (a worker of several, router/workers.py, numbered `worker`, sharing
+    metrics through `metrics_dir`)."""
+    app = create_app(cfg, worker, metrics_dir)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", http="h11",
                             h11_max_incomplete_event_size=MAX_HEADER_BYTES,
                             timeout_graceful_shutdown=cfg.drain_timeout_s + 5)  # fmt: skip

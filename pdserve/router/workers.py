@@ -17,18 +17,26 @@ A worker's life:
    stopped and the parent exits 1: a worker that cannot start would only be restarted for ever);
 3. SIGTERM or SIGINT to the parent goes on to every worker, which drains as one router does; the parent
    exits once they all have.
+
+Metrics: every SHARE_INTERVAL_S each worker writes its metrics (Prometheus text) into a folder the parent made;
+/metrics on any worker answers its own, fresh, merged with the others' last (metrics.merge_expositions: summed,
+the nodes' figures taken once). A worker started again starts its counts from zero.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import logging
 import multiprocessing
 import os
+import shutil
 import signal
 import socket
+import tempfile
 import time
 from multiprocessing.connection import wait
+from pathlib import Path
 
 from pdserve.config import RouterConfig
 
@@ -36,6 +44,7 @@ log = logging.getLogger("pdserve.router")
 START_GRACE_S = 10.0
 MAX_QUICK_DEATHS = 3
 PR_SET_PDEATHSIG = 1  # prctl(2)
+SHARE_INTERVAL_S = 1.0
 
 
 def reuse_port_socket(host: str, port: int) -> socket.socket:
@@ -48,14 +57,37 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _worker_main(cfg: RouterConfig, index: int, log_level: int) -> None:
+class SharedMetrics:
+    """Writes a worker's metrics into the shared folder every SHARE_INTERVAL_S, for the other workers' /metrics."""
+
+    def __init__(self, folder: str, index: int, metrics) -> None:
+        self.path, self.metrics = Path(folder) / f"{index}.prom", metrics
+        self.task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_bytes(self.metrics.render())
+            os.replace(tmp, self.path)
+            await asyncio.sleep(SHARE_INTERVAL_S)
+
+    def close(self) -> None:
+        self.task.cancel()
+
+
+def read_others(folder: str, index: int) -> list[str]:
+    """The metrics the other workers last wrote into the shared folder."""
+    return [p.read_text() for p in sorted(Path(folder).glob("*.prom")) if p.stem != str(index)]
+
+
+def _worker_main(cfg: RouterConfig, index: int, log_level: int, metrics_dir: str) -> None:
     from pdserve.router.server import serve
 
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s router worker {index}: %(message)s",
                         datefmt="%Y-%m-%d %H:%M:%S")  # fmt: skip
     os.setpgrp()  # a terminal's Ctrl-C reaches the parent only, which passes it on as one SIGTERM (one drain, not two)
     _stop_with_parent()
-    serve(cfg, sock=reuse_port_socket(cfg.host, cfg.port), worker=index)
+    serve(cfg, sock=reuse_port_socket(cfg.host, cfg.port), worker=index, metrics_dir=metrics_dir)
 
 
 def _stop_with_parent() -> None:
@@ -78,9 +110,10 @@ class Workers:
         self.started: dict[int, float] = {}
         self.quick_deaths = 0
         self.stopping = False
+        self.metrics_dir = tempfile.mkdtemp(prefix="pdserve-router-metrics-")
 
     def _start(self, index: int) -> None:
-        proc = self.mp.Process(target=_worker_main, args=(self.cfg, index, logging.getLogger().level),
+        proc = self.mp.Process(target=_worker_main, args=(self.cfg, index, logging.getLogger().level, self.metrics_dir),
                                name=f"pdserve-router-{index}")  # fmt: skip
         proc.start()
         self.procs[index], self.started[index] = proc, time.monotonic()
@@ -92,6 +125,12 @@ class Workers:
                 proc.terminate()  # SIGTERM: the worker drains
 
     def run(self) -> int:
+        try:
+            return self._run()
+        finally:
+            shutil.rmtree(self.metrics_dir, ignore_errors=True)
+
+    def _run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         for index in range(self.cfg.router_workers):
