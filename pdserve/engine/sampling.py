@@ -161,7 +161,8 @@ def apply_processors(logits: torch.Tensor, requests: list[Request]) -> torch.Ten
     """vLLM's processors, in its order, on logits [R, V] (changed in place and returned): min_tokens masks EOS
     and the stop token ids while too few tokens are out; logit_bias adds; the repetition penalty divides positive
     (multiplies negative) logits of every token in the prompt or output; frequency and presence penalties
-    subtract count * f and (count > 0) * p for the output's tokens."""
+    subtract count * f and (count > 0) * p for the generated tokens (a resumed request's streamed ones
+    included)."""
     R, V = logits.shape
     dev, params = logits.device, [r.params for r in requests]
     bans = [(r, t) for r, req in enumerate(requests) if len(req.output_token_ids) < req.params.min_tokens
@@ -172,7 +173,7 @@ def apply_processors(logits: torch.Tensor, requests: list[Request]) -> torch.Ten
     if bias:
         at = to_device([(r, t) for r, t, _ in bias], dev, torch.long).T
         logits.index_put_(tuple(at), to_device([b for *_, b in bias], dev, torch.float32), accumulate=True)
-    counts = _token_counts([r.output_token_ids for r in requests], V, dev)  # [R, V]
+    counts = _token_counts([_generated(r) for r in requests], V, dev)  # [R, V]
     scale = to_device([[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in params], dev,
                       torch.float32)  # [R, 3]
     if any(p.repetition_penalty != 1.0 for p in params):
@@ -180,6 +181,12 @@ def apply_processors(logits: torch.Tensor, requests: list[Request]) -> torch.Ten
         rep = scale[:, :1]  # [R, 1]
         logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
     return logits - scale[:, 1:2] * counts - scale[:, 2:3] * (counts > 0).float()
+
+
+def _generated(req: Request) -> list[int]:
+    """Every token the request generated: a resumed request's streamed tokens (its prompt's tail), then its output."""
+    resumed = req.params.resumed
+    return (req.prompt_token_ids[-resumed:] if resumed else []) + req.output_token_ids
 
 
 def _token_counts(id_lists: list[list[int]], V: int, device: torch.device) -> torch.Tensor:
