@@ -6,6 +6,7 @@ nowhere else (pdserve/flags.py builds every verb's parser from these fields).
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -103,6 +104,26 @@ def check_key_dir(path: str) -> None:
         raise ValueError(f"--zmq-keys {path!r} lacks {', '.join(missing)}; make the folder with `pdserve keys DIR`")
 
 
+MOCK_COSTS_KEYS = ("prefill_base_s", "prefill_per_token_s", "prefill_per_token_ctx_s", "decode_base_s",
+                   "decode_per_seq_s", "decode_per_ctx_token_s")
+
+
+def read_mock_costs(path: str) -> dict[str, float]:
+    """The step costs of a bench.costs JSON file (its "costs": every MOCK_COSTS_KEYS number, none negative);
+    ValueError: one line that says what is wrong with the file."""
+    if not os.path.isfile(path):
+        raise ValueError(f"--mock-costs {path!r} is not a file (write one with python -m bench.costs)")
+    try:
+        with open(path, encoding="utf-8") as f:
+            costs = json.load(f)["costs"]
+        values = {k: float(costs[k]) for k in MOCK_COSTS_KEYS}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--mock-costs {path!r} is not a bench.costs JSON file: {e!r}") from None
+    if not all(v >= 0 for v in values.values()):
+        raise ValueError(f"--mock-costs {path!r} has a negative or NaN cost")
+    return values
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = _model()
@@ -170,8 +191,8 @@ class EngineConfig:
                              "per request[, per attended context token])")  # fmt: skip
         if self.mock_kv not in MOCK_KV_MODES:
             raise ValueError(f"--mock-kv must be one of {', '.join(MOCK_KV_MODES)}")
-        if self.mock_costs and not os.path.isfile(self.mock_costs):
-            raise ValueError(f"--mock-costs {self.mock_costs!r} is not a file (write one with python -m bench.costs)")
+        if self.mock_costs:
+            read_mock_costs(self.mock_costs)
 
     def num_blocks_for(self, bytes_per_token: int) -> int:
         if self.num_kv_blocks is not None:

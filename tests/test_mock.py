@@ -83,10 +83,19 @@ def test_a_bench_costs_file_gives_each_role_its_step_costs():
 
 
 def test_mock_costs_must_be_a_bench_costs_file(tmp_path):
+    """Refused by the config (so by `pdserve up`'s preflight, once), not later by each node."""
     bad = tmp_path / "costs.json"
-    bad.write_text("{}")
-    with pytest.raises(ValueError, match="bench.costs"):
-        Engine(EngineConfig(engine="mock", mock_costs=str(bad)))
+    for text in ("{}", "a host name\n", '{"costs": {"prefill_base_s": 1}}'):
+        bad.write_text(text)
+        with pytest.raises(ValueError, match="is not a bench.costs JSON file"):
+            EngineConfig(engine="mock", mock_costs=str(bad))
+    good = json.loads((Path(__file__).resolve().parents[1] / "bench" / "results" / "costs-mock-4p12d.json").read_text())
+    good["costs"]["decode_base_s"] = -1.0
+    bad.write_text(json.dumps(good))
+    with pytest.raises(ValueError, match="negative"):
+        EngineConfig(engine="mock", mock_costs=str(bad))
+    with pytest.raises(ValueError, match="is not a file"):
+        EngineConfig(engine="mock", mock_costs=str(tmp_path / "missing.json"))
     with pytest.raises(ValueError, match="mock-step-s"):
         EngineConfig(engine="mock", mock_step_s=(1.0, -1.0, 0.0))
 

@@ -24,10 +24,9 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from types import SimpleNamespace
 
-from pdserve.config import EngineConfig, max_model_len
+from pdserve.config import EngineConfig, max_model_len, read_mock_costs
 from pdserve.engine.block_allocator import BlockAllocator
 from pdserve.engine.checkpoint import BUILTIN_MODELS, resolve_model
 from pdserve.engine.draws import Drawn, TokenLogprob
@@ -79,13 +78,10 @@ def step_cost(cfg: EngineConfig, prefill_only: bool) -> StepCost:
     """--mock-step-s, or the role's costs in a bench.costs file."""
     if not cfg.mock_costs:
         return StepCost(*cfg.mock_step_s)
-    try:
-        c = json.loads(Path(cfg.mock_costs).read_text())["costs"]
-        if prefill_only:
-            return StepCost(c["prefill_base_s"], c["prefill_per_token_s"], 0.0, c["prefill_per_token_ctx_s"])
-        return StepCost(c["decode_base_s"], 0.0, c["decode_per_seq_s"], c["decode_per_ctx_token_s"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"--mock-costs {cfg.mock_costs!r} is not a bench.costs JSON file: {e!r}") from None
+    c = read_mock_costs(cfg.mock_costs)
+    if prefill_only:
+        return StepCost(c["prefill_base_s"], c["prefill_per_token_s"], 0.0, c["prefill_per_token_ctx_s"])
+    return StepCost(c["decode_base_s"], 0.0, c["decode_per_seq_s"], c["decode_per_ctx_token_s"])
 
 
 def model_facts(model: str) -> SimpleNamespace:
