@@ -9,11 +9,13 @@ import re
 import sys
 from pathlib import Path
 
-import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-tomllib = pytest.importorskip("tomllib")
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # the test extra brings tomli where the standard library has no TOML parser yet
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
