@@ -13,6 +13,7 @@ PAGES = sorted([ROOT / "README.md", ROOT / "bench" / "README.md", *(ROOT / "docs
 README_MAX_LINES = 200
 
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")  # [text](target) and ![alt](target)
+UNCLOSED = re.compile(r"\]\((?![^)\s]+\))")  # a `](` whose target does not close on its line
 FENCE = re.compile(r"^(```|~~~).*?^\1", re.M | re.S)
 QUOTED_PATH = re.compile(r"`((?:bench|docs|pdserve|scripts|tests|\.ci)/[\w./-]*)`")
 
@@ -65,6 +66,17 @@ def test_every_relative_link_resolves_inside_the_repository(page):
     targets = LINK.findall(_prose(page))
     broken = {t: why for t in targets if (why := link_problem(page, t))}
     assert not broken, broken
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_link_target_closes_on_its_line(page):
+    """A target wrapped across lines (or holding a space) renders broken and would escape the check above."""
+    assert not [line for line in _prose(page).splitlines() if UNCLOSED.search(line)]
+
+
+def test_the_unclosed_link_check_catches_a_wrapped_target():
+    assert UNCLOSED.search("see [a page](router-") and UNCLOSED.search("[a](b c)")
+    assert not UNCLOSED.search("see [a page](router-scaling.md#x) and [b](https://x.org/y)")
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
