@@ -13,8 +13,8 @@ A request's life here (the engine owns the request, its queue and its blocks; th
    (`engine.kv_landed`) and KvAck frees the prefill node's copy. KV that the backend refuses
    (wrong shape, size, blocks), that fails its checksums, or that has not all arrived within half the
    lease of the pull is never decoded from: by --kv-failure the request recomputes its prompt here
-   (`engine.kv_lost`: WAITING with nothing computed, like a preempted request; the prefill node gets a
-   KvAck all the same), or it is refused, which fails it with the reason.
+   (`engine.kv_lost`: WAITING, computed up to its first block not shared from the prefix cache, whose
+   blocks keep their KV; the prefill node gets a KvAck all the same), or it is refused, which fails it with the reason.
 4. WAITING with its KV in place (num_computed_tokens = prompt length, the first token as output),
    the router told so (an event without tokens), admitted at the next iteration; RUNNING: one token
    an iteration, streamed to the router.
