@@ -14,6 +14,7 @@ wrong data by the per-layer checksums of the offer) and never decode from such K
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 
 from pdserve.wire import protocol as P
@@ -55,7 +56,7 @@ class FaultInjector:
             blocks[j] = (blocks[j] + 1 + self.damage_rng.randrange(max(1, pool_blocks - 1))) % max(1, pool_blocks)
             return dataclasses.replace(header, src_blocks=blocks), frames
         data = bytearray(memoryview(frames[0]).cast("B"))  # [2, nkv, n_blocks * bs, d] as bytes
-        row_bytes = len(data) // (_numel(header.shape) // header.shape[-1])
+        row_bytes = len(data) // (math.prod(header.shape) // header.shape[-1])
         data[self.damage_rng.randrange(max(1, num_tokens * row_bytes))] ^= 0xFF  # within the first head's real rows
         return header, [data, *frames[1:]]
 
@@ -65,10 +66,3 @@ def _truncated(header: P.KvData, frames: list) -> Message:
         return dataclasses.replace(header, src_blocks=list(header.src_blocks)[:-1]), frames
     data = memoryview(frames[0]).cast("B")
     return header, [data[: len(data) // 2], *frames[1:]]
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

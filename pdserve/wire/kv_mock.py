@@ -10,6 +10,8 @@ the receiver takes either.
 
 from __future__ import annotations
 
+import math
+
 from pdserve.engine.block_allocator import blocks_for
 from pdserve.engine.kv_layout import DTYPE_BYTES, KVLayout
 from pdserve.wire import protocol as P
@@ -49,7 +51,7 @@ class MockKvBackend:
             yield P.KvData(request_id, lay.dtype, self._shape(lay, num_tokens), -1, list(block_ids)), []
             return
         shape = self._shape(lay, blocks_for(num_tokens, lay.block_size) * lay.block_size)
-        frame = self._frame(_numel(shape) * DTYPE_BYTES[lay.dtype])
+        frame = self._frame(math.prod(shape) * DTYPE_BYTES[lay.dtype])
         for layer in range(lay.num_layers):
             yield P.KvData(request_id, lay.dtype, shape, layer), [frame]
 
@@ -63,7 +65,7 @@ class MockKvBackend:
         expected = self._shape(lay, blocks_for(num_tokens, lay.block_size) * lay.block_size)
         if header.dtype != lay.dtype or list(header.shape) != expected or len(frames) != 1:
             raise TransferError(f"KV of shape {header.shape} {header.dtype}, expected {expected} {lay.dtype}")
-        nbytes = _numel(expected) * DTYPE_BYTES[lay.dtype]
+        nbytes = math.prod(expected) * DTYPE_BYTES[lay.dtype]
         got = len(frames[0].buffer if hasattr(frames[0], "buffer") else memoryview(frames[0]))
         if got != nbytes or not 0 <= header.layer < lay.num_layers:
             raise TransferError(f"KV frame of {got} bytes for layer {header.layer}, expected {nbytes}")
@@ -77,10 +79,3 @@ class MockKvBackend:
         if len(self._zeros) < nbytes:
             self._zeros = memoryview(bytes(max(nbytes, 2 * len(self._zeros))))
         return self._zeros[:nbytes]
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

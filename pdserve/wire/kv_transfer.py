@@ -20,6 +20,7 @@ to unmap a peer's pool once it is gone.
 from __future__ import annotations
 
 import _posixshmem
+import math
 import mmap
 import os
 import uuid
@@ -72,7 +73,7 @@ class ZmqBackend:
             raise TransferError(f"KV of shape {header.shape} {header.dtype}, expected {expected} {lay.dtype}")
         if not 0 <= header.layer < lay.num_layers or len(frames) != 1:
             raise TransferError(f"KV message for layer {header.layer} with {len(frames)} frames")
-        nbytes = DTYPES[lay.dtype].itemsize * _numel(expected)
+        nbytes = DTYPES[lay.dtype].itemsize * math.prod(expected)
         buf = frames[0].buffer if hasattr(frames[0], "buffer") else memoryview(frames[0])
         if buf.nbytes != nbytes:
             raise TransferError(f"KV frame of {buf.nbytes} bytes, expected {nbytes}")
@@ -140,7 +141,7 @@ class ShmBackend(_SharedPoolBackend):
         if device != "cpu":
             raise ValueError("--kv-transport shm is for CPU pools; use cuda_ipc on GPUs")
         shape = KVPool.shape_for(layout, num_blocks)
-        nbytes = DTYPES[layout.dtype].itemsize * _numel(shape)
+        nbytes = DTYPES[layout.dtype].itemsize * math.prod(shape)
         self._owned = shared_memory.SharedMemory(name=f"pdserve-{uuid.uuid4().hex[:12]}", create=True, size=nbytes)
         self._nbytes, self._num_blocks = nbytes, num_blocks
         return _view(self._owned, layout.dtype, shape, nbytes)
@@ -151,7 +152,7 @@ class ShmBackend(_SharedPoolBackend):
 
     def attach(self, handle: dict, layout: KVLayout, device: str) -> torch.Tensor:
         shape = KVPool.shape_for(layout, int(handle["num_blocks"]))
-        nbytes = DTYPES[layout.dtype].itemsize * _numel(shape)
+        nbytes = DTYPES[layout.dtype].itemsize * math.prod(shape)
         if int(handle["nbytes"]) != nbytes:
             raise TransferError("shared pool size does not match its layout")
         fd = _posixshmem.shm_open("/" + str(handle["name"]), os.O_RDWR, mode=0o600)
@@ -290,12 +291,6 @@ BACKENDS = {KvTransport.ZMQ: ZmqBackend, KvTransport.SHM: ShmBackend, KvTranspor
 def make_backend(name: KvTransport):
     return BACKENDS[name]()
 
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _contiguous_strides(shape) -> tuple[int, ...]:
