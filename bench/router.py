@@ -40,11 +40,11 @@ from bench.http_client import HttpTarget, run_http
 from bench.metrics import SLO, cpu_per_token_us, summarize
 from bench.systems import Stack, child_pids, cpu_seconds, free_port, settled_counters
 from bench.workloads import BenchRequest, Workload
+from pdserve.startup import READY_TIMEOUT_S
 
 RESULTS_DIR = Path(__file__).parent / "results"
 MOCK_STEP_S = "0.002,2e-6,2e-5"  # a GPU-like node: 64 streams decode in 3.4 ms (19k tokens/s)
 NO_SLO = SLO(ttft_s=float("inf"), tpot_s=float("inf"))
-READY_TIMEOUT_S = 300.0
 TPOT_GROWTH = 2.0  # capacity: the highest rate before TPOT p99 grows past this many times the lightest run's
 
 

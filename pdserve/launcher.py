@@ -28,10 +28,8 @@ from pathlib import Path
 
 from pdserve.config import EngineConfig, NodeConfig, RouterConfig
 from pdserve.flags import engine_argv, from_args, router_command, router_options
-from pdserve.startup import check_checkpoint, check_device, check_port_free
+from pdserve.startup import READY_TIMEOUT_S, check_checkpoint, check_device, check_port_free
 from pdserve.wire.protocol import KvTransport, Role
-
-READY_TIMEOUT_S = 300
 
 
 def _cores(spec: str | None, index: int, pin: bool) -> str:
@@ -143,10 +141,16 @@ def preflight(a: argparse.Namespace) -> None:
     """Every start-up check of the stack `a` describes (ValueError: one line that says what to change)."""
     devices = role_devices(a)
     check_devices(a, devices)
-    check_configs(a, devices)
-    check_port_free(a.host, a.port)
+    check_stack(a, devices)
     for device in set(devices.values()):
         check_device(device)
+
+
+def check_stack(a: argparse.Namespace, devices: dict[str, str]) -> None:
+    """The checks that hold wherever the nodes run (this host, or a Ray cluster's): the configs, the router's port
+    and the checkpoint (the router reads its tokenizer here)."""
+    check_configs(a, devices)
+    check_port_free(a.host, a.port)
     check_checkpoint(a.model, tokenizer=not a.skip_tokenizer)
 
 

@@ -45,15 +45,14 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pdserve.flags import engine_argv, router_command, router_options
-from pdserve.launcher import _wait_http, check_configs, die_with_parent, router_env, start_child, stop_all
+from pdserve.launcher import _wait_http, check_stack, die_with_parent, router_env, start_child, stop_all
 from pdserve.router.membership import RAY_NAMESPACE, controller_name
-from pdserve.startup import check_checkpoint, check_port_free
+from pdserve.startup import READY_TIMEOUT_S
 from pdserve.wire.protocol import KvTransport, Role
 
 log = logging.getLogger("pdserve.ray")
 HEARTBEAT_S = 1.0
 ENTRY_TTL_S = 10.0
-READY_TIMEOUT_S = 300.0
 FIT_CHECK_S = 2.0  # a placement group pending this long is checked against the cluster's resources
 DRAIN_MARGIN_S = 15.0  # beyond the nodes' --drain-timeout-s: their wait for the router's answer, and exiting
 STRATEGIES = {"pack": "PACK", "spread": "SPREAD"}
@@ -337,9 +336,7 @@ def stop_nodes(controller, timeout_s: float) -> None:
 def launch_on_ray(a: argparse.Namespace) -> int:
     """`pdserve up --ray`: nodes on the cluster, the router here; stops everything on Ctrl-C / SIGTERM."""
     check_args(a)
-    check_configs(a, {Role.PREFILL: node_device(a), Role.DECODE: node_device(a)})
-    check_port_free(a.host, a.port)
-    check_checkpoint(a.model, tokenizer=not a.skip_tokenizer)  # the router reads it here (the nodes on their hosts)
+    check_stack(a, {Role.PREFILL: node_device(a), Role.DECODE: node_device(a)})  # the devices: on the nodes' hosts
     a = with_absolute_paths(a)
 
     def on_signal(*_):

@@ -18,6 +18,8 @@ from pdserve.engine.checkpoint import BUILTIN_MODELS, SUPPORTED_MODEL_TYPES, res
 # a checkpoint's tokenizer: one of these beside its config (tokenizer_config.json alone cannot tokenize)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 
+READY_TIMEOUT_S = 300.0  # how long a launcher waits for what it started (nodes, router, Ray actors) to be ready
+
 
 def check_port_free(host: str, port: int) -> None:
     """The HTTP port must be free now: another server on it would answer our readiness poll and our users."""
