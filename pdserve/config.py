@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,6 +105,9 @@ def check_key_dir(path: str) -> None:
         raise ValueError(f"--zmq-keys {path!r} lacks {', '.join(missing)}; make the folder with `pdserve keys DIR`")
 
 
+DEVICE = re.compile(r"cpu|cuda(:\d+)?")  # what --device and the per-role devices may name
+
+
 MOCK_COSTS_KEYS = ("prefill_base_s", "prefill_per_token_s", "prefill_per_token_ctx_s", "decode_base_s",
                    "decode_per_seq_s", "decode_per_ctx_token_s")
 
@@ -171,7 +175,7 @@ class EngineConfig:
             raise ValueError(f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}")
         if self.cpu_kernels == "on" and self.attention_backend != "auto":
             raise ValueError("--cpu-kernels on uses pdserve's CPU attention; leave --attention-backend at auto")
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
+        if not DEVICE.fullmatch(self.device):
             raise ValueError(f"--device must be 'cpu' or 'cuda:N', not {self.device!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) < 1:

@@ -26,7 +26,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-from pdserve.config import EngineConfig, NodeConfig, RouterConfig
+from pdserve.config import DEVICE, EngineConfig, NodeConfig, RouterConfig
 from pdserve.flags import engine_argv, from_args, router_command, router_options
 from pdserve.startup import READY_TIMEOUT_S, check_checkpoint, check_device, check_port_free
 from pdserve.wire.protocol import KvTransport, Role
@@ -50,7 +50,7 @@ def role_devices(a: argparse.Namespace) -> dict[str, str]:
 def check_devices(a: argparse.Namespace, devices: dict[str, str]) -> None:
     """Refuse a KV transport that cannot run between the devices the nodes actually get."""
     for role, dev in devices.items():
-        if not (dev == "cpu" or dev.startswith("cuda")):
+        if not DEVICE.fullmatch(dev):
             raise ValueError(f"the {role} nodes' device must be 'cpu' or 'cuda:N', not {dev!r}")
     if a.mode == "colocated":
         return  # one process: no KV moves between nodes
@@ -143,7 +143,7 @@ def preflight(a: argparse.Namespace) -> None:
     check_devices(a, devices)
     check_stack(a, devices)
     for device in set(devices.values()):
-        check_device(device)
+        check_device(device, a.engine)
 
 
 def check_stack(a: argparse.Namespace, devices: dict[str, str]) -> None:

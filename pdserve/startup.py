@@ -36,9 +36,10 @@ def check_port_free(host: str, port: int) -> None:
             raise ValueError(f"cannot listen on {host}:{port}: {e.strerror} (check --host and --port)") from None
 
 
-def check_device(device: str) -> None:
-    """A cuda device must exist: this torch built with CUDA, and a GPU of that index."""
-    if not device.startswith("cuda"):
+def check_device(device: str, engine: str = "model") -> None:
+    """A cuda device must exist: this torch built with CUDA, and a GPU of that index. A mock engine uses no device
+    (and imports no torch)."""
+    if not device.startswith("cuda") or engine == "mock":
         return
     import torch
 

@@ -1,10 +1,14 @@
-"""`pdserve up`'s plan: which nodes start, on which devices, with which flags (no process is started)."""
+"""`pdserve up`'s plan (which nodes start, on which devices, with which flags; no node is started) and preflight."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 
 from pdserve.cli import build_parser, node_config
+from pdserve.config import EngineConfig
 from pdserve.flags import ENGINE_FLAGS, SHARED_FLAGS, router_command
 from pdserve.launcher import plan
 
@@ -104,3 +108,21 @@ def test_router_command_lists_each_role_and_the_decode_kv_addresses():
     a = build_parser().parse_args(argv[3:])
     assert (a.verb, a.model, a.port, a.prefill, a.decode, a.decode_kv) == ("router", "tiny", 9, ["tcp://p"],
                                                                            ["tcp://d"], ["tcp://k"])  # fmt: skip
+
+
+@pytest.mark.parametrize("device", ["cuda:x", "cuda:", "cudafoo"])
+def test_a_malformed_cuda_device_is_refused_in_one_line(tmp_path, device):
+    with pytest.raises(ValueError, match="'cpu' or 'cuda:N'"):
+        _plan(tmp_path, "--device", device)
+    with pytest.raises(ValueError, match="'cpu' or 'cuda:N'"):
+        EngineConfig(device=device)
+
+
+def test_preflight_of_mock_nodes_on_cuda_imports_no_torch():
+    """A mock node uses no device: `up --engine mock --device cuda` is checked without torch (none is needed)."""
+    code = ("import sys; from pdserve.cli import build_parser; from pdserve.launcher import preflight; "
+            "preflight(build_parser().parse_args(['up', '--engine', 'mock', '--device', 'cuda:0', '--port', '0'])); "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers'}))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
