@@ -1,12 +1,18 @@
 """The documentation stays navigable: every relative link in README.md and docs/ reaches a file (and a heading) of
-the repository, every repository path a page names in code quotes exists, and the README stays short."""
+the repository, every repository path a page names in code quotes exists, the README stays short, and the defaults
+the pages name are the code's."""
 
 from __future__ import annotations
 
+import argparse
 import re
 from pathlib import Path
 
 import pytest
+
+from pdserve.cli import build_parser
+from pdserve.config import MOCK_STEP_S, RouterConfig
+from pdserve.node import STATS_INTERVAL_S
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = sorted([ROOT / "README.md", ROOT / "bench" / "README.md", *(ROOT / "docs").rglob("*.md")])
@@ -119,3 +125,53 @@ def test_ci_runs_the_readmes_test_command_verbatim():
     assert len(commands) == 2 and commands[0].endswith("pdserve up --model tiny"), commands
     assert commands[1].endswith("python -m pytest -q")
     assert commands[1] in (ROOT / ".ci" / "run").read_text().splitlines()
+
+
+def _up_flags() -> dict[str, argparse.Action]:
+    """`pdserve up`'s flags by option string (the parser takes each default from its config field)."""
+    parser = build_parser()
+    up = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["up"]
+    return up._option_string_actions
+
+
+def default_problems(table: str, flags: dict[str, argparse.Action]) -> list[str]:
+    """The rows of a `| flag | meaning | default |` table whose default is not the parser's: a row's flags pair with
+    its comma-separated defaults in order (a lone default is the first flag's); `none` stands for an empty default
+    and any words, for a `--no-...` flag, for its feature being on."""
+    problems = []
+    for row in re.findall(r"^\| (`--.*?) \|.*\| (.*?) \|$", table, re.M):
+        names = re.findall(r"--[\w-]+", row[0])
+        for name, shown in zip(names, [s.strip("` ") for s in row[1].split(",")], strict=False):
+            value = flags[name].default
+            if name.startswith("--no-"):
+                ok = value is True
+            elif shown == "none":
+                ok = value in (None, "", ())
+            else:
+                ok = shown == str(value) or (isinstance(value, float) and float(shown) == value)
+            if not ok:
+                problems.append(f"{name}: {shown!r}, but the default is {value!r}")
+    return problems
+
+
+def test_the_readme_flags_table_shows_the_real_defaults():
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("| flag | meaning | default |"):].split("\n\n")[0]
+    assert len(re.findall(r"^\| `--", table, re.M)) >= 10
+    assert not default_problems(table, _up_flags())
+
+
+def test_the_defaults_check_notices_a_wrong_default():
+    flags = _up_flags()
+    assert default_problems("| `--max-num-seqs` | m | 17 |\n| `--api-key` | k | secret |", flags) == [
+        "--max-num-seqs: '17', but the default is 16", "--api-key: 'secret', but the default is ''"]
+    assert not default_problems("| `--num-prefill N --num-decode M` | n | 1, 1 |", flags)
+
+
+@pytest.mark.parametrize(("page", "text"), [
+    ("docs/mock-nodes.md", f"(default `{','.join(map(str, MOCK_STEP_S))}`)"),
+    ("docs/prefix-caching.md", f"(default {RouterConfig.cache_balance_margin})"),
+    ("docs/prefix-caching.md", f"a stats period ({STATS_INTERVAL_S} s)"),
+])  # fmt: skip
+def test_a_default_a_page_names_is_the_real_one(page, text):
+    assert text in " ".join((ROOT / page).read_text().split())
