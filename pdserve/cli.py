@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 
 from pdserve.config import ROLES, EngineConfig, NodeConfig, RouterConfig
 from pdserve.flags import GLOBAL_FLAGS, add_flags, add_verb_flags, from_args
@@ -44,7 +45,8 @@ def node_config(a: argparse.Namespace) -> NodeConfig:
     return from_args(NodeConfig, a, role=Role(a.verb), engine=from_args(EngineConfig, a))
 
 
-def run_node(a: argparse.Namespace) -> None:
+def start_node(a: argparse.Namespace) -> Callable[[], None]:
+    """The node of `pdserve colocated|prefill|decode ...`, built and bound: its run, the serving that follows."""
     cfg = node_config(a)
     check_device(cfg.engine.device)
     check_checkpoint(cfg.engine.model, tokenizer=False)
@@ -65,10 +67,11 @@ def run_node(a: argparse.Namespace) -> None:
         from pdserve.decode_node import DecodeNode as Node
     what = "the mock engine" if mock else "torch, transformers and the engine"
     log.info("imported %s in %.1f s", what, time.monotonic() - started)
-    Node(cfg).run()
+    return Node(cfg).run
 
 
-def run_router(a: argparse.Namespace) -> None:
+def start_router(a: argparse.Namespace) -> Callable[[], object]:
+    """`pdserve router`'s config, checked: the serving that follows."""
     from pdserve.router.server import serve
 
     cfg = from_args(RouterConfig, a)
@@ -77,8 +80,8 @@ def run_router(a: argparse.Namespace) -> None:
     if cfg.router_workers > 1:
         from pdserve.router.workers import Workers
 
-        sys.exit(Workers(cfg).run())
-    serve(cfg)
+        return lambda: sys.exit(Workers(cfg).run())
+    return lambda: serve(cfg)
 
 
 def make_keys(a: argparse.Namespace) -> None:
@@ -97,31 +100,39 @@ def log_format(verb: str) -> str:
     return f"%(asctime)s %(levelname)s {who}: %(message)s"
 
 
+def start(a: argparse.Namespace) -> Callable[[], object]:
+    """The verb's start: its config built and checked, a node built and bound (ValueError: a mistake, said in one
+    line). A node or router returns its serving, which runs outside that net: an error there is no config error.
+    `up`, `scale` and `keys` run whole here (their children and actors report their own failures)."""
+    if a.verb == Role.ROUTER:
+        return start_router(a)
+    if a.verb in ROLES:
+        return start_node(a)
+    if a.verb == "up" and a.ray is not None:
+        from pdserve.ray_cluster import launch_on_ray
+
+        sys.exit(launch_on_ray(a))
+    elif a.verb == "up":
+        from pdserve.launcher import launch
+
+        sys.exit(launch(a))
+    elif a.verb == "scale":
+        from pdserve.ray_cluster import scale
+
+        sys.exit(scale(a))
+    make_keys(a)
+    return lambda: None
+
+
 def main(argv: list[str] | None = None) -> None:
     a = build_parser().parse_args(argv)
     logging.basicConfig(level=a.log_level, format=log_format(a.verb), datefmt="%Y-%m-%d %H:%M:%S")
     try:
-        if a.verb == "up" and a.ray is not None:
-            from pdserve.ray_cluster import launch_on_ray
-
-            sys.exit(launch_on_ray(a))
-        elif a.verb == "up":
-            from pdserve.launcher import launch
-
-            sys.exit(launch(a))
-        elif a.verb == "scale":
-            from pdserve.ray_cluster import scale
-
-            sys.exit(scale(a))
-        elif a.verb == Role.ROUTER:
-            run_router(a)
-        elif a.verb == "keys":
-            make_keys(a)
-        else:
-            run_node(a)
-    except ValueError as e:  # a config error: say it plainly, no traceback
+        serve = start(a)
+    except ValueError as e:  # a config or start-up error: say it plainly, no traceback
         print(f"pdserve: error: {e}", file=sys.stderr)
         sys.exit(2)
+    serve()
 
 
 if __name__ == "__main__":

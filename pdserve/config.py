@@ -285,7 +285,8 @@ class RouterConfig:
     queue_timeout_s: float = option(300.0, "a request without a first token after this long gets 503", type=float)
     drain_timeout_s: float = _drain_timeout_s()
     zmq_keys: str = _zmq_keys()
-    access_log: bool = option(True, "log a line per request: method, path, status, tokens, duration",
+    access_log: bool = option(True, "log no line per request (without it: a line each, with method, path, status, "
+                                    "tokens, duration)",
                               flag="--no-access-log", action="store_false")  # fmt: skip
     instance_id: str = option("", "an id /health reports, by which a launcher knows it reached the router it "
                                   "started")  # fmt: skip

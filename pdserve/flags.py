@@ -9,7 +9,7 @@ other field is named in the tables below: a NodeConfig field in ENGINE_FLAGS (ev
 on) or NODE_FLAGS (the node verbs only); a router flag that `up` should take and pass on in UP_ROUTER_FLAGS.
 The verb's code reads it from the parsed args under the field's name, and `from_args(SomeConfig, args)`
 carries it into the config without a hand-written copy. tests/test_flags.py checks that every flag has help
-and that its parser default is its field's default.
+and that a verb given no flags builds each config as the dataclass's defaults.
 
 `to_argv` turns parsed (or given) values back into argv for a child process (`pdserve up` starting its nodes
 and router, the Ray launcher, bench, the tests' stacks). cli.py and launcher.py both import this module; it
@@ -37,6 +37,13 @@ class Flag:
     name: str
     config: type
     options: dict = field(default_factory=dict)
+    env: str = ""  # an environment variable whose value, when set as the parser is built, is the default
+
+    def argparse_options(self) -> dict:
+        """add_argument's keywords, the environment looked up now (not when this module was imported)."""
+        if self.env and self.env in os.environ:
+            return {**self.options, "default": os.environ[self.env]}
+        return self.options
 
     @property
     def dest(self) -> str:
@@ -53,15 +60,15 @@ class Flag:
 
 def _flag(config: type, f: dataclasses.Field) -> Flag:
     meta = f.metadata
-    default = os.environ.get(meta["env"], f.default) if meta["env"] else f.default
     name = meta["flag"] or "--" + f.name.replace("_", "-")
-    return Flag(name, config, dict(dest=f.name, default=default, help=_with_default(meta["help"], f.default),
-                                   **meta["argparse"]))  # fmt: skip
+    switch = meta["argparse"].get("action") in ("store_true", "store_false")
+    help = meta["help"] if switch else _with_default(meta["help"], f.default)  # a switch is off unless given
+    return Flag(name, config, dict(dest=f.name, default=f.default, help=help, **meta["argparse"]), meta["env"])
 
 
 def _with_default(help: str, default: Any) -> str:
     """The help text, with the default said unless the text says it or there is none to say."""
-    if "default" in help or default is None or default is False or default in ("", ()):
+    if "default" in help or default is None or default in ("", ()):
         return help
     shown = ",".join(map(str, default)) if isinstance(default, tuple) else str(default)
     return f"{help} (default: {shown})"
@@ -103,7 +110,7 @@ GLOBAL_FLAGS = flags_of(LogConfig)  # before the verb
 
 def add_flags(g, flags: Iterable[Flag]) -> None:
     for f in flags:
-        g.add_argument(f.name, **f.options)
+        g.add_argument(f.name, **f.argparse_options())
 
 
 def add_verb_flags(p: argparse.ArgumentParser, verb: str) -> None:

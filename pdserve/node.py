@@ -79,13 +79,14 @@ class NodeBase:
         self.host_id = cfg.host_id or default_host_id()
         self.engine = self.make_engine()
         self.engine.guides.prepare()  # the grammar tokenizer, now: no first guided request stalls the loop for it
+        self.drain_deadline: float | None = None  # set by SIGTERM
         self.ctx = zmq.Context()
         self.keys = transport.load_keys(cfg.zmq_keys) if cfg.zmq_keys else None
         self.auth = transport.start_authenticator(self.ctx, self.keys)
         self.front = self.ctx.socket(zmq.ROUTER)
         transport.configure(self.front)
         self.front.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a router reconnecting under its routing id takes it over
-        self.front_addr = transport.bind(self.front, cfg.listen, self.keys)
+        self.front_addr = self.bind(self.front, cfg.listen, "--listen")
         self.poller = zmq.Poller()
         self.poller.register(self.front, zmq.POLLIN)
         self.handlers = {self.front: self.handle_front}
@@ -94,7 +95,6 @@ class NodeBase:
         self.held: list[TokenOutput] = []  # a step's outputs, not published yet
         self._next_stats = 0.0
         self._stop = False
-        self.drain_deadline: float | None = None  # set by SIGTERM
         self._drain_announced = False
         self.router_pending: dict[bytes, set[str]] = {}  # while draining: what each router still counts here
         self._cache_reset = True  # the next Stats carries the whole prefix cache, not its changes
@@ -102,6 +102,17 @@ class NodeBase:
 
     def make_engine(self) -> Engine:
         return Engine(self.cfg.engine)
+
+    def bind(self, sock: zmq.Socket, addr: str, flag: str) -> str:
+        """Bind `sock` to `addr`, which `flag` gave. An address zmq cannot bind (taken, not this host's, malformed)
+        is a start-up mistake: the node closes what it opened and raises ValueError, one line naming both."""
+        try:
+            return transport.bind(sock, addr, self.keys)
+        except zmq.ZMQBaseError as e:
+            self.close()
+            why = getattr(e, "strerror", None) or e
+            raise ValueError(f"{flag} {addr}: cannot listen there ({why}); give a free address of this host, "
+                             f"e.g. {flag} tcp://127.0.0.1:0") from None  # fmt: skip
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def run(self) -> None:

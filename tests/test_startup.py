@@ -79,6 +79,37 @@ def test_up_refuses_a_config_its_children_would_refuse(args, says):
     _refused(_pdserve("up", *args, "--port", str(free_port())), says)
 
 
+@pytest.mark.parametrize(("verb", "flag"), [("colocated", "--listen"), ("prefill", "--listen"),
+                                            ("decode", "--listen"), ("decode", "--kv-listen")])  # fmt: skip
+def test_a_node_refuses_a_taken_address(taken_port, verb, flag):
+    taken = f"tcp://127.0.0.1:{taken_port}"
+    argv = ["--listen", taken if flag == "--listen" else "tcp://127.0.0.1:0"]
+    if verb == "decode":
+        argv += ["--kv-listen", taken if flag == "--kv-listen" else "tcp://127.0.0.1:0"]
+    _refused(_pdserve("--log-level", "WARNING", verb, "--engine", "mock", *argv), f"{flag} {taken}: cannot listen")
+
+
+def test_a_node_refuses_an_address_zmq_cannot_bind(tmp_path):
+    where = f"ipc://{tmp_path}/no-such-folder/node.sock"
+    _refused(_pdserve("--log-level", "WARNING", "colocated", "--engine", "mock", "--listen", where), where)
+
+
+def test_an_error_while_serving_is_not_reported_as_a_config_error(monkeypatch):
+    """A node that started and then fails (here a ProtocolError, a ValueError) raises with its traceback, not the
+    one-line exit of a start-up mistake."""
+    from pdserve import cli
+    from pdserve.colocated_node import ColocatedNode
+    from pdserve.wire.protocol import ProtocolError
+
+    def run(node: ColocatedNode) -> None:
+        node.close()
+        raise ProtocolError("a frame went bad while serving")
+
+    monkeypatch.setattr(ColocatedNode, "run", run)
+    with pytest.raises(ProtocolError, match="while serving"):
+        cli.main(["--log-level", "WARNING", "colocated", "--engine", "mock", "--listen", "tcp://127.0.0.1:0"])
+
+
 def _checkpoint_copy(folder: Path, files: list[str], **config_changes) -> Path:
     """A checkpoint folder with some of tiny's files, its config changed by `config_changes`."""
     tiny = resolve_model("tiny")

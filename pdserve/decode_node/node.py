@@ -59,12 +59,12 @@ class DecodeNode(NodeBase):
     role = P.Role.DECODE
 
     def __init__(self, cfg: NodeConfig) -> None:
+        self.backends = kv_backends(cfg)  # before the binds: a node that cannot bind closes them
         super().__init__(cfg)
-        self.backends = kv_backends(cfg)
         self.peer_backends: dict[bytes, object] = {}  # paired prefill peers -> the transport chosen at pairing
         self.kv_sock = self.ctx.socket(zmq.ROUTER)
         transport.configure(self.kv_sock)
-        self.kv_addr = transport.bind(self.kv_sock, cfg.kv_listen, self.keys)
+        self.kv_addr = self.bind(self.kv_sock, cfg.kv_listen, "--kv-listen")
         self.poller.register(self.kv_sock, zmq.POLLIN)
         self.handlers[self.kv_sock] = self.handle_kv
         self.sources: dict[bytes, object] = {}  # paired prefill peers -> mapped pool (or None for zmq)
