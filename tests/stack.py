@@ -19,6 +19,7 @@ START_TIMEOUT_S = 120
 # a node starved of CPU on a loaded host is not a dead node: tests see a node die by its disconnect (SIGKILL closes
 # its sockets), and only a test that measures the silence timeout sets a short one (router_args come after this)
 NODE_TIMEOUT_S = 60
+ROUTER_WORKERS = 1  # router processes of every stack: pytest's --router-workers (conftest.py)
 REPORTS = "pdserve:stats_reports_total"  # Stats received from each node: a reading after it grew is fresh
 
 
@@ -94,7 +95,8 @@ class Stack:
     def start_router(self, extra: tuple[str, ...] = ()) -> Stack:
         """(Re)start the router on a new port, over the running nodes."""
         port = free_port()
-        options = ["--port", str(port), "--node-timeout-s", str(NODE_TIMEOUT_S), *self.router_args, *extra]
+        options = ["--port", str(port), "--node-timeout-s", str(NODE_TIMEOUT_S),
+                   "--router-workers", str(ROUTER_WORKERS), *self.router_args, *extra]  # fmt: skip
         argv = router_command(self.model, self.infos.values(), options, log_level="WARNING")
         env = {**os.environ, "PDSERVE_API_KEY": self.api_key}
         if self.router_log is None:
