@@ -262,3 +262,28 @@ def test_the_children_of_a_killed_launcher_stop(tmp_path):
         up.kill()
         up.wait()
     assert wait_until(lambda: all(_gone(c) for c in children), START_TIMEOUT_S), "children outlived the launcher"
+
+
+def test_a_router_started_on_its_own_says_where_it_serves_and_its_nodes(tmp_path):
+    ready = tmp_path / "node.json"
+    pdserve = [sys.executable, "-m", "pdserve"]
+    node = subprocess.Popen([*pdserve, "--log-level", "WARNING", "colocated", "--engine", "mock", "--listen",
+                             "tcp://127.0.0.1:0", "--ready-file", str(ready)])  # fmt: skip
+    router = None
+    try:
+        assert wait_until(ready.exists, timeout=START_TIMEOUT_S), "the node wrote no ready file"
+        listen, port = json.loads(ready.read_text())["listen"], free_port()
+        with open(tmp_path / "router.log", "w") as log:
+            router = subprocess.Popen([*pdserve, "router", "--port", str(port), "--colocated", listen], stderr=log)
+
+        def said() -> str:
+            return (tmp_path / "router.log").read_text()
+
+        wait_until(lambda: " ready" in said() or router.poll() is not None, timeout=START_TIMEOUT_S)
+        says = f"router: ready: serving tiny at http://127.0.0.1:{port}/v1, over the nodes colocated {listen}"
+        assert says in said(), said()
+    finally:
+        for proc in (router, node):
+            if proc is not None:
+                proc.terminate()
+                proc.wait(timeout=START_TIMEOUT_S)

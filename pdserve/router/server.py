@@ -9,7 +9,10 @@ then exits with status 0. A second signal exits at once.
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
+from collections.abc import Callable
+from functools import partial
 from types import FrameType
 
 import uvicorn
@@ -19,17 +22,23 @@ from pdserve.config import RouterConfig
 from pdserve.router.api import create_app
 from pdserve.router.limits import MAX_HEADER_BYTES
 
+log = logging.getLogger("pdserve.router")
+
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, app: FastAPI, drain_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, app: FastAPI, drain_s: float,
+                 ready: Callable[[str], str] | None = None) -> None:  # fmt: skip
         super().__init__(config)
-        self.app, self.drain_s = app, drain_s
+        self.app, self.drain_s, self.ready = app, drain_s, ready
         self.loop: asyncio.AbstractEventLoop | None = None
         self.drain_task: asyncio.Task | None = None
 
     async def startup(self, sockets=None) -> None:
         self.loop = asyncio.get_running_loop()
         await super().startup(sockets)
+        if self.started and self.ready:
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            log.info("%s", self.ready(f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"))
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         """Unlike uvicorn's own, it does not re-raise the signal once shut down: a drained router exits 0."""
@@ -46,6 +55,15 @@ class DrainingServer(uvicorn.Server):
             self.drain_task = asyncio.create_task(core.drain(self.drain_s))
 
 
+def ready_line(cfg: RouterConfig, url: str) -> str:
+    """The router's ready line (its log's prefix names the router or worker): its URL, the model it serves and the
+    nodes it was given."""
+    given = (("colocated", cfg.colocated), ("prefill", cfg.prefill), ("decode", cfg.decode))
+    nodes = "; ".join(f"{role} {', '.join(addrs)}" for role, addrs in given if addrs)
+    model = cfg.served_model_name or cfg.model
+    return f"ready: serving {model} at {url}, over the nodes {nodes}"
+
+
 def serve(cfg: RouterConfig, sock: socket.socket | None = None, worker: int | None = None,
           metrics_dir: str = "") -> None:  # fmt: skip
     """Serve on cfg.host:cfg.port, or on `sock` (a worker of several, router/workers.py, numbered `worker`, sharing
@@ -54,4 +72,5 @@ def serve(cfg: RouterConfig, sock: socket.socket | None = None, worker: int | No
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", http="h11",
                             h11_max_incomplete_event_size=MAX_HEADER_BYTES,
                             timeout_graceful_shutdown=cfg.drain_timeout_s + 5)  # fmt: skip
-    DrainingServer(config, app, cfg.drain_timeout_s).run(sockets=[sock] if sock is not None else None)
+    server = DrainingServer(config, app, cfg.drain_timeout_s, partial(ready_line, cfg))
+    server.run(sockets=[sock] if sock is not None else None)
