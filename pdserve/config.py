@@ -271,7 +271,8 @@ class RouterConfig:
                                   action="store_true")  # fmt: skip
     served_model_name: str = option("", "the model id the API lists and answers to (default: --model)")
     node_timeout_s: float = option(10.0, "a node silent this long is taken as down", type=float)
-    connect_timeout_s: float = 120.0
+    connect_timeout_s: float = option(120.0, "at start, how long to wait for every node to answer once, then exit "
+                                             "with an error", type=float)  # fmt: skip
     api_key: str = option("", "every route but /health needs 'Authorization: Bearer KEY' (default: "
                               "$PDSERVE_API_KEY)", env="PDSERVE_API_KEY", repr=False)  # fmt: skip
     max_n: int = option(16, "the most choices (n) one request may ask for", type=int)

@@ -287,3 +287,29 @@ def test_a_router_started_on_its_own_says_where_it_serves_and_its_nodes(tmp_path
             if proc is not None:
                 proc.terminate()
                 proc.wait(timeout=START_TIMEOUT_S)
+
+
+def test_a_router_whose_nodes_never_answer_says_so_in_one_line():
+    nowhere = f"tcp://127.0.0.1:{free_port()}"  # nothing listens there
+    out = _pdserve("--log-level", "WARNING", "router", "--port", str(free_port()), "--colocated", nowhere,
+                   "--connect-timeout-s", "1")  # fmt: skip
+    _refused(out, f"nodes did not answer within 1 s: colocated@{nowhere}")
+
+
+def test_a_router_stopped_while_it_waits_for_its_nodes_exits_at_once_and_cleanly(tmp_path):
+    nowhere, log = f"tcp://127.0.0.1:{free_port()}", tmp_path / "router.log"
+    with open(log, "w") as err:
+        router = subprocess.Popen([sys.executable, "-m", "pdserve", "router", "--port", str(free_port()),
+                                   "--colocated", nowhere], stderr=err)  # fmt: skip
+    try:
+        waiting = wait_until(lambda: "for the nodes to answer" in log.read_text(), timeout=START_TIMEOUT_S)
+        assert waiting, log.read_text()
+        router.send_signal(signal.SIGTERM)
+        router.wait(timeout=START_TIMEOUT_S)  # it would wait 120 s for the nodes: an exit before that is the stop
+    finally:
+        if router.poll() is None:
+            router.kill()
+            router.wait()
+    said = log.read_text()
+    assert router.returncode == 0 and "Traceback" not in said, said
+    assert "stopping: the router was stopped before its nodes answered" in said, said

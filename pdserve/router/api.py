@@ -23,7 +23,7 @@ from pdserve.router import small_routes, sse
 from pdserve.router.access_log import AccessLog
 from pdserve.router.auth import ApiKeyGuard
 from pdserve.router.choices import derive_seed, gather_all, merge
-from pdserve.router.core import NoNodeAvailable, Overloaded, RouterCore
+from pdserve.router.core import NoNodeAvailable, Overloaded, RouterCore, StartupError
 from pdserve.router.errors import HTTP_STATUS, ApiError, api_error_body, logged_error
 from pdserve.router.limits import Offload, RequestLimits, content_chars, stop_problem
 from pdserve.router.logprobs import ChoiceExtras, merge_pieces
@@ -527,7 +527,16 @@ def create_app(cfg: RouterConfig, worker: int | None = None, metrics_dir: str = 
         app.state.served = {cfg.served_model_name or cfg.model, cfg.model}
         app.state.offload = Offload()
         app.state.core = RouterCore(cfg)
-        await app.state.core.start()
+        if getattr(app.state, "exit_requested", False):  # a SIGTERM came while the model info loaded
+            app.state.core.start_cancelled.set()
+        try:
+            await app.state.core.start()
+        except StartupError as e:  # the server exits before serving; serve() says why in one line
+            app.state.start_error = e
+            await app.state.core.stop()
+            app.state.offload.close()
+            yield
+            return
         shared = SharedMetrics(metrics_dir, worker or 0, app.state.core.metrics) if metrics_dir else None
         try:
             yield

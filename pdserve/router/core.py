@@ -60,6 +60,10 @@ class NoNodeAvailable(RuntimeError):
     pass
 
 
+class StartupError(RuntimeError):
+    """The router cannot start serving: its nodes did not answer in time, or it was stopped before they did."""
+
+
 class Overloaded(RuntimeError):
     """Too many requests wait for a first token; the client should come back in `retry_after` seconds."""
 
@@ -179,6 +183,7 @@ class RouterCore:
         self._tasks: list[asyncio.Task] = []
         self._ids = itertools.count()
         self.routing_id = f"router-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # on every node connection; leads our ids
+        self.start_cancelled = asyncio.Event()  # set by a SIGTERM that comes before the nodes answered
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -186,12 +191,28 @@ class RouterCore:
         self._tasks.append(asyncio.create_task(self._watchdog()))
         if self.cfg.ray_address:
             self._tasks.append(asyncio.create_task(self._follow_members()))
-        try:
-            await asyncio.wait_for(asyncio.gather(*(n.ever_up.wait() for n in self.nodes)), self.cfg.connect_timeout_s)
-        except TimeoutError:
-            down = ", ".join(n.name for n in self.nodes if not n.up)
-            raise RuntimeError(f"nodes did not answer within {self.cfg.connect_timeout_s}s: {down}") from None
+        await self._await_nodes()
         self._check_pairing()
+
+    async def _await_nodes(self) -> None:
+        """Wait until every node has answered once; a StartupError past --connect-timeout-s, or once the start is
+        cancelled (a SIGTERM before the nodes answered)."""
+        log.info("waiting up to %g s for the nodes to answer: %s", self.cfg.connect_timeout_s,
+                 ", ".join(n.name for n in self.nodes))  # fmt: skip
+        answered = asyncio.ensure_future(asyncio.gather(*(n.ever_up.wait() for n in self.nodes)))
+        cancelled = asyncio.ensure_future(self.start_cancelled.wait())
+        await asyncio.wait({answered, cancelled}, timeout=self.cfg.connect_timeout_s,
+                           return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        all_answered = answered.done()
+        for waiter in (answered, cancelled):
+            waiter.cancel()
+        await asyncio.gather(answered, cancelled, return_exceptions=True)
+        if self.start_cancelled.is_set():
+            raise StartupError("stopped before the nodes answered")
+        if not all_answered:
+            down = ", ".join(n.name for n in self.nodes if not n.up)
+            raise StartupError(f"nodes did not answer within {self.cfg.connect_timeout_s:g} s: {down} "
+                               "(are they running, at these addresses?)")  # fmt: skip
 
     async def stop(self) -> None:
         tasks = self._tasks + [t for n in self.nodes for t in n.tasks]

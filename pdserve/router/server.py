@@ -36,6 +36,9 @@ class DrainingServer(uvicorn.Server):
     async def startup(self, sockets=None) -> None:
         self.loop = asyncio.get_running_loop()
         await super().startup(sockets)
+        if getattr(self.app.state, "start_error", None) is not None:
+            self.should_exit = True  # the nodes never answered, or a SIGTERM came first: serve nothing
+            return
         if self.started and self.ready:
             host, port = self.servers[0].sockets[0].getsockname()[:2]
             log.info("%s", self.ready(f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"))
@@ -50,8 +53,11 @@ class DrainingServer(uvicorn.Server):
             self.loop.call_soon_threadsafe(self._drain)
 
     def _drain(self) -> None:
+        self.app.state.exit_requested = True
         core = getattr(self.app.state, "core", None)
-        if core is not None:
+        if core is not None and not self.started:
+            core.start_cancelled.set()  # still waiting for the nodes: stop waiting
+        elif core is not None:
             self.drain_task = asyncio.create_task(core.drain(self.drain_s))
 
 
@@ -74,3 +80,8 @@ def serve(cfg: RouterConfig, sock: socket.socket | None = None, worker: int | No
                             timeout_graceful_shutdown=cfg.drain_timeout_s + 5)  # fmt: skip
     server = DrainingServer(config, app, cfg.drain_timeout_s, partial(ready_line, cfg))
     server.run(sockets=[sock] if sock is not None else None)
+    error = getattr(app.state, "start_error", None)
+    if error is not None and app.state.core.start_cancelled.is_set():
+        log.info("stopping: the router was stopped before its nodes answered")
+    elif error is not None:
+        raise SystemExit(f"pdserve: error: {error}")
