@@ -173,11 +173,12 @@ class NodeBase:
         t0 = time.perf_counter()
         step = self.engine.launch()  # on a GPU: returns while the device computes it
         self.flush()  # the previous step's tokens, held back (GPU) to go out while this one computes
-        idle = step is None and not (self.engine.has_work() or self.busy())
+        idle = step is None and not (self.engine.has_work() or self.engine.in_flight or self.busy())
         ready = self.poller.poll(50 if idle else 0)
         started = time.perf_counter() if idle else t0  # an idle node's wait for a message is not busy time
         for sock, _ in ready:
             self.drain(sock)
+        step = self.engine.due(step)  # scheduling ahead: the step before the one just launched
         outputs = self.engine.finish(step)
         # a step's time runs from its launch to its finish, the I/O between included; a prefill step of prompt
         # chunks only (no first token yet) counts too
