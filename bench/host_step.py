@@ -160,8 +160,8 @@ def measure(n: int, prompt: int, steps: int, device_ms: float, ahead: bool) -> d
 # ---- the driver ---------------------------------------------------------------------------------------------------
 def before_commit() -> str:
     """The commit before asynchronous scheduling came in (the parent of the commit that added its flag)."""
-    out = subprocess.run(["git", "log", "--format=%H", "--reverse", "-S", "async_scheduling", "--",
-                          "pdserve/config.py"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
+    cmd = ["git", "log", "--format=%H", "--reverse", "-S", "async_scheduling", "--", "pdserve/config.py"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     if not out:
         raise SystemExit("no commit adds --async-scheduling in this checkout's history: give --before")
     return out[0] + "^"

@@ -153,3 +153,12 @@ def test_guided_requests_wait_for_their_token_and_match_the_synchronous_engine(t
     want = run_engine(Engine(EngineConfig(model=str(model))), requests())
     assert got == want
     assert ahead.steps_ahead > 10
+
+
+def test_without_the_device_feed_the_tokens_go_wrong(tiny_models, monkeypatch):
+    """The control: the pending rows' inputs really come from the device (left as the host's placeholder, the
+    tokens differ)."""
+    monkeypatch.setattr("pdserve.engine.model.DeviceFeed.into", lambda self, input_ids: None)
+    prompts, outs = mixed_workload(4, 512, seed=11, max_prompt=60, max_out=10)
+    got = tokens(run_ahead(ahead_engine(tiny_models["qwen3"]), greedy_requests(prompts, outs)))
+    assert [got[str(i)] for i in range(len(prompts))] != hf_greedy(tiny_models["qwen3"], prompts, outs)

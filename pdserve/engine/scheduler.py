@@ -232,6 +232,8 @@ class Scheduler:
         known = len(req.prompt_token_ids) + len(req.output_token_ids)  # a block is named once its tokens are known
         upto = min(req.num_computed_tokens if upto is None else upto, req.num_computed_tokens, known)
         full = min(upto // self.allocator.block_size, len(req.block_ids))
+        if full <= req.num_cached_blocks:  # no new full block (most steps of a decoding request)
+            return
         hashes = self._hashes(req, full)
         for i in range(req.num_cached_blocks, len(hashes)):
             self.allocator.commit(req.block_ids[i], hashes[i])
@@ -253,6 +255,8 @@ class Scheduler:
 
     def _reserve(self, req: Request, n: int, batch: Batch) -> bool:
         """Grow `req`'s blocks for `n` more tokens, preempting the newest running requests if needed."""
+        if req.num_computed_tokens + n <= len(req.block_ids) * self.allocator.block_size:
+            return True  # its blocks hold them (most decode steps)
         while not self.allocator.grow(req.block_ids, req.num_computed_tokens + n, req.max_total_tokens):
             victim = self.running[-1]
             self._preempt(victim, batch)
