@@ -8,7 +8,8 @@ packing of the inputs into one host buffer, the engine's update) runs decode ste
 requests of `--prompt` tokens; the forward and the sampling are stubbed: a stub device runs each step for
 `--device-ms`, in launch order, one after the other, and hands back made-up tokens (never a stop). Measured over
 `--steps` steps, once every request decodes:
-- host_ms: the host's work per step (launch and finish, the wait for the device taken out);
+- host_ms: the host's wall time per step (launch and finish, the wait for the device taken out), and host_cpu_ms
+  the CPU time the process spent per step (on a shared host the wall time also counts time others held the core);
 - device_wait_ms: per step, how long the stub device sat idle between two steps, waiting for the host.
 Variants, each in its own process, interleaved over `--repeats` rounds (the best round of each is reported; a
 shared host is noisy): `before` (the engine of the commit before asynchronous scheduling, checked out into a
@@ -150,11 +151,12 @@ def measure(n: int, prompt: int, steps: int, device_ms: float, ahead: bool) -> d
     for _ in range(3):
         iterate()  # every request decodes
     device.idle = device.slept = 0.0
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     for _ in range(steps):
         iterate()
-    wall = time.perf_counter() - started
-    return {"host_ms": (wall - device.slept) / steps * 1000, "device_wait_ms": device.idle / steps * 1000}
+    wall, cpu = time.perf_counter() - started, time.process_time() - cpu
+    return {"host_ms": (wall - device.slept) / steps * 1000, "host_cpu_ms": cpu / steps * 1000,
+            "device_wait_ms": device.idle / steps * 1000}  # fmt: skip
 
 
 # ---- the driver ---------------------------------------------------------------------------------------------------
@@ -204,13 +206,13 @@ def markdown(res: dict, commit: str) -> str:
     lines = [f"# Host time per decode step, forward stubbed ({commit}, before: {res['before']})", "",
              f"Stub device step {res['device_ms']} ms; {res['steps']} decode steps of requests with "
              f"{res['prompt']}-token prompts; best of {res['repeats']} interleaved rounds.", "",
-             "| requests | variant | host ms/step | device waits ms/step | host × before | wait × before host |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
+             "| requests | variant | host ms/step | host CPU ms/step | device waits ms/step | host CPU × before | "
+             "wait × before host |", "|---|---|---|---|---|---|---|"]  # fmt: skip
     for n, by in res["best"].items():
-        base = by["before"]["host_ms"]
+        base, cpu = by["before"]["host_ms"], by["before"]["host_cpu_ms"]
         for v, m in by.items():
-            lines.append(f"| {n} | {v} | {m['host_ms']:.3f} | {m['device_wait_ms']:.3f} | "
-                         f"{m['host_ms'] / base:.2f} | {m['device_wait_ms'] / base:.2f} |")  # fmt: skip
+            lines.append(f"| {n} | {v} | {m['host_ms']:.3f} | {m['host_cpu_ms']:.3f} | {m['device_wait_ms']:.3f} | "
+                         f"{m['host_cpu_ms'] / cpu:.2f} | {m['device_wait_ms'] / base:.2f} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

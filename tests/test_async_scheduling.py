@@ -162,3 +162,36 @@ def test_without_the_device_feed_the_tokens_go_wrong(tiny_models, monkeypatch):
     prompts, outs = mixed_workload(4, 512, seed=11, max_prompt=60, max_out=10)
     got = tokens(run_ahead(ahead_engine(tiny_models["qwen3"]), greedy_requests(prompts, outs)))
     assert [got[str(i)] for i in range(len(prompts))] != hf_greedy(tiny_models["qwen3"], prompts, outs)
+
+
+def test_a_node_schedules_ahead(tiny_models):
+    """A colocated node in-process, in the GPU's order, scheduling ahead: every stream is transformers', steps were
+    launched while another was in flight, and every block comes back."""
+    from test_overlap import Router, published, traced
+
+    from pdserve.colocated_node import ColocatedNode
+    from pdserve.config import NodeConfig
+    from pdserve.wire import protocol as P
+
+    cfg = EngineConfig(model=str(tiny_models["qwen3"]), num_kv_blocks=64, async_scheduling=True)
+    node = ColocatedNode(NodeConfig("colocated", cfg))
+    try:
+        node.engine.overlapped = True
+        trace: list = []
+        traced(node, trace)
+        router = Router(node)
+        router.send(P.Hello(P.PROTOCOL_VERSION, "router"))
+        node.loop_once()
+        prompts, outs = mixed_workload(5, 512, seed=9, max_prompt=40, max_out=10)
+        for r in greedy_requests(prompts, outs):
+            router.send(P.Generate(r.request_id, r.prompt_token_ids, r.params))
+        for _ in range(200):
+            node.loop_once()
+            router.collect(published(trace))
+            if all(router.finished(str(i)) for i in range(5)) and not node.held:
+                break
+        assert [router.tokens(str(i)) for i in range(5)] == hf_greedy(tiny_models["qwen3"], prompts, outs)
+        assert node.engine.steps_ahead > 5
+        assert node.engine.pool.allocator.num_free == 64 and not node.engine.requests and not node.engine.in_flight
+    finally:
+        node.close()
