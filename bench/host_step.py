@@ -2,6 +2,7 @@
 
     python -m bench.host_step                        # 128 and 256 running requests, this tree beside the one before
     python -m bench.host_step --record               # and write bench/results/<day>-<commit>-host-step.{json,md}
+    python -m bench.host_step --device-ms 16 --record --label host-step-16ms   # a device step longer than the host's
 
 The real engine (scheduler, block allocator with prefix caching, `ModelRunner.flatten`, the Triton backend's
 packing of the inputs into one host buffer, the engine's update) runs decode steps of `--requests` running
@@ -225,6 +226,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds; the best is reported")
     p.add_argument("--before", default="", help="the commit compared with (default: the one before --async-scheduling)")
     p.add_argument("--record", action="store_true", help="write the result under bench/results")
+    p.add_argument("--label", default="host-step", help="the recorded file's label (after the day and commit)")
     p.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     p.add_argument("--requests", type=int, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -238,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
     md = markdown(res, commit)
     print(md)
     if a.record:
-        stem = ROOT / "bench" / "results" / recorded_name("host-step", commit, time.strftime("%Y-%m-%d", time.gmtime()))
+        stem = ROOT / "bench" / "results" / recorded_name(a.label, commit, time.strftime("%Y-%m-%d", time.gmtime()))
         stem.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")
         stem.with_suffix(".md").write_text(md)
 
