@@ -5,7 +5,9 @@ tokens, then the periodic chores (stats heartbeat, leases). It blocks in poll on
 idle. On a GPU the launch returns while the device computes the step, so the host's share of the
 iteration runs meanwhile: the messages are read and handled (new requests, aborts, KV transfers), and
 the previous step's tokens, held back until the next launch, are sent to the router. On the CPU a
-step's tokens go out as soon as it finishes, before the next one is computed. Counters:
+step's tokens go out as soon as it finishes, before the next one is computed. With --async-scheduling
+the step finished in an iteration is the one launched in the iteration before (`Engine.due`): step N+1
+is scheduled and queued before step N's tokens are taken in (docs/async-scheduling.md). Counters:
 step_time_s is the wall time from a step's launch to its finish (the I/O between included),
 busy_time_s that of whole iterations with work; the difference is what a busy node spends outside its
 steps (tokens out on the CPU, chores, and time it lost its core).
