@@ -214,12 +214,14 @@ class ModelRunner:
         """One iteration: a replayed CUDA graph for a decode batch that has one, else an eager forward.
         Returns the logits of the rows `flatten` names, [S, V] float32. `feed`: input rows whose token the host does
         not know yet, read from the previous step's sampled ids on the device."""
-        flat = self.flatten(batch, self.pool.block_size)
         if self.graphs is not None:
+            flat = self.flatten(batch, self.pool.block_size)
             logits = self.graphs.run(*flat, feed=feed)
             if logits is not None:
                 return logits
-        inp = self.backend.inputs(*flat)
+            inp = self.backend.inputs(*flat)
+        else:
+            inp = self.prepare(batch)
         if feed is not None:
             feed.into(inp.input_ids)
         return self.forward(inp)
