@@ -149,6 +149,9 @@ class EngineConfig:
                                             "paged kernels; torch: SDPA per request",
                                     choices=ATTENTION_BACKENDS)  # fmt: skip
     enforce_eager: bool = option(False, "no CUDA graphs for decode steps", action="store_true")
+    async_scheduling: bool = option(False, "schedule and pack step N+1 while step N runs, its input tokens read on "
+                                           "the device (docs/async-scheduling.md; model engines, not prefill nodes)",
+                                    action="store_true")  # fmt: skip
     prefix_caching: bool = option(True, "recompute every prompt from its first token: share no cached prefix KV "
                                         "(docs/prefix-caching.md)", flag="--no-prefix-caching",
                                   action="store_false")  # fmt: skip

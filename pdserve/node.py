@@ -5,7 +5,9 @@ tokens, then the periodic chores (stats heartbeat, leases). It blocks in poll on
 idle. On a GPU the launch returns while the device computes the step, so the host's share of the
 iteration runs meanwhile: the messages are read and handled (new requests, aborts, KV transfers), and
 the previous step's tokens, held back until the next launch, are sent to the router. On the CPU a
-step's tokens go out as soon as it finishes, before the next one is computed. Counters:
+step's tokens go out as soon as it finishes, before the next one is computed. With --async-scheduling
+the step finished in an iteration is the one launched in the iteration before (`Engine.due`): step N+1
+is scheduled and queued before step N's tokens are taken in (docs/async-scheduling.md). Counters:
 step_time_s is the wall time from a step's launch to its finish (the I/O between included),
 busy_time_s that of whole iterations with work; the difference is what a busy node spends outside its
 steps (tokens out on the CPU, chores, and time it lost its core).
@@ -173,11 +175,12 @@ class NodeBase:
         t0 = time.perf_counter()
         step = self.engine.launch()  # on a GPU: returns while the device computes it
         self.flush()  # the previous step's tokens, held back (GPU) to go out while this one computes
-        idle = step is None and not (self.engine.has_work() or self.busy())
+        idle = step is None and not (self.engine.has_work() or self.engine.in_flight or self.busy())
         ready = self.poller.poll(50 if idle else 0)
         started = time.perf_counter() if idle else t0  # an idle node's wait for a message is not busy time
         for sock, _ in ready:
             self.drain(sock)
+        step = self.engine.due(step)  # scheduling ahead: the step before the one just launched
         outputs = self.engine.finish(step)
         # a step's time runs from its launch to its finish, the I/O between included; a prefill step of prompt
         # chunks only (no first token yet) counts too

@@ -66,7 +66,7 @@ def test_an_error_when_a_step_is_waited_for_fails_its_requests(tiny_models, monk
         engine.add(r)
     outputs = engine.step()
     assert len(outputs) == 3 and all(o.finish_reason == "error" and "illegal memory" in o.error for o in outputs)
-    assert engine.pool.allocator.num_free == 64 and not engine.requests and engine.in_flight is None
+    assert engine.pool.allocator.num_free == 64 and not engine.requests and not engine.in_flight
     monkeypatch.undo()
     for r in greedy_requests(prompts[:1], outs[:1]):
         engine.add(r)

@@ -299,7 +299,8 @@ class TritonBackend(TorchBackend):
         self.num_heads, self.silu_gated = num_heads, silu_gated
         self.group = num_heads // pool.layout.num_kv_heads  # query heads per KV head
         self.decode_tile = max(DECODE_TILE_M, 1 << (self.group - 1).bit_length())
-        self._staging = torch.empty(0, dtype=torch.int32)
+        self._staging = [torch.empty(0, dtype=torch.int32)] * 2  # two: one step's copy may still read the other
+        self._turn = 0
 
     # ---- inputs: one host buffer, one copy ------------------------------------------------------
     def layout(self, rows: int, samples: int, chunks: list[Chunk], pad_requests: int = 0,
@@ -351,11 +352,16 @@ class TritonBackend(TorchBackend):
         return width
 
     def _staging_of(self, size: int) -> torch.Tensor:
-        """A reusable host buffer: the previous step's copy out of it has finished (its tokens were read)."""
-        if self._staging.numel() < size:
+        """A reusable host buffer, one of two taken in turn: the step before the previous one has finished (its
+        tokens were read), so its copy out of this buffer has run; the previous step's copy (a step scheduled ahead,
+        docs/async-scheduling.md) may still read the other."""
+        self._turn ^= 1
+        buf = self._staging[self._turn]
+        if buf.numel() < size:
             pin = self.device.type == "cuda"
-            self._staging = torch.empty(max(size, 2 * self._staging.numel()), dtype=torch.int32, pin_memory=pin)
-        return self._staging
+            buf = self._staging[self._turn] = torch.empty(max(size, 2 * buf.numel()), dtype=torch.int32,
+                                                          pin_memory=pin)  # fmt: skip
+        return buf
 
     def views(self, dev: torch.Tensor, lay: PackLayout) -> ForwardInputs:
         """ForwardInputs reading the packed buffer `dev` (on the device) in place."""

@@ -45,6 +45,7 @@ class Captured:
     graph: torch.cuda.CUDAGraph
     layout: PackLayout
     buffer: torch.Tensor  # [layout.size()] int32 on the device: the graph's inputs
+    inputs: ForwardInputs  # views of `buffer`
     logits: torch.Tensor  # [B, V] float32, written by every replay
 
 
@@ -77,7 +78,7 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 logits = self.runner.forward(inp)
-            self.captured[b] = Captured(graph, lay, buffer, logits)
+            self.captured[b] = Captured(graph, lay, buffer, inp, logits)
         torch.cuda.synchronize(self.runner.device)
         log.info("captured decode graphs for batch sizes %s", self.sizes)
 
@@ -90,13 +91,16 @@ class DecodeGraphs:
                 self.runner.forward(inp)
         torch.cuda.current_stream(self.runner.device).wait_stream(stream)
 
-    def run(self, ids, positions, slots, sample, chunks: list[Chunk]) -> torch.Tensor | None:
-        """Logits [n, V] of a decode step by graph replay, or None when no graph fits it."""
+    def run(self, ids, positions, slots, sample, chunks: list[Chunk], feed=None) -> torch.Tensor | None:
+        """Logits [n, V] of a decode step by graph replay, or None when no graph fits it. `feed` (a model.DeviceFeed):
+        input tokens taken from the previous step's sampled ids on the device."""
         b = bucket_for(len(chunks), self.sizes) if graphable(chunks, sample) else None
         if b is None:
             return None
         cap = self.captured[b]
         host = self.backend.pack(cap.layout, ids, positions, slots, [], chunks)  # a prefix of the layout
         cap.buffer[: host.numel()].copy_(host, non_blocking=True)
+        if feed is not None:
+            feed.into(cap.inputs.input_ids)
         cap.graph.replay()
         return cap.logits[: len(chunks)]

@@ -34,6 +34,7 @@ def finish_reason(req: Request, params: SamplingParams, max_model_len: int) -> F
         return FinishReason.STOP
     if not params.ignore_eos and last in params.eos_token_ids:
         return FinishReason.STOP
-    if len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= max_model_len:
+    known = len(req.output_token_ids)  # a step scheduled ahead may hold one more on the device
+    if known >= params.max_tokens or len(req.prompt_token_ids) + known >= max_model_len:
         return FinishReason.LENGTH
     return None

@@ -11,6 +11,12 @@ sampled ids to the host; `finish(step)` waits for those ids and takes them in (`
 launch returns while the device works (`overlapped`); on the CPU it returns with the work done. Between
 the two, requests may come and go: one aborted meanwhile gets no output from the step, and its blocks
 go back to the pool only at finish, once the device is done writing them. `step()` is both at once.
+
+Asynchronous scheduling (`--async-scheduling`, docs/async-scheduling.md): `launch()` may be called once more
+while a step is in flight, so that step N+1 is scheduled, packed and queued while the device runs step N; then
+`finish(N)`, `launch()` (N+2), `finish(N+1)`... A request sampled by N is scheduled in N+1 with its input token
+read from N's sampled ids on the device (`DeviceFeed`); the host learns the token at N's finish. A request that
+N ends (EOS, a stop token) costs one wasted row in N+1, whose token is dropped. Steps finish in launch order.
 """
 
 from __future__ import annotations
@@ -50,9 +56,12 @@ class Step:
     draw: object | None  # its sampling, queued on the device (`wait()` gives the Drawn); None when launching failed
     error: str = ""  # why it failed
     members: set[Request] = field(init=False)  # the batch's requests
+    sampled: dict[Request, int] = field(init=False)  # each sampling request's row in the draw
+    parked: list[list[int]] = field(default_factory=list)  # blocks of members released while it runs: freed at finish
 
     def __post_init__(self) -> None:
         self.members = {s.request for s in self.batch.scheduled}
+        self.sampled = {s.request: i for i, s in enumerate(s for s in self.batch.scheduled if s.samples)}
 
 
 def pin_process(cfg: EngineConfig) -> None:
@@ -79,9 +88,10 @@ class Engine:
         seed = chain_seed(self.layout.model_fingerprint) if cfg.prefix_caching else None
         self.scheduler = Scheduler(self.pool.allocator, cfg.max_num_seqs, cfg.max_num_batched_tokens, seed)
         self.requests: dict[str, Request] = {}
-        self.in_flight: Step | None = None  # launched, not finished
-        self._parked: list[list[int]] = []  # blocks of requests released while a step that writes them ran
+        self.in_flight: list[Step] = []  # launched, not finished, oldest first (two at most, scheduling ahead)
         self.overlapped = parts.overlapped  # launch() returns before the device (or the mock's step) is done
+        self.ahead = cfg.async_scheduling and parts.feeds and not prefill_only  # schedule N+1 before N's tokens
+        self.steps_ahead = 0  # since start: steps launched while another was in flight
 
     # ---- requests -----------------------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> str:
@@ -176,8 +186,9 @@ class Engine:
 
     def release(self, req: Request, status: Status) -> None:
         """End a request for good: out of the queues, KV freed (once the step in flight, if it holds it, is done)."""
-        if self.in_flight is not None and req in self.in_flight.members:
-            self._parked.append(req.block_ids)
+        holder = next((st for st in reversed(self.in_flight) if req in st.members), None)
+        if holder is not None:  # the last step that writes its KV frees its blocks when it is done
+            holder.parked.append(req.block_ids)
             req.block_ids = []
         self.scheduler.finish(req, status)
         self.requests.pop(req.request_id, None)
@@ -192,8 +203,9 @@ class Engine:
 
     def launch(self) -> Step | None:
         """Schedule an iteration and queue its forward, sampling and copy back on the device; None when nothing
-        runs. On a GPU it returns while the device computes; on the CPU, once it has."""
-        if self.in_flight is not None:
+        runs. On a GPU it returns while the device computes; on the CPU, once it has. Scheduling ahead, one step may
+        be in flight already."""
+        if len(self.in_flight) > int(self.ahead):
             raise RuntimeError("launch() while a step is in flight: finish() it first")
         batch = self.scheduler.schedule()
         if not batch:
@@ -202,24 +214,56 @@ class Engine:
         scored = [(req, req.prompt_token_ids[pos + 1]) for _, req, pos in batch.prompt_logprob_rows()]
         step = Step(batch, [req for req, _ in scored], None)
         try:
-            step.draw = self.sampler.launch(self.runner.run(batch), sampled, scored)
+            step.draw = self.sampler.launch(self.runner.run(batch, *self.feed(batch)), sampled, scored)
         except Exception as e:  # noqa: BLE001 - one bad step must not take the node down
             step.error = self.step_error(batch, e)
-        self.in_flight = step
+        else:
+            self.scheduler.count(batch)
+            for req in sampled:
+                req.num_pending += 1
+        self.steps_ahead += bool(self.in_flight)
+        self.in_flight.append(step)
         return step
 
+    def due(self, launched: Step | None) -> Step | None:
+        """The step to finish after `launched` (this iteration's launch): that one, or, scheduling ahead, the step
+        launched before it (None right after the first launch: it finishes after the next one)."""
+        if not self.ahead:
+            return launched
+        if len(self.in_flight) > 1 or (launched is None and self.in_flight):
+            return self.in_flight[0]
+        return None
+
+    def feed(self, batch: Batch) -> tuple:
+        """The runner's extra argument: the rows whose input token is pending, read from the step in flight's
+        sampled ids on the device (`DeviceFeed`); () when there are none."""
+        prev = self.in_flight[-1] if self.in_flight else None
+        rows, index, row = [], [], 0
+        for s in batch.scheduled:
+            row += s.num_new_tokens
+            if s.request.num_pending:  # its last input token is the one the step in flight samples
+                rows.append(row - 1)
+                index.append(prev.sampled[s.request])
+        if not rows:
+            return ()
+        if prev.draw is None:
+            raise RuntimeError("the step in flight failed to launch: its tokens cannot feed the next")
+        return (self.runner.feed(prev.draw, rows, index),)
+
     def finish(self, step: Step | None) -> list[TokenOutput]:
-        """Wait for a launched step's tokens and take them in: an output per sampled request still here."""
+        """Wait for a launched step's tokens and take them in: an output per sampled request still here. Steps
+        finish in the order they were launched."""
         if step is None:
             return []
+        if step is not self.in_flight[0]:
+            raise RuntimeError("finish() the oldest step in flight first")
         try:
             drawn = step.draw.wait() if step.draw is not None else None
         except Exception as e:  # noqa: BLE001 - a device error surfaces here, when the step is waited for
             drawn, step.error = None, self.step_error(step.batch, e)
-        self.in_flight = None
-        for blocks in self._parked:
+        self.in_flight.pop(0)
+        for blocks in step.parked:
             self.pool.allocator.free(blocks)
-        self._parked.clear()
         if drawn is None:
             return self.fail(step.batch, step.error)
         return self.update(step.batch, drawn, step.scored)
@@ -238,14 +282,15 @@ class Engine:
 
     def update(self, batch: Batch, drawn: Drawn, scored: list[Request] = ()) -> list[TokenOutput]:
         """Count the step's computed tokens and take in its sampled ones (one per sampled request), and the scores of
-        the prompt rows (`scored`: the request of each)."""
-        self.scheduler.advance(batch)
+        the prompt rows (`scored`: the request of each). The step's tokens were counted as computed at its launch."""
+        self.scheduler.commit_computed(batch)
         for req, lp in zip(scored, drawn.prompt_logprobs, strict=True):
             req.prompt_logprobs.append(lp)
         sampled = [s.request for s in batch.scheduled if s.samples]
         outputs = []
         for req, token, lp in zip(sampled, drawn.tokens, drawn.logprobs, strict=True):
-            if req.is_finished:  # aborted while the step ran: the token is dropped
+            req.num_pending -= 1
+            if req.is_finished:  # aborted while the step ran, or ended by the step before: the token is dropped
                 continue
             req.output_token_ids.append(token)
             if req.guide is not None:

@@ -28,6 +28,7 @@ from pdserve.config import max_model_len
 from pdserve.engine.backends import Chunk, ForwardInputs, make_backend
 from pdserve.engine.block_allocator import blocks_for, cdiv
 from pdserve.engine.checkpoint import SUPPORTED_MODEL_TYPES
+from pdserve.engine.copies import to_device
 from pdserve.engine.kv_cache import DTYPES, KVLayout, KVPool
 from pdserve.engine.scheduler import Batch
 
@@ -209,14 +210,26 @@ class ModelRunner:
         """The iteration's inputs on the device (one tensor each, or one packed copy on a GPU)."""
         return self.backend.inputs(*self.flatten(batch, self.pool.block_size))
 
-    def run(self, batch: Batch) -> torch.Tensor:
+    def run(self, batch: Batch, feed: DeviceFeed | None = None) -> torch.Tensor:
         """One iteration: a replayed CUDA graph for a decode batch that has one, else an eager forward.
-        Returns the logits of the rows `flatten` names, [S, V] float32."""
+        Returns the logits of the rows `flatten` names, [S, V] float32. `feed`: input rows whose token the host does
+        not know yet, read from the previous step's sampled ids on the device."""
         if self.graphs is not None:
             flat = self.flatten(batch, self.pool.block_size)
-            logits = self.graphs.run(*flat)
-            return logits if logits is not None else self.forward(self.backend.inputs(*flat))
-        return self.forward(self.prepare(batch))
+            logits = self.graphs.run(*flat, feed=feed)
+            if logits is not None:
+                return logits
+            inp = self.backend.inputs(*flat)
+        else:
+            inp = self.prepare(batch)
+        if feed is not None:
+            feed.into(inp.input_ids)
+        return self.forward(inp)
+
+    @staticmethod
+    def feed(draw, rows: list[int], index: list[int]) -> DeviceFeed:
+        """Input rows `rows` of the next step take the sampled ids `index` of a launched step's `draw`."""
+        return DeviceFeed(draw.ids, rows, index)
 
     # ---- forward ---------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -253,9 +266,29 @@ def warm_up_step(block_size: int) -> tuple[list[int], list[int], list[int], list
     return [0] * (n + 1), [1, *range(n)], [-1] * (n + 1), [0, n], chunks
 
 
+@dataclass
+class DeviceFeed:
+    """Input rows of a step whose tokens are still on the device: row `rows[i]` of the step's flat tokens takes
+    `ids[index[i]]`, the previous step's sampled ids ([S'] on the device)."""
+
+    ids: torch.Tensor
+    rows: list[int]
+    index: list[int]
+
+    def into(self, input_ids: torch.Tensor) -> None:
+        """Write the fed tokens into a step's input ids ([T] on the device), queued on its stream."""
+        dev = input_ids.device
+        src = self.ids.index_select(0, to_device(self.index, dev, torch.long))  # [F]
+        input_ids.index_copy_(0, to_device(self.rows, dev, torch.long), src.to(input_ids.dtype))
+
+
 def _token_ids(req, start: int, end: int) -> list[int]:
-    """Token ids [start, end) of prompt + output, without joining the two lists."""
+    """Token ids [start, end) of prompt + output, without joining the two lists; a token still on the device
+    (pending) is a 0 here, overwritten on the device (`DeviceFeed`)."""
     prompt, n = req.prompt_token_ids, len(req.prompt_token_ids)
+    known = n + len(req.output_token_ids)
+    if end > known:
+        return _token_ids(req, start, known) + [0] * (end - max(start, known))
     if end <= n:
         return prompt[start:end]
     if start >= n:

@@ -25,6 +25,7 @@ class EngineParts:
     sampler: Any  # launch(run's result, sampled requests, scored prompt rows) -> a draw whose wait() gives Drawn
     max_model_len: int
     overlapped: bool  # launch() returns before the step is done (a GPU; the mock, which waits out its step time)
+    feeds: bool = False  # the runner reads pending input tokens from the device (`feed`): scheduling ahead works
 
 
 def build_parts(cfg: EngineConfig, prefill_only: bool, pool_storage=None) -> EngineParts:
@@ -66,4 +67,4 @@ def model_parts(cfg: EngineConfig, prefill_only: bool, pool_storage=None) -> Eng
              " and CUDA graphs" if runner.graphs else "", time.perf_counter() - started, runner.backend.name,
              num_blocks, cfg.block_size)  # fmt: skip
     overlapped = runner.device.type == "cuda"
-    return EngineParts(guides, layout, pool, runner, Sampler(), max_model_len(model.config), overlapped)
+    return EngineParts(guides, layout, pool, runner, Sampler(), max_model_len(model.config), overlapped, feeds=True)

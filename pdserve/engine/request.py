@@ -6,7 +6,14 @@
 2. RUNNING: scheduled each iteration; a prompt is caught up chunk by chunk, then one token a step.
 3. TRANSFERRING (prefill node only): first token sampled; KV held until the decode node acknowledges.
 4. FINISHED / ABORTED: terminal; its KV blocks are already back in the pool.
-A preempted request goes RUNNING -> WAITING and recomputes its KV later.
+A preempted request goes RUNNING -> WAITING and recomputes its KV later. Under asynchronous scheduling a
+request preempted while its last token was still on the device learns that token waiting, and it may end
+it: WAITING -> FINISHED.
+
+Which tokens the host knows: `output_token_ids` holds the sampled tokens the host has taken in (a step's
+`finish`); `num_pending` counts those sampled by launched steps whose ids are still on the device (0 or 1
+when a step is scheduled; the next step reads such a token from the device as its input). `num_tokens`
+counts both; `token_ids` gives known tokens only.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ class Status(enum.Enum):
 _LEGAL = {
     Status.WAITING_FOR_KV: {Status.RECEIVING_KV, Status.ABORTED},
     Status.RECEIVING_KV: {Status.WAITING, Status.ABORTED},
-    Status.WAITING: {Status.RUNNING, Status.ABORTED},
+    Status.WAITING: {Status.RUNNING, Status.FINISHED, Status.ABORTED},
     Status.RUNNING: {Status.WAITING, Status.TRANSFERRING, Status.FINISHED, Status.ABORTED},
     Status.TRANSFERRING: {Status.FINISHED, Status.ABORTED},
     Status.FINISHED: set(),
@@ -56,11 +63,12 @@ class Request:
     guide: Any = None  # a guided request's grammar state (engine.grammar.Guide), built when it joins an engine
     block_hashes: list[int] = field(default_factory=list)  # names of its first full blocks of tokens, so far
     num_cached_blocks: int = 0  # its first blocks that are in the prefix cache (shared from it, or named by it)
+    num_pending: int = 0  # tokens sampled by launched steps whose ids the host has not learned yet
 
     def prompt_logprob_positions(self, past: int, n: int) -> range:
         """The positions of a chunk [past, past + n) whose logits score a prompt token not scored yet (position p
         scores token p + 1): only while no token is sampled, so a recomputation after a preemption adds none."""
-        if self.params.prompt_logprobs is None or self.output_token_ids:
+        if self.params.prompt_logprobs is None or self.num_output_tokens:
             return range(0)
         return range(max(past, len(self.prompt_logprobs)), min(past + n, len(self.prompt_token_ids) - 1))
 
@@ -73,7 +81,19 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        """Prompt plus sampled tokens, those still on the device included."""
+        return len(self.prompt_token_ids) + self.num_output_tokens
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Sampled tokens, known or pending."""
+        return len(self.output_token_ids) + self.num_pending
+
+    @property
+    def waits_for_host(self) -> bool:
+        """Its next draw needs its previous token on the host (a grammar's mask, a logits processor's counts): it
+        is not scheduled while a token of it is pending."""
+        return self.guide is not None or self.params.processed
 
     @property
     def max_total_tokens(self) -> int:

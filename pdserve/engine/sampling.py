@@ -53,6 +53,7 @@ class PendingDraw:
     num_tokens: int  # S
     asked: list[int]  # the sampling rows that asked for log-probabilities
     ks: list[int]  # alternatives of each scored row: the asked rows, then the prompt rows
+    ids: torch.Tensor | None = None  # [S] the sampled ids on the device (the next step's inputs read them there)
 
     def wait(self) -> Drawn:
         host = self.copy.wait().tolist()
@@ -85,14 +86,14 @@ class Sampler:
         tokens = self.draw(logits[:S], requests)  # [S]
         asked = [i for i, req in enumerate(requests) if req.params.logprobs is not None]
         if not asked and not prompt_rows:
-            return PendingDraw(HostCopy.of(tokens), S, [], [])
+            return PendingDraw(HostCopy.of(tokens), S, [], [], tokens)
         ks = [requests[i].params.logprobs for i in asked] + [req.params.prompt_logprobs for req, _ in prompt_rows]
         dev = logits.device
         rows = to_device(asked + list(range(S, S + len(prompt_rows))), dev, torch.long)  # [A + P]
         prompt_targets = to_device([t for _, t in prompt_rows], dev, torch.long)
         targets = torch.cat((tokens.index_select(0, rows[: len(asked)]), prompt_targets))  # [A + P]
         packed = _pack_scores(tokens, logits.index_select(0, rows), targets, max(ks))
-        return PendingDraw(HostCopy.of(packed), S, asked, ks)  # the one copy
+        return PendingDraw(HostCopy.of(packed), S, asked, ks, tokens)  # the one copy
 
     def draw(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """logits: [S, V] -> one token id per request, [S] on the device."""
@@ -108,7 +109,7 @@ class Sampler:
     def row_params(self, req: Request) -> tuple[float, int, float, int, float]:
         """(temperature, top_k, top_p, noise key, min_p) of a request's next draw."""
         p = req.params
-        step = p.resumed + len(req.output_token_ids)  # a resumed request's streamed tokens are its prompt's tail
+        step = p.resumed + req.num_output_tokens  # a resumed request's streamed tokens are its prompt's tail
         base = p.seed if p.seed is not None else (hash(req.request_id) ^ self._salt)
         return p.temperature, p.top_k, p.top_p, draw_key(base, step), p.min_p
 

@@ -10,6 +10,14 @@ Prefix caching (`cache_seed` set): a request admitted without KV first shares th
 longest cached prefix (never its last token, whose logits it needs; never for echo with logprobs,
 which scores every prompt position), and starts computing after them. After each step, the full
 blocks a request has computed are named in the cache (`commit`), so they outlive it.
+
+Asynchronous scheduling (docs/async-scheduling.md): the engine schedules step N+1 before step N's tokens
+reach the host. A request then has a pending token (`Request.num_pending`): it is scheduled for one token
+as usual (its input comes from the device), except when its next draw needs that token on the host (a
+guided request, a logits processor: `Request.waits_for_host`) or when the pending token is its last one
+(max_tokens): those sit the step out. The computed tokens are counted when a step is launched (`count`);
+the blocks a step filled are named in the prefix cache when it finishes (`commit_computed`), by which time
+the host knows every token in them.
 """
 
 from __future__ import annotations
@@ -27,10 +35,11 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
     samples: bool  # this chunk reaches the request's last token, so a new token is sampled
+    past: int = 0  # tokens computed before this chunk
 
     @classmethod
     def of(cls, req: Request, n: int) -> ScheduledRequest:
-        return cls(req, n, req.num_computed_tokens + n == req.num_tokens)
+        return cls(req, n, req.num_computed_tokens + n == req.num_tokens, req.num_computed_tokens)
 
 
 @dataclass
@@ -149,7 +158,7 @@ class Scheduler:
         for req in list(self.running):
             if budget == 0:
                 break
-            if req.status is not Status.RUNNING:  # preempted earlier in this loop
+            if req.status is not Status.RUNNING or not self._runs_ahead(req):  # preempted earlier in this loop
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self._reserve(req, n, batch):
@@ -160,9 +169,21 @@ class Scheduler:
             budget = self._admit(batch, budget)
         return batch
 
+    @staticmethod
+    def _runs_ahead(req: Request) -> bool:
+        """Whether a running request is scheduled now: always without a pending token; with one, unless its next draw
+        needs it on the host or it is its last (max_tokens). At most one step may be in flight unfinished."""
+        if req.num_pending == 0:
+            return True
+        if req.num_pending > 1:
+            raise RuntimeError(f"request {req.request_id} has {req.num_pending} tokens pending: finish a step first")
+        return not req.waits_for_host and req.num_output_tokens < req.params.max_tokens
+
     def _admit(self, batch: Batch, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if req.num_pending:  # preempted with its last token still on the device: it rejoins once that is known
+                break
             looked_up = self._share_prefix(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self._grow_head(req, n):
@@ -203,11 +224,16 @@ class Scheduler:
             req.block_hashes += block_hashes(req.token_ids(have * bs, num_blocks * bs), bs, parent)
         return req.block_hashes[:num_blocks]
 
-    def _commit(self, req: Request) -> None:
-        """Name the full blocks of a request's computed KV in the prefix cache."""
+    def _commit(self, req: Request, upto: int | None = None) -> None:
+        """Name the full blocks of a request's computed KV (its first `upto` tokens; default: all computed) in the
+        prefix cache."""
         if self.cache_seed is None or req.is_finished:
             return
-        full = min(req.num_computed_tokens // self.allocator.block_size, len(req.block_ids))
+        known = len(req.prompt_token_ids) + len(req.output_token_ids)  # a block is named once its tokens are known
+        upto = min(req.num_computed_tokens if upto is None else upto, req.num_computed_tokens, known)
+        full = min(upto // self.allocator.block_size, len(req.block_ids))
+        if full <= req.num_cached_blocks:  # no new full block (most steps of a decoding request)
+            return
         hashes = self._hashes(req, full)
         for i in range(req.num_cached_blocks, len(hashes)):
             self.allocator.commit(req.block_ids[i], hashes[i])
@@ -229,6 +255,8 @@ class Scheduler:
 
     def _reserve(self, req: Request, n: int, batch: Batch) -> bool:
         """Grow `req`'s blocks for `n` more tokens, preempting the newest running requests if needed."""
+        if req.num_computed_tokens + n <= len(req.block_ids) * self.allocator.block_size:
+            return True  # its blocks hold them (most decode steps)
         while not self.allocator.grow(req.block_ids, req.num_computed_tokens + n, req.max_total_tokens):
             victim = self.running[-1]
             self._preempt(victim, batch)
@@ -253,7 +281,19 @@ class Scheduler:
 
     # ---- after the forward --------------------------------------------------------------------
     def advance(self, batch: Batch) -> None:
-        """Count the computed tokens of every scheduled request, and cache its full blocks."""
+        """Count the computed tokens of every scheduled request, and cache its full blocks (a step launched and
+        finished at once)."""
+        self.count(batch)
+        self.commit_computed(batch)
+
+    def count(self, batch: Batch) -> None:
+        """A step is launched: its tokens count as computed (the next step is scheduled after them)."""
         for s in batch.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
-            self._commit(s.request)
+
+    def commit_computed(self, batch: Batch) -> None:
+        """A step finished and its sampled tokens are known: name the full blocks it computed in the prefix cache
+        (not those of a request preempted since: its KV is gone)."""
+        for s in batch.scheduled:
+            if s.request.status is not Status.WAITING:
+                self._commit(s.request, s.past + s.num_new_tokens)

@@ -1,0 +1,249 @@
+"""Host time per engine step with the model forward stubbed, and the time a device would wait for the host.
+
+    python -m bench.host_step                        # 128 and 256 running requests, this tree beside the one before
+    python -m bench.host_step --record               # and write bench/results/<day>-<commit>-host-step.{json,md}
+    python -m bench.host_step --device-ms 16 --record --label host-step-16ms   # a device step longer than the host's
+
+The real engine (scheduler, block allocator with prefix caching, `ModelRunner.flatten`, the Triton backend's
+packing of the inputs into one host buffer, the engine's update) runs decode steps of `--requests` running
+requests of `--prompt` tokens; the forward and the sampling are stubbed: a stub device runs each step for
+`--device-ms`, in launch order, one after the other, and hands back made-up tokens (never a stop). Measured over
+`--steps` steps, once every request decodes:
+- host_ms: the host's wall time per step (launch and finish, the wait for the device taken out), and host_cpu_ms
+  the CPU time the process spent per step (on a shared host the wall time also counts time others held the core);
+- device_wait_ms: per step, how long the stub device sat idle between two steps, waiting for the host.
+Variants, each in its own process, interleaved over `--repeats` rounds (the best round of each is reported; a
+shared host is noisy): `before` (the engine of the commit before asynchronous scheduling, checked out into a
+temporary folder), `sync` (this tree, one step at a time) and `async` (this tree, `--async-scheduling`: step N+1
+is scheduled and packed while step N runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VARIANTS = ("before", "sync", "async")
+
+
+# ---- the worker: one variant, one process -----------------------------------------------------------------------
+class StubDraw:
+    """A step on the stub device: it ends `device_s` after the device is free and the step was submitted."""
+
+    def __init__(self, device: StubDevice, tokens: list[int]) -> None:
+        import torch
+
+        from pdserve.engine.draws import Drawn
+
+        self.device = device
+        self.done_at = device.submit()
+        self.drawn = Drawn(tokens, [None] * len(tokens), [])
+        self.ids = torch.tensor(tokens)  # [S]: "on the device", for the next step's inputs
+
+    def wait(self):
+        left = self.done_at - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+            self.device.slept += left
+        return self.drawn
+
+
+class StubDevice:
+    """Runs submitted steps one after the other, `device_s` each; counts its idle time between steps."""
+
+    def __init__(self, device_s: float) -> None:
+        self.device_s, self.free_at, self.idle, self.slept = device_s, 0.0, 0.0, 0.0
+
+    def submit(self) -> float:
+        now = time.perf_counter()
+        if self.free_at:
+            self.idle += max(0.0, now - self.free_at)
+        self.free_at = max(now, self.free_at) + self.device_s
+        return self.free_at
+
+
+class StubRunner:
+    """The runner's host work (flatten, pack) with no forward."""
+
+    def __init__(self, backend, block_size: int) -> None:
+        self.backend, self.block_size = backend, block_size
+
+    def run(self, batch, feed=None):
+        from pdserve.engine.model import ModelRunner
+
+        inp = self.backend.inputs(*ModelRunner.flatten(batch, self.block_size))
+        if feed is not None:
+            feed.into(inp.input_ids)
+        return None
+
+    @staticmethod
+    def feed(draw, rows, index):
+        from pdserve.engine.model import DeviceFeed
+
+        return DeviceFeed(draw.ids, rows, index)
+
+
+class StubSampler:
+    def __init__(self, device: StubDevice) -> None:
+        self.device, self.turn = device, 0
+
+    def launch(self, _logits, requests, _prompt_rows=()):
+        self.turn += 1
+        return StubDraw(self.device, [1000 + (self.turn + i) % 1000 for i in range(len(requests))])
+
+
+def triton_backend(pool):
+    """The Triton backend's host side (packing); its kernel modules are not needed, nor imported."""
+    for name in ("triton_attention", "triton_layers"):
+        sys.modules.setdefault(f"pdserve.engine.{name}", types.ModuleType(name))
+    import torch
+
+    from pdserve.engine.backends import TritonBackend
+
+    return TritonBackend(pool, 1.0, None, torch.device("cpu"), num_heads=16, silu_gated=True)
+
+
+def stub_engine(n: int, prompt: int, steps: int, device: StubDevice, ahead: bool):
+    """An engine of the tree on sys.path, with the stubs for a model."""
+    import dataclasses
+
+    from pdserve.config import EngineConfig
+    from pdserve.engine import engine as engine_mod
+    from pdserve.engine.kv_cache import KVLayout, KVPool
+    from pdserve.engine.parts import EngineParts
+
+    bs = 16
+    layout = KVLayout(num_layers=1, num_kv_heads=8, head_dim=1, block_size=bs, dtype="float32", model_fingerprint="0")
+    pool = KVPool(layout, n * (prompt + steps * 3 + 64) // bs, "cpu")
+    fields = {f.name for f in dataclasses.fields(EngineParts)}
+    extra = {"feeds": True} if "feeds" in fields else {}
+    parts = EngineParts(types.SimpleNamespace(attach=lambda req: None), layout, pool,
+                        StubRunner(triton_backend(pool), bs), StubSampler(device), 1 << 20, True, **extra)  # fmt: skip
+    engine_mod.build_parts = lambda *a, **k: parts
+    cfg = {"max_num_seqs": n, "max_num_batched_tokens": 8192, "model": "tiny"}
+    if ahead:
+        cfg["async_scheduling"] = True
+    return engine_mod.Engine(EngineConfig(**cfg))
+
+
+def measure(n: int, prompt: int, steps: int, device_ms: float, ahead: bool) -> dict:
+    import random
+
+    from pdserve.engine.request import Request
+    from pdserve.wire.protocol import SamplingParams
+
+    device = StubDevice(device_ms / 1000)
+    engine = stub_engine(n, prompt, steps, device, ahead)
+    rng = random.Random(0)
+    for i in range(n):
+        params = SamplingParams(max_tokens=1 << 20, temperature=0, ignore_eos=True)
+        engine.add(Request(str(i), [rng.randrange(1000) for _ in range(prompt)], params))
+    iterate = (lambda: engine.finish(engine.due(engine.launch()))) if ahead else engine.step
+    while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.requests.values()):
+        iterate()  # the prompts
+    for _ in range(3):
+        iterate()  # every request decodes
+    device.idle = device.slept = 0.0
+    started, cpu = time.perf_counter(), time.process_time()
+    for _ in range(steps):
+        iterate()
+    wall, cpu = time.perf_counter() - started, time.process_time() - cpu
+    return {"host_ms": (wall - device.slept) / steps * 1000, "host_cpu_ms": cpu / steps * 1000,
+            "device_wait_ms": device.idle / steps * 1000}  # fmt: skip
+
+
+# ---- the driver ---------------------------------------------------------------------------------------------------
+def before_commit() -> str:
+    """The commit before asynchronous scheduling came in (the parent of the commit that added its flag)."""
+    cmd = ["git", "log", "--format=%H", "--reverse", "-S", "async_scheduling", "--", "pdserve/config.py"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    if not out:
+        raise SystemExit("no commit adds --async-scheduling in this checkout's history: give --before")
+    return out[0] + "^"
+
+
+def checkout(rev: str, into: Path) -> None:
+    archive = subprocess.run(["git", "archive", rev, "pdserve"], cwd=ROOT, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+
+
+def run_worker(tree: Path, variant: str, a: argparse.Namespace, n: int) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", variant, "--requests", str(n),
+           "--prompt", str(a.prompt), "--steps", str(a.steps), "--device-ms", str(a.device_ms)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    if out.returncode:
+        raise SystemExit(f"the {variant} worker failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def compare(a: argparse.Namespace) -> dict:
+    rev = a.before or before_commit()
+    results: dict[int, dict[str, list[dict]]] = {n: {v: [] for v in VARIANTS} for n in a.sizes}
+    with tempfile.TemporaryDirectory() as tmp:
+        checkout(rev, Path(tmp))
+        trees = {"before": Path(tmp), "sync": ROOT, "async": ROOT}
+        for r in range(a.repeats):
+            for n in a.sizes:
+                for v in VARIANTS:
+                    results[n][v].append(run_worker(trees[v], v, a, n))
+                    print(f"round {r + 1}, {n} requests, {v}: {results[n][v][-1]}", file=sys.stderr)
+    before = subprocess.run(["git", "rev-parse", "--short", rev], cwd=ROOT, capture_output=True, text=True)
+    best = {n: {v: {k: min(x[k] for x in runs) for k in runs[0]} for v, runs in by.items()}
+            for n, by in results.items()}  # fmt: skip
+    return {"before": before.stdout.strip(), "device_ms": a.device_ms, "steps": a.steps, "prompt": a.prompt,
+            "repeats": a.repeats, "best": best, "runs": results}  # fmt: skip
+
+
+def markdown(res: dict, commit: str) -> str:
+    lines = [f"# Host time per decode step, forward stubbed ({commit}, before: {res['before']})", "",
+             f"Stub device step {res['device_ms']} ms; {res['steps']} decode steps of requests with "
+             f"{res['prompt']}-token prompts; best of {res['repeats']} interleaved rounds.", "",
+             "| requests | variant | host ms/step | host CPU ms/step | device waits ms/step | host CPU × before | "
+             "wait × before host |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for n, by in res["best"].items():
+        base, cpu = by["before"]["host_ms"], by["before"]["host_cpu_ms"]
+        for v, m in by.items():
+            lines.append(f"| {n} | {v} | {m['host_ms']:.3f} | {m['host_cpu_ms']:.3f} | {m['device_wait_ms']:.3f} | "
+                         f"{m['host_cpu_ms'] / cpu:.2f} | {m['device_wait_ms'] / base:.2f} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", type=int, nargs="+", default=[128, 256], help="running requests")
+    p.add_argument("--prompt", type=int, default=700, help="prompt tokens of each request")
+    p.add_argument("--steps", type=int, default=100, help="decode steps measured")
+    p.add_argument("--device-ms", type=float, default=3.0, help="the stub device's time per step")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved rounds; the best is reported")
+    p.add_argument("--before", default="", help="the commit compared with (default: the one before --async-scheduling)")
+    p.add_argument("--record", action="store_true", help="write the result under bench/results")
+    p.add_argument("--label", default="host-step", help="the recorded file's label (after the day and commit)")
+    p.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
+    p.add_argument("--requests", type=int, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.worker:
+        print(json.dumps(measure(a.requests, a.prompt, a.steps, a.device_ms, a.worker == "async")))
+        return
+    res = compare(a)
+    from bench.run_bench import git_commit, recorded_name
+
+    commit = git_commit()
+    md = markdown(res, commit)
+    print(md)
+    if a.record:
+        stem = ROOT / "bench" / "results" / recorded_name(a.label, commit, time.strftime("%Y-%m-%d", time.gmtime()))
+        stem.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")
+        stem.with_suffix(".md").write_text(md)
+
+
+if __name__ == "__main__":
+    main()
