@@ -245,7 +245,7 @@ def test_graph_replay_path_equals_transformers(triton, tiny_models):
     for b in graphs.sizes:
         lay, buffer, inp = graphs.static_inputs(b)
         logits = torch.empty(b, runner.model.config.vocab_size)
-        graphs.captured[b] = Captured(_EagerReplay(runner, inp, logits), lay, buffer, logits)
+        graphs.captured[b] = Captured(_EagerReplay(runner, inp, logits), lay, buffer, inp, logits)
     runner.graphs = graphs
     prompts, outs = mixed_workload(6, 512, seed=2, max_prompt=60, max_out=10)
     got = run_engine(engine, greedy_requests(prompts, outs))
