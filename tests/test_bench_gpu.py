@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from helpers import optional
 
 from bench import gpu
 from pdserve.engine.checkpoint import BUILTIN_MODELS, hf_config
@@ -84,7 +85,7 @@ def test_the_report_shows_the_steady_state_kernels_and_what_is_not_measured(tmp_
     assert "| decode | 265 | 9.0 | 13 |" in md and "limit for a decode step 300" in md
     assert "Not measured: the share of tokens computed in CUDA-graph replays" in md
     assert "Then `sharegpt_like 16/8`: 16 requests" in md
-    pytest.importorskip("matplotlib")
+    optional("matplotlib")  # the bench extra's plotting: installed by [test], so CI fails without it
     gpu.plot(run, tmp_path / "gpu.png")
     assert (tmp_path / "gpu.png").stat().st_size > 0
 
