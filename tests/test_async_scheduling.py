@@ -167,24 +167,15 @@ def test_without_the_device_feed_the_tokens_go_wrong(tiny_models, monkeypatch):
 def test_a_node_schedules_ahead(tiny_models):
     """A colocated node in-process, in the GPU's order, scheduling ahead: every stream is transformers', steps were
     launched while another was in flight, and every block comes back."""
-    from test_overlap import Router, published, traced
+    from test_overlap import published, start_greedy_workload
 
     from pdserve.colocated_node import ColocatedNode
     from pdserve.config import NodeConfig
-    from pdserve.wire import protocol as P
 
     cfg = EngineConfig(model=str(tiny_models["qwen3"]), num_kv_blocks=64, async_scheduling=True)
     node = ColocatedNode(NodeConfig("colocated", cfg))
     try:
-        node.engine.overlapped = True
-        trace: list = []
-        traced(node, trace)
-        router = Router(node)
-        router.send(P.Hello(P.PROTOCOL_VERSION, "router"))
-        node.loop_once()
-        prompts, outs = mixed_workload(5, 512, seed=9, max_prompt=40, max_out=10)
-        for r in greedy_requests(prompts, outs):
-            router.send(P.Generate(r.request_id, r.prompt_token_ids, r.params))
+        router, trace, prompts, outs = start_greedy_workload(node, overlapped=True)
         for _ in range(200):
             node.loop_once()
             router.collect(published(trace))

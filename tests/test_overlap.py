@@ -129,6 +129,21 @@ def traced(node: ColocatedNode, trace: list) -> None:
     node.drain, node.on_outputs = traced_drain, traced_outputs
 
 
+def start_greedy_workload(node, overlapped: bool) -> tuple[Router, list, list[list[int]], list[int]]:
+    """Trace `node`'s steps, greet it as a router, and send it five greedy requests of a mixed workload: the
+    router, the trace, and the requests' prompts and output lengths."""
+    node.engine.overlapped = overlapped
+    trace: list = []
+    traced(node, trace)
+    router = Router(node)
+    router.send(P.Hello(P.PROTOCOL_VERSION, "router"))
+    node.loop_once()
+    prompts, outs = mixed_workload(5, 512, seed=9, max_prompt=40, max_out=10)
+    for r in greedy_requests(prompts, outs):
+        router.send(P.Generate(r.request_id, r.prompt_token_ids, r.params))
+    return router, trace, prompts, outs
+
+
 @pytest.mark.parametrize("overlapped", [False, True], ids=["cpu-order", "gpu-order"])
 def test_node_io_between_launch_and_finish(tiny_models, overlapped):
     """A colocated node in-process: its messages are handled between launch and finish; with the GPU's order a
@@ -137,15 +152,7 @@ def test_node_io_between_launch_and_finish(tiny_models, overlapped):
     cfg = NodeConfig("colocated", EngineConfig(model=str(tiny_models["qwen3"]), num_kv_blocks=64))
     node = ColocatedNode(cfg)
     try:
-        node.engine.overlapped = overlapped
-        trace: list = []
-        traced(node, trace)
-        router = Router(node)
-        router.send(P.Hello(P.PROTOCOL_VERSION, "router"))
-        node.loop_once()
-        prompts, outs = mixed_workload(5, 512, seed=9, max_prompt=40, max_out=10)
-        for r in greedy_requests(prompts, outs):
-            router.send(P.Generate(r.request_id, r.prompt_token_ids, r.params))
+        router, trace, prompts, outs = start_greedy_workload(node, overlapped)
         victim, aborted_in_flight = "0", []  # asks for 10 tokens
         for _ in range(200):
             node.loop_once()
