@@ -272,6 +272,17 @@ def kv_per_turn(result: dict) -> str:
     return "-" if ratio is None else f"{ratio:.2f}"
 
 
+def kv_mb_per_turn(result: dict) -> float | None:
+    """KV megabytes shipped per multi-turn request (disagg; None elsewhere)."""
+    mt = result["multi_turn"]
+    shipped = mt["counters"].get("prefill", {}).get("kv_transfer_bytes")
+    return None if shipped is None or not mt["requests"] else shipped / mt["requests"] / 1e6
+
+
+def _mb(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
 def _hits(result: dict) -> tuple[float, float]:
     counters = result["shared_prefix"]["counters"].values()
     return (sum(c.get("prefix_cache_hits", 0) for c in counters), sum(c.get("prefix_cache_queries", 0)
@@ -294,7 +305,7 @@ def best_of(runs: list[dict]) -> dict:
             "shared_ttft_p50_s": least(lambda r: r["shared_prefix"]["ttft_p50_s"]),
             "multi_ttft_p50_s": least(lambda r: r["multi_turn"]["ttft_p50_s"]),
             "multi_tok_s": max(r["multi_turn"]["output_tok_s"] for r in runs),
-            "kv_ratio": least(kv_ratio), "hits": _hits(runs[-1]),
+            "kv_ratio": least(kv_ratio), "kv_mb_per_turn": least(kv_mb_per_turn), "hits": _hits(runs[-1]),
             "ok": f"{sum(r['shared_prefix']['ok'] + r['multi_turn']['ok'] for r in runs)}/"
                   f"{sum(r['shared_prefix']['requests'] + r['multi_turn']['requests'] for r in runs)}"}  # fmt: skip
 
@@ -319,23 +330,25 @@ def report(results: list[dict], env: dict, sizes: Sizes) -> str:
              f"system prompt, messages of {sizes.message[0]}-{sizes.message[1]} tokens, {sizes.answer}-token "
              "answers; conversations side by side, turns one after another.", "",
              "| system | caching | shared_prefix TTFT p50 ms | hits / queries | multi_turn TTFT p50 ms | "
-             "multi_turn out tok/s | KV shipped / KV added | ok |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "multi_turn out tok/s | KV MB shipped / turn | KV shipped / KV added | ok |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for b in map(best_of, by_system(results)):
         kv = "-" if b["kv_ratio"] is None else f"{b['kv_ratio']:.2f}"
         lines.append(f"| {b['mode']} | {b['caching']} | {_ms(b['shared_ttft_p50_s'])} | {b['hits'][0]:.0f} / "
-                     f"{b['hits'][1]:.0f} | {_ms(b['multi_ttft_p50_s'])} | {b['multi_tok_s']:.1f} | {kv} | {b['ok']} |")
+                     f"{b['hits'][1]:.0f} | {_ms(b['multi_ttft_p50_s'])} | {b['multi_tok_s']:.1f} | "
+                     f"{_mb(b['kv_mb_per_turn'])} | {kv} | {b['ok']} |")
     return "\n".join([*lines, "", *each_run(results), "", agreement(results)]) + "\n"
 
 
 def each_run(results: list[dict]) -> list[str]:
     lines = ["Each run, in the order run:", "",
              "| round | system | load avg before / after | shared_prefix TTFT p50 ms | multi_turn TTFT p50 ms | "
-             "multi_turn out tok/s | KV shipped / KV added |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+             "multi_turn out tok/s | KV MB shipped / turn | KV shipped / KV added |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in results:
         lines.append(f"| {r['round'] + 1} | {r['label']} | {r['loadavg_before'][0]:.1f} / {r['loadavg_after'][0]:.1f} "
                      f"| {_ms(r['shared_prefix']['ttft_p50_s'])} | {_ms(r['multi_turn']['ttft_p50_s'])} | "
-                     f"{r['multi_turn']['output_tok_s']:.1f} | {kv_per_turn(r)} |")
+                     f"{r['multi_turn']['output_tok_s']:.1f} | {_mb(kv_mb_per_turn(r))} | {kv_per_turn(r)} |")
     notes = [f"{r['label']}'s prefix cache could not be emptied before round {r['round'] + 1} (no "
              "`/reset_prefix_cache`): it may hold that round's prefixes from an earlier one"
              for r in results if r.get("external") and not r["cache_emptied_first"] and r["round"]]  # fmt: skip
@@ -360,15 +373,17 @@ def plot(results: list[dict], env: dict, path: Path) -> None:
 
     best = [best_of(runs) for runs in by_system(results)]
     names = [b["label"].replace(" caching ", "\ncaching ") for b in best]
-    panels = [("shared_prefix TTFT p50 (ms)", [1e3 * (b["shared_ttft_p50_s"] or 0) for b in best]),
-              ("multi_turn TTFT p50 (ms)", [1e3 * (b["multi_ttft_p50_s"] or 0) for b in best]),
-              ("multi_turn output tok/s", [b["multi_tok_s"] for b in best])]  # fmt: skip
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4))
-    colors = ["tab:orange" if "vllm" in n.lower() else "tab:blue" if "on" in n else "tab:gray" for n in names]
-    for ax, (title, values) in zip(axes, panels, strict=True):
-        bars = ax.bar(range(len(values)), values, color=colors)
-        ax.bar_label(bars, fmt="%.0f", fontsize=7)
-        ax.set_xticks(range(len(values)), names, fontsize=7)
+    disagg = [i for i, b in enumerate(best) if b["kv_mb_per_turn"] is not None]
+    panels = [("shared_prefix TTFT p50 (ms)", names, [1e3 * (b["shared_ttft_p50_s"] or 0) for b in best]),
+              ("multi_turn TTFT p50 (ms)", names, [1e3 * (b["multi_ttft_p50_s"] or 0) for b in best]),
+              ("multi_turn output tok/s", names, [b["multi_tok_s"] for b in best]),
+              ("multi_turn KV MB shipped per turn", [names[i] for i in disagg],
+               [best[i]["kv_mb_per_turn"] for i in disagg])]  # fmt: skip
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.9 * len(panels), 4.2))
+    for ax, (title, labels, values) in zip(axes, panels, strict=True):
+        bars = ax.bar(range(len(values)), values, color=[_color(n) for n in labels])
+        ax.bar_label(bars, fmt=lambda v: f"{v:.0f}" if v >= 100 else f"{v:.3g}", fontsize=7)
+        ax.set_xticks(range(len(values)), labels, fontsize=7)
         ax.set_title(title, fontsize=10)
         ax.grid(axis="y", alpha=0.3)
     fig.suptitle(f"Prefix caching, {env['model']}, commit {env['git_commit']}: {env['cpu']}, {env['cpu_count']} "
@@ -376,6 +391,11 @@ def plot(results: list[dict], env: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _color(label: str) -> str:
+    """An external server orange, pdserve with caching blue, without grey."""
+    return "tab:orange" if "caching" not in label else "tab:blue" if label.endswith("on") else "tab:gray"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -391,6 +411,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=1, help="run every system this many times, in turn; report the best")
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke test, not a measurement")
     p.add_argument("--no-plot", action="store_true", help="no PNG")
+    p.add_argument("--report", type=Path, default=None, metavar="RUN.json",
+                   help="only rewrite a run's .md and .png from its .json (same stem), running nothing")  # fmt: skip
     p.add_argument("--record", action="store_true", help="write to bench/results, named by date and commit")
     p.add_argument("--out-dir", type=Path, default=None, help="default: bench/runs (bench/results with --record)")
     args = p.parse_args(argv)
@@ -405,6 +427,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.report:
+        return rewrite_report(args.report, plotted=not args.no_plot)
     sizes = QUICK if args.quick else Sizes()
     config = model_config(args.model)
     env = {**environment(), "model": args.model}
@@ -424,6 +448,14 @@ def main(argv: list[str] | None = None) -> int:
     env["loadavg_at_end"] = os.getloadavg()
     write(args.out_dir / stem, env, sizes, results, plotted=not args.no_plot)
     print((args.out_dir / f"{stem}.md").read_text())
+    return 0
+
+
+def rewrite_report(path: Path, plotted: bool) -> int:
+    run = json.loads(path.read_text())
+    sizes = Sizes(**{k: tuple(v) if isinstance(v, list) else v for k, v in run["sizes"].items()})
+    write(path.with_suffix(""), run["env"], sizes, run["results"], plotted)
+    print(path.with_suffix(".md").read_text())
     return 0
 
 
