@@ -96,7 +96,8 @@ class System:
 
 
 def chosen_systems(args: argparse.Namespace) -> list[System]:
-    pdserve = [System(mode, caching) for mode, caching in CONFIGS if mode in args.modes]
+    pdserve = [System(mode, caching) for mode, caching in CONFIGS
+               if mode in args.modes and ("on" if caching else "off") in args.caching]  # fmt: skip
     return pdserve + [System(name, url=url) for name, url in _external(args.external)]
 
 
@@ -405,7 +406,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kv-transport", default="zmq", choices=["zmq", "shm"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--modes", nargs="*", default=["colocated", "disagg"], choices=["colocated", "disagg"],
-                   help="pdserve stacks to run, each with caching on and off")
+                   help="pdserve stacks to run, each with caching on and off (see --caching)")
+    p.add_argument("--caching", nargs="+", default=["on", "off"], choices=["on", "off"],
+                   help="the pdserve stacks' prefix caching: on, off or both")
     p.add_argument("--external", action="append", default=[], metavar="NAME=URL",
                    help="also drive an OpenAI-compatible server someone started, e.g. vllm=http://127.0.0.1:8001")
     p.add_argument("--rounds", type=int, default=1, help="run every system this many times, in turn; report the best")
@@ -413,6 +416,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-plot", action="store_true", help="no PNG")
     p.add_argument("--report", type=Path, default=None, metavar="RUN.json",
                    help="only rewrite a run's .md and .png from its .json (same stem), running nothing")  # fmt: skip
+    p.add_argument("--name", default="", help="a label added to the files' name (prefix-caching-NAME)")
     p.add_argument("--record", action="store_true", help="write to bench/results, named by date and commit")
     p.add_argument("--out-dir", type=Path, default=None, help="default: bench/runs (bench/results with --record)")
     args = p.parse_args(argv)
@@ -467,7 +471,7 @@ def write(path: Path, env: dict, sizes: Sizes, results: list[dict], plotted: boo
 
 
 def output_stem(args: argparse.Namespace, commit: str) -> str:
-    label = "prefix-caching" + ("-quick" if args.quick else "")
+    label = "prefix-caching" + ("-quick" if args.quick else "") + (f"-{args.name}" if args.name else "")
     return recorded_name(label, commit, time.strftime("%Y-%m-%d", time.gmtime())) if args.record else label
 
 
