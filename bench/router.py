@@ -51,6 +51,7 @@ MOCK_STEP_S = "0.002,2e-6,2e-5"  # a GPU-like node: 64 streams decode in 3.4 ms 
 NO_SLO = SLO(ttft_s=float("inf"), tpot_s=float("inf"))
 REAL_KV_CACHE_GB = 0.25  # the real node's KV pool: vLLM's --kv-cache-memory-bytes 268435456
 TPOT_GROWTH = 2.0  # capacity: the highest rate before TPOT p99 grows past this many times the lightest run's
+WARM_UP_STREAMS, WARM_UP_TOKENS = 4, 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +70,15 @@ class RouterBench:
     pdserve_model: str = ""  # a real model behind pdserve's router, for the comparison with vLLM
     real_max_num_seqs: int = 16
     real_max_num_batched_tokens: int = 512
+    real_concurrency: tuple[int, ...] = ()  # the runs of the real-model fronts (none: the same as the mock's)
+    real_requests_per_stream: int = 0  # 0: the same as the mock's
+
+    def for_real_model(self) -> RouterBench:
+        """The load of the fronts that serve a real model (pdserve before a node of it, vLLM): the same client,
+        prompts and output length, at the concurrencies and request counts a real model's speed allows."""
+        per_stream = self.real_requests_per_stream or self.requests_per_stream
+        return dataclasses.replace(self, concurrency=self.real_concurrency or self.concurrency,
+                                   requests_per_stream=per_stream)  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> RouterBench:
@@ -89,12 +99,16 @@ def parse_args(argv: list[str] | None = None) -> RouterBench:
                    "this model (the like-for-like row beside vLLM)")  # fmt: skip
     p.add_argument("--real-max-num-seqs", type=int, default=16, help="that node's batch (give vLLM's)")
     p.add_argument("--real-max-num-batched-tokens", type=int, default=512, help="that node's token budget (vLLM's)")
+    p.add_argument("--real-concurrency", type=int, nargs="*", default=[],
+                   help="the runs before a real model (pdserve's node, vLLM); default: --concurrency")
+    p.add_argument("--real-requests-per-stream", type=int, default=0, help="default: --requests-per-stream")
     a = p.parse_args(argv)
     if min(a.concurrency) < 1 or a.prefill < 1 or a.decode < 1 or a.max_tokens < 2:
         p.error("concurrency, node counts must be at least 1 and --max-tokens at least 2")
     return RouterBench(a.prefill, a.decode, tuple(sorted(a.concurrency)), a.requests_per_stream, a.prompt_tokens,
                        a.max_tokens, a.mock_step_s, tuple(a.workers), a.out, a.vllm_url, a.vllm_pid, a.pdserve_model,
-                       a.real_max_num_seqs, a.real_max_num_batched_tokens)  # fmt: skip
+                       a.real_max_num_seqs, a.real_max_num_batched_tokens, tuple(sorted(a.real_concurrency)),
+                       a.real_requests_per_stream)  # fmt: skip
 
 
 # ---- the stack and its router processes -------------------------------------------------------------
@@ -225,7 +239,8 @@ def measure_real_pdserve(cfg: RouterBench, log_dir: Path) -> dict:
         return {"skipped": "give --pdserve-model to measure pdserve's router before a real model"}
     port = free_port()
     stack = Stack(real_stack_argv(cfg, port), log_dir / "router-bench-real.log")
-    return {"model": cfg.pdserve_model, **measure_stack(stack, port, cfg, f"pdserve {cfg.pdserve_model}")}
+    label = f"pdserve {cfg.pdserve_model}"
+    return {"model": cfg.pdserve_model, **measure_stack(stack, port, cfg.for_real_model(), label)}
 
 
 def measure_stack(stack: Stack, port: int, cfg: RouterBench, label: str) -> dict:
@@ -234,7 +249,7 @@ def measure_stack(stack: Stack, port: int, cfg: RouterBench, label: str) -> dict
         stack.wait_ready(READY_TIMEOUT_S)
         pids = router_processes(stack.proc.pid)
         url = f"http://127.0.0.1:{port}"
-        run_once(url, cfg, min(cfg.concurrency), pids)  # warm-up: connections, the tokenizer's caches
+        warm_up(url, cfg, pids)
         runs = []
         for c in cfg.concurrency:
             runs.append(run_once(url, cfg, c, pids))
@@ -244,14 +259,20 @@ def measure_stack(stack: Stack, port: int, cfg: RouterBench, label: str) -> dict
         stack.stop()
 
 
+def warm_up(url: str, cfg: RouterBench, pids: list[int], pdserve: bool = True) -> None:
+    """A short run first, not counted: connections, the tokenizer's caches, a compiled graph's first shapes."""
+    run_once(url, dataclasses.replace(cfg, max_tokens=WARM_UP_TOKENS, requests_per_stream=1), WARM_UP_STREAMS, pids,
+             pdserve)  # fmt: skip
+
+
 def measure_vllm(cfg: RouterBench) -> dict:
     """vLLM's API server under the same client and load, or why not."""
     if importlib.util.find_spec("vllm") is None and not cfg.vllm_url:
         return {"skipped": "vLLM is not installed here"}
     if not (cfg.vllm_url and cfg.vllm_pid):
         return {"skipped": "give --vllm-url and --vllm-pid of a running `vllm serve` to measure it"}
-    url = cfg.vllm_url.rstrip("/").removesuffix("/v1")
-    run_once(url, cfg, min(cfg.concurrency), [cfg.vllm_pid], pdserve=False)  # warm-up, as for pdserve
+    url, cfg = cfg.vllm_url.rstrip("/").removesuffix("/v1"), cfg.for_real_model()
+    warm_up(url, cfg, [cfg.vllm_pid], pdserve=False)
     runs = []
     for c in cfg.concurrency:
         runs.append(run_once(url, cfg, c, [cfg.vllm_pid], pdserve=False))
@@ -297,7 +318,8 @@ def fronts(result: dict) -> list[tuple[str, dict]]:
     """(label, measurement) of every front process measured: the router on mock nodes per worker count, then
     (where run) the router before a real model's node and vLLM's API server."""
     cfg = result["config"]
-    out = [(f"router, {w['workers']} worker(s), mock {cfg['prefill']}P{cfg['decode']}D", w) for w in result["workers"]]
+    out = [(f"router, {w['workers']} worker(s), mock {cfg['prefill']}P{cfg['decode']}D", w)
+           for w in result.get("workers", [])]  # fmt: skip
     real, vllm = result.get("pdserve_real", {}), result.get("vllm", {})
     out += [(f"router, colocated `{real['model']}` node", real)] if "runs" in real else []
     out += [(f"vLLM API server, `{vllm.get('model', '?')}`", vllm)] if "runs" in vllm else []
@@ -340,7 +362,7 @@ def side_by_side(result: dict) -> list[str]:
         return []
     header = "| streams | " + " | ".join(label for label, _ in cols) + " |"
     lines = ["Front CPU µs per streamed token, side by side:", "", header, "|---" * (len(cols) + 1) + "|"]
-    for c in result["config"]["concurrency"]:
+    for c in sorted({r["concurrency"] for _, f in cols for r in f["runs"]}):
         cells = [next((_f(r["router_us_per_token"]) for r in f["runs"] if r["concurrency"] == c), "-") for _, f in cols]
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
     return lines
@@ -384,18 +406,26 @@ def main(argv: list[str] | None = None) -> int:
     result = {"date": time.strftime("%Y-%m-%d"), "commit": commit(), "machine": machine(),
               "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(cfg).items()},
               "workers_note": note}  # fmt: skip
-    with tempfile.TemporaryDirectory(prefix="bench-router-") as tmp:
-        result["workers"] = [measure_workers(cfg, w, Path(tmp)) for w in workers]
-        result["pdserve_real"] = measure_real_pdserve(cfg, Path(tmp))
-    result["vllm"] = measure_vllm(cfg)
-    result["machine"]["loadavg_at_end"] = os.getloadavg()
     cfg.out.mkdir(parents=True, exist_ok=True)
     stem = cfg.out / f"router-{result['date']}-{result['commit']}"
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    stem.with_suffix(".md").write_text(markdown(result))
+    with tempfile.TemporaryDirectory(prefix="bench-router-") as tmp:
+        result["workers"] = []
+        for w in workers:
+            result["workers"].append(measure_workers(cfg, w, Path(tmp)))
+            save(result, stem)  # after each front: a cut-short run keeps what it has
+        result["pdserve_real"] = measure_real_pdserve(cfg, Path(tmp))
+        save(result, stem)
+    result["vllm"] = measure_vllm(cfg)
+    result["machine"]["loadavg_at_end"] = os.getloadavg()
+    save(result, stem)
     plot(result, stem.with_suffix(".png"))
     print(markdown(result))
     return 0
+
+
+def save(result: dict, stem: Path) -> None:
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    stem.with_suffix(".md").write_text(markdown(result))
 
 
 if __name__ == "__main__":
