@@ -52,6 +52,7 @@ NO_SLO = SLO(ttft_s=float("inf"), tpot_s=float("inf"))
 REAL_KV_CACHE_GB = 0.25  # the real node's KV pool: vLLM's --kv-cache-memory-bytes 268435456
 TPOT_GROWTH = 2.0  # capacity: the highest rate before TPOT p99 grows past this many times the lightest run's
 WARM_UP_STREAMS, WARM_UP_TOKENS = 4, 8
+IDLE_S = 10.0  # how long a front's CPU is sampled with no request in flight (its timers, heartbeats, metrics)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,8 +91,9 @@ def parse_args(argv: list[str] | None = None) -> RouterBench:
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=128, help="output tokens of each request")
     p.add_argument("--mock-step-s", default=MOCK_STEP_S, help="the mock nodes' step time A,B,C (see --engine mock)")
-    p.add_argument("--workers", type=int, nargs="+", default=[1, 2],
-                   help="router workers to measure (more than 1 only where pdserve up takes --router-workers)")
+    p.add_argument("--workers", type=int, nargs="*", default=[1, 2],
+                   help="router workers to measure on mock nodes (more than 1 only where pdserve up takes "
+                   "--router-workers; none: only the real-model fronts)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
     p.add_argument("--vllm-url", default="", help="a running vLLM server (CPU build) to measure beside")
     p.add_argument("--vllm-pid", type=int, default=0, help="the PID of that server's API process")
@@ -250,11 +252,13 @@ def measure_stack(stack: Stack, port: int, cfg: RouterBench, label: str) -> dict
         pids = router_processes(stack.proc.pid)
         url = f"http://127.0.0.1:{port}"
         warm_up(url, cfg, pids)
+        idle = idle_cpu_per_s(pids)
         runs = []
         for c in cfg.concurrency:
-            runs.append(run_once(url, cfg, c, pids))
+            runs.append(net_of_idle(run_once(url, cfg, c, pids), idle))
             print(json.dumps({"system": label, **runs[-1]}), flush=True)
-        return {"router_processes": len(pids), "runs": runs, "capacity": capacity(runs), "fit": router_fit(runs)}
+        return {"router_processes": len(pids), "idle_cpu_per_s": idle, "runs": runs, "capacity": capacity(runs),
+                "fit": router_fit(runs)}  # fmt: skip
     finally:
         stack.stop()
 
@@ -273,12 +277,27 @@ def measure_vllm(cfg: RouterBench) -> dict:
         return {"skipped": "give --vllm-url and --vllm-pid of a running `vllm serve` to measure it"}
     url, cfg = cfg.vllm_url.rstrip("/").removesuffix("/v1"), cfg.for_real_model()
     warm_up(url, cfg, [cfg.vllm_pid], pdserve=False)
+    idle = idle_cpu_per_s([cfg.vllm_pid])
     runs = []
     for c in cfg.concurrency:
-        runs.append(run_once(url, cfg, c, [cfg.vllm_pid], pdserve=False))
+        runs.append(net_of_idle(run_once(url, cfg, c, [cfg.vllm_pid], pdserve=False), idle))
         print(json.dumps({"system": "vllm", **runs[-1]}), flush=True)
-    return {"model": httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"], "runs": runs,
-            "capacity": capacity(runs), "api_process": process_name(cfg.vllm_pid)}  # fmt: skip
+    return {"model": httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"], "idle_cpu_per_s": idle,
+            "runs": runs, "capacity": capacity(runs), "api_process": process_name(cfg.vllm_pid)}  # fmt: skip
+
+
+def idle_cpu_per_s(pids: list[int]) -> float:
+    """The front's CPU seconds a second with no request in flight, over IDLE_S."""
+    cpu0, t0 = cpu_of(pids), time.monotonic()
+    time.sleep(IDLE_S)  # a measurement window, not a wait for an event
+    return (cpu_of(pids) - cpu0) / (time.monotonic() - t0)
+
+
+def net_of_idle(run: dict, idle_per_s: float) -> dict:
+    """A run with the front's CPU per token less what it spends idle over the run's wall time: the cost of the
+    tokens themselves, which matters where a slow model streams few tokens a second."""
+    net = run["router_cpu_s"] - idle_per_s * run["wall_s"]
+    return {**run, "router_us_per_token_net": net / run["tokens"] * 1e6 if run["tokens"] else None}
 
 
 def process_name(pid: int) -> str:
@@ -333,12 +352,13 @@ def markdown(result: dict) -> str:
              f"start{_end_load(m)}). Mock stack: {cfg['prefill']}P{cfg['decode']}D mock nodes (step "
              f"{cfg['mock_step_s']} s). Load: {cfg['prompt_tokens']}-token prompts, {cfg['max_tokens']} output tokens "
              "a request, closed, the same client for every front.", "",
-             "| front | streams | tok/s | TPOT p50 ms | TPOT p99 ms | front CPU µs/token | client CPU µs/token |"
-             " failed |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| front | streams | tok/s | TPOT p50 ms | TPOT p99 ms | front CPU µs/token | net of idle | client CPU "
+             "µs/token | failed |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for label, f in fronts(result):
         for r in f["runs"]:
             lines.append(f"| {label} | {r['concurrency']} | {r['tok_per_s']:,.0f} | {_f(r['tpot_p50_ms'])} | "
-                         f"{_f(r['tpot_p99_ms'])} | {_f(r['router_us_per_token'])} | {_f(r['client_us_per_token'])} | "
+                         f"{_f(r['tpot_p99_ms'])} | {_f(r['router_us_per_token'])} | "
+                         f"{_f(r.get('router_us_per_token_net'))} | {_f(r['client_us_per_token'])} | "
                          f"{r['failed']} |")  # fmt: skip
     lines += ["", *side_by_side(result), "", "Capacity (the highest streamed rate before TPOT p99 doubles over the "
               "lightest run's):", ""]  # fmt: skip
@@ -347,7 +367,8 @@ def markdown(result: dict) -> str:
         rate = "n/a" if c["tok_per_s"] is None else f"{c['tok_per_s']:,.0f} tok/s at {c['concurrency']} streams"
         fitted = "" if not fit else (f"; router CPU fitted over the runs: {fit['us_per_message']:.0f} µs a node "
                                      f"message + {fit['us_per_token']:.1f} µs a token")  # fmt: skip
-        lines.append(f"- {label}: {rate}{fitted}")
+        idle = "" if f.get("idle_cpu_per_s") is None else f"; idle: {f['idle_cpu_per_s'] * 1e3:.1f} ms of CPU a second"
+        lines.append(f"- {label}: {rate}{fitted}{idle}")
     skipped = [f"{name}: {result[key]['skipped']}." for key, name in (("pdserve_real", "Router before a real model"),
                ("vllm", "vLLM API server")) if result.get(key, {}).get("skipped")]  # fmt: skip
     lines += ["", *skipped] if skipped else []
@@ -361,11 +382,17 @@ def side_by_side(result: dict) -> list[str]:
     if len(cols) < 2:
         return []
     header = "| streams | " + " | ".join(label for label, _ in cols) + " |"
-    lines = ["Front CPU µs per streamed token, side by side:", "", header, "|---" * (len(cols) + 1) + "|"]
+    lines = ["Front CPU µs per streamed token (net of its idle CPU in brackets), side by side:", "", header,
+             "|---" * (len(cols) + 1) + "|"]  # fmt: skip
     for c in sorted({r["concurrency"] for _, f in cols for r in f["runs"]}):
-        cells = [next((_f(r["router_us_per_token"]) for r in f["runs"] if r["concurrency"] == c), "-") for _, f in cols]
+        cells = [next((_cell(r) for r in f["runs"] if r["concurrency"] == c), "-") for _, f in cols]
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
     return lines
+
+
+def _cell(run: dict) -> str:
+    net = run.get("router_us_per_token_net")
+    return _f(run["router_us_per_token"]) + ("" if net is None else f" ({net:.1f})")
 
 
 def _end_load(m: dict) -> str:

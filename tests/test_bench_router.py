@@ -52,3 +52,11 @@ def test_the_report_sets_vllms_api_server_beside_the_router_per_concurrency():
     assert "| 64 | 64.0 | 128.0 | 192.0 |" in text
     assert "| vLLM API server, `small` | 16 | 16,000 |" in text
     assert "vLLM API server:" not in text  # nothing skipped
+
+
+def test_a_fronts_cpu_per_token_net_of_idle_takes_off_its_idle_rate_over_the_runs_wall_time():
+    from bench.router import net_of_idle
+
+    run = net_of_idle({"router_cpu_s": 1.0, "wall_s": 10.0, "tokens": 1000}, 0.05)
+    assert run["router_us_per_token_net"] == pytest.approx(500.0)
+    assert net_of_idle({"router_cpu_s": 0.0, "wall_s": 1.0, "tokens": 0}, 0.0)["router_us_per_token_net"] is None
