@@ -280,6 +280,11 @@ def kv_mb_per_turn(result: dict) -> float | None:
     return None if shipped is None or not mt["requests"] else shipped / mt["requests"] / 1e6
 
 
+def local_prefills(result: dict) -> float | None:
+    """Multi-turn requests a decode node prefilled itself (conditional disaggregation; None where not counted)."""
+    return result["multi_turn"]["counters"].get("decode", {}).get("local_prefill_requests")
+
+
 def _mb(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
@@ -307,6 +312,7 @@ def best_of(runs: list[dict]) -> dict:
             "multi_ttft_p50_s": least(lambda r: r["multi_turn"]["ttft_p50_s"]),
             "multi_tok_s": max(r["multi_turn"]["output_tok_s"] for r in runs),
             "kv_ratio": least(kv_ratio), "kv_mb_per_turn": least(kv_mb_per_turn), "hits": _hits(runs[-1]),
+            "local_prefills": local_prefills(runs[-1]),
             "ok": f"{sum(r['shared_prefix']['ok'] + r['multi_turn']['ok'] for r in runs)}/"
                   f"{sum(r['shared_prefix']['requests'] + r['multi_turn']['requests'] for r in runs)}"}  # fmt: skip
 
@@ -331,13 +337,13 @@ def report(results: list[dict], env: dict, sizes: Sizes) -> str:
              f"system prompt, messages of {sizes.message[0]}-{sizes.message[1]} tokens, {sizes.answer}-token "
              "answers; conversations side by side, turns one after another.", "",
              "| system | caching | shared_prefix TTFT p50 ms | hits / queries | multi_turn TTFT p50 ms | "
-             "multi_turn out tok/s | KV MB shipped / turn | KV shipped / KV added | ok |",
-             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "multi_turn out tok/s | KV MB shipped / turn | KV shipped / KV added | local prefills | ok |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for b in map(best_of, by_system(results)):
         kv = "-" if b["kv_ratio"] is None else f"{b['kv_ratio']:.2f}"
         lines.append(f"| {b['mode']} | {b['caching']} | {_ms(b['shared_ttft_p50_s'])} | {b['hits'][0]:.0f} / "
                      f"{b['hits'][1]:.0f} | {_ms(b['multi_ttft_p50_s'])} | {b['multi_tok_s']:.1f} | "
-                     f"{_mb(b['kv_mb_per_turn'])} | {kv} | {b['ok']} |")
+                     f"{_mb(b['kv_mb_per_turn'])} | {kv} | {_count(b['local_prefills'])} | {b['ok']} |")
     return "\n".join([*lines, "", *each_run(results), "", agreement(results)]) + "\n"
 
 
@@ -392,6 +398,10 @@ def plot(results: list[dict], env: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _count(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0f}"
 
 
 def _color(label: str) -> str:
