@@ -417,6 +417,7 @@ def plot(result: dict, path: Path) -> None:
     left.set(xlabel="streamed tokens/s", ylabel="front CPU µs per token", title="Front process CPU per token")
     right.set(xlabel="streamed tokens/s", ylabel="TPOT p99 (ms)", title="TPOT p99 against rate")
     for ax in (left, right):
+        ax.set_xscale("log")  # a CPU model's few tokens a second beside mock nodes' thousands
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(f"Router CPU per streamed token, {result['machine']['cpu_model']}", fontsize=9)
