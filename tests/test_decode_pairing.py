@@ -12,10 +12,10 @@ from helpers import export_tokens
 
 from pdserve.config import EngineConfig, NodeConfig
 from pdserve.decode_node import DecodeNode
-from pdserve.engine.kv_cache import KVPool
+from pdserve.kv.pool import KVPool
+from pdserve.kv.transfer import ShmBackend
 from pdserve.wire import protocol as P
 from pdserve.wire import transport
-from pdserve.wire.kv_transfer import ShmBackend
 
 WAIT_MS = 10_000
 

@@ -12,11 +12,11 @@ import torch
 import zmq
 from helpers import export_tokens, import_tokens
 
-from pdserve.engine.kv_cache import KVLayout, KVPool
+from pdserve.kv.faults import FaultInjector
+from pdserve.kv.pool import KVLayout, KVPool
+from pdserve.kv.transfer import TransferError, local_device_index, make_backend, process_owner
 from pdserve.wire import protocol as P
 from pdserve.wire import transport
-from pdserve.wire.kv_faults import FaultInjector
-from pdserve.wire.kv_transfer import TransferError, local_device_index, make_backend, process_owner
 
 LAYOUT = KVLayout(3, 2, 8, 4, "float32", "fp")
 

@@ -12,11 +12,11 @@ from stack import Stack
 
 from bench.systems import node_counters
 from pdserve.config import EngineConfig
-from pdserve.engine.block_allocator import BlockAllocator
 from pdserve.engine.checkpoint import resolve_model
 from pdserve.engine.engine import Engine
 from pdserve.engine.request import Request, Status
 from pdserve.engine.scheduler import Scheduler
+from pdserve.kv.block_allocator import BlockAllocator
 from pdserve.wire.protocol import SamplingParams, block_hashes, chain_seed
 
 SEED = chain_seed("test-model")

@@ -34,10 +34,10 @@ import zmq
 
 from pdserve.config import NodeConfig
 from pdserve.engine.request import Request, Status
+from pdserve.kv.peers import TransferError, choose_transport
 from pdserve.node import NodeBase, kv_backends
 from pdserve.wire import protocol as P
 from pdserve.wire import transport
-from pdserve.wire.kv_peers import TransferError, choose_transport
 
 log = logging.getLogger("pdserve.decode")
 REMEMBER_ABORTS = 4096

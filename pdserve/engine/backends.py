@@ -28,9 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine import kernels
-from pdserve.engine.block_allocator import blocks_for, cdiv
 from pdserve.engine.copies import to_device
-from pdserve.engine.kv_cache import KVPool
+from pdserve.kv.block_allocator import blocks_for, cdiv
+from pdserve.kv.pool import KVPool
 
 DECODE_TILE_M = 16  # query rows of a decode tile: the query heads of one KV head (tl.dot needs >= 16)
 PREFILL_TILE_M = 64  # query rows of a prompt-chunk tile: (token, query head) pairs

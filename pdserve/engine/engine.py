@@ -26,11 +26,11 @@ import os
 from dataclasses import dataclass, field
 
 from pdserve.config import EngineConfig
-from pdserve.engine.block_allocator import blocks_for
 from pdserve.engine.draws import Drawn, TokenLogprob, finish_reason
 from pdserve.engine.parts import build_parts
 from pdserve.engine.request import Request, Status
 from pdserve.engine.scheduler import Batch, Scheduler
+from pdserve.kv.block_allocator import blocks_for
 from pdserve.wire.protocol import ErrorCode, FinishReason, Role, chain_seed, kv_tokens_needed
 
 log = logging.getLogger("pdserve.engine")
@@ -173,6 +173,16 @@ class Engine:
         s = self.scheduler
         return {"prefix_cache_queries": s.prefix_cache_queries, "prefix_cache_hits": s.prefix_cache_hits,
                 "prefix_cache_evictions": self.pool.allocator.num_evicted}  # fmt: skip
+
+    def follow_cache(self) -> None:
+        """Record the prefix cache's changes from now on, for `cache_changes` (the router's view of the cache)."""
+        self.pool.allocator.changes = {}
+
+    def cache_changes(self, whole: bool) -> tuple[list[int], list[int]]:
+        """(names stored, names evicted) in the prefix cache since the last call; with `whole`, every name cached now
+        and none evicted."""
+        stored, evicted = self.pool.allocator.take_changes()
+        return (self.pool.allocator.cached_names(), []) if whole else (stored, evicted)
 
     def queue_lengths(self) -> tuple[int, int]:
         """(running, waiting) requests."""

@@ -14,7 +14,7 @@ A request's life here:
    The pull names the first prompt block the decode node lacks (it shares the KV of those before from
    its prefix cache): only the KV from there on is shipped. The first KvData carries a CRC-32 per layer
    of the KV shipped, computed here over our pool, which the decode node checks once the KV has landed.
-   `--kv-fault-rate` damages a share of the transfers on purpose (wire/kv_faults.py), for tests and
+   `--kv-fault-rate` damages a share of the transfers on purpose (kv/faults.py), for tests and
    drills; a decode node that recomputes a damaged request's KV acknowledges it all the same (with the
    reason), and our copy is freed.
 5. An Abort from the router at any point frees the KV and cancels the transfer on the decode node.
@@ -32,10 +32,10 @@ import zmq
 from pdserve.config import NodeConfig
 from pdserve.engine.engine import Engine, TokenOutput
 from pdserve.engine.request import Request, Status
+from pdserve.kv.faults import DELAY_S, FaultInjector
 from pdserve.node import NodeBase, error_event, kv_backends
 from pdserve.wire import protocol as P
 from pdserve.wire import transport
-from pdserve.wire.kv_faults import DELAY_S, FaultInjector
 
 log = logging.getLogger("pdserve.prefill")
 
@@ -183,7 +183,7 @@ class PrefillNode(NodeBase):
         if t is None:  # aborted meanwhile; the decode node got a KvCancel
             return
         req, first = t.request, pull.first_block
-        if first * self.engine.pool.block_size >= len(req.prompt_token_ids):
+        if self.engine.prompt_kv(req, first)[1] <= 0:  # nothing of the prompt left to ship
             self._end_transfer(t, ok=False, why=f"the decode node pulled KV from block {first} of a "
                                                 f"{len(req.prompt_token_ids)}-token prompt")  # fmt: skip
             return

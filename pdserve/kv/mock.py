@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import math
 
-from pdserve.engine.block_allocator import blocks_for
-from pdserve.engine.kv_layout import DTYPE_BYTES, KVLayout
+from pdserve.kv.block_allocator import blocks_for
+from pdserve.kv.layout import DTYPE_BYTES, KVLayout
+from pdserve.kv.peers import TransferError
 from pdserve.wire import protocol as P
-from pdserve.wire.kv_peers import TransferError
 
 
 class MockKvBackend:

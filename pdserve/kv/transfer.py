@@ -29,10 +29,10 @@ from multiprocessing import shared_memory
 
 import torch
 
-from pdserve.engine.block_allocator import blocks_for
-from pdserve.engine.kv_cache import DTYPES, KVLayout, KVPool
+from pdserve.kv.block_allocator import blocks_for
+from pdserve.kv.peers import TransferError
+from pdserve.kv.pool import DTYPES, KVLayout, KVPool
 from pdserve.wire import protocol as P
-from pdserve.wire.kv_peers import TransferError
 from pdserve.wire.protocol import KvTransport
 
 
