@@ -33,6 +33,7 @@ from pdserve.config import NodeConfig
 from pdserve.engine.draws import TokenLogprob
 from pdserve.engine.engine import Engine, TokenOutput, pin_process
 from pdserve.engine.request import Request
+from pdserve.kv.backend import KvBackend
 from pdserve.kv.mock import MockKvBackend
 from pdserve.kv.peers import accepted_transports, default_host_id
 from pdserve.wire import protocol as P
@@ -56,7 +57,7 @@ def error_event(request_id: str, why: str, code: P.ErrorCode) -> P.TokenEvent:
     return P.TokenEvent(request_id, [], P.FinishReason.ERROR, why, error_code=code)
 
 
-def kv_backends(cfg: NodeConfig) -> dict:
+def kv_backends(cfg: NodeConfig) -> dict[str, KvBackend]:
     """The KV transfer backends of a prefill or decode node, preferred first, by transport name. A mock node's move
     no KV (kv/mock.py); only a model node imports the real ones (and torch)."""
     names = accepted_transports(cfg.kv_transport, cfg.engine.device)

@@ -23,15 +23,18 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdserve.config import EngineConfig
 from pdserve.engine.draws import Drawn, TokenLogprob, finish_reason
 from pdserve.engine.parts import build_parts
 from pdserve.engine.request import Request, Status
 from pdserve.engine.scheduler import Batch, Scheduler
+from pdserve.kv.backend import KvBackend, Message
 from pdserve.kv.block_allocator import blocks_for
-from pdserve.wire.protocol import ErrorCode, FinishReason, Role, chain_seed, kv_tokens_needed
+from pdserve.wire.protocol import ErrorCode, FinishReason, KvData, Role, chain_seed, kv_tokens_needed
 
 log = logging.getLogger("pdserve.engine")
 
@@ -125,12 +128,12 @@ class Engine:
         """A RECEIVING_KV request's first prompt block whose KV it lacks (those before came from the prefix cache)."""
         return req.num_computed_tokens // self.pool.block_size
 
-    def receive_kv(self, req: Request, backend, header, frames, source) -> int:
+    def receive_kv(self, req: Request, backend: KvBackend, header: KvData, frames: list, source: Any | None) -> int:
         """Land part of a request's KV (RECEIVING_KV) in its blocks; return how many layers it carried."""
         blocks, num_tokens = self.prompt_kv(req, self.first_block_to_pull(req))
         return backend.unpack(self.pool, blocks, num_tokens, header, frames, source)
 
-    def kv_landed(self, req: Request, backend, checksums: list[int]) -> str:
+    def kv_landed(self, req: Request, backend: KvBackend, checksums: list[int]) -> str:
         """Every layer is in: once the copies have read the sender's memory, the KV is checked against the sender's
         per-layer `checksums` of what it sent ([]: none to check). If it matches, the request joins the queue and ""
         is returned; else why not, and the request stays RECEIVING_KV (then `kv_lost` or `abort`): never decoded
@@ -154,7 +157,7 @@ class Engine:
         """A RECEIVING_KV request whose KV was lost or damaged: it waits to recompute its prompt here."""
         self.scheduler.kv_lost(req)
 
-    def send_kv(self, req: Request, backend, first_block: int = 0):
+    def send_kv(self, req: Request, backend: KvBackend, first_block: int = 0) -> Iterator[Message]:
         """A held request's prompt KV from block `first_block` on, for shipping: (header, frames) messages from the
         backend."""
         return backend.pack(self.pool, req.request_id, *self.prompt_kv(req, first_block))
