@@ -316,7 +316,8 @@ class NodeBase:
     def stats(self) -> P.Stats:
         """Load, counters, and the prefix cache's changes since the last Stats (the whole cache after a Hello)."""
         (running, waiting), (used, free, _) = self.engine.queue_lengths(), self.engine.kv_stats()
-        counters = {**self.counters, "preemptions": self.engine.num_preemptions(), **self.engine.cache_counters()}
+        counters = {**self.counters, "preemptions": self.engine.num_preemptions(), **self.engine.cache_counters(),
+                    **self.engine.run_counters()}  # fmt: skip
         alloc, reset = self.engine.pool.allocator, self._cache_reset
         stored, evicted = alloc.take_changes()
         if reset:
