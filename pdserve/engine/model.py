@@ -223,11 +223,11 @@ class ModelRunner:
         """One iteration: a replayed CUDA graph when a bucket holds the step, else an eager forward. Returns the logits
         of the rows `flatten` names, [S, V] float32, and whether a graph computed them. `feed`: input rows whose token
         the host does not know yet, read from the previous step's sampled ids on the device."""
-        flat = self.flatten(batch, self.pool.block_size)
-        logits = self.graphs.run(*flat, feed=feed) if self.graphs is not None else None
-        if logits is not None:
-            return logits, True
-        inp = self.backend.inputs(*flat)
+        if self.graphs is not None:
+            logits = self.graphs.run(*self.flatten(batch, self.pool.block_size), feed=feed)
+            if logits is not None:
+                return logits, True
+        inp = self.prepare(batch)  # outside every bucket (rare): flattened once more
         if feed is not None:
             feed.into(inp.input_ids)
         return self.forward(inp), False
