@@ -7,8 +7,8 @@ import pytest
 
 from pdserve.colocated_node.node import ColocatedNode
 from pdserve.config import EngineConfig, NodeConfig, RouterConfig
-from pdserve.engine.block_allocator import BlockAllocator
 from pdserve.engine.request import Request
+from pdserve.kv.block_allocator import BlockAllocator
 from pdserve.router.core import NodeConn, RouterCore, follow_cache
 from pdserve.wire import protocol as P
 

@@ -63,7 +63,7 @@ NODE_ROLES = (Role.COLOCATED, Role.PREFILL, Role.DECODE)
 
 
 class KvTransport(enum.StrEnum):
-    """How KV moves from a prefill node to a decode node (wire/kv_transfer.py), as --kv-transport names it."""
+    """How KV moves from a prefill node to a decode node (kv/transfer.py), as --kv-transport names it."""
 
     ZMQ = "zmq"
     SHM = "shm"
