@@ -9,10 +9,13 @@
   previous turn's prompt (the previous answer and the new message).
 
 Every request is greedy with `ignore_eos` and a fixed output length, over HTTP with streaming, from a fixed seed
-(the same token ids for every system). Results go to bench/runs/prefix-caching.{json,md}, or with --record to
-bench/results/<date>-<commit>-prefix-caching.{json,md}.
+(the same token ids for every system). `--external NAME=URL` adds a server someone else started (e.g. vLLM's CPU
+build) on the same workloads: its prefix cache is emptied first where it serves `POST /reset_prefix_cache`, and its
+`vllm:prefix_cache_*` counters stand for the nodes'. `--rounds N` runs every system N times in turn and reports
+each figure's best. Results go to bench/runs/prefix-caching.{json,md,png}, or with --record to
+bench/results/<date>-<commit>-prefix-caching.{json,md,png}.
 
-    python -m bench.prefix_bench --model small --record
+    python -m bench.prefix_bench --model small --external vllm=http://127.0.0.1:8001 --rounds 2 --record
 """
 
 from __future__ import annotations
