@@ -301,11 +301,17 @@ def net_of_idle(run: dict, idle_per_s: float) -> dict:
 
 
 def process_name(pid: int) -> str:
-    """A process's command line, as /proc shows it (to record which process was measured)."""
+    """A process's command line, as /proc shows it, each absolute path cut to its last part (to record which
+    process was measured without naming this machine's folders)."""
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
     except OSError:
         return ""
+    return short_argv(argv)
+
+
+def short_argv(argv: list[str]) -> str:
+    return " ".join(Path(a).name if a.startswith("/") else a for a in argv if a)
 
 
 # ---- the machine and the report ---------------------------------------------------------------------
