@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import os
 import time
@@ -391,7 +392,7 @@ def _parse(raw: bytes, model: type[_Common]) -> _Common:
 
 
 def _where(request: Request) -> str:
-    return f"{request.method} {request.url.path}"
+    return f"{request.method} {request.scope['path']}"
 
 
 def _invalid_message(errors: list) -> tuple[str, str | None]:
@@ -408,6 +409,14 @@ async def _read(request: Request, model: type[_Common]) -> _Common:
     body = await request.app.state.offload.run(len(raw), _parse, raw, model)
     small_routes.check_model(request, body.model)
     return body
+
+
+def _without_telemetry() -> dict:
+    """FastAPI's own OpenTelemetry hooks off, where this FastAPI has them: pdserve exports Prometheus metrics, and the
+    hooks would look up the global OpenTelemetry providers on every request."""
+    if "telemetry" not in inspect.signature(FastAPI).parameters:
+        return {}
+    return {"telemetry": {"tracing": False, "metrics": False, "logs": False}}
 
 
 def create_app(cfg: RouterConfig, worker: int | None = None, metrics_dir: str = "") -> FastAPI:
@@ -440,7 +449,7 @@ def create_app(cfg: RouterConfig, worker: int | None = None, metrics_dir: str = 
             await app.state.core.stop()
             app.state.offload.close()
 
-    app = FastAPI(title="pdserve", lifespan=lifespan)
+    app = FastAPI(title="pdserve", lifespan=lifespan, **_without_telemetry())
     app.include_router(small_routes.router)
     app.add_middleware(RequestLimits, limit=cfg.max_request_bytes)
     if cfg.api_key:  # added last, so outermost: a stranger's body is not even read

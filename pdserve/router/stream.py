@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from pdserve.router.api import Job
 
 log = logging.getLogger("pdserve.router")
+ERROR, STOP = P.FinishReason.ERROR, P.FinishReason.STOP  # looked up once: they are used once a token
 
 
 @dataclass
@@ -54,7 +55,7 @@ class ChoiceView:
 
     def __init__(self, info: ModelInfo, job: Job) -> None:
         self.job = job
-        self.detok = Detokenizer(info.tokenizer, job.stops, job.include_stop, job.skip_special)
+        self.detok = Detokenizer(info.tokenizer, job.stops, job.include_stop, job.skip_special, info.byte_table)
         self.extras = job.extras(info.tokenizer)
         self.reason: P.FinishReason | None = None  # set by the last event the client sees
 
@@ -62,19 +63,26 @@ class ChoiceView:
         """The deltas of `events` up to the choice's end, and the error that ended it, if one did."""
         out = []
         for ev in events:
-            if ev.finish_reason == P.FinishReason.ERROR:
-                self.reason = ev.finish_reason
-                status, code = HTTP_STATUS[ev.error_code], ev.error_code.value
-                return out, ApiError(status, f"request failed: {ev.error}", code=code)
-            out.append(self._delta(ev))
+            delta = self.delta(ev)
+            if isinstance(delta, ApiError):
+                return out, delta
+            out.append(delta)
             if self.reason is not None:
                 break
         return out, None
 
+    def delta(self, ev: P.TokenEvent) -> Delta | ApiError:
+        """What the client sees of one event: its delta, or the error that ends the choice."""
+        if ev.finish_reason is ERROR:
+            self.reason = ev.finish_reason
+            status, code = HTTP_STATUS[ev.error_code], ev.error_code.value
+            return ApiError(status, f"request failed: {ev.error}", code=code)
+        return self._delta(ev)
+
     def _delta(self, ev: P.TokenEvent) -> Delta:
-        shown = list(ev.token_ids) if self.job.show_tokens else []
+        shown = ev.token_ids if self.job.show_tokens else []
         text, stopped = self.detok.add(shown)
-        reason = P.FinishReason.STOP if stopped else ev.finish_reason
+        reason = STOP if stopped else ev.finish_reason
         if reason is not None:
             text += "" if stopped else self.detok.flush()
             self.reason = reason
@@ -189,14 +197,13 @@ class SseStream:
 
     def _show(self, i: int, ev: P.TokenEvent) -> None:
         view = self.views[i]
-        deltas, error = view.deltas([ev])
-        if deltas:
-            self.tokens += sum(len(d.token_ids) for d in deltas)
-            job, fmt = self.jobs[i], self.formats[i]
-            self._hold("".join([chunk(job, self.chat, fmt, d) for d in deltas]).encode())
-        if error is not None:
-            self._end_with(error)
-        elif view.reason is not None:
+        delta = view.delta(ev)
+        if isinstance(delta, ApiError):
+            self._end_with(delta)
+            return
+        self.tokens += len(delta.token_ids)
+        self._hold(chunk(self.jobs[i], self.chat, self.formats[i], delta).encode())
+        if view.reason is not None:
             self.core.abort(self.flights[i].request_id, view.reason)  # a stop string: the nodes still run it
             self.open -= 1
             if not self.open:
