@@ -29,7 +29,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "pdserve"
 ROLE_ALLOWED = ("pdserve.node", "pdserve.engine.engine", "pdserve.engine.request", "pdserve.wire", "pdserve.config",
                 "pdserve.cli")  # fmt: skip
 ALLOWED = {  # package -> the pdserve modules (or packages) its modules may import, beside its own
-    "router": ("pdserve.wire.protocol", "pdserve.wire.transport", "pdserve.config", "pdserve.engine.checkpoint"),
+    "router": ("pdserve.wire.protocol", "pdserve.wire.transport", "pdserve.config", "pdserve.engine.checkpoint",
+               "pdserve.process"),
     "engine": ("pdserve.wire.protocol", "pdserve.config"),
     # kv_layout: what a mock node's KV transfer (wire/kv_mock.py) checks, without the torch pool of kv_cache
     "wire": ("pdserve.engine.kv_cache", "pdserve.engine.kv_layout", "pdserve.engine.block_allocator"),

@@ -429,6 +429,8 @@ def _build(cls: type, body: Any) -> Any:
         raise ProtocolError(f"{cls.__name__}: expected a map, got {type(body).__name__}")
     if cls is TokenEvent and (plain := _plain_token_event(body)) is not None:
         return plain
+    if cls is TokenEvents and body.keys() == {"events"} and type(body["events"]) is list:  # one a step: the hot path
+        return TokenEvents([_build(TokenEvent, e) for e in body["events"]])
     checkers = _field_checkers(cls)
     unknown = body.keys() - checkers.keys()
     if unknown:
