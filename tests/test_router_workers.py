@@ -5,7 +5,9 @@ here is timed: the decode nodes' modelled step only keeps streams running while 
 
 from __future__ import annotations
 
+import json
 import signal
+import socket
 
 import httpx
 import pytest
@@ -77,21 +79,40 @@ def _counter(stack: Stack, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
+def _response(f) -> tuple[int, bytes]:
+    """One HTTP/1.1 response read from the connection's file `f`: status and body (by its Content-Length)."""
+    status = int(f.readline().split()[1])
+    headers = dict(line.decode().lower().split(":", 1) for line in iter(f.readline, b"\r\n"))
+    return status, f.read(int(headers.get("content-length", "0")))
+
+
+def _refusals(url: str) -> tuple[int, list[int]]:
+    """Over one connection, so from one worker: its number (/health), then the status of a request without the key,
+    of one with a bad field, and of one whose body is too long (said by its Content-Length: refused unread)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    body = json.dumps({"model": "tiny", "prompt": [5, 6], "max_tokens": -1}).encode()
+    heads = [b"", f"Authorization: Bearer {KEY}\r\n".encode()]
+    with socket.create_connection((host, int(port)), timeout=60) as sock, sock.makefile("rb") as f:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        worker = json.loads(_response(f)[1])["worker"]
+        statuses = []
+        for auth, length in ((heads[0], len(body)), (heads[1], len(body)), (heads[1], 100_000)):
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + auth
+                         + f"Content-Length: {length}\r\n\r\n".encode() + (body if length == len(body) else b""))
+            statuses.append(_response(f)[0])
+    return worker, statuses
+
+
 def test_every_worker_asks_for_the_api_key_and_applies_the_limits(stack):
-    seen: set[int] = set()
+    seen: dict[int, list[int]] = {}
 
-    def refused_on_both() -> bool:
-        with httpx.Client(base_url=stack.url, timeout=30) as c:  # one connection: one worker answers all three
-            worker = c.get("/health").json()["worker"]
-            body = {"model": "tiny", "prompt": [5, 6], "max_tokens": 2}
-            assert c.post("/v1/completions", json=body).status_code == 401
-            assert c.post("/v1/completions", json={**body, "max_tokens": -1}, headers=stack.headers).status_code == 400
-            too_long = {**body, "prompt": [5] * 4000}  # a 413 closes the connection: last
-            assert c.post("/v1/completions", json=too_long, headers=stack.headers).status_code == 413
-        seen.add(worker)
-        return seen == {0, 1}
+    def both() -> bool:
+        worker, statuses = _refusals(stack.url)
+        seen[worker] = statuses
+        return len(seen) == 2
 
-    assert wait_until(refused_on_both, 60, interval=0.01), f"only workers {sorted(seen)} were asked"
+    assert wait_until(both, 60, interval=0.01), f"only workers {sorted(seen)} were asked"
+    assert seen == {0: [401, 400, 413], 1: [401, 400, 413]}
 
 
 def test_a_decode_node_killed_under_both_workers_streams_loses_no_token(stack):
