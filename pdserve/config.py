@@ -299,6 +299,12 @@ class RouterConfig:
     cache_balance_margin: int = option(4, "route to the node holding the longest cached prefix of the prompt unless "
                                           "it holds more than this many requests above the least loaded node; -1: "
                                           "least loaded only", type=int)  # fmt: skip
+    local_prefill_max_tokens: int | None = option(None, "disaggregated: a decode node whose prefix cache holds all "
+                                                  "but at most this many tokens of a prompt (its first block at "
+                                                  "least) gets it directly and computes those itself, skipping the "
+                                                  "prefill node and the KV transfer; 0: never (default: one chunk, "
+                                                  "the decode node's --max-num-batched-tokens)", type=int,
+                                                  metavar="TOKENS")  # fmt: skip
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -327,6 +333,8 @@ class RouterConfig:
             raise ValueError("--max-n must be at least 1")
         if self.cache_balance_margin < -1:
             raise ValueError("--cache-balance-margin must be -1 (off) or a number of requests >= 0")
+        if self.local_prefill_max_tokens is not None and self.local_prefill_max_tokens < 0:
+            raise ValueError("--local-prefill-max-tokens must be 0 (off) or a number of tokens >= 1")
 
     @property
     def mode(self) -> str:

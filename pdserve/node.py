@@ -262,24 +262,28 @@ class NodeBase:
             self.routers[identity] = None
             self._cache_reset = True  # every router gets the whole cache: the changes are taken once, for all
         info = {"layout": self.engine.layout.to_dict(), "max_model_len": self.engine.max_model_len,
-                "kv_capacity_tokens": self.engine.kv_stats()[2]}  # fmt: skip
+                "kv_capacity_tokens": self.engine.kv_stats()[2],
+                "max_num_batched_tokens": self.cfg.engine.max_num_batched_tokens}  # fmt: skip
         transport.send(self.front, P.HelloAck(ok, self.role, info, reason), identity=identity)
         self.send_stats()
 
-    def on_generate(self, msg: P.Generate) -> None:
+    def on_generate(self, msg: P.Generate) -> bool:
+        """A request from the router joins the engine; False (and an error event) when it is refused."""
         if self.draining:
             self._announce_drain()
             self.emit([error_event(msg.request_id, f"the {self.role} node is shutting down", P.ErrorCode.DRAINING)])
-            return
+            return False
         why = self.engine.check_fits(len(msg.prompt_token_ids), msg.params.max_tokens)
         if why:
             self.emit([error_event(msg.request_id, why, P.ErrorCode.INVALID_REQUEST)])
-            return
+            return False
         self.counters["requests"] += 1
         try:
             self.engine.add(Request(msg.request_id, list(msg.prompt_token_ids), msg.params))
         except ValueError as e:  # a duplicate id, or a grammar this node cannot use
             self.emit([error_event(msg.request_id, str(e), P.ErrorCode.INVALID_REQUEST)])
+            return False
+        return True
 
     def on_abort(self, request_id: str) -> None:
         self.engine.abort(request_id)

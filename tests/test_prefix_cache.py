@@ -1,19 +1,17 @@
 """Prefix caching: the block names, the block manager's refcounts and LRU eviction, the scheduler's sharing, and
-the engine's greedy tokens with forced cache hits (against transformers, the hits counted)."""
+the engine's greedy tokens with forced cache hits (against transformers, the hits counted). Served end to end,
+colocated and disaggregated (a decode node pulling only the KV it lacks, or prefilling the rest itself), it is
+tested on the serving stacks of tests/test_serving.py."""
 
 from __future__ import annotations
 
 import random
 
-import httpx
 import pytest
-from helpers import hf_greedy, wait_until
-from stack import Stack
+from helpers import hf_greedy
 
-from bench.systems import node_counters
 from pdserve.config import EngineConfig
 from pdserve.engine.block_allocator import BlockAllocator
-from pdserve.engine.checkpoint import resolve_model
 from pdserve.engine.engine import Engine
 from pdserve.engine.request import Request, Status
 from pdserve.engine.scheduler import Scheduler
@@ -272,47 +270,3 @@ def test_no_prefix_caching_recomputes(tiny_models):
         while engine.has_work():
             engine.step()
     assert engine.cache_counters()["prefix_cache_hits"] == 0 and engine.pool.allocator.num_cached == 0
-
-
-# ---- disaggregated: the decode node pulls only the KV it lacks -------------------------------------------
-def _complete(url: str, prompt: list[int], n: int) -> list[int]:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True}  # fmt: skip
-    r = httpx.post(url + "/v1/completions", json=body, timeout=120)
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["token_ids"]
-
-
-def _counters_reaching(url: str, role: str, key: str, least: float) -> dict[str, float]:
-    """A role's node counters once `key` reaches `least` (they come with the nodes' periodic stats)."""
-    read = lambda: node_counters(httpx.get(url + "/metrics", timeout=10).text).get(role, {})  # noqa: E731
-    assert wait_until(lambda: read().get(key, 0) >= least, 30, 0.1), f"{role} {key} stayed below {least}: {read()}"
-    return read()
-
-
-@pytest.mark.parametrize("transport", ["zmq", "shm"])
-def test_the_next_turn_ships_only_the_kv_the_decode_node_lacks(tmp_path, transport):
-    """Turn 2's prompt is turn 1's prompt, its answer and a new message. The decode node cached turn 1's prompt KV
-    (imported) and its answer's (computed there), so it pulls turn 2's KV only from the first block it lacks: the
-    bytes shipped are exactly those of the tokens after its cached blocks. Both turns equal transformers."""
-    rng = random.Random(5)
-    first = [rng.randrange(500) for _ in range(150)]
-    stack = Stack(tmp_path, "tiny", mode="disagg", transport=transport).start()
-    try:
-        answer = _complete(stack.url, first, 20)
-        turn1 = _counters_reaching(stack.url, "prefill", "kv_transfers", 1)
-        second = first + answer + [rng.randrange(500) for _ in range(30)]
-        answer2 = _complete(stack.url, second, 8)
-        prefill = _counters_reaching(stack.url, "prefill", "kv_transfers", 2)
-        decode = _counters_reaching(stack.url, "decode", "prefix_cache_hits", 1)
-        assert stack.wait_kv_free()
-    finally:
-        stack.close()
-    assert [answer, answer2] == hf_greedy(resolve_model("tiny"), [first, second], [20, 8])
-    per_token = turn1["kv_transfer_bytes"] / len(first)  # turn 1 shipped its whole prompt
-    assert turn1["kv_skipped_bytes"] == 0 and per_token > 0
-    cached = (len(first) + len(answer) - 1) // 16 * 16  # every token but the last answer token has KV there
-    assert decode["prefix_cache_hits"] == cached
-    assert prefill["kv_transfer_bytes"] - turn1["kv_transfer_bytes"] == (len(second) - cached) * per_token
-    assert prefill["kv_skipped_bytes"] == cached * per_token
-    assert prefill["prefix_cache_hits"] == len(first) // 16 * 16  # the prefill node shared turn 1's prompt blocks

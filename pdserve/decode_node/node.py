@@ -1,6 +1,11 @@
-"""The decode node: receives prompts' KV from prefill nodes and generates the rest of each answer.
+"""The decode node: receives prompts' KV from prefill nodes and generates the rest of each answer (or computes
+itself the few tokens of a prompt its prefix cache lacks).
 
 A request's life here (the engine owns the request, its queue and its blocks; this node moves messages):
+0. Conditional disaggregation: a Generate from the router, for a prompt whose KV this node's prefix
+   cache holds but for at most --local-prefill-max-tokens tokens, skips steps 1-3: the request joins the
+   engine as on a colocated node (WAITING), shares its cached blocks and computes the rest of its prompt
+   here; every token, the first included, streams to the router (`local_prefill_requests` counts them).
 1. Pairing: a prefill node's KvHello is checked (protocol, model fingerprint, dtype, layer and
    head layout, block size, transport); any mismatch is refused with the reason.
 2. KvOffer: the request joins the engine as WAITING_FOR_KV, queued FCFS until the scheduler reserves
@@ -71,7 +76,8 @@ class DecodeNode(NodeBase):
         self.handles: dict[bytes, dict] = {}  # paired prefill peers -> how their pool was mapped
         self.incoming: dict[str, Incoming] = {}  # offered, KV not landed yet (the engine holds the request)
         self.aborted: OrderedDict[str, None] = OrderedDict()
-        self.counters.update(kv_offers=0, kv_received=0, kv_refused=0, kv_bad=0, kv_recomputed=0)
+        self.counters.update(kv_offers=0, kv_received=0, kv_refused=0, kv_bad=0, kv_recomputed=0,
+                             local_prefill_requests=0)  # fmt: skip
         self._next_notice = 0.0
 
     def ready_info(self) -> dict:
@@ -223,6 +229,14 @@ class DecodeNode(NodeBase):
         transport.send(self.kv_sock, P.KvAck(request_id, False, why, code), identity=identity)
 
     # ---- from the router -----------------------------------------------------------------------
+    def on_generate(self, msg: P.Generate) -> bool:
+        """Conditional disaggregation: a prompt whose KV this node's prefix cache holds but for a few tokens comes
+        from the router itself; the engine computes those (chunked prefill) and the whole answer, as a colocated
+        node's does."""
+        taken = super().on_generate(msg)
+        self.counters["local_prefill_requests"] += taken
+        return taken
+
     def on_abort(self, request_id: str) -> None:
         if not self._forget(request_id):
             self.aborted[request_id] = None  # its offer may still be on the way

@@ -88,13 +88,14 @@ class PrefillNode(NodeBase):
             backend.close()
 
     # ---- from the router ----------------------------------------------------------------------
-    def on_generate(self, msg: P.Generate) -> None:
+    def on_generate(self, msg: P.Generate) -> bool:
         if not msg.decode_addr.startswith(("tcp://", "ipc://")):
             self.emit([error_event(msg.request_id, "no decode node address", P.ErrorCode.INTERNAL)])
-            return
-        super().on_generate(msg)
-        if msg.request_id in self.engine.requests:  # taken (not refused)
+            return False
+        taken = super().on_generate(msg)
+        if taken:
             self.decode_addr[msg.request_id] = msg.decode_addr
+        return taken
 
     def on_abort(self, request_id: str) -> None:
         t = self.transfers.get(request_id)

@@ -13,8 +13,13 @@ A request's life in the router:
    --cache-balance-margin requests above the least loaded; among equals the least loaded (fewest
    requests, then fewest KV blocks used; ties go to the node listed first: command-line or
    registration order); send Generate (the prefill node also learns the decode node's KV address).
+   Disaggregated, the decode node is picked first: when its cache holds all but at most
+   --local-prefill-max-tokens tokens of the prompt (and at least its first block), the Generate goes
+   to it alone and it computes the rest of the prompt itself (conditional disaggregation: no prefill
+   node, no KV transfer); otherwise a prefill node is picked too.
 3. events: the colocated or prefill node sends the first token, the decode node an empty "KV
-   landed" event and then the rest.
+   landed" event and then the rest; a decode node that prefilled the prompt itself sends them all,
+   as a colocated node does.
 4. a node it depends on is lost (dead, silent, or failing it because it drains): the request is
    dispatched again, under a new id, to other nodes, its old id aborted on the nodes that remain. It
    resumes where the client's stream stands: the new prompt is the old one plus the tokens already
@@ -163,6 +168,11 @@ class Flight:
     ended: bool = False
     early: list[P.TokenEvent] = field(default_factory=list)  # decode events that beat the first token
 
+    @property
+    def handed_off(self) -> bool:
+        """Whether its prompt is computed on a prefill node and its KV shipped to its decode node."""
+        return bool(self.nodes) and self.nodes[0].role is PREFILL  # [prefill, decode]: once a token, kept cheap
+
 
 def follow_cache(node: NodeConn, stats: P.Stats) -> None:
     """Apply a node's prefix cache changes (or, after a Hello, its whole cache) to the router's view of it."""
@@ -179,6 +189,13 @@ def cached_prefix(cached: set[int], names: list[int]) -> int:
     while n < len(names) and names[n] in cached:
         n += 1
     return n
+
+
+def tokens_to_compute(num_tokens: int, cached_blocks: int, block_size: int) -> int:
+    """The tokens of a prompt of `num_tokens` a node computes when its cache holds the prompt's first `cached_blocks`
+    blocks: those after the blocks it shares, which never include the block of the last token (its logits give the
+    first token), as the scheduler shares them."""
+    return num_tokens - min(cached_blocks, (num_tokens - 1) // block_size) * block_size
 
 
 class RouterCore:
@@ -434,25 +451,45 @@ class RouterCore:
 
     def _pick(self, role: P.Role, names: list[int] = ()) -> NodeConn:
         """The live node of `role` holding the longest cached prefix of the prompt whose block names are `names`,
-        among those within --cache-balance-margin requests of the least loaded; the least loaded among equals
-        (fewest requests, then fewest KV blocks used; ties go to the node listed first)."""
+        among those within --cache-balance-margin requests of the least loaded (-1: by load only); the least loaded
+        among equals (fewest requests, then fewest KV blocks used; ties go to the node listed first)."""
         live = [n for n in self.nodes if n.role == role and n.usable]
         if not live:
             raise NoNodeAvailable(f"no {role} node is up")
-        least = min(len(n.requests) for n in live)
         margin = self.cfg.cache_balance_margin
-        near = [n for n in live if len(n.requests) <= least + margin] if names and margin >= 0 else live
+        names = names if margin >= 0 else []
+        least = min(len(n.requests) for n in live)
+        near = [n for n in live if len(n.requests) <= least + margin] if names else live
         return min(near, key=lambda n: (-cached_prefix(n.cached, names), len(n.requests),
                                         n.stats.kv_blocks_used if n.stats else 0))  # fmt: skip
 
+    def _layout(self) -> dict | None:
+        """The nodes' KV layout (block size, model fingerprint), as their HelloAck gave it."""
+        return next((n.info.get("layout") for n in self.nodes if isinstance(n.info.get("layout"), dict)), None)
+
     def _block_names(self, prompt: list[int]) -> list[int]:
-        """The prompt's block names as the nodes name them ([] when cache-aware routing is off or no node caches)."""
-        if self.cfg.cache_balance_margin < 0 or not any(n.cached for n in self.nodes):
-            return []
-        layout = next((n.info.get("layout") for n in self.nodes if isinstance(n.info.get("layout"), dict)), None)
-        if layout is None:
+        """The prompt's block names as the nodes name them ([] when no node caches, or nothing here uses them)."""
+        cfg, layout = self.cfg, self._layout()
+        used = cfg.cache_balance_margin >= 0 or (cfg.mode == "disagg" and cfg.local_prefill_max_tokens != 0)
+        if not used or layout is None or not any(n.cached for n in self.nodes):
             return []
         return P.block_hashes(prompt, layout["block_size"], P.chain_seed(layout["model_fingerprint"]))
+
+    def _local_prefill_limit(self, decode: NodeConn) -> int:
+        """The most prompt tokens `decode` may compute itself (--local-prefill-max-tokens; by default its own
+        --max-num-batched-tokens, one chunk; 0: none)."""
+        limit = self.cfg.local_prefill_max_tokens
+        return int(decode.info.get("max_num_batched_tokens", 0)) if limit is None else limit
+
+    def _prefills_locally(self, decode: NodeConn, prompt: list[int], names: list[int],
+                          params: P.SamplingParams) -> bool:  # fmt: skip
+        """Conditional disaggregation: whether `decode` holds (as its Stats tell) the prompt's first block and all but
+        at most its limit of tokens, so that it computes the rest itself. A request scored at every prompt position
+        (echo with logprobs) shares no cached block: never."""
+        hit, layout = cached_prefix(decode.cached, names), self._layout()
+        if not hit or layout is None or params.prompt_logprobs is not None:
+            return False
+        return tokens_to_compute(len(prompt), hit, layout["block_size"]) <= self._local_prefill_limit(decode)
 
     def _dispatch(self, flight: Flight) -> None:
         """Send the request, from where its stream stands, to the nodes that cache most of it or are least loaded,
@@ -465,9 +502,12 @@ class RouterCore:
             nodes = [self._pick(P.Role.COLOCATED, names)]
             msg = P.Generate(rid, prompt, params)
         else:
-            prefill, decode = self._pick(P.Role.PREFILL, names), self._pick(P.Role.DECODE, names)
-            nodes = [prefill, decode]
-            msg = P.Generate(rid, prompt, params, decode_addr=decode.kv_addr)
+            decode = self._pick(P.Role.DECODE, names)
+            if self._prefills_locally(decode, prompt, names, params):
+                nodes, msg = [decode], P.Generate(rid, prompt, params)
+            else:
+                nodes = [self._pick(P.Role.PREFILL, names), decode]
+                msg = P.Generate(rid, prompt, params, decode_addr=decode.kv_addr)
         flight.request_id, flight.nodes = rid, nodes
         flight.attempts += 1
         self.flights[rid] = flight
@@ -514,15 +554,15 @@ class RouterCore:
         if source.draining and ev.finish_reason == ERROR:
             self._lost(flight, f"{source.name}: {ev.error}", P.ErrorCode.DRAINING)
             return
-        from_decode = source.role is DECODE
-        if from_decode:
+        handed_off = source.role is DECODE and flight.handed_off
+        if handed_off:
             if flight.first_token_at is None and ev.finish_reason != ERROR:
                 flight.early.append(ev)  # two sockets: keep the prefill node's first token first
                 return
             self._left_prefill(flight)  # the decode node has it: a prefill failure no longer concerns it
             if not ev.token_ids and ev.finish_reason is None:
                 return  # the "KV landed" notice
-        self._put(flight, ev, from_decode)
+        self._put(flight, ev, handed_off)
         if flight.early and source.role is PREFILL:
             early, flight.early = flight.early, []
             for e in early:

@@ -225,8 +225,9 @@ def router_of(request_id: str) -> str:
 
 @dataclass(frozen=True)
 class Generate:
-    """Router -> colocated or prefill node. `decode_addr` names the decode node in disagg mode. `request_id` begins
-    with the router's routing id (router_of)."""
+    """Router -> colocated or prefill node; or a decode node whose prefix cache holds the prompt but for a few tokens,
+    which it computes itself (conditional disaggregation). `decode_addr` names the decode node when a prefill node
+    computes the prompt. `request_id` begins with the router's routing id (router_of)."""
 
     request_id: str
     prompt_token_ids: list[Id]
