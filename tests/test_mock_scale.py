@@ -24,9 +24,9 @@ DECODE_STEP = ("--mock-step-s", "0.01,0,0")
 class Stream(threading.Thread):
     """One streamed completion (token ids), that the test can stop (the client disconnects) at any point."""
 
-    def __init__(self, url: str, prompt: list[int], max_tokens: int) -> None:
+    def __init__(self, url: str, prompt: list[int], max_tokens: int, headers: dict | None = None) -> None:
         super().__init__(daemon=True)
-        self.url, self.prompt, self.max_tokens = url, prompt, max_tokens
+        self.url, self.prompt, self.max_tokens, self.headers = url, prompt, max_tokens, headers
         self.token_ids: list[int] = []
         self.first, self.stop = threading.Event(), threading.Event()
         self.done, self.error = False, ""
@@ -35,7 +35,7 @@ class Stream(threading.Thread):
         body = {"model": "tiny", "prompt": self.prompt, "max_tokens": self.max_tokens, "stream": True,
                 "return_token_ids": True}  # fmt: skip
         try:
-            with httpx.stream("POST", self.url + "/v1/completions", json=body, timeout=120) as r:
+            with httpx.stream("POST", self.url + "/v1/completions", json=body, headers=self.headers, timeout=120) as r:
                 for line in r.iter_lines():
                     if self.stop.is_set():
                         return  # leaving the block closes the connection: the router aborts the request
