@@ -25,6 +25,7 @@ import httpx
 import pytest
 import torch
 import transformers
+from helpers import Stream
 from stack import Stack
 
 from bench.systems import node_counters
@@ -172,40 +173,6 @@ def post_all(stack: Stack, path: str, bodies: list[dict]) -> list[httpx.Response
         t.join(timeout=120)
     assert all(r is not None for r in out), "a request did not come back"
     return out
-
-
-class Stream(threading.Thread):
-    """One streamed completion, read in a thread: its token ids and text, chunk by chunk."""
-
-    def __init__(self, url: str, body: dict) -> None:
-        super().__init__()
-        self.url, self.body = url, {**body, "stream": True, "return_token_ids": True}
-        self.token_ids: list[int] = []
-        self.texts: list[str] = []
-        self.finish: str | None = None
-        self.error = ""
-        self.done = False
-
-    def run(self) -> None:
-        try:
-            with httpx.stream("POST", self.url + "/v1/completions", json=self.body, timeout=120) as r:
-                for line in r.iter_lines():
-                    self._line(line)
-        except httpx.HTTPError as e:
-            self.error = f"{type(e).__name__}: {e}"
-
-    def _line(self, line: str) -> None:
-        if line == "data: [DONE]":
-            self.done = True
-        elif line.startswith("data: "):
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                self.error = chunk["error"]["message"]
-                return
-            c = chunk["choices"][0]
-            self.token_ids += c.get("token_ids") or []
-            self.texts.append(c["text"])
-            self.finish = c["finish_reason"] or self.finish
 
 
 def wait_tokens(streams: list[Stream], n: int, timeout: float = 60.0) -> None:
