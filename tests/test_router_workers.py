@@ -13,9 +13,9 @@ import httpx
 import pytest
 
 from pdserve.engine.checkpoint import resolve_model
-from tests.helpers import wait_until
+from tests.helpers import Stream, wait_until
 from tests.stack import Stack
-from tests.test_mock_scale import MOCK, Stream
+from tests.test_mock_scale import MOCK, exact
 
 KEY = "test-key"
 DECODE_STEP = ("--mock-step-s", "0.01,0,0")
@@ -55,7 +55,8 @@ def _start(stack: Stack, first: int, max_tokens: int) -> list[Stream]:
     (the least loaded by its own count), so with three decode nodes one has streams of both."""
     streams: list[Stream] = []
     while len(streams) < 4 * STREAMS and not all(h["in_flight"] >= 2 for h in _workers(stack).values()):
-        batch = [Stream(stack.url, [first + len(streams) + i, 11, 13 + i] * 4, max_tokens, stack.headers)
+        batch = [Stream(stack.url, {"model": "tiny", "prompt": [first + len(streams) + i, 11, 13 + i] * 4,
+                                   "max_tokens": max_tokens}, stack.headers)
                  for i in range(STREAMS)]  # fmt: skip
         for s in batch:
             s.start()
@@ -122,7 +123,7 @@ def test_a_decode_node_killed_under_both_workers_streams_loses_no_token(stack):
     stack.kill(name)
     for s in streams:
         s.join(60)
-    assert all(s.exact for s in streams), [(len(s.token_ids), s.error) for s in streams]
+    assert all(exact(s) for s in streams), [(len(s.token_ids), s.error) for s in streams]
     moved = sum(counts.values())  # every stream on the node, each dispatched again by its own worker
     assert wait_until(lambda: _counter(stack, "pdserve:requests_redispatched_total") == before + moved, 30)
     addr = stack.infos[name]["listen"]
@@ -136,10 +137,10 @@ def test_a_draining_decode_node_finishes_both_workers_streams_and_leaves(stack):
     stack.procs[name].send_signal(signal.SIGTERM)
     for s in streams:
         s.join(60)
-    assert all(s.exact for s in streams), [(len(s.token_ids), s.error) for s in streams]
+    assert all(exact(s) for s in streams), [(len(s.token_ids), s.error) for s in streams]
     assert _counter(stack, "pdserve:requests_redispatched_total") == before, "they finished where they were"
     assert stack.procs[name].wait(timeout=60) == 0, "the node left once both workers' streams had ended"
     after = _start(stack, 90, 20)  # the node left: both workers send new requests to the others
     for s in after:
         s.join(60)
-    assert all(s.exact for s in after), [s.error for s in after]
+    assert all(exact(s) for s in after), [s.error for s in after]
