@@ -148,7 +148,8 @@ class EngineConfig:
     attention_backend: str = option("auto", "auto: Triton kernels on CUDA, pdserve's C kernels on the CPU; triton: "
                                             "paged kernels; torch: SDPA per request",
                                     choices=ATTENTION_BACKENDS)  # fmt: skip
-    enforce_eager: bool = option(False, "no CUDA graphs for decode steps", action="store_true")
+    enforce_eager: bool = option(False, "no CUDA graphs: every step runs eagerly (docs/gpu-step.md)",
+                                 action="store_true")
     async_scheduling: bool = option(False, "schedule and pack step N+1 while step N runs, its input tokens read on "
                                            "the device (docs/async-scheduling.md; model engines, not prefill nodes)",
                                     action="store_true")  # fmt: skip

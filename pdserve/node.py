@@ -321,7 +321,8 @@ class NodeBase:
     def stats(self) -> P.Stats:
         """Load, counters, and the prefix cache's changes since the last Stats (the whole cache after a Hello)."""
         (running, waiting), (used, free, _) = self.engine.queue_lengths(), self.engine.kv_stats()
-        counters = {**self.counters, "preemptions": self.engine.num_preemptions(), **self.engine.cache_counters()}
+        counters = {**self.counters, "preemptions": self.engine.num_preemptions(), **self.engine.cache_counters(),
+                    **self.engine.run_counters()}  # fmt: skip
         stored, evicted = self.engine.cache_changes(whole=self._cache_reset)
         reset, self._cache_reset = self._cache_reset, False
         return P.Stats(self.role, running, waiting, used, free, counters, self.draining, self.num_held(),

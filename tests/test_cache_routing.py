@@ -19,8 +19,11 @@ class FakeSock:
     def __init__(self) -> None:
         self.sent: list = []
 
-    def send(self, data: bytes) -> None:
+    def send(self, data: bytes, flags: int = 0) -> None:
         self.sent.append(P.decode(data))
+
+    def get(self, option: int) -> int:
+        return 0  # no message waiting
 
 
 def stats(role: P.Role, stored=(), evicted=(), reset: bool = False) -> P.Stats:

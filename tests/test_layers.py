@@ -29,7 +29,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "pdserve"
 ROLE_ALLOWED = ("pdserve.node", "pdserve.engine.engine", "pdserve.engine.request", "pdserve.kv", "pdserve.wire",
                 "pdserve.config", "pdserve.cli")  # fmt: skip
 ALLOWED = {  # package -> the pdserve modules (or packages) its modules may import, beside its own
-    "router": ("pdserve.wire.protocol", "pdserve.wire.transport", "pdserve.config", "pdserve.engine.checkpoint"),
+    "router": ("pdserve.wire.protocol", "pdserve.wire.transport", "pdserve.config", "pdserve.engine.checkpoint",
+               "pdserve.process"),
     "engine": ("pdserve.kv", "pdserve.wire.protocol", "pdserve.config"),
     "kv": ("pdserve.wire.protocol",),
     "wire": (),

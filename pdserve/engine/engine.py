@@ -38,6 +38,8 @@ from pdserve.wire.protocol import ErrorCode, FinishReason, KvData, Role, chain_s
 
 log = logging.getLogger("pdserve.engine")
 
+RUN_COUNTERS = tuple(f"{kind}_{n}" for kind in ("graph", "eager") for n in ("steps", "tokens", "decode_tokens"))
+
 
 @dataclass(frozen=True)
 class TokenOutput:
@@ -95,6 +97,7 @@ class Engine:
         self.overlapped = parts.overlapped  # launch() returns before the device (or the mock's step) is done
         self.ahead = cfg.async_scheduling and parts.feeds and not prefill_only  # schedule N+1 before N's tokens
         self.steps_ahead = 0  # since start: steps launched while another was in flight
+        self.run_counts = dict.fromkeys(RUN_COUNTERS, 0)  # since start: steps and tokens, by how the forward ran
 
     # ---- requests -----------------------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> str:
@@ -187,6 +190,16 @@ class Engine:
         stored, evicted = self.pool.allocator.take_changes()
         return (self.pool.allocator.cached_names(), []) if whole else (stored, evicted)
 
+    def count_run(self, batch: Batch, graphed: bool) -> None:
+        kind = "graph" if graphed else "eager"
+        for name, n in (("steps", 1), ("tokens", batch.num_tokens), ("decode_tokens", batch.num_decode_tokens)):
+            self.run_counts[f"{kind}_{name}"] += n
+
+    def run_counters(self) -> dict[str, int]:
+        """Since start: the steps, tokens and decode tokens computed by a replayed CUDA graph (graph_*) and by an eager
+        forward (eager_*), and the graphs captured."""
+        return {**self.run_counts, "graph_captures": self.runner.graph_captures}
+
     def queue_lengths(self) -> tuple[int, int]:
         """(running, waiting) requests."""
         return len(self.scheduler.running), len(self.scheduler.waiting) + len(self.scheduler.waiting_for_kv)
@@ -227,10 +240,12 @@ class Engine:
         scored = [(req, req.prompt_token_ids[pos + 1]) for _, req, pos in batch.prompt_logprob_rows()]
         step = Step(batch, [req for req, _ in scored], None)
         try:
-            step.draw = self.sampler.launch(self.runner.run(batch, *self.feed(batch)), sampled, scored)
+            logits, graphed = self.runner.run(batch, *self.feed(batch))
+            step.draw = self.sampler.launch(logits, sampled, scored)
         except Exception as e:  # noqa: BLE001 - one bad step must not take the node down
             step.error = self.step_error(batch, e)
         else:
+            self.count_run(batch, graphed)
             self.scheduler.count(batch)
             for req in sampled:
                 req.num_pending += 1

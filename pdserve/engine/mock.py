@@ -140,12 +140,14 @@ class MockGuides:
 
 
 class MockRunner:
+    graph_captures = 0  # no CUDA graphs: every step counts as eager
+
     def __init__(self, cost: StepCost) -> None:
         self.cost = cost
 
-    def run(self, batch: Batch) -> float:
-        """Start a step: when it will be done (time.monotonic())."""
-        return time.monotonic() + self.cost.seconds(batch)
+    def run(self, batch: Batch) -> tuple[float, bool]:
+        """Start a step: when it will be done (time.monotonic()), and that no graph ran it."""
+        return time.monotonic() + self.cost.seconds(batch), False
 
 
 @dataclass
