@@ -1,6 +1,6 @@
 """The one interface every KV transfer backend implements, and the in-process fake that tests move KV with.
 
-A backend moves one request's prompt KV from a prefill node's pool into a decode node's, in four calls:
+A backend moves one request's prompt KV from a prefill node's pool into a decode node's, in four steps:
 1. Prefill side, at start: `storage()` says where the pool lives (None: an ordinary tensor; shm: shared memory);
    `handle()` names it in the KvHello.
 2. Decode side, at pairing: `attach(handle)` maps the prefill pool (None where nothing is mapped); `alive(handle)`
