@@ -278,12 +278,17 @@ def check_top_k1_greedy(url: str, prompts: list[list[int]], expected: list[list[
 
 def kv_report(url: str, requests: int, device: str) -> dict:
     time.sleep(SETTLE_S)  # the prefill node's counters reach the router with its next stats message
-    c = node_counters(httpx.get(url + "/metrics", timeout=10).text).get("prefill", {})
+    """Every request either had its KV shipped by a prefill node or, its prompt already cached on the decode node
+    (a request sent again), was prefilled there (conditional disaggregation)."""
+    roles = node_counters(httpx.get(url + "/metrics", timeout=10).text)
+    c, local = roles.get("prefill", {}), int(roles.get("decode", {}).get("local_prefill_requests", 0))
     secs = c.get("kv_transfer_time_s", 0.0)
     gbps = c.get("kv_transfer_bytes", 0.0) / secs / 1e9 if secs else None
     copy = copy_gbps(device, decode_device(device), 64 * 2**20, 10)
-    return {"transfers": int(c.get("kv_transfers", 0)), "requests": requests, "GBps": gbps, "copy_GBps": copy,
-            "share_of_copy": gbps / copy if gbps else None, "pass": c.get("kv_transfers", 0) >= requests}  # fmt: skip
+    transfers = int(c.get("kv_transfers", 0))
+    share = gbps / copy if gbps else None
+    return {"transfers": transfers, "local_prefills": local, "requests": requests, "GBps": gbps, "copy_GBps": copy,
+            "share_of_copy": share, "pass": transfers > 0 and transfers + local >= requests}  # fmt: skip
 
 
 # ---- main ------------------------------------------------------------------------------------------

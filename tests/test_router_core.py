@@ -21,8 +21,11 @@ class FakeSock:
     def __init__(self) -> None:
         self.sent: list = []
 
-    def send(self, data: bytes) -> None:
+    def send(self, data: bytes, flags: int = 0) -> None:
         self.sent.append(P.decode(data))
+
+    def get(self, option: int) -> int:
+        return 0  # ZMQ_EVENTS: nothing waits to be read (the tests hand the core each node message themselves)
 
 
 @pytest.fixture
