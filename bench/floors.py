@@ -45,7 +45,7 @@ class TimedRunner:
 
     def run(self, batch):
         """The engine's entry point: the eager path, timed in its two parts (no CUDA graphs on the CPU)."""
-        return self.forward(self.prepare(batch))
+        return self.forward(self.prepare(batch)), False
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)

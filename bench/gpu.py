@@ -28,8 +28,9 @@
 6. Kernels per step: `bench.kernels` counts the kernels of a decode and a mixed step through the GPU path
    on the device, for the model's layer count (on the CPU only under TRITON_INTERPRET=1). Triton
    compilations inside the measured window: each pdserve stack compiles into its own fresh Triton cache
-   folder (TRITON_CACHE_DIR), whose new entries between the warm-up and the run's end are counted. The
-   share of tokens computed in CUDA-graph replays is not counted by the engine yet: the report says so.
+   folder (TRITON_CACHE_DIR), whose new entries between the warm-up and the run's end are counted. CUDA
+   graphs: from the node counters over the run, the share of each node's steps, tokens and decode tokens
+   computed by replayed graphs, and the graphs captured within the run (beside those captured at start).
 7. Writes <out>/gpu.json, gpu.md and gpu.png (and the stacks' logs under <out>/logs/), where <out> is
    `--out-dir`, else $OUT when set, else bench/runs/gpu (git-ignored). The report is rewritten after each system,
    so a run cut short still leaves what it measured.
@@ -69,8 +70,6 @@ FINISH_MARGIN_S = 15.0  # kept back from each run's time limit, to stop the syst
 COPY_BYTES = 256 * 2**20
 COPY_REPEATS = 20
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-NOT_COUNTED = ("the share of tokens computed in CUDA-graph replays (the engine does not count replayed steps yet); "
-               "graphs are captured only at a node's start")
 STEADY_SHARE = 0.9  # the steady state: at least this share of --concurrency decoding
 STEADY_HEADER = ("| run | system | in flight | steady window (s) | of the run | steady tok/s | whole-run tok/s | "
                  "Triton compilations in the run (at start) |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
@@ -78,6 +77,9 @@ STEP_HEADER = (
     "| system | node | steps | mean batch | mean step (ms) | weights + KV / step (GB) | floor (ms) | step/floor |"
 )
 KV_HEADER = "| path | transfers | GB | GB/s | vs copy |\n|---|---|---|---|---|"
+GRAPH_HEADER = ("| system | node | steps | eager steps | steps in graphs | tokens in graphs | decode tokens in graphs "
+                "| graphs captured in the run (at start) |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
+RUN_KINDS = ("steps", "tokens", "decode_tokens")
 
 
 @dataclass(frozen=True)
@@ -315,6 +317,19 @@ def decode_step(counts: dict, role: str, figures: dict, hw: dict) -> dict | None
     }
 
 
+def graph_share(counts: dict, role: str, at_start: dict) -> dict | None:
+    """The shares of a node role's steps, tokens and decode tokens over the run computed by replayed CUDA graphs, its
+    eager steps, and the graphs it captured within the run and before (`at_start`: its counters then)."""
+    c = counts.get(role, {})
+    total = {k: c.get(f"graph_{k}", 0) + c.get(f"eager_{k}", 0) for k in RUN_KINDS}
+    if not total["steps"]:
+        return None
+    shares = {f"{k}_share": c.get(f"graph_{k}", 0) / n if n else None for k, n in total.items()}
+    return {"node": role, "steps": int(total["steps"]), "eager_steps": int(c.get("eager_steps", 0)), **shares,
+            "captures_in_run": int(c.get("graph_captures", 0)),
+            "captures_at_start": int(at_start.get(role, {}).get("graph_captures", 0))}  # fmt: skip
+
+
 def kv_transfer(counts: dict, hw: dict) -> dict | None:
     c = counts.get("prefill", {})
     if not c.get("kv_transfer_time_s"):
@@ -411,7 +426,8 @@ def run_system(cfg: GpuBenchConfig, system: str, w: Workload, hf: HfModel, ctx: 
             if isinstance(run, systems.StackRunner):
                 result["triton_compiled_at_start"] = compiled
                 result["triton_compilations"] = compiled_kernels(cache) - compiled
-                add_node_figures(result, systems.counters_diff(systems.settled_counters(run), before), system, ctx)
+                after = systems.settled_counters(run)
+                add_node_figures(result, systems.counters_diff(after, before), system, ctx, before)
     except Exception as e:  # a system that fails is reported; the others still run
         print(f"bench.gpu: {system} failed: {type(e).__name__}: {e}", file=sys.stderr)
         result = _not_run(system, w, f"{type(e).__name__}: {e}")
@@ -420,10 +436,13 @@ def run_system(cfg: GpuBenchConfig, system: str, w: Workload, hf: HfModel, ctx: 
     return result
 
 
-def add_node_figures(result: dict, counts: dict, system: str, ctx: dict) -> None:
+def add_node_figures(result: dict, counts: dict, system: str, ctx: dict, at_start: dict) -> None:
+    """From the node counters over the run (`counts`; `at_start`: before it): the decode step, CUDA graphs, KV."""
     result["node_counters"] = counts
     result["decode_step"] = decode_step(counts, "colocated" if system == "colocated" else "decode", ctx["model"],
                                         ctx["hardware"])  # fmt: skip
+    roles = ("colocated",) if system == "colocated" else ("prefill", "decode")
+    result["graphs"] = [g for g in (graph_share(counts, role, at_start) for role in roles) if g]
     result["kv_transfer"] = kv_transfer(counts, ctx["hardware"]) if system == "disagg" else None
 
 
@@ -468,7 +487,19 @@ def _kernel_lines(run: dict) -> list[str]:
         lines += [f"{k['layers']} layers, limit for a decode step {k['limit']}:", "",
                   "| step | kernels | per layer | outside the layers |", "|---|---|---|---|"]  # fmt: skip
         lines += [f"| {c['kind']} | {c['total']} | {c['per_layer']:.1f} | {c['fixed']} |" for c in k["steps"]]
-    return lines + ["", f"Not measured: {run.get('not_counted', NOT_COUNTED)}."]
+    return lines
+
+
+def _graph_lines(results: list[dict]) -> list[str]:
+    rows = [(r, g) for r in results for g in r.get("graphs") or ()]
+    if not rows:
+        return []
+    lines = ["", "## Steps replayed as CUDA graphs (node counters over the run)", "", GRAPH_HEADER]
+    for r, g in rows:
+        shares = [f"{g[f'{k}_share']:.1%}" if g[f"{k}_share"] is not None else "" for k in RUN_KINDS]
+        lines.append(f"| {r['system']} | {g['node']} | {g['steps']} | {g['eager_steps']} | " + " | ".join(shares)
+                     + f" | {g['captures_in_run']} ({g['captures_at_start']}) |")  # fmt: skip
+    return lines
 
 
 def _kv_lines(results: list[dict], hw: dict) -> list[str]:
@@ -507,7 +538,8 @@ def markdown(run: dict) -> str:
                     f"--max-num-seqs), on {', '.join(extra['systems'])}.")  # fmt: skip
     base = report.baseline_throughput(results)
     lines = head + [report.table_row(r, base) for r in results]
-    lines += _steady_lines(results) + _step_lines(results) + _kernel_lines(run) + _kv_lines(results, hw)
+    lines += _steady_lines(results) + _step_lines(results) + _graph_lines(results) + _kernel_lines(run)
+    lines += _kv_lines(results, hw)
     lines += report.router_cpu_lines(results)
     lines += ["", f"Total {run.get('total_s', 0):.0f} s of a {c['budget_s']:.0f} s budget."]
     return "\n".join(lines) + "\n"
@@ -624,7 +656,6 @@ def prepare(cfg: GpuBenchConfig) -> tuple[Path, list[tuple[GpuBenchConfig, Workl
                   "workload": workload_summary(w), "model_figures": model_figures(config, c, w)}
                  for c, w in runs],  # fmt: skip
         "kernels": kernels_per_step(cfg, config),
-        "not_counted": NOT_COUNTED,
         "results": [],
     }
     return path, runs, run

@@ -73,16 +73,20 @@ class StubDevice:
 class StubRunner:
     """The runner's host work (flatten, pack) with no forward."""
 
+    graph_captures = 0
+
     def __init__(self, backend, block_size: int) -> None:
         self.backend, self.block_size = backend, block_size
 
     def run(self, batch, feed=None):
+        """No logits, and no graph ran the step (an engine before graph counting hands the pair to the stub sampler,
+        which ignores it)."""
         from pdserve.engine.model import ModelRunner
 
         inp = self.backend.inputs(*ModelRunner.flatten(batch, self.block_size))
         if feed is not None:
             feed.into(inp.input_ids)
-        return None
+        return None, False
 
     @staticmethod
     def feed(draw, rows, index):
@@ -117,8 +121,8 @@ def stub_engine(n: int, prompt: int, steps: int, device: StubDevice, ahead: bool
 
     from pdserve.config import EngineConfig
     from pdserve.engine import engine as engine_mod
-    from pdserve.engine.kv_cache import KVLayout, KVPool
     from pdserve.engine.parts import EngineParts
+    from pdserve.kv.pool import KVLayout, KVPool
 
     bs = 16
     layout = KVLayout(num_layers=1, num_kv_heads=8, head_dim=1, block_size=bs, dtype="float32", model_fingerprint="0")

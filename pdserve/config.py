@@ -148,7 +148,8 @@ class EngineConfig:
     attention_backend: str = option("auto", "auto: Triton kernels on CUDA, pdserve's C kernels on the CPU; triton: "
                                             "paged kernels; torch: SDPA per request",
                                     choices=ATTENTION_BACKENDS)  # fmt: skip
-    enforce_eager: bool = option(False, "no CUDA graphs for decode steps", action="store_true")
+    enforce_eager: bool = option(False, "no CUDA graphs: every step runs eagerly (docs/gpu-step.md)",
+                                 action="store_true")
     async_scheduling: bool = option(False, "schedule and pack step N+1 while step N runs, its input tokens read on "
                                            "the device (docs/async-scheduling.md; model engines, not prefill nodes)",
                                     action="store_true")  # fmt: skip
@@ -303,6 +304,12 @@ class RouterConfig:
     cache_balance_margin: int = option(4, "route to the node holding the longest cached prefix of the prompt unless "
                                           "it holds more than this many requests above the least loaded node; -1: "
                                           "least loaded only", type=int)  # fmt: skip
+    local_prefill_max_tokens: int | None = option(None, "disaggregated: a decode node whose prefix cache holds all "
+                                                  "but at most this many tokens of a prompt (its first block at "
+                                                  "least) gets it directly and computes those itself, skipping the "
+                                                  "prefill node and the KV transfer; 0: never (default: one chunk, "
+                                                  "the decode node's --max-num-batched-tokens)", type=int,
+                                                  metavar="TOKENS")  # fmt: skip
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -331,6 +338,8 @@ class RouterConfig:
             raise ValueError("--max-n must be at least 1")
         if self.cache_balance_margin < -1:
             raise ValueError("--cache-balance-margin must be -1 (off) or a number of requests >= 0")
+        if self.local_prefill_max_tokens is not None and self.local_prefill_max_tokens < 0:
+            raise ValueError("--local-prefill-max-tokens must be 0 (off) or a number of tokens >= 1")
 
     @property
     def mode(self) -> str:

@@ -119,9 +119,10 @@ class Stream(threading.Thread):
     streams run; `hang_up()` disconnects at the next line it reads (the router then aborts the request).
     """
 
-    def __init__(self, url: str, body: dict) -> None:
+    def __init__(self, url: str, body: dict, headers: dict | None = None) -> None:
         super().__init__(daemon=True)
         self.url, self.body = url, {**body, "stream": True, "return_token_ids": True}
+        self.headers = headers or {}
         self.token_ids: list[int] = []
         self.texts: list[str] = []
         self.times: list[float] = []
@@ -136,7 +137,8 @@ class Stream(threading.Thread):
 
     def run(self) -> None:
         try:
-            with httpx.stream("POST", self.url + "/v1/completions", json=self.body, timeout=120) as r:
+            with httpx.stream("POST", self.url + "/v1/completions", json=self.body, headers=self.headers,
+                              timeout=120) as r:
                 self.status = r.status_code
                 if r.status_code != 200:
                     self.error = f"HTTP {r.status_code}: {r.read().decode(errors='replace')[:500]}"

@@ -363,6 +363,20 @@ def test_health_and_metrics(stack):
     reports = {k: v for k, v in after.items() if k.startswith("pdserve:stats_reports_total{")}
     assert len(reports) == len(h["nodes"]), reports  # every node's heartbeats are counted, and keep coming:
     assert wait_until(lambda: all(scrape(stack)[k] > v for k, v in reports.items()), 30), reports
+    # how the nodes ran their steps: every step counted once, eager or replayed; on the CPU no CUDA graph replays
+    decoded = sum(node_counter(before, "eager_decode_tokens").values()) + 3  # the 3 tokens after the first
+    assert wait_until(lambda: sum(node_counter(scrape(stack), "eager_decode_tokens").values()) >= decoded, 30)
+    now = scrape(stack)
+    steps, eager = node_counter(now, "steps"), node_counter(now, "eager_steps")
+    assert steps == eager and len(steps) == len(h["nodes"]), (steps, eager)
+    for key in ("graph_steps", "graph_tokens", "graph_decode_tokens", "graph_captures"):
+        assert set(node_counter(now, key).values()) == {0}, key
+
+
+def node_counter(samples: dict[str, float], key: str) -> dict[str, float]:
+    """A node counter of one /metrics reading: {its labels: value}."""
+    prefix = f"pdserve:node_{key}_total{{"
+    return {k[len(prefix) :]: v for k, v in samples.items() if k.startswith(prefix)}
 
 
 def scrape(stack) -> dict[str, float]:

@@ -61,7 +61,7 @@ def test_parse_args_reads_the_large_run():
     assert (cfg.large_requests, cfg.large_concurrency, cfg.large_systems) == (64, 32, ("colocated", "disagg"))
 
 
-def test_the_report_shows_the_steady_state_kernels_and_what_is_not_measured(tmp_path):
+def test_the_report_shows_the_steady_state_kernels_and_the_graph_share(tmp_path):
     st = {"threshold": 4, "window_s": 4.0, "share_of_run": 0.2, "tokens": 16, "output_throughput": 4.0}
     summary = {"output_throughput": 1.5, "request_throughput": 0.2, "tpot_s": {"p50": 0.01, "p99": 0.02},
                "ttft_s": {"p50": 0.1, "p99": 0.2}, "e2e_s": {"mean": 1.0}, "slo_attainment": 1.0,
@@ -69,6 +69,10 @@ def test_the_report_shows_the_steady_state_kernels_and_what_is_not_measured(tmp_
     result = {"system": "colocated", "label": "sharegpt_like 8/4", "ok": True, "summary": summary,
               "concurrency": 4, "steady_state": st, "decode_step": None, "triton_compilations": 0,
               "triton_compiled_at_start": 7}  # fmt: skip
+    counts = {"colocated": {"graph_steps": 90, "eager_steps": 10, "graph_tokens": 950, "eager_tokens": 50,
+                            "graph_decode_tokens": 400, "eager_decode_tokens": 0, "graph_captures": 0}}  # fmt: skip
+    result["graphs"] = [gpu.graph_share(counts, "colocated", {"colocated": {"graph_captures": 12}})]
+    assert gpu.graph_share(counts, "decode", {}) is None  # a role without steps
     kernels = {"counted": True, "layers": 28, "limit": 300,
                "steps": [{"kind": "decode", "total": 265, "per_layer": 9.0, "fixed": 13, "ops": {}}]}  # fmt: skip
     run = {"config": {"name": "t", "model": "tiny", "dtype": "float32", "concurrency": 4, "max_num_batched_tokens": 64,
@@ -79,11 +83,11 @@ def test_the_report_shows_the_steady_state_kernels_and_what_is_not_measured(tmp_
            "model_figures": {"weight_bytes_per_step": 1e6, "kv_bytes_per_token": 1024},
            "runs": [{}, {"label": "sharegpt_like 16/8", "concurrency": 8, "systems": ["colocated"],
                          "workload": {"requests": 16, "prompt_tokens": 200, "output_tokens": 90}}],
-           "kernels": kernels, "not_counted": gpu.NOT_COUNTED, "checkpoint_s": 0.1, "results": [result]}  # fmt: skip
+           "kernels": kernels, "checkpoint_s": 0.1, "results": [result]}  # fmt: skip
     md = gpu.markdown(run)
     assert "| sharegpt_like 8/4 | colocated | 4 | 4.0 | 20% | 4 | 2 | 0 (7) |" in md
     assert "| decode | 265 | 9.0 | 13 |" in md and "limit for a decode step 300" in md
-    assert "Not measured: the share of tokens computed in CUDA-graph replays" in md
+    assert "| colocated | colocated | 100 | 10 | 90.0% | 95.0% | 100.0% | 0 (12) |" in md
     assert "Then `sharegpt_like 16/8`: 16 requests" in md
     optional("matplotlib")  # the bench extra's plotting: installed by [test], so CI fails without it
     gpu.plot(run, tmp_path / "gpu.png")

@@ -7,8 +7,8 @@ import pytest
 
 from pdserve.colocated_node.node import ColocatedNode
 from pdserve.config import EngineConfig, NodeConfig, RouterConfig
-from pdserve.engine.block_allocator import BlockAllocator
 from pdserve.engine.request import Request
+from pdserve.kv.block_allocator import BlockAllocator
 from pdserve.router.core import NodeConn, RouterCore, follow_cache
 from pdserve.wire import protocol as P
 
@@ -19,8 +19,11 @@ class FakeSock:
     def __init__(self) -> None:
         self.sent: list = []
 
-    def send(self, data: bytes) -> None:
+    def send(self, data: bytes, flags: int = 0) -> None:
         self.sent.append(P.decode(data))
+
+    def get(self, option: int) -> int:
+        return 0  # no message waiting
 
 
 def stats(role: P.Role, stored=(), evicted=(), reset: bool = False) -> P.Stats:
@@ -135,3 +138,83 @@ def test_a_nodes_stats_carry_its_whole_cache_after_a_hello_then_its_changes(tiny
         assert again.cache_reset and sorted(again.cache_stored) == sorted(changes.cache_stored)
     finally:
         node.close()
+
+
+# ---- conditional disaggregation: the router's choice ----------------------------------------------------
+def disagg_core(**cfg) -> RouterCore:
+    """A disaggregated router over fake nodes p0 and d0; d0 says it runs 64 tokens a step."""
+    c = RouterCore(RouterConfig(model="tiny", prefill=("tcp://p0",), decode=("tcp://d0",), decode_kv=("tcp://k0",),
+                                **cfg))  # fmt: skip
+    for m in c.membership._members:
+        info = {"layout": LAYOUT, "max_num_batched_tokens": 64}
+        c.nodes.append(NodeConn(m.role, m.addr, m.kv_addr, sock=FakeSock(), up=True, info=info))
+    return c
+
+
+def routed(core: RouterCore, prompt: list[int], **params) -> list[str]:
+    """The nodes a request goes to, after checking that the first of them got its Generate."""
+    flight = core.submit(prompt, P.SamplingParams(max_tokens=4, **params))
+    sent = flight.nodes[0].sock.sent[-1]
+    assert isinstance(sent, P.Generate) and sent.request_id == flight.request_id
+    assert sent.decode_addr == ("" if len(flight.nodes) == 1 else "tcp://k0")
+    return [n.addr for n in flight.nodes]
+
+
+@pytest.mark.parametrize("margin", [4, -1])
+def test_a_decode_node_holding_all_but_a_few_tokens_prefills_them_itself(margin):
+    """d0 holds 8 of the 10 blocks of a 40-token prompt: it would compute 8 tokens. Taken at a limit of 8, not at 7;
+    with cache-aware routing on or off (the decode node is picked first either way)."""
+    prompt = list(range(40))
+    for limit, want in [(8, ["tcp://d0"]), (7, ["tcp://p0", "tcp://d0"])]:
+        c = disagg_core(local_prefill_max_tokens=limit, cache_balance_margin=margin)
+        try:
+            follow_cache(c.nodes[1], stats(P.Role.DECODE, stored=names(prompt)[:8]))
+            assert routed(c, prompt) == want, limit
+        finally:
+            c.ctx.destroy(linger=0)
+
+
+def test_local_prefill_counts_the_tokens_the_node_computes_and_needs_a_cached_block():
+    c = disagg_core()  # the limit: the decode node's 64 tokens a step
+    try:
+        prompt = list(range(40))
+        follow_cache(c.nodes[1], stats(P.Role.DECODE, stored=names(prompt)))  # every block, the last included
+        assert routed(c, prompt) == ["tcp://d0"]  # it computes the last block's 4 tokens (the last one's logits)
+        assert routed(c, prompt + list(range(500, 565))) == ["tcp://p0", "tcp://d0"]  # 65 to compute
+        assert routed(c, prompt + list(range(500, 564))) == ["tcp://d0"]  # 64: one chunk
+        assert routed(c, list(range(100, 110))) == ["tcp://p0", "tcp://d0"]  # short, but nothing of it is cached
+        assert routed(c, prompt, prompt_logprobs=1) == ["tcp://p0", "tcp://d0"]  # echo scores every position
+    finally:
+        c.ctx.destroy(linger=0)
+
+
+def test_local_prefill_off_with_zero():
+    c = disagg_core(local_prefill_max_tokens=0)
+    try:
+        prompt = list(range(40))
+        follow_cache(c.nodes[1], stats(P.Role.DECODE, stored=names(prompt)))
+        assert routed(c, prompt) == ["tcp://p0", "tcp://d0"]
+    finally:
+        c.ctx.destroy(linger=0)
+
+
+def test_a_locally_prefilled_request_streams_from_its_decode_node_alone():
+    """Its first token comes from the decode node (not held back for a prefill node's, as a handed-off request's
+    decode events are); no hand-off is timed; a lost prefill node does not concern it."""
+    c = disagg_core()
+    try:
+        prompt = list(range(40))
+        follow_cache(c.nodes[1], stats(P.Role.DECODE, stored=names(prompt)))
+        flight = c.submit(prompt, P.SamplingParams(max_tokens=2))
+        decode = c.nodes[1]
+        assert flight.nodes == [decode] and not flight.handed_off
+        c._deliver(P.TokenEvent(flight.request_id, [7], None), decode)
+        assert flight.output == [7] and flight.first_token_at is not None and not flight.early
+        c._node_down(c.nodes[0], "test")
+        assert not flight.ended and flight.attempts == 1
+        c._deliver(P.TokenEvent(flight.request_id, [8], P.FinishReason.LENGTH), decode)
+        assert flight.output == [7, 8] and flight.ended
+        assert c.metrics.registry.get_sample_value("pdserve:request_handoff_time_seconds_count") == 0
+        assert decode.requests == set()
+    finally:
+        c.ctx.destroy(linger=0)

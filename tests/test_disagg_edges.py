@@ -79,9 +79,10 @@ def tok(model_dir):
 @pytest.fixture(scope="module", params=["zmq", "shm"])
 def stack(request, tmp_path_factory, model_dir):
     tmp = tmp_path_factory.mktemp(f"edges-{request.param}")
+    # every prompt goes through the handoff: none is prefilled on a decode node that caches it (a prompt sent again)
     s = Stack(tmp, str(model_dir), mode="disagg", transport=request.param, num_decode=2,
               decode_args=("--num-kv-blocks", str(DECODE_BLOCKS), "--kv-lease-s", "120"),
-              router_args=("--node-timeout-s", "30")).start()  # fmt: skip  (a starved node is not a dead one)
+              router_args=("--local-prefill-max-tokens", "0")).start()  # fmt: skip
     yield s
     s.close()
 

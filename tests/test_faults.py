@@ -64,6 +64,9 @@ def test_mismatched_pairing_is_refused(tmp_path):
 
 
 HANG_S = 60  # a guard against a hang, not a latency target: a failure is known by its cause, not its timing
+# a prompt sent again is prefilled on the decode node that caches it (conditional disaggregation): tests of the
+# prefill node and of KV transfers that repeat prompts turn that off
+NO_LOCAL_PREFILL = ("--local-prefill-max-tokens", "0")
 
 
 def test_dead_decode_node_fails_fast_and_recovers(stacks):
@@ -108,7 +111,7 @@ def test_offers_wait_for_a_full_decode_node_beyond_the_lease(tmp_path):
     hand-off histogram shows: they must still complete."""
     lease_s = 2.0
     stack = Stack(tmp_path, "tiny", mode="disagg", engine_args=("--kv-lease-s", str(lease_s)),
-                  decode_args=("--num-kv-blocks", "8")).start()  # fmt: skip
+                  decode_args=("--num-kv-blocks", "8"), router_args=NO_LOCAL_PREFILL).start()  # fmt: skip
     try:
         body = {"model": "tiny", "prompt": list(range(1, 21)), "max_tokens": 108, "ignore_eos": True}  # 128: the pool
         t0 = time.monotonic()

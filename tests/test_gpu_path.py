@@ -1,5 +1,6 @@
 """The GPU engine's parts, tested on the CPU: the Triton kernels (by Triton's interpreter) against torch,
-the packed inputs and their padding, the decode-graph buckets, and the batched sampler."""
+the packed inputs and their padding, the step graphs' buckets, and the batched sampler. The step graphs' whole
+path (bucketed, padded, over fixed buffers) is tested in tests/test_step_graphs.py."""
 
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ import torch
 import torch.nn.functional as F
 from helpers import optional
 
-from pdserve.engine.backends import PREFILL_TILE_M, Chunk
-from pdserve.engine.block_allocator import blocks_for, cdiv
-from pdserve.engine.cuda_graphs import bucket_for, bucket_sizes, graphable
+from pdserve.engine.backends import TILE_M, Chunk
+from pdserve.engine.cuda_graphs import Bucket, pick, plan, token_counts
 from pdserve.engine.request import Request
 from pdserve.engine.sampling import Sampler
+from pdserve.kv.block_allocator import blocks_for, cdiv
 from pdserve.wire.protocol import SamplingParams
 
 
@@ -44,7 +45,8 @@ def _reference(q, pool, q_start, reqs, tables, bs):
      (16, 8, 128, 16, torch.float16)],  # fmt: skip
 )
 def test_paged_attention_matches_torch(triton, nh, nkv, d, bs, dtype):
-    """Decodes and prompt chunks (first chunks and chunks after a cached past), scattered blocks, GQA."""
+    """Decodes and prompt chunks (first chunks and chunks after a cached past), scattered blocks, GQA: one launch
+    over every request's tiles, and padding items that change nothing."""
     from pdserve.engine import triton_attention as ta
 
     g = torch.Generator().manual_seed(nh * d + bs)
@@ -62,15 +64,12 @@ def test_paged_attention_matches_torch(triton, nh, nkv, d, bs, dtype):
     bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], **i32)
     q = torch.randn(T, nh, d, generator=g).to(dtype)
     out = torch.full_like(q, float("nan"))
-    group = nh // nkv
-    decode = torch.tensor([r for r, (_, n) in enumerate(reqs) if n == 1], **i32)
-    prefill = torch.tensor([(r, m) for r, (_, n) in enumerate(reqs) if n > 1
-                            for m in range(cdiv(n * group, PREFILL_TILE_M))], **i32)  # fmt: skip
+    tile = max(TILE_M, nh // nkv)
+    work = [(r, m) for r, (_, n) in enumerate(reqs) for m in range(cdiv(n * nh // nkv, tile))]
+    work = torch.tensor(work[::-1] + [(0, -1), (3, -1)], **i32)  # any order; padding items last
     args = (torch.tensor(q_start, **i32), torch.tensor([n for _, n in reqs], **i32),
             torch.tensor([p + n for p, n in reqs], **i32), bt)  # fmt: skip
-    scale = 1 / math.sqrt(d)
-    ta.paged_attention(q, out, pool, *args, decode, bs, scale, max(16, group))
-    ta.paged_attention(q, out, pool, *args, prefill, bs, scale, PREFILL_TILE_M)
+    ta.paged_attention(q, out, pool, *args, work, bs, 1 / math.sqrt(d), tile)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     for r, ref in _reference(q, pool, q_start, reqs, tables, bs).items():
         got = out[q_start[r] : q_start[r] + reqs[r][1]].float()
@@ -88,72 +87,89 @@ def test_paged_attention_reads_only_its_blocks(triton):
     args = (q_start, q_len, ctx_len, torch.tensor([[5, 2]], **i32))
     q = torch.randn(1, nh, d)
     a, b = torch.empty_like(q), torch.empty_like(q)
-    ta.paged_attention(q, a, pool, *args, torch.tensor([0], **i32), bs, 0.25, 16)
+    ta.paged_attention(q, a, pool, *args, torch.tensor([[0, 0]], **i32), bs, 0.25, 16)
     mask = torch.ones(8 * bs, dtype=torch.bool)
     mask[5 * bs : 6 * bs] = False
     mask[2 * bs : 2 * bs + 4] = False  # tokens 16..19 live in block 2
     pool[:, :, mask] = 1e4
-    ta.paged_attention(q, b, pool, *args, torch.tensor([0], **i32), bs, 0.25, 16)
+    ta.paged_attention(q, b, pool, *args, torch.tensor([[0, 0]], **i32), bs, 0.25, 16)
     torch.testing.assert_close(a, b)
+
+
+def test_rows_with_no_context_get_zeros(triton):
+    """A graph's padding rows are a request with no context: its rows come out 0, not what the buffer held."""
+    from pdserve.engine import triton_attention as ta
+
+    i32 = dict(dtype=torch.int32)
+    q, pool = torch.randn(3, 4, 16), torch.randn(2, 2, 32, 16)
+    out = torch.full_like(q, float("nan"))
+    args = (torch.tensor([0], **i32), torch.tensor([3], **i32), torch.tensor([0], **i32), torch.zeros(1, 2, **i32))
+    ta.paged_attention(q, out, pool, *args, torch.tensor([[0, 0]], **i32), 16, 0.25, 16)
+    assert torch.equal(out, torch.zeros_like(q))
 
 
 # ---- packed inputs and graph buckets ---------------------------------------------------------------
 
 
-def test_bucket_sizes_cover_every_batch():
-    assert bucket_sizes(128) == [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 112, 128]
-    assert bucket_sizes(20) == [1, 2, 4, 8, 16, 20] and bucket_sizes(1) == [1]
-    sizes = bucket_sizes(50)
-    for n in range(1, 51):
-        b = bucket_for(n, sizes)
-        assert b >= n and all(s < n for s in sizes if s < b)
-    assert bucket_for(51, sizes) is None
+def test_token_counts_pad_little():
+    assert token_counts(2048, 128) == [1, 2, 4, 8, *range(16, 257, 16), *range(288, 513, 32), *range(576, 1025, 64),
+                                       *range(1152, 2049, 128)]  # fmt: skip
+    assert token_counts(20, 6) == [1, 2, 4, 6, 8, 16, 20] and token_counts(1, 16) == [1]
+    sizes = token_counts(3000, 200)
+    assert sizes[-1] == 3000 and 200 in sizes
+    for t in range(1, 3001):  # the smallest bucket holding t pads it by at most 15 tokens, or an eighth
+        b = next(s for s in sizes if s >= t)
+        assert b - t <= max(15, t // 8), (t, b)
 
 
-def test_graphable_only_pure_decode_steps():
-    dec = [Chunk(0, 1, 5, [0]), Chunk(1, 1, 9, [1])]
-    assert graphable(dec, [0, 1])
-    assert not graphable(dec, [0])  # a row that does not sample
-    assert not graphable([*dec, Chunk(2, 4, 0, [2])], [0, 1, 5])  # a prompt chunk
-    assert not graphable([Chunk(0, 1, 0, [0])], [0])  # a one-token prompt has no past
-    assert not graphable([], [])
+def test_pick_the_smallest_bucket_that_holds_a_step():
+    buckets = plan(512, 16)
+    assert buckets[:5] == [Bucket(1, 1, 1), Bucket(2, 2, 2), Bucket(4, 4, 4), Bucket(8, 8, 8), Bucket(16, 16, 16)]
+    assert buckets[-1] == Bucket(512, 16, 16)
+    assert pick(buckets, 3, 3, 3) == Bucket(4, 4, 4)  # three decodes
+    assert pick(buckets, 40, 5, 5) == Bucket(48, 16, 16)  # a prompt chunk beside decodes
+    assert pick(buckets, 5, 1, 5) == Bucket(8, 8, 8)  # a 5-token prompt echoed: 4 prompt rows and its last
+    assert pick(buckets, 512, 16, 16) == Bucket(512, 16, 16)
+    assert pick(buckets, 100, 1, 100) is None  # more scored rows than any bucket computes: eager
+    assert pick(buckets, 513, 1, 1) is None
+
+
+def _engine(tiny_models):
+    from pdserve.config import EngineConfig
+    from pdserve.engine.engine import Engine
+
+    return Engine(EngineConfig(model=str(tiny_models["qwen3"]), attention_backend="triton", num_kv_blocks=32))
 
 
 def test_packed_inputs_padded_for_a_graph(triton, tiny_models):
-    """A decode step packed into a larger bucket: real rows first, padding rows store nowhere, padding
-    requests attend to nothing; the views read the packed values back."""
-    from pdserve.config import EngineConfig
-    from pdserve.engine.engine import Engine
-
-    engine = Engine(EngineConfig(model=str(tiny_models["qwen3"]), attention_backend="triton", num_kv_blocks=32))
-    backend = engine.runner.backend
-    chunks = [Chunk(0, 1, 20, [3, 7]), Chunk(1, 1, 3, [5])]
-    lay = backend.layout(4, 0, [], pad_requests=4, width=6)
-    host = backend.pack(lay, [11, 12], [20, 3], [7 * 16 + 4, 5 * 16 + 3], [], chunks)
-    assert host.numel() == lay.size() - (6 - 2) * 4  # only the 2 block-table columns in use travel
+    """A mixed step packed into a larger bucket: real rows first, padding rows store nowhere and attend to no
+    context, padding requests have no rows, padding work items (tile -1) no work, padding sampled rows read row 0;
+    the views read the packed values back."""
+    backend = _engine(tiny_models).runner.backend  # tiny: 4 heads, 2 KV heads, so 2 query rows per token
+    chunks = [Chunk(0, 1, 20, [3, 7]), Chunk(1, 2, 0, [5])]
+    lay = backend.bucket_layout(4, 4, 4, width=6)
+    assert lay.requests == 5 and lay.tiles == backend.max_tiles(4, 5) == 1 + 5
+    host = backend.pack(lay, [11, 12, 13], [20, 0, 1], [7 * 16 + 4, 5 * 16, 5 * 16 + 1], [0, 2], chunks)
+    assert host.numel() == lay.size() - (6 - 2) * 5  # only the 2 block-table columns in use travel
     dev = torch.full((lay.size(),), 77, dtype=torch.int32)  # a graph's buffer, stale past the copied prefix
     dev[: host.numel()] = host
     inp = backend.views(dev, lay)
-    assert inp.input_ids.tolist() == [11, 12, 0, 0] and inp.positions.tolist() == [20, 3, 0, 0]
-    assert inp.slot_mapping.tolist() == [116, 83, -1, -1]
+    assert inp.input_ids.tolist() == [11, 12, 13, 0] and inp.positions.tolist() == [20, 0, 1, 0]
+    assert inp.slot_mapping.tolist() == [116, 80, 81, -1] and inp.sample_index.tolist() == [0, 2, 0, 0]
     m = inp.attn
-    assert m.q_len.tolist() == [1, 1, 0, 0] and m.ctx_len.tolist() == [21, 4, 0, 0]
-    assert m.decode_work.tolist() == [0, 1, 2, 3] and m.prefill_work.shape == (0, 2)
+    # the padding row (3) is a request of its own with no context; then one padding request, no rows
+    assert m.q_start.tolist()[:3] == [0, 1, 3] and m.q_len.tolist() == [1, 2, 1, 0, 0]
+    assert m.ctx_len.tolist() == [21, 2, 0, 0, 0]
+    assert m.work.tolist() == [[0, 0], [1, 0], [2, 0], [0, -1], [0, -1], [0, -1]]
     assert m.block_tables[0, :2].tolist() == [3, 7] and m.block_tables[1, 0] == 5
-    assert inp.sample_index is None  # a graph samples every row
 
 
 def test_packed_inputs_of_a_mixed_step(triton, tiny_models):
-    from pdserve.config import EngineConfig
-    from pdserve.engine.engine import Engine
-
-    engine = Engine(EngineConfig(model=str(tiny_models["qwen3"]), attention_backend="triton", num_kv_blocks=32))
-    backend = engine.runner.backend  # tiny: 4 heads, 2 KV heads, so 2 query rows per token
+    backend = _engine(tiny_models).runner.backend
     chunks = [Chunk(0, 1, 20, [3, 7]), Chunk(1, 40, 0, [1, 2, 4])]
     inp = backend.inputs(list(range(41)), [20, *range(40)], list(range(41)), [0, 40], chunks)
     m = inp.attn
-    assert m.decode_work.tolist() == [0]
-    assert m.prefill_work.tolist() == [[1, t] for t in range(cdiv(40 * 2, PREFILL_TILE_M))]
+    assert m.work.tolist() == [[0, 0]] + [[1, t] for t in range(cdiv(40 * 2, TILE_M))]  # one list, no padding
     assert m.q_start.tolist() == [0, 1] and m.ctx_len.tolist() == [21, 40]
     assert m.block_tables.tolist() == [[3, 7, 0], [1, 2, 4]]
     assert inp.sample_index.tolist() == [0, 40]
@@ -213,41 +229,3 @@ def test_step_draws_differ_and_repeat():
     draws = [sampler(logits, [_req("a", p, outputs=i)]).tokens[0] for i in range(8)]
     assert len(set(draws)) > 4  # each token index draws anew
     assert draws == [sampler(logits, [_req("b", p, outputs=i)]).tokens[0] for i in range(8)]  # the seed decides
-
-
-class _EagerReplay:
-    """Stands in for a captured CUDA graph on the CPU: a replay runs the forward on the static inputs."""
-
-    replays = 0
-
-    def __init__(self, runner, inp, logits) -> None:
-        self.runner, self.inp, self.logits = runner, inp, logits
-
-    def replay(self) -> None:
-        _EagerReplay.replays += 1
-        self.logits.copy_(self.runner.forward(self.inp))
-
-
-def test_graph_replay_path_equals_transformers(triton, tiny_models):
-    """Decode steps through DecodeGraphs (bucketing, packing into a bucket's fixed buffer, padding rows and
-    requests, reading the first n rows of logits), with each graph replay standing in as an eager forward
-    over the static inputs: token for token the transformers output."""
-    from helpers import hf_greedy, mixed_workload
-    from test_engine import greedy_requests, run_engine
-
-    from pdserve.config import EngineConfig
-    from pdserve.engine.cuda_graphs import Captured, DecodeGraphs
-    from pdserve.engine.engine import Engine
-
-    engine = Engine(EngineConfig(model=str(tiny_models["qwen3"]), attention_backend="triton", max_num_seqs=6))
-    runner = engine.runner
-    graphs = DecodeGraphs(runner, max_batch=6, max_blocks=12)
-    for b in graphs.sizes:
-        lay, buffer, inp = graphs.static_inputs(b)
-        logits = torch.empty(b, runner.model.config.vocab_size)
-        graphs.captured[b] = Captured(_EagerReplay(runner, inp, logits), lay, buffer, inp, logits)
-    runner.graphs = graphs
-    prompts, outs = mixed_workload(6, 512, seed=2, max_prompt=24, max_out=10)  # the decodes are what replays
-    got = run_engine(engine, greedy_requests(prompts, outs))
-    assert [got[str(i)] for i in range(6)] == hf_greedy(tiny_models["qwen3"], prompts, outs)
-    assert graphs.sizes == [1, 2, 4, 6] and _EagerReplay.replays > 5

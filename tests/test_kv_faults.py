@@ -20,6 +20,7 @@ from pdserve.engine.checkpoint import resolve_model
 NUM_REQUESTS = 120  # a prefill node's n-th pull's fate is fixed (seed 0): at 5%, its pulls 36, 71, 110, 111 and 117
 # are damaged (corrupt, truncate, drop, delay, drop): every kind, and three to recompute within the first 110
 NUM_FAIL_PHASE = 60
+NO_LOCAL_PREFILL = ("--local-prefill-max-tokens", "0")  # prompts sent again go through the transfer all the same
 FAULTS = ("--kv-fault-rate", "0.05", "--kv-lease-s", "12")  # a lost transfer is given up after 6 s; a starved
 # decode node (busy host) renews its leases late, and a legitimate transfer must not run out of one
 
@@ -76,7 +77,8 @@ def _healthy_and_whole(stack: Stack) -> None:
 @pytest.mark.parametrize("transport", ["zmq", "shm"])
 def test_damaged_transfers_are_recomputed_exactly_or_failed_by_policy(tmp_path, transport, workload):
     bodies, ref = workload
-    stack = Stack(tmp_path, "tiny", mode="disagg", transport=transport, engine_args=FAULTS).start()
+    stack = Stack(tmp_path, "tiny", mode="disagg", transport=transport, engine_args=FAULTS,
+                  router_args=NO_LOCAL_PREFILL).start()  # fmt: skip
     try:
         responses = asyncio.run(_post_all(stack.url, bodies))
         assert [r.status_code for r in responses] == [200] * NUM_REQUESTS, [r.text for r in responses][:3]

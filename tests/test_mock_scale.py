@@ -19,7 +19,7 @@ MOCK = ("--engine", "mock", "--mock-step-s", "0.001,0,0", "--max-num-seqs", "64"
 DECODE_STEP = ("--mock-step-s", "0.01,0,0")
 
 
-def _exact(s: Stream) -> bool:
+def exact(s: Stream) -> bool:
     """The stream ended cleanly with the mock tokens of its prompt, every one."""
     return s.done and not s.error and s.token_ids == mock_tokens(s.body["prompt"], s.body["max_tokens"])
 
@@ -64,7 +64,7 @@ def test_32_mock_nodes_join_one_router_and_serve_exactly(stack):
     streams = _start(stack, 8, 30)
     for s in streams:
         s.join(60)
-    assert all(_exact(s) for s in streams), [(len(s.token_ids), s.error) for s in streams]
+    assert all(exact(s) for s in streams), [(len(s.token_ids), s.error) for s in streams]
 
 
 def test_the_router_gives_each_stream_the_least_loaded_decode_node_and_aborts_free_every_block(stack):
@@ -94,7 +94,7 @@ def test_a_decode_node_killed_mid_stream_loses_no_token(stack):
     s, name = _stream_on_one_decode_node(stack, 400)
     stack.kill(name)
     s.join(60)
-    assert _exact(s), (len(s.token_ids), s.error)
+    assert exact(s), (len(s.token_ids), s.error)
     assert _counter(stack, "pdserve:requests_redispatched_total") == before + 1
     assert wait_until(lambda: stack.infos[name]["listen"] not in _in_flight(stack, "decode"), 30)
 
@@ -104,7 +104,7 @@ def test_a_draining_decode_node_finishes_its_stream_and_leaves(stack):
     s, name = _stream_on_one_decode_node(stack, 400)
     stack.procs[name].send_signal(signal.SIGTERM)
     s.join(60)
-    assert _exact(s), (len(s.token_ids), s.error)
+    assert exact(s), (len(s.token_ids), s.error)
     assert _counter(stack, "pdserve:requests_redispatched_total") == before  # it finished there
     assert stack.procs[name].wait(timeout=60) == 0
     addr = stack.infos[name]["listen"]
@@ -112,4 +112,4 @@ def test_a_draining_decode_node_finishes_its_stream_and_leaves(stack):
     after = _start(stack, 4, 30)  # the others take the new requests
     for t in after:
         t.join(60)
-    assert all(_exact(t) for t in after), [t.error for t in after]
+    assert all(exact(t) for t in after), [t.error for t in after]

@@ -197,8 +197,8 @@ def check_order(trace: list, overlapped: bool) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_launch_never_waits_for_the_device(tiny_models):
     """On a GPU, launch() queues the whole step without one synchronizing call (torch raises on any in this
-    mode): prompt chunks beside decodes (eager), pure decodes (graphs), greedy, sampled and penalised rows,
-    log-probabilities of samples and of prompts."""
+    mode): prompt chunks beside decodes and pure decodes (replayed graphs), a prompt echoed with more rows than a
+    bucket computes (eager), greedy, sampled and penalised rows, log-probabilities of samples and of prompts."""
     import dataclasses
 
     engine = Engine(EngineConfig(model=str(tiny_models["qwen3"]), device="cuda:0", max_num_seqs=8))

@@ -17,6 +17,7 @@ from pdserve.engine.checkpoint import resolve_model
 
 ENGINE_ARGS = ("--max-num-batched-tokens", "32")  # slow prompts, so that the prefill nodes hold a queue
 NUM_REQUESTS = 16
+NO_LOCAL_PREFILL = ("--local-prefill-max-tokens", "0")  # prompts sent again go through a prefill node all the same
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +64,8 @@ def _token_ids(responses: list[httpx.Response]) -> list[list[int]]:
 @pytest.mark.parametrize("transport", ["zmq", "shm"])
 def test_prefill_node_loss(tmp_path, transport, workload):
     prompts, outs, ref = workload
-    stack = Stack(tmp_path, "tiny", mode="disagg", transport=transport, num_prefill=2,
-                  engine_args=ENGINE_ARGS).start()  # fmt: skip
+    stack = Stack(tmp_path, "tiny", mode="disagg", transport=transport, num_prefill=2, engine_args=ENGINE_ARGS,
+                  router_args=NO_LOCAL_PREFILL).start()  # fmt: skip
     try:
         _requests_move_to_the_other_prefill_node(stack, prompts, outs, ref)
         _a_restarted_prefill_node_rejoins(stack, prompts[:6], ref[:6])

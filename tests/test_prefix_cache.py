@@ -1,22 +1,21 @@
 """Prefix caching: the block names, the block manager's refcounts and LRU eviction, the scheduler's sharing, and
-the engine's greedy tokens with forced cache hits (against transformers, the hits counted)."""
+the engine's greedy tokens with forced cache hits (against transformers, the hits counted). Served end to end,
+colocated and disaggregated (a decode node pulling only the KV it lacks, or prefilling the rest itself), it is
+tested on the serving stacks of tests/test_serving.py."""
 
 from __future__ import annotations
 
 import random
 
-import httpx
 import pytest
-from helpers import hf_greedy, wait_until
-from stack import Stack
+from helpers import hf_greedy
 
-from bench.systems import node_counters
 from pdserve.config import EngineConfig
-from pdserve.engine.block_allocator import BlockAllocator
-from pdserve.engine.checkpoint import resolve_model
 from pdserve.engine.engine import Engine
 from pdserve.engine.request import Request, Status
 from pdserve.engine.scheduler import Scheduler
+from pdserve.kv.backend import InProcessBackend
+from pdserve.kv.block_allocator import BlockAllocator
 from pdserve.wire.protocol import SamplingParams, block_hashes, chain_seed
 
 SEED = chain_seed("test-model")
@@ -275,44 +274,35 @@ def test_no_prefix_caching_recomputes(tiny_models):
 
 
 # ---- disaggregated: the decode node pulls only the KV it lacks -------------------------------------------
-def _complete(url: str, prompt: list[int], n: int) -> list[int]:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True}  # fmt: skip
-    r = httpx.post(url + "/v1/completions", json=body, timeout=120)
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["token_ids"]
+def _run(engine: Engine) -> dict[str, list[int]]:
+    got: dict[str, list[int]] = {}
+    while engine.has_work():
+        for o in engine.step():
+            got.setdefault(o.request.request_id, []).append(o.token_id)
+    return got
 
 
-def _counters_reaching(url: str, role: str, key: str, least: float) -> dict[str, float]:
-    """A role's node counters once `key` reaches `least` (they come with the nodes' periodic stats)."""
-    read = lambda: node_counters(httpx.get(url + "/metrics", timeout=10).text).get(role, {})  # noqa: E731
-    assert wait_until(lambda: read().get(key, 0) >= least, 30, 0.1), f"{role} {key} stayed below {least}: {read()}"
-    return read()
-
-
-@pytest.mark.parametrize("transport", ["zmq", "shm"])
-def test_the_next_turn_ships_only_the_kv_the_decode_node_lacks(tmp_path, transport):
-    """Turn 2's prompt is turn 1's prompt, its answer and a new message. The decode node cached turn 1's prompt KV
-    (imported) and its answer's (computed there), so it pulls turn 2's KV only from the first block it lacks: the
-    bytes shipped are exactly those of the tokens after its cached blocks. Both turns equal transformers."""
-    rng = random.Random(5)
-    first = [rng.randrange(500) for _ in range(150)]
-    stack = Stack(tmp_path, "tiny", mode="disagg", transport=transport).start()
-    try:
-        answer = _complete(stack.url, first, 20)
-        turn1 = _counters_reaching(stack.url, "prefill", "kv_transfers", 1)
-        second = first + answer + [rng.randrange(500) for _ in range(30)]
-        answer2 = _complete(stack.url, second, 8)
-        prefill = _counters_reaching(stack.url, "prefill", "kv_transfers", 2)
-        decode = _counters_reaching(stack.url, "decode", "prefix_cache_hits", 1)
-        assert stack.wait_kv_free()
-    finally:
-        stack.close()
-    assert [answer, answer2] == hf_greedy(resolve_model("tiny"), [first, second], [20, 8])
-    per_token = turn1["kv_transfer_bytes"] / len(first)  # turn 1 shipped its whole prompt
-    assert turn1["kv_skipped_bytes"] == 0 and per_token > 0
-    cached = (len(first) + len(answer) - 1) // 16 * 16  # every token but the last answer token has KV there
-    assert decode["prefix_cache_hits"] == cached
-    assert prefill["kv_transfer_bytes"] - turn1["kv_transfer_bytes"] == (len(second) - cached) * per_token
-    assert prefill["kv_skipped_bytes"] == cached * per_token
-    assert prefill["prefix_cache_hits"] == len(first) // 16 * 16  # the prefill node shared turn 1's prompt blocks
+def test_an_engine_pulls_only_the_blocks_it_lacks_through_the_in_process_backend(tiny_models):
+    """The handoff between a prefill engine and a decode engine in one process, through the in-process fake of the
+    KV interface: the decode engine holds the prompt's first blocks from an earlier request, so it pulls from the
+    first block it lacks, the fake ships exactly those blocks, the checksums pass, and the answer is transformers'."""
+    model = tiny_models["qwen3"]
+    rng = random.Random(11)
+    prompt = [rng.randrange(500) for _ in range(90)]
+    prefill, decode = Engine(EngineConfig(model=str(model)), prefill_only=True), Engine(EngineConfig(model=str(model)))
+    decode.add(greedy("earlier", prompt[:70], 2))  # leaves the prompt's first 4 blocks of 16 cached there
+    _run(decode)
+    sent = greedy("r", prompt, 6)
+    prefill.add(sent)
+    first = _run(prefill)["r"]
+    held = Request("r", prompt, sent.params, output_token_ids=list(first), status=Status.WAITING_FOR_KV)
+    decode.add(held)
+    assert decode.reserve_remote() == [held] and decode.first_block_to_pull(held) == 4
+    fake = InProcessBackend()
+    landed = sum(decode.receive_kv(held, fake, h, f, None) for h, f in prefill.send_kv(sent, fake, 4))
+    assert landed == decode.layout.num_layers and decode.kv_landed(held, fake, prefill.kv_checksums(sent, 4)) == ""
+    assert {h.shape[2] for h in fake.sent} == {(6 - 4) * 16}  # blocks 4 and 5 of a 90-token prompt, nothing before
+    prefill.release(sent, Status.FINISHED)
+    assert first + _run(decode)["r"] == hf_greedy(model, [prompt], [6])[0]
+    assert decode.cache_counters()["prefix_cache_hits"] == 4 * 16
+    assert prefill.kv_stats()[0] == decode.kv_stats()[0] == 0  # every block back in both pools

@@ -10,8 +10,8 @@ as one of these backends:
 - `TritonBackend`: the GPU path: the iteration's integer inputs packed into one pinned host buffer and
   copied to the device at once; a layer's small ops as fused Triton kernels (`triton_layers.py`: residual
   add + RMSNorm, q/k norms + rotary + KV store, silu*mul), and paged attention straight from the block
-  tables (`triton_attention.py`), one launch for the decode tokens and one for the prompt chunks: a
-  decode layer is its 4 GEMMs and 5 kernels. Its inputs can be written into fixed device buffers, which
+  tables (`triton_attention.py`), one launch for decode tokens and prompt chunks alike: a layer is its 4
+  GEMMs and 5 kernels. Its inputs can be packed into a bucket's fixed shapes (`bucket_layout`), which
   CUDA graphs replay (`cuda_graphs.py`). Under `TRITON_INTERPRET=1` it runs on the CPU, which is how the tests run it.
 """
 
@@ -28,12 +28,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine import kernels
-from pdserve.engine.block_allocator import blocks_for, cdiv
 from pdserve.engine.copies import to_device
-from pdserve.engine.kv_cache import KVPool
+from pdserve.kv.block_allocator import blocks_for, cdiv
+from pdserve.kv.pool import KVPool
 
-DECODE_TILE_M = 16  # query rows of a decode tile: the query heads of one KV head (tl.dot needs >= 16)
-PREFILL_TILE_M = 64  # query rows of a prompt-chunk tile: (token, query head) pairs
+TILE_M = 16  # query rows of an attention tile, (token, query head) pairs: a decode token's query heads of one KV
+# head fill its first G; tl.dot needs at least 16
 SEGMENT_ALIGN = 4  # int32s (16 bytes): where each segment of the packed inputs may start
 
 
@@ -236,14 +236,13 @@ class CpuKernelBackend(TorchBackend):
 
 @dataclass
 class PagedMeta:
-    """Per request r (padding requests have q_len 0): its rows, context and blocks; and the work lists."""
+    """Per request r (padding requests have q_len 0): its rows, context and blocks; and the attention's work list."""
 
     q_start: torch.Tensor  # [R] int32
     q_len: torch.Tensor  # [R] int32
     ctx_len: torch.Tensor  # [R] int32, the new tokens included
     block_tables: torch.Tensor  # [R, W] int32, a view of a column-major [W, R] buffer
-    decode_work: torch.Tensor  # [nd] int32: requests with one new token
-    prefill_work: torch.Tensor  # [np, 2] int32: (request, query tile) of the prompt chunks
+    work: torch.Tensor  # [N, 2] int32: (request, query tile) of every request; padding items (0, -1)
 
 
 @dataclass(frozen=True)
@@ -258,17 +257,16 @@ class PackLayout:
     """
 
     rows: int  # T (padded)
-    samples: int  # S; 0 when every row is sampled
+    samples: int  # S (padded): rows whose logits are computed
     requests: int  # R (padded)
     width: int  # W, block table columns
-    decodes: int
-    prefill_tiles: int
+    tiles: int  # N (padded): attention work items
 
     def segments(self) -> list[tuple[str, tuple[int, ...]]]:
         T, R = self.rows, self.requests
         return [("ids", (T,)), ("positions", (T,)), ("slots", (T,)), ("sample", (self.samples,)),
-                ("q_start", (R,)), ("q_len", (R,)), ("ctx_len", (R,)), ("decode_work", (self.decodes,)),
-                ("prefill_work", (self.prefill_tiles, 2)), ("block_tables", (self.width, R))]  # fmt: skip
+                ("q_start", (R,)), ("q_len", (R,)), ("ctx_len", (R,)), ("work", (self.tiles, 2)),
+                ("block_tables", (self.width, R))]  # fmt: skip
 
     @functools.cached_property
     def offsets(self) -> dict[str, int]:
@@ -298,48 +296,59 @@ class TritonBackend(TorchBackend):
         self.ta, self.tl = triton_attention, triton_layers
         self.num_heads, self.silu_gated = num_heads, silu_gated
         self.group = num_heads // pool.layout.num_kv_heads  # query heads per KV head
-        self.decode_tile = max(DECODE_TILE_M, 1 << (self.group - 1).bit_length())
+        self.tile = max(TILE_M, 1 << (self.group - 1).bit_length())  # rows of an attention tile
         self._staging = [torch.empty(0, dtype=torch.int32)] * 2  # two: one step's copy may still read the other
         self._turn = 0
 
     # ---- inputs: one host buffer, one copy ------------------------------------------------------
-    def layout(self, rows: int, samples: int, chunks: list[Chunk], pad_requests: int = 0,
-               width: int = 0) -> PackLayout:  # fmt: skip
-        bs = self.pool.block_size
-        width = width or max((blocks_for(c.past + c.length, bs) for c in chunks), default=1)
-        decodes = sum(c.length == 1 for c in chunks)
-        tiles = sum(self.tiles(c) for c in chunks if c.length > 1)
-        return PackLayout(rows, samples, max(len(chunks), pad_requests), width, max(decodes, pad_requests), tiles)
+    def layout(self, rows: int, samples: int, chunks: list[Chunk]) -> PackLayout:
+        """The exact layout of an eager step."""
+        width = max((blocks_for(c.past + c.length, self.pool.block_size) for c in chunks), default=1)
+        return PackLayout(rows, samples, len(chunks), width, sum(self.tiles(c.length) for c in chunks))
 
-    def tiles(self, c: Chunk) -> int:
-        """Query tiles of a prompt chunk: its (token, query head of a KV head) rows, PREFILL_TILE_M at a time."""
-        return cdiv(c.length * self.group, PREFILL_TILE_M)
+    def bucket_layout(self, rows: int, requests: int, samples: int, width: int) -> PackLayout:
+        """The fixed layout of a CUDA graph's bucket: any step of at most `rows` tokens, `requests` requests and
+        `samples` sampled rows packs into it. One request more holds the padding rows (`pack`), and the work list
+        the most tiles such a step can have."""
+        return PackLayout(rows, samples, requests + 1, width, self.max_tiles(rows, requests + 1))
+
+    def tiles(self, length: int) -> int:
+        """Attention tiles of a request's `length` new tokens: its (token, query head of a KV head) rows, `tile` at a
+        time (a decode token: one)."""
+        return cdiv(length * self.group, self.tile)
+
+    def max_tiles(self, rows: int, requests: int) -> int:
+        """The most tiles `requests` requests of `rows` new tokens in all can have: each request's rows fill whole
+        tiles but its last, so sum(ceil(L_r * G / M)) < rows * G / M + requests."""
+        return cdiv(rows * self.group, self.tile) + requests
 
     def pack(self, lay: PackLayout, ids, positions, slots, sample, chunks: list[Chunk]) -> torch.Tensor:
         """The iteration's inputs in one int32 host buffer (pinned on a GPU host), laid out as `lay`; only
         the block-table columns in use are returned (a prefix of the layout). Padding rows store nothing
-        (slot -1); padding requests have no rows (q_len 0)."""
+        (slot -1) and form one request with no context, whose attention output is 0 (so that they stay finite);
+        padding requests have no rows (q_len 0); padding sampled rows read row 0 (their logits are not used)."""
         buf = self._staging_of(lay.size())
         seg = _views(buf.numpy(), lay)
-        T = len(ids)
+        T, S = len(ids), len(sample)
         for name, values, pad in (("ids", ids, 0), ("positions", positions, 0), ("slots", slots, -1)):
             seg[name][:T], seg[name][T:] = values, pad
-        seg["sample"][:] = sample
-        self._pack_requests(seg, chunks)
+        seg["sample"][:S], seg["sample"][S:] = sample, 0
+        spans = [(c.start, c.length, c.past + c.length) for c in chunks]  # (first row, rows, context) per request
+        self._pack_requests(seg, spans + [(T, lay.rows - T, 0)] if lay.rows > T else spans)
         width = self._pack_tables(seg["block_tables"], chunks)
         return buf[: lay.prefix(width)]
 
-    def _pack_requests(self, seg: dict, chunks: list[Chunk]) -> None:
-        """Per-request rows and lengths, and the work lists (padding decode items point at padding requests)."""
-        n = len(chunks)
-        for name, values in (("q_start", [c.start for c in chunks]), ("q_len", [c.length for c in chunks]),
-                             ("ctx_len", [c.past + c.length for c in chunks])):  # fmt: skip
-            seg[name][:n], seg[name][n:] = values, 0
-        decode = [r for r, c in enumerate(chunks) if c.length == 1]
-        work = seg["decode_work"]
-        work[: len(decode)], work[len(decode) :] = decode, range(n, n + len(work) - len(decode))
-        tiles = [(r, m) for r, c in enumerate(chunks) if c.length > 1 for m in range(self.tiles(c))]
-        seg["prefill_work"][:] = tiles or 0
+    def _pack_requests(self, seg: dict, spans: list[tuple[int, int, int]]) -> None:
+        """Per request (first row, rows, context length): its rows and lengths, and the attention's work list: every
+        tile of every request, then padding items (tile -1, no work)."""
+        n = len(spans)
+        for i, name in enumerate(("q_start", "q_len", "ctx_len")):
+            seg[name][:n], seg[name][n:] = [span[i] for span in spans], 0
+        tiles = [(r, m) for r, (_, length, _) in enumerate(spans) for m in range(self.tiles(length))]
+        work = seg["work"]
+        if tiles:
+            work[: len(tiles)] = tiles
+        work[len(tiles) :] = (0, -1)
 
     def _pack_tables(self, tables, chunks: list[Chunk]) -> int:
         """Block ids into the column-major tables [W, R]; return the columns in use."""
@@ -366,10 +375,8 @@ class TritonBackend(TorchBackend):
     def views(self, dev: torch.Tensor, lay: PackLayout) -> ForwardInputs:
         """ForwardInputs reading the packed buffer `dev` (on the device) in place."""
         seg = _views(dev, lay)
-        meta = PagedMeta(seg["q_start"], seg["q_len"], seg["ctx_len"], seg["block_tables"].t(), seg["decode_work"],
-                         seg["prefill_work"])  # fmt: skip
-        sample = seg["sample"] if lay.samples else None
-        return ForwardInputs(seg["ids"], seg["positions"], seg["slots"], sample, meta)
+        meta = PagedMeta(seg["q_start"], seg["q_len"], seg["ctx_len"], seg["block_tables"].t(), seg["work"])
+        return ForwardInputs(seg["ids"], seg["positions"], seg["slots"], seg["sample"], meta)
 
     def inputs(self, ids, positions, slots, sample, chunks) -> ForwardInputs:
         lay = self.layout(len(ids), len(sample), chunks)
@@ -406,9 +413,8 @@ class TritonBackend(TorchBackend):
         """Paged attention of q [T, nh, d] (any strides) over the pool, its new keys already stored: [T, nh, d]."""
         m = inp.attn
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        for work, tile in ((m.decode_work, self.decode_tile), (m.prefill_work, PREFILL_TILE_M)):
-            self.ta.paged_attention(q, out, kv_pool, m.q_start, m.q_len, m.ctx_len, m.block_tables, work,
-                                    self.pool.block_size, self.scale, tile)  # fmt: skip
+        self.ta.paged_attention(q, out, kv_pool, m.q_start, m.q_len, m.ctx_len, m.block_tables, m.work,
+                                self.pool.block_size, self.scale, self.tile)  # fmt: skip
         return out
 
 

@@ -27,13 +27,13 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from pdserve.config import EngineConfig, max_model_len, read_mock_costs
-from pdserve.engine.block_allocator import BlockAllocator
 from pdserve.engine.checkpoint import BUILTIN_MODELS, resolve_model
 from pdserve.engine.draws import Drawn, TokenLogprob
-from pdserve.engine.kv_layout import KVLayout
 from pdserve.engine.parts import EngineParts
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import Batch
+from pdserve.kv.block_allocator import BlockAllocator
+from pdserve.kv.layout import KVLayout
 
 log = logging.getLogger("pdserve.engine")
 MOCK_TOKENS = range(256, 509)  # two printable ASCII characters each in a built-in tokenizer of 512+ ids
@@ -140,12 +140,14 @@ class MockGuides:
 
 
 class MockRunner:
+    graph_captures = 0  # no CUDA graphs: every step counts as eager
+
     def __init__(self, cost: StepCost) -> None:
         self.cost = cost
 
-    def run(self, batch: Batch) -> float:
-        """Start a step: when it will be done (time.monotonic())."""
-        return time.monotonic() + self.cost.seconds(batch)
+    def run(self, batch: Batch) -> tuple[float, bool]:
+        """Start a step: when it will be done (time.monotonic()), and that no graph ran it."""
+        return time.monotonic() + self.cost.seconds(batch), False
 
 
 @dataclass

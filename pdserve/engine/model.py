@@ -5,8 +5,8 @@ single decode tokens alike) are flattened to `[T, H]`. Embedding, norms, project
 LM head run on those flattened tokens (the LM head only where a token is sampled); attention runs
 per request against that request's own KV in the paged pool. What differs between devices (how the
 inputs reach the device, the small fused ops, the attention kernels) is one backend object chosen
-at start-up (`backends.py`); on a GPU, pure-decode iterations replay captured CUDA graphs
-(`cuda_graphs.py`).
+at start-up (`backends.py`); on a GPU, iterations replay CUDA graphs captured by token-count bucket,
+prompt chunks and decode tokens alike (`cuda_graphs.py`).
 
 Supported families: Qwen3 (q/k norms), Qwen2 (qkv bias), Llama, Mistral — all share the layer
 shape input_layernorm -> self_attn -> post_attention_layernorm -> mlp.
@@ -26,11 +26,11 @@ from torch import nn
 
 from pdserve.config import max_model_len
 from pdserve.engine.backends import Chunk, ForwardInputs, make_backend
-from pdserve.engine.block_allocator import blocks_for, cdiv
 from pdserve.engine.checkpoint import SUPPORTED_MODEL_TYPES
 from pdserve.engine.copies import to_device
-from pdserve.engine.kv_cache import DTYPES, KVLayout, KVPool
 from pdserve.engine.scheduler import Batch
+from pdserve.kv.block_allocator import blocks_for, cdiv
+from pdserve.kv.pool import DTYPES, KVLayout, KVPool
 
 log = logging.getLogger("pdserve.model")
 
@@ -143,7 +143,7 @@ class LayerWeights:
 
 class ModelRunner:
     def __init__(self, model, pool: KVPool, attention_backend: str = "auto", cpu_kernels: str = "auto",
-                 graphs: bool = False, max_batch: int = 0) -> None:  # fmt: skip
+                 graphs: bool = False, max_seqs: int = 0, max_tokens: int = 0) -> None:  # fmt: skip
         self.model = model
         self.pool = pool
         self.device = next(model.parameters()).device
@@ -161,13 +161,22 @@ class ModelRunner:
         self.backend = make_backend(attention_backend, cpu_kernels, pool, model.config, attn.scaling, apply_rope,
                                     self.device)  # fmt: skip
         self.head_dim = pool.layout.head_dim
-        self.graphs = None
+        self.graphs = None  # a cuda_graphs.StepGraphs: on a GPU, unless --enforce-eager
         if graphs and self.device.type == "cuda" and self.backend.name == "triton":
-            from pdserve.engine.cuda_graphs import DecodeGraphs
+            from pdserve.engine.cuda_graphs import CudaRecorder, StepGraphs
 
-            longest = blocks_for(max_model_len(model.config), pool.block_size)  # blocks of the longest request
-            self.graphs = DecodeGraphs(self, max_batch, max_blocks=min(pool.num_blocks, longest))
-            self.graphs.capture()
+            self.graphs = StepGraphs.planned(self, max_tokens, max_seqs)
+            self.graphs.capture(CudaRecorder(self.device))
+
+    @property
+    def graph_captures(self) -> int:
+        """CUDA graphs captured since start."""
+        return self.graphs.captures if self.graphs is not None else 0
+
+    def max_blocks(self) -> int:
+        """Block-table columns the longest request can use."""
+        longest = blocks_for(max_model_len(self.model.config), self.pool.block_size)
+        return min(self.pool.num_blocks, longest)
 
     @torch.inference_mode()
     def warm_up(self, max_rows: int, max_samples: int) -> None:
@@ -210,21 +219,18 @@ class ModelRunner:
         """The iteration's inputs on the device (one tensor each, or one packed copy on a GPU)."""
         return self.backend.inputs(*self.flatten(batch, self.pool.block_size))
 
-    def run(self, batch: Batch, feed: DeviceFeed | None = None) -> torch.Tensor:
-        """One iteration: a replayed CUDA graph for a decode batch that has one, else an eager forward.
-        Returns the logits of the rows `flatten` names, [S, V] float32. `feed`: input rows whose token the host does
-        not know yet, read from the previous step's sampled ids on the device."""
+    def run(self, batch: Batch, feed: DeviceFeed | None = None) -> tuple[torch.Tensor, bool]:
+        """One iteration: a replayed CUDA graph when a bucket holds the step, else an eager forward. Returns the logits
+        of the rows `flatten` names, [S, V] float32, and whether a graph computed them. `feed`: input rows whose token
+        the host does not know yet, read from the previous step's sampled ids on the device."""
         if self.graphs is not None:
-            flat = self.flatten(batch, self.pool.block_size)
-            logits = self.graphs.run(*flat, feed=feed)
+            logits = self.graphs.run(*self.flatten(batch, self.pool.block_size), feed=feed)
             if logits is not None:
-                return logits
-            inp = self.backend.inputs(*flat)
-        else:
-            inp = self.prepare(batch)
+                return logits, True
+        inp = self.prepare(batch)  # outside every bucket (rare): flattened once more
         if feed is not None:
             feed.into(inp.input_ids)
-        return self.forward(inp)
+        return self.forward(inp), False
 
     @staticmethod
     def feed(draw, rows: list[int], index: list[int]) -> DeviceFeed:
@@ -233,8 +239,9 @@ class ModelRunner:
 
     # ---- forward ---------------------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, inp: ForwardInputs) -> torch.Tensor:
-        """Run one iteration; return the logits of the sampled positions, [S, V] in float32."""
+    def forward(self, inp: ForwardInputs, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Run one iteration; return the logits of the sampled positions, [S, V] in float32 (written into `out` if
+        given: a captured graph's fixed output)."""
         b = self.backend
         h = self.embed(inp.input_ids)  # [T, H]: the residual stream, updated in place
         cos, sin = self.rotary(h, inp.positions[None])  # [1, T, d]
@@ -242,14 +249,15 @@ class ModelRunner:
         x = b.norm(self.layers[0].input_layernorm, h)
         for i, (layer, w) in enumerate(zip(self.layers, self.weights, strict=True)):
             x = b.add_norm(h, self._attention(layer.self_attn, w, x, rope, i, inp), layer.post_attention_layernorm)
-            out = w.down(b.act(layer.mlp, w.gate_up(x)))  # [T, H]
+            mlp = w.down(b.act(layer.mlp, w.gate_up(x)))  # [T, H]
             if i + 1 < len(self.layers):
-                x = b.add_norm(h, out, self.layers[i + 1].input_layernorm)
+                x = b.add_norm(h, mlp, self.layers[i + 1].input_layernorm)
             else:
-                h += out
+                h += mlp
         if inp.sample_index is not None:
             h = h.index_select(0, inp.sample_index)  # [S, H]
-        return self.lm_head(b.norm(self.norm, h)).float()  # [S, V]
+        logits = self.lm_head(b.norm(self.norm, h))  # [S, V]
+        return logits.float() if out is None else out.copy_(logits)
 
     def _attention(self, attn, w: LayerWeights, x: torch.Tensor, rope, layer_idx: int,
                    inp: ForwardInputs) -> torch.Tensor:  # fmt: skip

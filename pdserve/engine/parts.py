@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.config import EngineConfig, eos_token_ids, max_model_len
-from pdserve.engine.kv_layout import KVLayout
+from pdserve.kv.layout import KVLayout
 
 log = logging.getLogger("pdserve.engine")
 
@@ -21,7 +21,8 @@ class EngineParts:
     guides: Any  # prepare(); attach(request) gives a guided request its matcher (ValueError if it cannot)
     layout: KVLayout
     pool: Any  # .allocator, .num_blocks, .block_size, .checksums(block_ids, num_tokens); the model's holds the KV
-    runner: Any  # run(batch) -> what the sampler draws from (the model's logits)
+    runner: Any  # run(batch) -> (what the sampler draws from (the model's logits), whether a CUDA graph ran it);
+    # graph_captures: CUDA graphs captured since start
     sampler: Any  # launch(run's result, sampled requests, scored prompt rows) -> a draw whose wait() gives Drawn
     max_model_len: int
     overlapped: bool  # launch() returns before the step is done (a GPU; the mock, which waits out its step time)
@@ -43,9 +44,9 @@ def model_parts(cfg: EngineConfig, prefill_only: bool, pool_storage=None) -> Eng
 
     from pdserve.engine.checkpoint import resolve_model
     from pdserve.engine.grammar import Guides
-    from pdserve.engine.kv_cache import KVPool
     from pdserve.engine.model import ModelRunner, kv_layout, load_model
     from pdserve.engine.sampling import Sampler
+    from pdserve.kv.pool import KVPool
 
     if cfg.cpu_cores:
         torch.set_num_threads(len(cfg.cpu_cores))
@@ -60,8 +61,8 @@ def model_parts(cfg: EngineConfig, prefill_only: bool, pool_storage=None) -> Eng
     storage = pool_storage(layout, num_blocks, cfg.device) if pool_storage else None
     pool = KVPool(layout, num_blocks, cfg.device, data=storage)
     started = time.perf_counter()
-    runner = ModelRunner(model, pool, cfg.attention_backend, cfg.cpu_kernels,
-                         graphs=not (cfg.enforce_eager or prefill_only), max_batch=cfg.max_num_seqs)  # fmt: skip
+    runner = ModelRunner(model, pool, cfg.attention_backend, cfg.cpu_kernels, graphs=not (cfg.enforce_eager or
+                         prefill_only), max_seqs=cfg.max_num_seqs, max_tokens=cfg.max_num_batched_tokens)  # fmt: skip
     runner.warm_up(cfg.max_num_batched_tokens, cfg.max_num_seqs)
     log.info("built the kernels%s and warmed up in %.1f s (attention: %s; KV pool: %d blocks of %d tokens)",
              " and CUDA graphs" if runner.graphs else "", time.perf_counter() - started, runner.backend.name,

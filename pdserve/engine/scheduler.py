@@ -25,8 +25,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from pdserve.engine.block_allocator import BlockAllocator
 from pdserve.engine.request import Request, Status
+from pdserve.kv.block_allocator import BlockAllocator
 from pdserve.wire.protocol import block_hashes
 
 
@@ -41,6 +41,11 @@ class ScheduledRequest:
     def of(cls, req: Request, n: int) -> ScheduledRequest:
         return cls(req, n, req.num_computed_tokens + n == req.num_tokens, req.num_computed_tokens)
 
+    @property
+    def decodes(self) -> bool:
+        """One new token after the whole prompt: a decode token (not a one-token prompt, nor a recomputed chunk)."""
+        return self.num_new_tokens == 1 and self.past >= len(self.request.prompt_token_ids)
+
 
 @dataclass
 class Batch:
@@ -52,6 +57,10 @@ class Batch:
     @property
     def num_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(s.decodes for s in self.scheduled)
 
     def prompt_logprob_rows(self) -> list[tuple[int, Request, int]]:
         """(row of the iteration's flat tokens, request, position) of every prompt position whose logits score

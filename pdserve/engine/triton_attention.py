@@ -1,11 +1,15 @@
 """Triton kernels for the GPU: paged attention over the block tables (the KV store is fused into the rotary
 kernel of `triton_layers.py`).
 
-`paged_attention` serves every new token of an iteration straight from the paged pool, in one
-launch per kind of work (decode tokens, prompt chunks), with no gather into contiguous copies:
+`paged_attention` serves every new token of an iteration straight from the paged pool, decode
+tokens and prompt chunks alike, in one launch, with no gather into contiguous copies:
 - one program per (work item, KV head); a work item is a request and a tile of its query rows;
 - a tile's rows are (token, query head of the group) pairs, so the query heads that share a KV
-  head (grouped-query attention) read each key once;
+  head (grouped-query attention) read each key once; a decode token fills one tile's first G rows,
+  a prompt chunk as many tiles as its rows need;
+- a work item whose tile is -1 (padding: a replayed CUDA graph launches a fixed number of them,
+  `cuda_graphs.py`), or past its request's rows, reads nothing and stores nothing; the rows of a
+  request with no context (a graph's padding rows) get 0;
 - keys are read in tiles of BLOCK_N tokens through the block table, with an online softmax in
   float32 (flash attention), causal within the chunk and open to the request's cached past.
 
@@ -25,20 +29,19 @@ def _paged_attention_kernel(
     q_ptr, o_ptr, pool_ptr, q_start_ptr, q_len_ptr, ctx_len_ptr, tables_ptr, work_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_pool_kv, stride_pool_h, stride_pool_s, stride_tr, stride_tc,
     scale,
-    WORK_STRIDE: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
-    """Program (work item w, KV head h). work[w] = (request r, query tile m) (m = 0 when WORK_STRIDE is 1).
+    """Program (work item w, KV head h). work[w] = (request r, query tile m); m = -1: padding, no work.
 
     Rows of the tile: i = m * BLOCK_M + arange(BLOCK_M); token t = i // G, query head h * G + i % G.
     """
     w = tl.program_id(0)
     kvh = tl.program_id(1)
-    r = tl.load(work_ptr + w * WORK_STRIDE)
-    m = 0
-    if WORK_STRIDE == 2:
-        m = tl.load(work_ptr + w * WORK_STRIDE + 1)
+    r = tl.load(work_ptr + w * 2)
+    m = tl.load(work_ptr + w * 2 + 1)
     q_len = tl.load(q_len_ptr + r)
+    live = (m >= 0) & (m * BLOCK_M < q_len * G)  # the tile has rows: else it reads no key
     ctx_len = tl.load(ctx_len_ptr + r)
     q_start = tl.load(q_start_ptr + r)
     past = ctx_len - q_len
@@ -46,7 +49,7 @@ def _paged_attention_kernel(
     rows = m * BLOCK_M + tl.arange(0, BLOCK_M)  # [M]
     tok = rows // G
     head = kvh * G + rows % G
-    row_ok = tok < q_len
+    row_ok = (tok < q_len) & (rows >= 0)  # a padding tile (-1) has no rows
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
     q_off = (q_start + tok).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
@@ -59,7 +62,7 @@ def _paged_attention_kernel(
     k_base = pool_ptr + kvh * stride_pool_h
     v_base = k_base + stride_pool_kv
     last_tok = tl.minimum(m * BLOCK_M + BLOCK_M - 1, q_len * G - 1) // G
-    end = tl.minimum(ctx_len, past + last_tok + 1)  # causal: no key after the tile's last token
+    end = tl.where(live, tl.minimum(ctx_len, past + last_tok + 1), 0)  # causal: no key after the tile's last token
     for start in range(0, end, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)  # [N] key positions
         j_ok = j < end
@@ -97,8 +100,8 @@ def paged_attention(
     """Attention of the new tokens q [T, nh, d] into out [T, nh, d], for the work items `work`.
 
     Per request r: its rows are q[q_start[r] : q_start[r] + q_len[r]], its context (those rows' own
-    keys included, already stored) is ctx_len[r] tokens in the blocks block_tables[r] (any strides). `work` is [n]
-    (request ids, one tile each: decode tokens) or [n, 2] (request id, query tile: prompt chunks).
+    keys included, already stored) is ctx_len[r] tokens in the blocks block_tables[r] (any strides). `work` is [n, 2]:
+    (request id, query tile of `block_m` rows), the tile -1 for a padding item that does nothing.
     """
     n = work.shape[0]
     if n == 0:
@@ -109,7 +112,7 @@ def paged_attention(
         q, out, pool_layer, q_start, q_len, ctx_len, block_tables, work,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         pool_layer.stride(0), pool_layer.stride(1), pool_layer.stride(2), *block_tables.stride(), scale,
-        WORK_STRIDE=1 if work.dim() == 1 else 2, G=nh // nkv, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
+        G=nh // nkv, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_M=block_m, BLOCK_N=32 if d > 64 and q.dtype == torch.float32 else 64, BLOCK_SIZE=block_size,
         IEEE=q.dtype == torch.float32,
     )  # fmt: skip
