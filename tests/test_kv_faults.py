@@ -17,8 +17,7 @@ from stack import Stack
 from bench.systems import node_counters
 from pdserve.engine.checkpoint import resolve_model
 
-NUM_REQUESTS = 120  # a prefill node's n-th pull's fate is fixed (seed 0): at 5%, its pulls 36, 71, 110, 111 and 117
-# are damaged (corrupt, truncate, drop, delay, drop): every kind, and three to recompute within the first 110
+NUM_REQUESTS = 200
 NUM_FAIL_PHASE = 60
 NO_LOCAL_PREFILL = ("--local-prefill-max-tokens", "0")  # prompts sent again go through the transfer all the same
 FAULTS = ("--kv-fault-rate", "0.05", "--kv-lease-s", "12")  # a lost transfer is given up after 6 s; a starved
