@@ -231,6 +231,8 @@ class NodeConfig:
     kv_fault_kinds: tuple[str, ...] = option(KV_FAULT_KINDS, f"comma-separated, one picked at random each time: "
                                              f"{', '.join(KV_FAULT_KINDS)} (with --kv-fault-rate)",
                                              type=comma_list)  # fmt: skip
+    stats_interval_s: float = option(0.5, "seconds between a node's stats to its routers (its load, KV use and "
+                                          "counters; its heartbeat too)", type=float)  # fmt: skip
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -245,6 +247,8 @@ class NodeConfig:
             raise ValueError("--kv-lease-s must be positive")
         if self.drain_timeout_s <= 0:
             raise ValueError("--drain-timeout-s must be positive")
+        if self.stats_interval_s <= 0:
+            raise ValueError("--stats-interval-s must be positive")
         self._check_kv_faults()
         check_key_dir(self.zmq_keys)
         for addr in (self.listen, self.kv_listen):

@@ -83,7 +83,7 @@ def flags_of(config: type, *names: str, skip: Iterable[str] = ()) -> tuple[Flag,
 
 # ---- the groups of flags, and which verb takes which ---------------------------------------------------------
 ENGINE_FLAGS = flags_of(EngineConfig, skip=("device", "cpu_cores")) + flags_of(
-    NodeConfig, "kv_transport", "kv_lease_s", "kv_failure", "kv_fault_rate", "kv_fault_kinds"
+    NodeConfig, "kv_transport", "kv_lease_s", "kv_failure", "kv_fault_rate", "kv_fault_kinds", "stats_interval_s"
 )  # every node and `up` (which passes them on to its nodes)
 SHARED_FLAGS = flags_of(NodeConfig, "drain_timeout_s", "zmq_keys")  # every process of a stack, router included
 ROUTER_LIMIT_FLAGS = flags_of(RouterConfig, "max_request_bytes", "max_queued_requests", "queue_timeout_s")

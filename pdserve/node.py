@@ -40,7 +40,6 @@ from pdserve.wire import protocol as P
 from pdserve.wire import transport
 
 log = logging.getLogger("pdserve.node")
-STATS_INTERVAL_S = 0.5
 ROUTER_ANSWER_S = 3.0  # how long a draining node waits for the router's list of what it still routes here
 
 
@@ -315,7 +314,7 @@ class NodeBase:
     def tick(self) -> None:
         now = time.monotonic()
         if now >= self._next_stats:
-            self._next_stats = now + STATS_INTERVAL_S
+            self._next_stats = now + self.cfg.stats_interval_s
             self.send_stats()
 
     def stats(self) -> P.Stats:

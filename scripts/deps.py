@@ -10,8 +10,9 @@
 with `pip download --only-binary=:all:` for that Python and platform, so their own dependencies come too; it
 writes the list it resolved to <dest>/requirements.txt. `install` installs, with no index and no dependency
 resolution, each wheel in the folder whose distribution the host does not already have: nothing the host
-holds (say the tokenizers its transformers was built with) is shadowed. Only the standard library and
-`packaging` (a dependency of transformers) are needed.
+holds (say the tokenizers its transformers was built with) is shadowed, and what an earlier install put in the
+target at the same version is kept. Only the standard library and `packaging` (a dependency of transformers) are
+needed.
 """
 
 from __future__ import annotations
@@ -117,13 +118,14 @@ def wheel_name(path: Path) -> str:
 
 
 def install(wheels: Path, target: Path) -> int:
-    """Install each wheel whose distribution is not installed here, without an index or dependency resolution."""
+    """Install each wheel whose distribution is not installed here, nor at its version in `target` (an earlier
+    install: a second run unpacks only what changed), without an index or dependency resolution."""
     files = sorted(wheels.glob("*.whl"))
     if not files:
         print(f"deps install: no wheels in {wheels} (run `python scripts/deps.py fetch` where PyPI is reachable)",
               file=sys.stderr)  # fmt: skip
         return 3
-    lacking = [f for f in files if not _installed(wheel_name(f))]
+    lacking = [f for f in files if not _installed(wheel_name(f)) and not _in_target(f, target)]
     print(f"deps install: {len(lacking)} of {len(files)} wheels needed here")
     if not lacking:
         return 0
@@ -138,6 +140,12 @@ def _installed(dist: str) -> bool:
         return True
     except md.PackageNotFoundError:
         return False
+
+
+def _in_target(wheel: Path, target: Path) -> bool:
+    """The wheel's distribution is in `target` at the wheel's version (its file name's second field)."""
+    version = wheel.name.split("-")[1]
+    return any(d.version == version for d in md.distributions(name=wheel_name(wheel), path=[str(target)]))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import os
 import random
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -37,23 +39,24 @@ def optional(name: str):
 
 
 def hf_greedy(model_path, prompts: list[list[int]], max_new: list[int]) -> list[list[int]]:
-    """transformers `generate`, greedy, one request at a time (no padding), EOS ignored."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    outs = []
+    """transformers `generate`, greedy, one request at a time (no padding), EOS ignored. Each answer is computed once
+    a session: the tests ask for the same ones again and again (a checkpoint folder is never rewritten)."""
+    path = str(Path(model_path).resolve())
+    return [list(_hf_greedy_one(path, tuple(ids), n)) for ids, n in zip(prompts, max_new, strict=True)]
+
+
+@functools.cache
+def _hf_model(path: str):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@functools.cache
+def _hf_greedy_one(path: str, ids: tuple[int, ...], n: int) -> tuple[int, ...]:
+    x = torch.tensor([ids])
     with torch.inference_mode():
-        for ids, n in zip(prompts, max_new, strict=True):
-            x = torch.tensor([ids])
-            y = model.generate(
-                x,
-                attention_mask=torch.ones_like(x),
-                max_new_tokens=n,
-                min_new_tokens=n,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-            outs.append(y[0, len(ids) :].tolist())
-    return outs
+        y = _hf_model(path).generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
+                                     do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
+    return tuple(y[0, len(ids) :].tolist())
 
 
 def mixed_workload(n: int, vocab: int, seed: int = 0, max_prompt: int = 300, max_out: int = 24):

@@ -15,11 +15,12 @@ import httpx
 from bench.systems import free_port
 from pdserve.flags import router_command
 
-START_TIMEOUT_S = 300  # a hang guard: nodes starting side by side on a loaded host can take minutes to be ready
+START_TIMEOUT_S = 600  # a hang guard: nodes starting side by side on a loaded host can take minutes to be ready
 # a node starved of CPU on a loaded host is not a dead node: tests see a node die by its disconnect (SIGKILL closes
 # its sockets), and only a test that measures the silence timeout sets a short one (router_args come after this)
 NODE_TIMEOUT_S = 60
 ROUTER_WORKERS = 1  # router processes of every stack: pytest's --router-workers (conftest.py)
+STATS_INTERVAL_S = 0.1  # nodes report to the router five times as often as by default: waits on reports are short
 REPORTS = "pdserve:stats_reports_total"  # Stats received from each node: a reading after it grew is fresh
 
 
@@ -27,12 +28,11 @@ class Stack:
     def __init__(self, tmp: Path, model: str, mode: str = "colocated", transport: str = "zmq",
                  num_prefill: int = 1, num_decode: int = 1, engine_args: tuple[str, ...] = (),
                  decode_args: tuple[str, ...] = (), router_args: tuple[str, ...] = (),
-                 api_key: str = "", router_log: bool = False, parallel_start: bool = False) -> None:  # fmt: skip
+                 api_key: str = "", router_log: bool = False) -> None:  # fmt: skip
         self.tmp, self.model, self.mode, self.transport = tmp, model, mode, transport
         self.num_prefill, self.num_decode = num_prefill, num_decode
         self.engine_args, self.decode_args = list(engine_args), list(decode_args)
         self.router_args, self.api_key = list(router_args), api_key
-        self.parallel_start = parallel_start  # start every node, then wait for them all (many light nodes)
         self._given: set[str] = set()  # the node addresses handed out
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.procs: dict[str, subprocess.Popen] = {}
@@ -49,7 +49,8 @@ class Stack:
         ready = self.tmp / f"{name}.json"
         ready.unlink(missing_ok=True)
         argv = [sys.executable, "-m", "pdserve", "--log-level", "WARNING", role, "--model", self.model,
-                "--kv-transport", self.transport, "--ready-file", str(ready), *self.engine_args, *extra]  # fmt: skip
+                "--kv-transport", self.transport, "--ready-file", str(ready), "--stats-interval-s",
+                str(STATS_INTERVAL_S), *self.engine_args, *extra]  # fmt: skip
         self.procs[name] = subprocess.Popen(argv, env=os.environ.copy())
 
     def wait_ready(self, name: str) -> dict:
@@ -62,27 +63,29 @@ class Stack:
         self.infos[name] = json.loads(ready.read_text())
         return self.infos[name]
 
-    def start(self) -> Stack:
+    def start(self, router: bool = True) -> Stack:
+        """Start the nodes and, unless told not to (a test then starts its own with `with_router`), the router."""
         try:
-            return self._start()
+            return self._start(router)
         except BaseException:
             self.close()
             raise
 
-    def _start(self) -> Stack:
+    def _start(self, router: bool) -> Stack:
+        """Start every node, then wait for them all (a node's start is mostly one core's imports: on a host of
+        several cores they start side by side), then the router."""
         # explicit ports, below the ephemeral range (free_port): a node restarted on its address finds it free
-        start = self.spawn_node if self.parallel_start else self.start_node
         if self.mode == "colocated":
-            start("colocated0", "colocated", ["--listen", self._address()])
+            self.spawn_node("colocated0", "colocated", ["--listen", self._address()])
         else:
             for i in range(self.num_prefill):
-                start(f"prefill{i}", "prefill", ["--listen", self._address()])
+                self.spawn_node(f"prefill{i}", "prefill", ["--listen", self._address()])
             for i in range(self.num_decode):
                 argv = ["--listen", self._address(), "--kv-listen", self._address(), *self.decode_args]
-                start(f"decode{i}", "decode", argv)
-        for name in list(self.procs) if self.parallel_start else ():
+                self.spawn_node(f"decode{i}", "decode", argv)
+        for name in list(self.procs):
             self.wait_ready(name)
-        return self.start_router()
+        return self.start_router() if router else self
 
     def _address(self) -> str:
         """A free port's address, none given twice by this stack: nodes started in parallel bind theirs later."""
@@ -108,6 +111,18 @@ class Stack:
         self.wait_healthy()
         return self
 
+    def with_router(self, extra: tuple[str, ...] = (), api_key: str = "") -> Stack:
+        """A router of its own over this stack's nodes (several routers may share nodes), started with more options or
+        an API key: a test of router flags needs no nodes of its own. Its close() stops only that router."""
+        other = Stack(self.tmp, self.model, self.mode, self.transport, router_args=(*self.router_args, *extra),
+                      api_key=api_key)  # fmt: skip
+        other.infos = dict(self.infos)
+        try:
+            return other.start_router()
+        except BaseException:
+            other.close()
+            raise
+
     def wait_healthy(self, timeout: float = START_TIMEOUT_S) -> dict:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -128,11 +143,18 @@ class Stack:
         proc.wait()
 
     def restart_node(self, name: str, role: str, extra: tuple[str, ...] = ()) -> None:
-        info = self.infos[name]
-        argv = ["--listen", info["listen"]]
-        if role == "decode":
-            argv += ["--kv-listen", info["kv_listen"], *self.decode_args]
-        self.start_node(name, role, [*argv, *extra])
+        self.restart_nodes([(name, role, extra)])
+
+    def restart_nodes(self, nodes: list[tuple[str, str, tuple[str, ...]]]) -> None:
+        """Start again, on their addresses, the (stopped) nodes given as (name, role, more flags): side by side."""
+        for name, role, extra in nodes:
+            info = self.infos[name]
+            argv = ["--listen", info["listen"]]
+            if role == "decode":
+                argv += ["--kv-listen", info["kv_listen"], *self.decode_args]
+            self.spawn_node(name, role, [*argv, *extra])
+        for name, _, _ in nodes:
+            self.wait_ready(name)
 
     def close(self) -> None:
         for proc in self.procs.values():
@@ -178,6 +200,27 @@ class Stack:
             time.sleep(0.1)
         raise AssertionError(f"the nodes' KV pools were not seen empty within {timeout} s: last kv_blocks_used "
                              f"{used}, stats reports {reports} (at the start {since})")
+
+
+class Stacks:
+    """The stacks a module's tests share: each started the first time a test asks for its settings (Stack's
+    keyword arguments), all stopped by close(). A test that changes a stack's nodes puts them back as they were."""
+
+    def __init__(self, tmp_path_factory, router: bool = True) -> None:
+        self.tmp_path_factory, self.router = tmp_path_factory, router
+        self.started: dict[str, Stack] = {}
+
+    def get(self, model: str = "tiny", **settings) -> Stack:
+        key = repr((model, sorted(settings.items())))
+        if key not in self.started:
+            tmp = self.tmp_path_factory.mktemp("stack")
+            self.started[key] = Stack(tmp, model, **settings).start(router=self.router)
+        return self.started[key]
+
+    def close(self) -> None:
+        for stack in self.started.values():
+            stack.close()
+
 
 def _without(series: dict[str, int], nodes: tuple[str, ...]) -> dict[str, int]:
     return {node: v for node, v in series.items() if node not in nodes}

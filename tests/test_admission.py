@@ -7,9 +7,17 @@ import signal
 
 import httpx
 import pytest
-from stack import Stack
+from stack import Stacks
 
 BURST = 1000
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory):
+    """The nodes of each mode, shared: each test starts a router of its own over them, with the flags it tests."""
+    stacks = Stacks(tmp_path_factory, router=False)
+    yield stacks
+    stacks.close()
 
 
 async def _burst(url: str, n: int) -> list[httpx.Response | Exception]:
@@ -21,9 +29,9 @@ async def _burst(url: str, n: int) -> list[httpx.Response | Exception]:
 
 
 @pytest.mark.parametrize("mode", ["colocated", "disagg"])
-def test_a_burst_is_answered_200_or_429_and_the_server_serves_on(tmp_path, mode):
+def test_a_burst_is_answered_200_or_429_and_the_server_serves_on(nodes, mode):
     """Healthy nodes and a queue timeout far away: a 503 (a node lost, a request timed out) is a failure here."""
-    stack = Stack(tmp_path, "tiny", mode=mode, router_args=("--max-queued-requests", "32")).start()
+    stack = nodes.get(mode=mode).with_router(("--max-queued-requests", "32"))
     try:
         responses = asyncio.run(_burst(stack.url, BURST))
         dropped = [r for r in responses if isinstance(r, Exception)]
@@ -46,12 +54,13 @@ def test_a_burst_is_answered_200_or_429_and_the_server_serves_on(tmp_path, mode)
         stack.close()
 
 
-def test_a_request_waiting_past_the_queue_timeout_gets_503(tmp_path):
+def test_a_request_waiting_past_the_queue_timeout_gets_503(nodes):
     """A node that gives no first token leaves a request waiting: here it is stopped (SIGSTOP) for as long as it
     takes, so no host is fast enough to answer in time. Past --queue-timeout-s the router fails the request with a
     503 that says why; the node, running again, frees its KV."""
-    stack = Stack(tmp_path, "tiny", mode="colocated", router_args=("--queue-timeout-s", "1")).start()
-    node = stack.procs["colocated0"]
+    colocated = nodes.get(mode="colocated")
+    stack = colocated.with_router(("--queue-timeout-s", "1"))
+    node = colocated.procs["colocated0"]
     try:
         node.send_signal(signal.SIGSTOP)
         try:

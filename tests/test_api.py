@@ -500,8 +500,9 @@ def test_tokenize_detokenize_version(stack):
     assert httpx.get(stack.url + "/version").json()["version"] == pdserve.__version__
 
 
-def test_api_key_guards_every_route_but_health(tmp_path):
-    stack = Stack(tmp_path, "tiny", mode="colocated", api_key="s3cret").start()
+def test_api_key_guards_every_route_but_health(stack):
+    """A router of its own with PDSERVE_API_KEY set, over the module's nodes."""
+    keyed = stack.with_router(api_key="s3cret")
     try:
         routes = [("GET", "/v1/models", None), ("GET", "/metrics", None), ("GET", "/version", None),
                   ("POST", "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 1}),
@@ -510,17 +511,17 @@ def test_api_key_guards_every_route_but_health(tmp_path):
                   ("POST", "/tokenize", {"prompt": "x"}), ("POST", "/detokenize", {"tokens": [1]})]  # fmt: skip
         for method, path, body in routes:
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
-                r = httpx.request(method, stack.url + path, json=body, headers=headers, timeout=30)
+                r = httpx.request(method, keyed.url + path, json=body, headers=headers, timeout=30)
                 assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, headers)
-            r = httpx.request(method, stack.url + path, json=body, headers=stack.headers, timeout=30)
+            r = httpx.request(method, keyed.url + path, json=body, headers=keyed.headers, timeout=30)
             assert r.status_code == 200, (path, r.text)
-        assert httpx.get(stack.url + "/health", timeout=10).status_code == 200
-        good = openai.OpenAI(base_url=stack.url + "/v1", api_key="s3cret", max_retries=0)
+        assert httpx.get(keyed.url + "/health", timeout=10).status_code == 200
+        good = openai.OpenAI(base_url=keyed.url + "/v1", api_key="s3cret", max_retries=0)
         assert good.completions.create(model="tiny", prompt="x", max_tokens=1).usage.completion_tokens == 1
         with pytest.raises(openai.AuthenticationError):
-            openai.OpenAI(base_url=stack.url + "/v1", api_key="nope", max_retries=0).models.list()
+            openai.OpenAI(base_url=keyed.url + "/v1", api_key="nope", max_retries=0).models.list()
     finally:
-        stack.close()
+        keyed.close()
 
 
 def test_n_with_a_seed_gives_different_reproducible_choices(client):

@@ -83,7 +83,7 @@ NO_LOCAL_PREFILL = ("--local-prefill-max-tokens", "0")
 @pytest.fixture(scope="module", params=["zmq", "shm"])
 def stack(request, tmp_path_factory, model_dir):
     tmp = tmp_path_factory.mktemp(f"edges-{request.param}")
-    s = Stack(tmp, str(model_dir), mode="disagg", transport=request.param, num_decode=2, parallel_start=True,
+    s = Stack(tmp, str(model_dir), mode="disagg", transport=request.param, num_decode=2,
               decode_args=("--num-kv-blocks", str(DECODE_BLOCKS), "--kv-lease-s", "120"),
               router_args=("--node-timeout-s", "30", *NO_LOCAL_PREFILL)).start()  # fmt: skip  (starved is not dead)
     yield s

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.cli import build_parser
-from pdserve.config import MOCK_STEP_S, EngineConfig, RouterConfig
-from pdserve.node import STATS_INTERVAL_S
+from pdserve.config import MOCK_STEP_S, EngineConfig, NodeConfig, RouterConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = sorted([ROOT / "README.md", ROOT / "bench" / "README.md", *(ROOT / "docs").rglob("*.md")])
@@ -171,7 +170,7 @@ def test_the_defaults_check_notices_a_wrong_default():
 @pytest.mark.parametrize(("page", "text"), [
     ("docs/mock-nodes.md", f"(default `{','.join(map(str, MOCK_STEP_S))}`)"),
     ("docs/prefix-caching.md", f"(default {RouterConfig.cache_balance_margin})"),
-    ("docs/prefix-caching.md", f"a stats period ({STATS_INTERVAL_S} s)"),
+    ("docs/prefix-caching.md", f"a stats period ({NodeConfig.stats_interval_s} s)"),
     ("docs/prefix-caching.md", f"`--max-num-batched-tokens` ({EngineConfig.max_num_batched_tokens} by default)"),
 ])  # fmt: skip
 def test_a_default_a_page_names_is_the_real_one(page, text):

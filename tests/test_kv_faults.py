@@ -94,10 +94,10 @@ def test_damaged_transfers_are_recomputed_exactly_or_failed_by_policy(tmp_path, 
 
 def _under_fail_policy_damaged_requests_fail_with_the_reason(stack: Stack, bodies: list[dict], ref) -> None:
     """A prefill node that damages a fifth of its transfers, a decode node with --kv-failure fail."""
-    for name, role, extra in (("prefill0", "prefill", ("--kv-fault-rate", "0.2")),
-                              ("decode0", "decode", ("--kv-failure", "fail"))):  # fmt: skip
+    nodes = [("prefill0", "prefill", ("--kv-fault-rate", "0.2")), ("decode0", "decode", ("--kv-failure", "fail"))]
+    for name, _, _ in nodes:
         stack.kill(name)
-        stack.restart_node(name, role, extra)
+    stack.restart_nodes(nodes)
     _wait_for_nodes_up(stack)
     responses = asyncio.run(_post_all(stack.url, bodies))
     failed = [r for r in responses if r.status_code != 200]

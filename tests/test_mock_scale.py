@@ -28,7 +28,7 @@ def exact(s: Stream) -> bool:
 def stack(tmp_path_factory):
     resolve_model("tiny")  # the router's tokenizer, written with torch here so that the router needs none
     s = Stack(tmp_path_factory.mktemp("mock32"), "tiny", mode="disagg", num_prefill=NUM_PREFILL, num_decode=NUM_DECODE,
-              engine_args=MOCK, decode_args=DECODE_STEP, parallel_start=True).start()  # fmt: skip
+              engine_args=MOCK, decode_args=DECODE_STEP).start()  # fmt: skip
     yield s
     s.close()
 

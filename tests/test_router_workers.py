@@ -27,7 +27,7 @@ def stack(tmp_path_factory):
     resolve_model("tiny")  # the router's tokenizer, written with torch here so that the router needs none
     s = Stack(tmp_path_factory.mktemp("workers"), "tiny", mode="disagg", num_prefill=1, num_decode=3, engine_args=MOCK,
               decode_args=DECODE_STEP, router_args=("--router-workers", "2", "--max-request-bytes", "4096"),
-              api_key=KEY, parallel_start=True).start()  # fmt: skip
+              api_key=KEY).start()  # fmt: skip
     yield s
     s.close()
 
