@@ -121,8 +121,8 @@ def stub_engine(n: int, prompt: int, steps: int, device: StubDevice, ahead: bool
 
     from pdserve.config import EngineConfig
     from pdserve.engine import engine as engine_mod
-    from pdserve.engine.kv_cache import KVLayout, KVPool
     from pdserve.engine.parts import EngineParts
+    from pdserve.kv.pool import KVLayout, KVPool
 
     bs = 16
     layout = KVLayout(num_layers=1, num_kv_heads=8, head_dim=1, block_size=bs, dtype="float32", model_fingerprint="0")

@@ -171,8 +171,8 @@ def build_runner(layers: int, num_blocks: int = 64, device: str = "cpu"):
     import transformers
 
     from pdserve.engine.checkpoint import hf_config
-    from pdserve.engine.kv_cache import KVPool
     from pdserve.engine.model import ModelRunner, kv_layout
+    from pdserve.kv.pool import KVPool
 
     spec = narrow_spec(layers)
     torch.manual_seed(0)
@@ -191,7 +191,7 @@ def step_chunks(shape: StepShape, mixed: bool) -> list[tuple[int, int]]:
 def flat_inputs(chunks: list[tuple[int, int]]):
     """The flat inputs of a step (ids, positions, slots, sampled rows, Chunks), blocks handed out in order."""
     from pdserve.engine.backends import Chunk
-    from pdserve.engine.block_allocator import blocks_for
+    from pdserve.kv.block_allocator import blocks_for
 
     ids, positions, slots, sample, out, next_block = [], [], [], [], [], 0
     for past, n in chunks:

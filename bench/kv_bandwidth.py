@@ -3,7 +3,7 @@
 Two processes, as in serving: a "prefill" side that owns a paged pool with one request's KV spread
 over scattered blocks, and a "decode" side that owns its own pool. Each transfer is timed from
 the pack on the prefill side to the ack back from the decode side, through the project's own
-backends (`pdserve.wire.kv_transfer`) and message flow (KvData header + frames, KvAck).
+backends (`pdserve.kv.transfer`) and message flow (KvData header + frames, KvAck).
 Floors: raw ZeroMQ loopback (the same bytes as pre-built frames, tcp and ipc) and memcpy. Each side is
 pinned to its own core, as in serving.
 
@@ -24,11 +24,11 @@ from pathlib import Path
 import torch
 import zmq
 
-from pdserve.engine.block_allocator import BlockAllocator, blocks_for
-from pdserve.engine.kv_cache import KVLayout, KVPool
+from pdserve.kv.block_allocator import BlockAllocator, blocks_for
+from pdserve.kv.pool import KVLayout, KVPool
+from pdserve.kv.transfer import make_backend
 from pdserve.wire import protocol as P
 from pdserve.wire import transport
-from pdserve.wire.kv_transfer import make_backend
 
 # the `small` built-in's KV layout: 8 layers, 4 KV heads, head dim 64, fp32 -> 16 KiB per token
 LAYOUT = KVLayout(8, 4, 64, 16, "float32", "bench")

@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import signal
@@ -28,6 +27,7 @@ from pathlib import Path
 
 from pdserve.config import DEVICE, EngineConfig, NodeConfig, RouterConfig
 from pdserve.flags import engine_argv, from_args, router_command, router_options
+from pdserve.process import die_with_parent
 from pdserve.startup import READY_TIMEOUT_S, check_checkpoint, check_device, check_port_free
 from pdserve.wire.protocol import KvTransport, Role
 
@@ -123,14 +123,7 @@ def _health_instance(url: str) -> str | None:
 def start_child(argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
     """A child in a session of its own: a terminal's Ctrl-C reaches only the launcher, which stops them in order;
     and, on Linux, one that gets SIGTERM if the launcher dies without stopping it (SIGKILL)."""
-    preexec = die_with_parent if sys.platform == "linux" else None
-    return subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=preexec)
-
-
-def die_with_parent() -> None:
-    """In a child, before exec (Linux): SIGTERM it when the process that started it dies."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    return subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=die_with_parent)
 
 
 def router_argv(a: argparse.Namespace, infos: list[dict], instance_id: str) -> list[str]:

@@ -33,10 +33,11 @@ from pdserve.config import NodeConfig
 from pdserve.engine.draws import TokenLogprob
 from pdserve.engine.engine import Engine, TokenOutput, pin_process
 from pdserve.engine.request import Request
+from pdserve.kv.backend import KvBackend
+from pdserve.kv.mock import MockKvBackend
+from pdserve.kv.peers import accepted_transports, default_host_id
 from pdserve.wire import protocol as P
 from pdserve.wire import transport
-from pdserve.wire.kv_mock import MockKvBackend
-from pdserve.wire.kv_peers import accepted_transports, default_host_id
 
 log = logging.getLogger("pdserve.node")
 STATS_INTERVAL_S = 0.5
@@ -56,13 +57,13 @@ def error_event(request_id: str, why: str, code: P.ErrorCode) -> P.TokenEvent:
     return P.TokenEvent(request_id, [], P.FinishReason.ERROR, why, error_code=code)
 
 
-def kv_backends(cfg: NodeConfig) -> dict:
+def kv_backends(cfg: NodeConfig) -> dict[str, KvBackend]:
     """The KV transfer backends of a prefill or decode node, preferred first, by transport name. A mock node's move
-    no KV (wire/kv_mock.py); only a model node imports the real ones (and torch)."""
+    no KV (kv/mock.py); only a model node imports the real ones (and torch)."""
     names = accepted_transports(cfg.kv_transport, cfg.engine.device)
     if cfg.engine.engine == "mock":
         return {n: MockKvBackend(n, header_only=cfg.engine.mock_kv == "header") for n in names}
-    from pdserve.wire.kv_transfer import make_backend
+    from pdserve.kv.transfer import make_backend
 
     return {n: make_backend(n) for n in names}
 
@@ -100,7 +101,7 @@ class NodeBase:
         self._drain_announced = False
         self.router_pending: dict[bytes, set[str]] = {}  # while draining: what each router still counts here
         self._cache_reset = True  # the next Stats carries the whole prefix cache, not its changes
-        self.engine.pool.allocator.changes = {}  # follow the prefix cache, for the router's view of it
+        self.engine.follow_cache()  # for the router's view of it
 
     def make_engine(self) -> Engine:
         return Engine(self.cfg.engine)
@@ -322,10 +323,8 @@ class NodeBase:
         (running, waiting), (used, free, _) = self.engine.queue_lengths(), self.engine.kv_stats()
         counters = {**self.counters, "preemptions": self.engine.num_preemptions(), **self.engine.cache_counters(),
                     **self.engine.run_counters()}  # fmt: skip
-        alloc, reset = self.engine.pool.allocator, self._cache_reset
-        stored, evicted = alloc.take_changes()
-        if reset:
-            stored, evicted, self._cache_reset = alloc.cached_names(), [], False
+        stored, evicted = self.engine.cache_changes(whole=self._cache_reset)
+        reset, self._cache_reset = self._cache_reset, False
         return P.Stats(self.role, running, waiting, used, free, counters, self.draining, self.num_held(),
                        stored, evicted, reset)  # fmt: skip
 

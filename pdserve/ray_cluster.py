@@ -45,7 +45,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pdserve.flags import engine_argv, router_command, router_options
-from pdserve.launcher import _wait_http, check_stack, die_with_parent, router_env, start_child, stop_all
+from pdserve.launcher import _wait_http, check_stack, router_env, start_child, stop_all
+from pdserve.process import die_with_parent
 from pdserve.router.membership import RAY_NAMESPACE, controller_name
 from pdserve.startup import READY_TIMEOUT_S
 from pdserve.wire.protocol import KvTransport, Role

@@ -100,62 +100,85 @@ def import_tokens(pool, block_ids: list[int], kv) -> None:
     """Write a [L, 2, nkv, n, d] tensor into the blocks `block_ids` of `pool`."""
     idx = pool.slots(block_ids, 0, kv.shape[3]).to(pool.data.device)
     pool.data.index_copy_(3, idx, kv.to(pool.data.device))
-class Streamer(threading.Thread):
-    """One streamed completion in a thread: when each chunk came, whether it ended with [DONE] or an error.
 
-    `started` (a barrier, optional) is waited on after the first chunk, so a test can act while streams run.
+
+def tiny_greedy(max_tokens: int, prompt: list[int] | None = None) -> dict:
+    """A greedy completion body for `tiny` that runs `max_tokens` tokens (EOS ignored)."""
+    return {"model": "tiny", "prompt": prompt or [3, 4, 5], "max_tokens": max_tokens, "ignore_eos": True,
+            "temperature": 0}  # fmt: skip
+
+
+class Stream(threading.Thread):
+    """One streamed completion read in a thread: its token ids, texts and arrival times chunk by chunk, and how it
+    ended ([DONE], an error, its finish reason).
+
+    `first` is set at its first token chunk (or when it ends without one: check `error`), so a test can act while
+    streams run; `hang_up()` disconnects at the next line it reads (the router then aborts the request).
     """
 
-    def __init__(self, url: str, max_tokens: int, started: threading.Barrier | None = None,
-                 prompt: list[int] | None = None) -> None:  # fmt: skip
-        super().__init__()
-        self.url, self.started = url, started
-        self.body = {"model": "tiny", "prompt": prompt or [3, 4, 5], "max_tokens": max_tokens, "ignore_eos": True,
-                     "temperature": 0, "stream": True, "return_token_ids": True}  # fmt: skip
-        self.times: list[float] = []
+    def __init__(self, url: str, body: dict, headers: dict | None = None) -> None:
+        super().__init__(daemon=True)
+        self.url, self.body = url, {**body, "stream": True, "return_token_ids": True}
+        self.headers = headers or {}
         self.token_ids: list[int] = []
-        self.done = False
-        self.error = ""
+        self.texts: list[str] = []
+        self.times: list[float] = []
+        self.finish: str | None = None
         self.status = 0
-        self._hang_up = threading.Event()
+        self.done, self.error = False, ""
+        self.first, self._hang_up = threading.Event(), threading.Event()
 
     def hang_up(self) -> None:
-        """Disconnect at the next chunk (the router then aborts the request)."""
+        """Disconnect at the next line (the router then aborts the request)."""
         self._hang_up.set()
 
     def run(self) -> None:
         try:
-            self._read()
+            with httpx.stream("POST", self.url + "/v1/completions", json=self.body, headers=self.headers,
+                              timeout=120) as r:
+                self.status = r.status_code
+                if r.status_code != 200:
+                    self.error = f"HTTP {r.status_code}: {r.read().decode(errors='replace')[:500]}"
+                    return
+                for line in r.iter_lines():
+                    if self._hang_up.is_set():
+                        return  # leaving the block closes the connection
+                    self._line(line)
         except httpx.HTTPError as e:
             self.error = f"{type(e).__name__}: {e}"
         finally:
-            if self.started is not None and not self.times:
-                self.started.abort()  # never got going: do not leave the test waiting
+            self.first.set()  # never left waiting
 
-    def _read(self) -> None:
-        with httpx.stream("POST", self.url + "/v1/completions", json=self.body, timeout=120) as r:
-            self.status = r.status_code
-            for line in r.iter_lines():
-                if self._hang_up.is_set():
-                    return
-                if line == "data: [DONE]":
-                    self.done = True
-                elif line.startswith("data: "):
-                    self._chunk(json.loads(line[6:]))
-
-    def _chunk(self, chunk: dict) -> None:
-        if "error" in chunk:
-            self.error = chunk["error"]["message"]
-            return
-        self.times.append(time.monotonic())
-        for c in chunk["choices"]:
-            self.token_ids += c.get("token_ids", [])
-        if len(self.times) == 1 and self.started is not None:
-            self.started.wait(timeout=60)
+    def _line(self, line: str) -> None:
+        if line == "data: [DONE]":
+            self.done = True
+        elif line.startswith("data: "):
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                self.error = chunk["error"]["message"]
+                return
+            self.times.append(time.monotonic())
+            for c in chunk["choices"]:
+                self.token_ids += c.get("token_ids") or []
+                self.texts.append(c.get("text", ""))
+                self.finish = c.get("finish_reason") or self.finish
+            self.first.set()
 
     @property
     def complete(self) -> bool:
-        return self.done and len(self.token_ids) == self.body["max_tokens"]
+        """Ended with [DONE], no error, and every token it asked for."""
+        return self.done and not self.error and len(self.token_ids) == self.body["max_tokens"]
 
     def max_gap(self) -> float:
         return max((b - a for a, b in zip(self.times, self.times[1:], strict=False)), default=0.0)
+
+
+def start_streams(url: str, bodies: list[dict], timeout: float = 120) -> list[Stream]:
+    """Start a stream of each body and wait until every one has its first token chunk (an error fails here)."""
+    streams = [Stream(url, body) for body in bodies]
+    for s in streams:
+        s.start()
+    for s in streams:
+        assert s.first.wait(timeout), f"no token within {timeout} s"
+    assert not any(s.error for s in streams), [s.error for s in streams]
+    return streams

@@ -15,7 +15,7 @@ import httpx
 from bench.systems import free_port
 from pdserve.flags import router_command
 
-START_TIMEOUT_S = 120
+START_TIMEOUT_S = 300  # a hang guard: nodes starting side by side on a loaded host can take minutes to be ready
 # a node starved of CPU on a loaded host is not a dead node: tests see a node die by its disconnect (SIGKILL closes
 # its sockets), and only a test that measures the silence timeout sets a short one (router_args come after this)
 NODE_TIMEOUT_S = 60

@@ -200,3 +200,23 @@ def test_prefix_workloads_share_their_prefixes_and_repeat():
     assert len(system) == sizes.system and len(convs) == sizes.conversations
     assert all(len(c) == sizes.turns and all(sizes.message[0] <= len(m) <= sizes.message[1] for m in c) for c in convs)
     assert max(t for r in reqs for t in r.prompt_token_ids) < 1000 - 3  # no special tokens
+
+
+def test_an_external_servers_prefix_cache_counters_and_best_of_rounds():
+    from bench.prefix_bench import best_of, by_system, parse_external_counters
+
+    text = ('# HELP vllm:prefix_cache_queries_total Prefix cache queries\nvllm:prefix_cache_queries_total{engine="0",'
+            'model_name="small"} 900.0\nvllm:prefix_cache_hits_total{engine="0",model_name="small"} 800.0\n'
+            'vllm:external_prefix_cache_hits_total{engine="0"} 5.0\n')  # fmt: skip
+    assert parse_external_counters(text) == {"server": {"prefix_cache_queries": 900.0, "prefix_cache_hits": 800.0}}
+    assert parse_external_counters("pdserve:nodes_up 1\n") == {}
+
+    def run(label: str, round_: int, ttft: float, tok_s: float) -> dict:
+        part = {"ttft_p50_s": ttft, "ok": 1, "requests": 1, "counters": {}}
+        return {"label": label, "mode": label, "prefix_caching": True, "round": round_, "shared_prefix": part,
+                "multi_turn": {**part, "output_tok_s": tok_s, "tokens_added": 10}}  # fmt: skip
+
+    groups = by_system([run("a", 0, 0.3, 10.0), run("b", 0, 0.1, 5.0), run("a", 1, 0.2, 8.0)])
+    assert [[r["round"] for r in g] for g in groups] == [[0, 1], [0]]
+    best = best_of(groups[0])
+    assert (best["shared_ttft_p50_s"], best["multi_tok_s"], best["runs"], best["ok"]) == (0.2, 10.0, 2, "4/4")

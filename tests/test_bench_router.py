@@ -30,3 +30,33 @@ def test_a_deployment_is_served_within_twice_the_base_tpot_and_below_saturation(
     assert served({"tpot_p99_ms": 7.9, "worker_busy": [0.5, 0.89]}, base)
     assert not served({"tpot_p99_ms": 8.1, "worker_busy": [0.5]}, base)
     assert not served({"tpot_p99_ms": 5.0, "worker_busy": [0.2, 0.95]}, base)
+
+
+def test_the_report_sets_vllms_api_server_beside_the_router_per_concurrency():
+    from bench.router import markdown
+
+    def runs(us: float) -> list[dict]:
+        return [{**_run(c, 1000.0 * c, 5.0), "tpot_p50_ms": 4.0, "router_us_per_token": us * c,
+                 "client_us_per_token": 9.0} for c in (16, 64)]  # fmt: skip
+
+    def front(us: float) -> dict:
+        return {"runs": runs(us), "capacity": capacity(runs(us)), "fit": None}
+
+    result = {"date": "d", "commit": "c", "machine": {"cpu_model": "cpu", "cpu_count": 2, "loadavg_at_start": [1.0]},
+              "config": {"prefill": 1, "decode": 4, "mock_step_s": "s", "prompt_tokens": 64, "max_tokens": 128,
+                         "concurrency": [16, 64]}, "workers": [{"workers": 1, **front(1.0)}],
+              "pdserve_real": {"model": "small", **front(2.0)}, "vllm": {"model": "small", **front(3.0)}}  # fmt: skip
+    text = markdown(result)
+    header = "| streams | router, 1 worker(s), mock 1P4D | router, colocated `small` node | vLLM API server, `small` |"
+    assert header in text
+    assert "| 64 | 64.0 | 128.0 | 192.0 |" in text
+    assert "| vLLM API server, `small` | 16 | 16,000 |" in text
+    assert "vLLM API server:" not in text  # nothing skipped
+
+
+def test_a_fronts_cpu_per_token_net_of_idle_takes_off_its_idle_rate_over_the_runs_wall_time():
+    from bench.router import net_of_idle
+
+    run = net_of_idle({"router_cpu_s": 1.0, "wall_s": 10.0, "tokens": 1000}, 0.05)
+    assert run["router_us_per_token_net"] == pytest.approx(500.0)
+    assert net_of_idle({"router_cpu_s": 0.0, "wall_s": 1.0, "tokens": 0}, 0.0)["router_us_per_token_net"] is None

@@ -7,8 +7,8 @@ import pytest
 
 from pdserve.colocated_node.node import ColocatedNode
 from pdserve.config import EngineConfig, NodeConfig, RouterConfig
-from pdserve.engine.block_allocator import BlockAllocator
 from pdserve.engine.request import Request
+from pdserve.kv.block_allocator import BlockAllocator
 from pdserve.router.core import NodeConn, RouterCore, follow_cache
 from pdserve.wire import protocol as P
 
@@ -19,8 +19,11 @@ class FakeSock:
     def __init__(self) -> None:
         self.sent: list = []
 
-    def send(self, data: bytes) -> None:
+    def send(self, data: bytes, flags: int = 0) -> None:
         self.sent.append(P.decode(data))
+
+    def get(self, option: int) -> int:
+        return 0  # no message waiting
 
 
 def stats(role: P.Role, stored=(), evicted=(), reset: bool = False) -> P.Stats:

@@ -1,4 +1,4 @@
-"""Fan-out helpers of the router, without a server: seeds per choice, merged streams, all-or-nothing gather."""
+"""Fan-out helpers of the router, without a server: seeds per choice, all-or-nothing gather."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from pdserve.router.choices import derive_seed, gather_all, merge
+from pdserve.router.choices import derive_seed, gather_all
 
 
 def test_derive_seed():
@@ -14,36 +14,6 @@ def test_derive_seed():
     seeds = [derive_seed(5, j) for j in range(1, 17)] + [derive_seed(-5, 1), derive_seed(2**63 - 1, 1)]
     assert len(set(seeds)) == len(seeds) and all(0 <= s < 2**63 for s in seeds)
     assert derive_seed(5, 1) == derive_seed(5, 1) != derive_seed(6, 1)
-
-
-def test_merge_yields_every_item_and_a_failure_cancels_the_rest():
-    cleaned = []
-
-    async def stream(name: str, n: int, fail: bool = False):
-        try:
-            for i in range(n):
-                await asyncio.sleep(0)
-                yield f"{name}{i}"
-            if fail:
-                raise ValueError(name)
-            await asyncio.Event().wait()  # never ends by itself
-        finally:
-            cleaned.append(name)
-
-    async def run(streams):
-        got = []
-        async for i, item in merge(streams):
-            got.append((i, item))
-            if len(got) == 5:
-                break
-        return got
-
-    got = asyncio.run(run([stream("a", 2), stream("b", 3)]))
-    assert sorted(got) == [(0, "a0"), (0, "a1"), (1, "b0"), (1, "b1"), (1, "b2")] and sorted(cleaned) == ["a", "b"]
-    cleaned.clear()
-    with pytest.raises(ValueError, match="b"):
-        asyncio.run(run([stream("a", 1), stream("b", 1, fail=True)]))
-    assert sorted(cleaned) == ["a", "b"]
 
 
 def test_gather_all_cancels_the_others_on_a_failure():

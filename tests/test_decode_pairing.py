@@ -12,10 +12,10 @@ from helpers import export_tokens
 
 from pdserve.config import EngineConfig, NodeConfig
 from pdserve.decode_node import DecodeNode
-from pdserve.engine.kv_cache import KVPool
+from pdserve.kv.pool import KVPool
+from pdserve.kv.transfer import ShmBackend
 from pdserve.wire import protocol as P
 from pdserve.wire import transport
-from pdserve.wire.kv_transfer import ShmBackend
 
 WAIT_MS = 10_000
 
@@ -86,13 +86,13 @@ def test_a_peer_that_pairs_again_replaces_its_old_pairing(node):
         assert node.engine.pool.allocator.num_used > 0 and len(node.engine.waiting_for_kv()) == 1
         # the same connection pairs again, with another pool (the prefill node restarted behind the same identity)
         assert peer.pair("shm", second.handle()).ok
-        assert node.handles[b"prefill-0"]["name"] == second.handle()["name"]
+        assert node.peers[b"prefill-0"].handle["name"] == second.handle()["name"]
         assert _mappings(name) == owners_maps, "the old pool is still mapped"
         assert not node.incoming and not node.engine.requests and node.engine.pool.allocator.num_used == 0
         # the same pool pairs over a new connection (the prefill node reconnected): the old connection is dead
         again = Peer(node, b"prefill-0-again")
         assert again.pair("shm", second.handle()).ok
-        assert list(node.handles) == [b"prefill-0-again"]
+        assert list(node.peers) == [b"prefill-0-again"]
         peer.offer("r3")
         refusal = peer.recv()
         assert isinstance(refusal, P.KvAck) and not refusal.ok and "no pairing" in refusal.reason
@@ -113,7 +113,7 @@ def test_a_gone_prefill_pool_is_unmapped_and_its_transfers_dropped(node):
         assert _mappings(name) == 1
         node._drop_gone_peers()
         assert _mappings(name) == 0, "a gone prefill node's pool is still mapped"
-        assert list(node.handles) == [b"prefill-1"] and list(node.incoming) == ["r2"]
+        assert list(node.peers) == [b"prefill-1"] and list(node.incoming) == ["r2"]
         assert node.engine.pool.allocator.num_used == len(kept)
     finally:
         owner.close()
@@ -197,7 +197,7 @@ def test_auto_shares_the_pool_on_one_host_and_ships_over_zmq_across_hosts(auto_n
         peer.send(hello)
         ack = peer.recv()
         assert ack.ok and ack.info == {"transport": chosen}, ack
-        assert auto_node.peer_backends[b"prefill-0"].name == chosen
+        assert auto_node.peers[b"prefill-0"].backend.name == chosen
         assert _mappings(owner.handle()["name"]) == (2 if chosen == "shm" else 1)  # mapped here only for shm
     finally:
         owner.close()

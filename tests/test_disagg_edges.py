@@ -3,7 +3,8 @@
 
 1. the prefill node's first token ends the request (a stop string: the router's abort races the KV offer;
    a stop token id; EOS);
-2. a decode node preempts requests whose KV it received, and recomputes them there (echo, logprobs);
+2. a decode node preempts requests whose KV it received, and recomputes them there (echo, logprobs; a
+   grammar);
 3. a chat template with list-of-parts content, and multi-byte text (CJK, emoji) streamed and as a stop string;
 4. a decode node dies mid-stream: greedy, seeded and guided streams resume from what they streamed, and
    end exactly as their undisturbed twins on the other decode node;
@@ -25,12 +26,13 @@ import httpx
 import pytest
 import torch
 import transformers
+from helpers import Stream
 from stack import Stack
 
 from bench.systems import node_counters
 from pdserve.engine.checkpoint import resolve_model
 
-DECODE_BLOCKS = 24  # x 16 tokens: two 200-token answers do not fit at once, so one is preempted
+DECODE_BLOCKS = 24  # x 16 tokens: two 216-token requests do not fit at once, so one is preempted
 QWEN_TEMPLATE = (
     "{%- if messages[0]['role'] == 'system' %}"
     "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
@@ -174,40 +176,6 @@ def post_all(stack: Stack, path: str, bodies: list[dict]) -> list[httpx.Response
     return out
 
 
-class Stream(threading.Thread):
-    """One streamed completion, read in a thread: its token ids and text, chunk by chunk."""
-
-    def __init__(self, url: str, body: dict) -> None:
-        super().__init__()
-        self.url, self.body = url, {**body, "stream": True, "return_token_ids": True}
-        self.token_ids: list[int] = []
-        self.texts: list[str] = []
-        self.finish: str | None = None
-        self.error = ""
-        self.done = False
-
-    def run(self) -> None:
-        try:
-            with httpx.stream("POST", self.url + "/v1/completions", json=self.body, timeout=120) as r:
-                for line in r.iter_lines():
-                    self._line(line)
-        except httpx.HTTPError as e:
-            self.error = f"{type(e).__name__}: {e}"
-
-    def _line(self, line: str) -> None:
-        if line == "data: [DONE]":
-            self.done = True
-        elif line.startswith("data: "):
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                self.error = chunk["error"]["message"]
-                return
-            c = chunk["choices"][0]
-            self.token_ids += c.get("token_ids") or []
-            self.texts.append(c["text"])
-            self.finish = c["finish_reason"] or self.finish
-
-
 def wait_tokens(streams: list[Stream], n: int, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not all(len(s.token_ids) >= n or s.error or s.done for s in streams):
@@ -255,33 +223,69 @@ def test_a_first_token_that_ends_the_request_frees_both_pools(stack, model_dir, 
 # ---- 2. preemption on the decode node -----------------------------------------------------------------
 
 
+# 9 blocks a request on arrival, 14 at its end: one whole beside another's arrival fits (23 of 24), two do not (28)
+PREEMPT_PROMPT, PREEMPT_OUT = 136, 80
+
+
+def preempting_prompts(start: int) -> list[list[int]]:
+    """Four prompts, two a decode node: the newer arrives while the older decodes (however late, it fits), both
+    grow until the pool runs dry, and the newer is preempted (some tokens in) and recomputed there once the older
+    ends. Their first blocks are their own (`start`..., 50 apart): no other test's cached prefix shortens them."""
+    return [[1 + (start + 50 * i + j) % 499 for j in range(PREEMPT_PROMPT)] for i in range(4)]
+
+
+def preemptions(before: dict, seen: dict) -> dict[str, float]:
+    """The preemptions of each decode node between two readings."""
+    nodes = [a for a, (role, _, _) in before["nodes"].items() if role == "decode"]
+    return {a: seen["preemptions"].get(a, 0) - before["preemptions"].get(a, 0) for a in nodes}
+
+
 def test_decode_node_preempts_received_requests_and_recomputes_them_exactly(stack, model_dir, hf):
-    """Four 20-token prompts of 200 tokens each, dispatched together: two to each decode node, whose 24 blocks
-    hold one of them whole, not two; the newer is preempted and recomputes there, and all four answers are
-    transformers' greedy ones, with its log-probabilities."""
-    prompts = [list(range(30 + 20 * i, 50 + 20 * i)) for i in range(4)]
+    """Four prompts dispatched together: two to each decode node, whose 24 blocks hold one of them whole, not two;
+    the newer is preempted and recomputes there, and all four answers are transformers' greedy ones, with its
+    log-probabilities, the prompt's (echo) included."""
+    prompts = preempting_prompts(299)
     before = _read(stack)
-    body = {"model": str(model_dir), "prompt": prompts, "max_tokens": 200, "ignore_eos": True, "temperature": 0,
-            "logprobs": 1, "echo": True, "return_token_ids": True}  # fmt: skip
+    body = {"model": str(model_dir), "prompt": prompts, "max_tokens": PREEMPT_OUT, "ignore_eos": True,
+            "temperature": 0, "logprobs": 1, "echo": True, "return_token_ids": True}  # fmt: skip
     r = httpx.post(stack.url + "/v1/completions", json=body, timeout=300)
     assert r.status_code == 200, r.text
     choices = sorted(r.json()["choices"], key=lambda c: c["index"])
     for prompt, c in zip(prompts, choices, strict=True):
-        out = c["token_ids"][-200:]
-        assert len(out) == 200 and c["finish_reason"] == "length"
+        out = c["token_ids"][-PREEMPT_OUT:]
+        assert len(out) == PREEMPT_OUT and c["finish_reason"] == "length"
         lp = assert_greedy(hf, prompt, out)
         got = c["logprobs"]["token_logprobs"]
-        assert got[0] is None and len(got) == len(prompt) + 200  # echo: the prompt's, then the output's
+        assert got[0] is None and len(got) == len(prompt) + PREEMPT_OUT  # echo: the prompt's, then the output's
         want = logprobs_of(hf, prompt)[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0].tolist()
         want += lp.gather(1, torch.tensor(out)[:, None])[:, 0].tolist()
         assert max(abs(a - b) for a, b in zip(got[1:], want, strict=True)) < 1e-3
-    decode_nodes = [a for a, (role, _, _) in before["nodes"].items() if role == "decode"]
-
-    def preempted(seen):
-        return all(seen["preemptions"].get(a, 0) > before["preemptions"].get(a, 0) for a in decode_nodes)
-
-    wait_for(stack, preempted, "a preemption on each decode node")
+    wait_for(stack, lambda seen: all(preemptions(before, seen).values()), "a preemption on each decode node")
     wait_pools_empty(stack, plus(before, {"prefill": {"requests": 4}, "decode": {"kv_received": 4}}))
+
+
+def test_decode_node_preempts_guided_requests_and_recomputes_them_exactly(stack, model_dir):
+    """The same with a grammar (a JSON string of at least 2000 characters: no end within the answers): the newer
+    request on each decode node is preempted and recomputed with its grammar state; each answer equals that of
+    the same request sent alone afterwards, which no decode node preempts."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "string", "minLength": 2000}}}
+    prompts = preempting_prompts(324)
+    body = {"model": str(model_dir), "max_tokens": PREEMPT_OUT, "temperature": 0, "response_format": fmt,
+            "return_token_ids": True}  # fmt: skip
+    before = _read(stack)
+    r = httpx.post(stack.url + "/v1/completions", json={**body, "prompt": prompts}, timeout=300)
+    assert r.status_code == 200, r.text
+    crowded = sorted(r.json()["choices"], key=lambda c: c["index"])
+    # the reading once the pools are empty is each node's report after its last step: its preemptions are final
+    mid = wait_pools_empty(stack, plus(before, {"prefill": {"requests": 4}, "decode": {"kv_received": 4}}))
+    assert all(preemptions(before, mid).values()), f"a decode node preempted nothing: {preemptions(before, mid)}"
+    alone = [httpx.post(stack.url + "/v1/completions", json={**body, "prompt": p}, timeout=300) for p in prompts]
+    assert [a.status_code for a in alone] == [200] * 4, [a.text for a in alone]
+    after = wait_pools_empty(stack, plus(mid, {"prefill": {"requests": 4}}))
+    assert not any(preemptions(mid, after).values()), "a request sent alone was preempted: the twins prove nothing"
+    for c, a in zip(crowded, (a.json()["choices"][0] for a in alone), strict=True):
+        assert c["finish_reason"] == "length" and len(c["token_ids"]) == PREEMPT_OUT and c["text"][0] == '"', c
+        assert (c["token_ids"], c["text"]) == (a["token_ids"], a["text"])
 
 
 # ---- 3. a chat template, multi-byte text ---------------------------------------------------------------

@@ -6,12 +6,11 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
-from helpers import Streamer, wait_until
+from helpers import Stream, start_streams, tiny_greedy, wait_until
 from stack import Stack, free_port
 
 SHORT = {"model": "tiny", "prompt": "x", "max_tokens": 2}
@@ -19,16 +18,7 @@ HANG_S = 600  # drain periods and waits that only guard against a hang: a loaded
 STREAM = 100  # tokens a stream decodes: SIGSTOP, not length, keeps a stream running where a test needs it to
 
 
-def _start_streams(url: str, n: int, max_tokens: int) -> list[Streamer]:
-    started = threading.Barrier(n + 1)
-    streams = [Streamer(url, max_tokens, started) for _ in range(n)]
-    for s in streams:
-        s.start()
-    started.wait(timeout=60)  # every stream has its first chunk
-    return streams
-
-
-def _join(streams: list[Streamer]) -> None:
+def _join(streams: list[Stream]) -> None:
     for s in streams:
         s.join(timeout=HANG_S)
 
@@ -47,7 +37,7 @@ def test_router_sigterm_finishes_streams_or_past_its_grace_fails_them_clearly(tm
     stack = Stack(tmp_path, "tiny", mode="colocated", router_args=("--drain-timeout-s", str(HANG_S))).start()
     node = stack.procs["colocated0"]
     try:
-        streams = _start_streams(stack.url, 4, STREAM)
+        streams = start_streams(stack.url, [tiny_greedy(STREAM)] * 4)
         router = stack.procs["router"]
         with _stopped(node):
             router.send_signal(signal.SIGTERM)
@@ -59,7 +49,7 @@ def test_router_sigterm_finishes_streams_or_past_its_grace_fails_them_clearly(tm
         assert node.poll() is None  # a router's drain leaves its nodes alone
 
         stack.start_router(("--drain-timeout-s", "0.2"))
-        streams = _start_streams(stack.url, 2, STREAM)
+        streams = start_streams(stack.url, [tiny_greedy(STREAM)] * 2)
         with _stopped(node):  # the streams cannot end within the grace
             stack.procs["router"].send_signal(signal.SIGTERM)
             _join(streams)
@@ -92,7 +82,7 @@ def _wait_draining(stack: Stack, role: str) -> None:
 def test_decode_node_sigterm_finishes_its_streams_or_past_its_grace_fails_them_clearly(tmp_path):
     stack = Stack(tmp_path, "tiny", mode="disagg", decode_args=("--drain-timeout-s", str(HANG_S))).start()
     try:
-        streams = _start_streams(stack.url, 3, STREAM)
+        streams = start_streams(stack.url, [tiny_greedy(STREAM)] * 3)
         decode = stack.procs["decode0"]
         with _stopped(decode):  # SIGTERM is handled when it runs again, the streams surely unfinished
             decode.send_signal(signal.SIGTERM)
@@ -108,7 +98,7 @@ def test_decode_node_sigterm_finishes_its_streams_or_past_its_grace_fails_them_c
         # a grace of 1 ms: no host decodes 300 tokens in it (the grace runs in the node, which must run)
         stack.restart_node("decode0", "decode", ("--drain-timeout-s", "0.001"))
         stack.wait_healthy(timeout=60)
-        streams = _start_streams(stack.url, 2, 300)
+        streams = start_streams(stack.url, [tiny_greedy(300)] * 2)
         stack.procs["decode0"].send_signal(signal.SIGTERM)
         _join(streams)
         assert all(not s.done and "drain period" in s.error for s in streams), [s.error for s in streams]
@@ -134,7 +124,7 @@ def test_pdserve_up_forwards_sigterm_and_every_child_exits(tmp_path):
         assert "is serving" in up.stdout.readline()
         children = _children(up.pid)
         assert len(children) == 2, children
-        streams = _start_streams(f"http://127.0.0.1:{port}", 2, STREAM)
+        streams = start_streams(f"http://127.0.0.1:{port}", [tiny_greedy(STREAM)] * 2)
         up.send_signal(signal.SIGTERM)
         _join(streams)
         assert all(s.complete for s in streams), [(len(s.token_ids), s.error) for s in streams]

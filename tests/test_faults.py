@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from helpers import Streamer, wait_until
+from helpers import Stream, tiny_greedy, wait_until
 from stack import Stack
 
 
@@ -74,7 +74,7 @@ def test_dead_decode_node_fails_fast_and_recovers(tmp_path):
         with ThreadPoolExecutor(3) as pool:
             futures = [pool.submit(httpx.post, stack.url + "/v1/completions", json=body, timeout=HANG_S)
                        for _ in range(3)]  # fmt: skip
-            beside = Streamer(stack.url, 2000)  # its tokens say when the decode node generates (stats lag 0.5 s)
+            beside = Stream(stack.url, tiny_greedy(2000))  # its tokens say when the decode node generates
             beside.start()
             assert wait_until(lambda: len(beside.times) >= 2 and _decode_nodes(stack)[0]["in_flight"] == 4, 60, 0.01)
             stack.kill("decode0")

@@ -13,10 +13,10 @@ import torch.nn.functional as F
 from helpers import optional
 
 from pdserve.engine.backends import TILE_M, Chunk
-from pdserve.engine.block_allocator import blocks_for, cdiv
 from pdserve.engine.cuda_graphs import Bucket, pick, plan, token_counts
 from pdserve.engine.request import Request
 from pdserve.engine.sampling import Sampler
+from pdserve.kv.block_allocator import blocks_for, cdiv
 from pdserve.wire.protocol import SamplingParams
 
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine import kernels
-from pdserve.engine.block_allocator import blocks_for
+from pdserve.kv.block_allocator import blocks_for
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,7 @@ GPU naming and owner liveness on the CPU, its transfer between two processes on 
 
 from __future__ import annotations
 
+import inspect
 import multiprocessing
 import subprocess
 import sys
@@ -12,11 +13,14 @@ import torch
 import zmq
 from helpers import export_tokens, import_tokens
 
-from pdserve.engine.kv_cache import KVLayout, KVPool
+from pdserve.kv.backend import InProcessBackend, KvBackend
+from pdserve.kv.faults import FaultInjector
+from pdserve.kv.mock import MockKvBackend
+from pdserve.kv.peers import KvPeer, KvTransfer, TransferState
+from pdserve.kv.pool import KVLayout, KVPool
+from pdserve.kv.transfer import BACKENDS, TransferError, local_device_index, make_backend, process_owner
 from pdserve.wire import protocol as P
 from pdserve.wire import transport
-from pdserve.wire.kv_faults import FaultInjector
-from pdserve.wire.kv_transfer import TransferError, local_device_index, make_backend, process_owner
 
 LAYOUT = KVLayout(3, 2, 8, 4, "float32", "fp")
 
@@ -71,6 +75,45 @@ def test_backend_moves_one_requests_kv(name, src_blocks, dst_blocks):
     finally:
         receiver.close()
         sender.close()
+
+
+INTERFACE = [m for m in dir(KvBackend) if not m.startswith("_") and callable(getattr(KvBackend, m))]
+
+
+@pytest.mark.parametrize("cls", [*BACKENDS.values(), MockKvBackend, InProcessBackend], ids=lambda c: c.__name__)
+def test_every_backend_implements_the_one_interface(cls):
+    """Each backend has every method of KvBackend, with its parameters by name and order (what the engine and the
+    nodes call them with), and a transport name."""
+    backend = cls("zmq", header_only=False) if cls is MockKvBackend else cls()
+    assert len(INTERFACE) == 9 and isinstance(backend, KvBackend) and isinstance(backend.name, str)
+    for method in INTERFACE:
+        want = list(inspect.signature(getattr(KvBackend, method)).parameters)
+        assert list(inspect.signature(getattr(cls, method)).parameters) == want, method
+
+
+def test_the_in_process_fake_moves_one_requests_kv_and_refuses_a_wrong_shape():
+    fake = InProcessBackend()
+    assert isinstance(fake, KvBackend)
+    src, dst = _filled_pool(), KVPool(LAYOUT, 16)
+    landed = sum(fake.unpack(dst, [4, 5, 12], 10, h, f, None) for h, f in fake.pack(src, "r", [3, 8, 1], 10))
+    assert landed == LAYOUT.num_layers == len(fake.sent)
+    assert torch.equal(export_tokens(dst, [4, 5, 12], 10), export_tokens(src, [3, 8, 1], 10))
+    assert [h.shape[2] for h in fake.sent] == [12] * LAYOUT.num_layers  # whole blocks: 3 of 4 tokens
+    header, frames = next(fake.pack(src, "r", [3, 8], 8))
+    with pytest.raises(TransferError):
+        fake.unpack(dst, [4, 5, 12], 10, header, frames, None)  # 2 blocks sent, 3 expected
+
+
+def test_a_transfer_only_moves_forward():
+    t = KvTransfer("r", KvPeer(b"prefill-0"), TransferState.QUEUED)
+    with pytest.raises(ValueError):
+        t.pulled(0)  # no pull before the offer
+    t.move(TransferState.OFFERED)
+    t.pulled(3)
+    assert t.state is TransferState.PULLED and t.first_block == 3 and t.pulled_at > 0
+    for state in TransferState:
+        with pytest.raises(ValueError):
+            t.move(state)
 
 
 def test_zmq_backend_refuses_a_wrong_frame():

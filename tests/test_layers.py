@@ -26,13 +26,14 @@ def test_the_router_loads_its_model_facts_without_torch():
 
 
 PACKAGE = Path(__file__).resolve().parents[1] / "pdserve"
-ROLE_ALLOWED = ("pdserve.node", "pdserve.engine.engine", "pdserve.engine.request", "pdserve.wire", "pdserve.config",
-                "pdserve.cli")  # fmt: skip
+ROLE_ALLOWED = ("pdserve.node", "pdserve.engine.engine", "pdserve.engine.request", "pdserve.kv", "pdserve.wire",
+                "pdserve.config", "pdserve.cli")  # fmt: skip
 ALLOWED = {  # package -> the pdserve modules (or packages) its modules may import, beside its own
-    "router": ("pdserve.wire.protocol", "pdserve.wire.transport", "pdserve.config", "pdserve.engine.checkpoint"),
-    "engine": ("pdserve.wire.protocol", "pdserve.config"),
-    # kv_layout: what a mock node's KV transfer (wire/kv_mock.py) checks, without the torch pool of kv_cache
-    "wire": ("pdserve.engine.kv_cache", "pdserve.engine.kv_layout", "pdserve.engine.block_allocator"),
+    "router": ("pdserve.wire.protocol", "pdserve.wire.transport", "pdserve.config", "pdserve.engine.checkpoint",
+               "pdserve.process"),
+    "engine": ("pdserve.kv", "pdserve.wire.protocol", "pdserve.config"),
+    "kv": ("pdserve.wire.protocol",),
+    "wire": (),
     "prefill_node": ROLE_ALLOWED,
     "decode_node": ROLE_ALLOWED,
     "colocated_node": ROLE_ALLOWED,
@@ -64,8 +65,31 @@ def test_each_package_imports_only_what_its_layer_allows(package):
     assert not wrong, sorted(wrong)
 
 
+# what runs without torch: the router (above), the wire, and what the engine and a mock node take from kv/
+TORCH_FREE = ("wire/*.py", "kv/__init__.py", "kv/backend.py", "kv/block_allocator.py", "kv/layout.py", "kv/peers.py",
+              "kv/faults.py", "kv/mock.py")  # fmt: skip
+
+
+def _third_party(path: Path) -> set[str]:
+    """The top-level names of the modules a file imports."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def test_the_wire_and_the_torch_free_kv_modules_import_no_torch():
+    paths = [p for pattern in TORCH_FREE for p in PACKAGE.glob(pattern)]
+    assert len(paths) >= len(TORCH_FREE) + 1, paths  # the wire has more than one module
+    assert not [str(p) for p in paths if "torch" in _third_party(p)]
+
+
 def test_the_node_loop_reaches_the_engine_only_through_its_methods():
-    """node.py and the role nodes never import the scheduler, the allocator or the pool."""
-    internals = ("pdserve.engine.scheduler", "pdserve.engine.block_allocator", "pdserve.engine.kv_cache")
+    """node.py and the role nodes never import the scheduler, the block manager or the pool."""
+    internals = ("pdserve.engine.scheduler", "pdserve.kv.block_allocator", "pdserve.kv.pool")
     paths = [PACKAGE / "node.py", *(PACKAGE / f"{r}_node" / "node.py" for r in ("prefill", "decode", "colocated"))]
     assert not {str(p): _imports(p) & set(internals) for p in paths if _imports(p) & set(internals)}
+    assert not [str(p) for p in paths if "engine.pool" in p.read_text()]  # nor reach into the engine's pool

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 
 import httpx
 import pytest
-from helpers import Streamer, wait_until
+from helpers import Stream, start_streams, tiny_greedy, wait_until
 from stack import Stack
 
 HUGE = 64 * 2**20
@@ -23,7 +22,7 @@ def stack(tmp_path_factory):
     s.close()
 
 
-def _chunks_while_streams_run(streams: list[Streamer], total: int, seen: list[bool], size: int = 2**20):
+def _chunks_while_streams_run(streams: list[Stream], total: int, seen: list[bool], size: int = 2**20):
     """A body of `total` bytes in chunks of `size`; after the first, wait for a token on some stream (it goes to
     `seen`): the router reads the body and serves the streams at once, or that never comes."""
     yield b"x" * size
@@ -34,11 +33,7 @@ def _chunks_while_streams_run(streams: list[Streamer], total: int, seen: list[bo
 
 
 def test_huge_bodies_get_413_while_streams_run(stack):
-    started = threading.Barrier(17)
-    streams = [Streamer(stack.url, STREAM_TOKENS, started) for _ in range(16)]
-    for s in streams:
-        s.start()
-    started.wait(timeout=60)  # every stream is receiving tokens
+    streams = start_streams(stack.url, [tiny_greedy(STREAM_TOKENS)] * 16)  # every stream is receiving tokens
     rss_before = stack.rss_bytes("router")
     r = httpx.post(stack.url + "/v1/completions", content=b"x" * HUGE, timeout=HANG_S,
                    headers={"content-type": "application/json"})  # fmt: skip

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import Streamer, wait_until
+from helpers import Stream, tiny_greedy, wait_until
 from stack import Stack, _address
 
 from bench.systems import node_counters
@@ -128,7 +128,7 @@ def test_mock_nodes_serve_the_mock_tokens_through_the_router_without_torch_or_tr
             stack.procs[role], stack.infos[role] = _reporting_node(tmp_path, role, extra)
         stack.start_router()
         prompt = list(range(10, 90))
-        s = Streamer(stack.url, 40, prompt=prompt)
+        s = Stream(stack.url, tiny_greedy(40, prompt))
         s.run()
         assert s.complete and s.token_ids == mock_tokens(prompt, 40), s.error
         if mode != "colocated":

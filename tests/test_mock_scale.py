@@ -4,13 +4,11 @@ nodes' modelled step (10 ms) only keeps streams running while the tests act on t
 
 from __future__ import annotations
 
-import json
 import signal
-import threading
 
 import httpx
 import pytest
-from helpers import wait_until
+from helpers import Stream, start_streams, wait_until
 from stack import Stack
 
 from pdserve.engine.checkpoint import resolve_model
@@ -21,45 +19,9 @@ MOCK = ("--engine", "mock", "--mock-step-s", "0.001,0,0", "--max-num-seqs", "64"
 DECODE_STEP = ("--mock-step-s", "0.01,0,0")
 
 
-class Stream(threading.Thread):
-    """One streamed completion (token ids), that the test can stop (the client disconnects) at any point."""
-
-    def __init__(self, url: str, prompt: list[int], max_tokens: int) -> None:
-        super().__init__(daemon=True)
-        self.url, self.prompt, self.max_tokens = url, prompt, max_tokens
-        self.token_ids: list[int] = []
-        self.first, self.stop = threading.Event(), threading.Event()
-        self.done, self.error = False, ""
-
-    def run(self) -> None:
-        body = {"model": "tiny", "prompt": self.prompt, "max_tokens": self.max_tokens, "stream": True,
-                "return_token_ids": True}  # fmt: skip
-        try:
-            with httpx.stream("POST", self.url + "/v1/completions", json=body, timeout=120) as r:
-                for line in r.iter_lines():
-                    if self.stop.is_set():
-                        return  # leaving the block closes the connection: the router aborts the request
-                    self._line(line)
-        except httpx.HTTPError as e:
-            self.error = repr(e)
-        finally:
-            self.first.set()
-
-    def _line(self, line: str) -> None:
-        if line == "data: [DONE]":
-            self.done = True
-        elif line.startswith("data: "):
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                self.error = chunk["error"]["message"]
-                return
-            for c in chunk["choices"]:
-                self.token_ids += c.get("token_ids", [])
-            self.first.set()
-
-    @property
-    def exact(self) -> bool:
-        return self.done and not self.error and self.token_ids == mock_tokens(self.prompt, self.max_tokens)
+def exact(s: Stream) -> bool:
+    """The stream ended cleanly with the mock tokens of its prompt, every one."""
+    return s.done and not s.error and s.token_ids == mock_tokens(s.body["prompt"], s.body["max_tokens"])
 
 
 @pytest.fixture(scope="module")
@@ -86,12 +48,8 @@ def _name(stack: Stack, addr: str) -> str:
 def _start(stack: Stack, n: int, max_tokens: int, first: int = 7) -> list[Stream]:
     """`n` streams of prompts that start with `first`, `first` + 1, ... (a prompt no node has seen has no cached
     prefix anywhere, so the router picks by load alone)."""
-    streams = [Stream(stack.url, [first + i, 11, 13 + i] * (4 + i), max_tokens) for i in range(n)]
-    for s in streams:
-        s.start()
-    for s in streams:
-        assert s.first.wait(60) and not s.error, s.error
-    return streams
+    prompts = [[first + i, 11, 13 + i] * (4 + i) for i in range(n)]
+    return start_streams(stack.url, [{"model": "tiny", "prompt": p, "max_tokens": max_tokens} for p in prompts])
 
 
 def _counter(stack: Stack, name: str) -> float:
@@ -106,7 +64,7 @@ def test_32_mock_nodes_join_one_router_and_serve_exactly(stack):
     streams = _start(stack, 8, 30)
     for s in streams:
         s.join(60)
-    assert all(s.exact for s in streams), [(len(s.token_ids), s.error) for s in streams]
+    assert all(exact(s) for s in streams), [(len(s.token_ids), s.error) for s in streams]
 
 
 def test_the_router_gives_each_stream_the_least_loaded_decode_node_and_aborts_free_every_block(stack):
@@ -115,7 +73,7 @@ def test_the_router_gives_each_stream_the_least_loaded_decode_node_and_aborts_fr
         assert sorted(_in_flight(stack, "decode").values()) == [1] * NUM_DECODE  # one each: none got two
     finally:
         for s in streams:
-            s.stop.set()
+            s.hang_up()
     for s in streams:
         s.join(60)
     assert wait_until(lambda: _health(stack)["waiting"] == 0 and not any(_in_flight(stack, "decode").values()), 30)
@@ -136,7 +94,7 @@ def test_a_decode_node_killed_mid_stream_loses_no_token(stack):
     s, name = _stream_on_one_decode_node(stack, 400)
     stack.kill(name)
     s.join(60)
-    assert s.exact, (len(s.token_ids), s.error)
+    assert exact(s), (len(s.token_ids), s.error)
     assert _counter(stack, "pdserve:requests_redispatched_total") == before + 1
     assert wait_until(lambda: stack.infos[name]["listen"] not in _in_flight(stack, "decode"), 30)
 
@@ -146,7 +104,7 @@ def test_a_draining_decode_node_finishes_its_stream_and_leaves(stack):
     s, name = _stream_on_one_decode_node(stack, 400)
     stack.procs[name].send_signal(signal.SIGTERM)
     s.join(60)
-    assert s.exact, (len(s.token_ids), s.error)
+    assert exact(s), (len(s.token_ids), s.error)
     assert _counter(stack, "pdserve:requests_redispatched_total") == before  # it finished there
     assert stack.procs[name].wait(timeout=60) == 0
     addr = stack.infos[name]["listen"]
@@ -154,4 +112,4 @@ def test_a_draining_decode_node_finishes_its_stream_and_leaves(stack):
     after = _start(stack, 4, 30)  # the others take the new requests
     for t in after:
         t.join(60)
-    assert all(t.exact for t in after), [t.error for t in after]
+    assert all(exact(t) for t in after), [t.error for t in after]

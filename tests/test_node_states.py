@@ -91,8 +91,8 @@ def _prefill_and_pair(node: PrefillNode, router: FakeRouter, decode: zmq.Socket,
 
 def _drain_peer(node: PrefillNode) -> None:
     [peer] = node.peers.values()
-    assert peer.sock.poll(WAIT_MS)
-    node.drain(peer.sock)
+    assert peer.link.sock.poll(WAIT_MS)
+    node.drain(peer.link.sock)
 
 
 def _run_out(node: PrefillNode, rid: str) -> None:
@@ -215,7 +215,7 @@ def test_a_reservation_that_no_kv_answers_is_recomputed_here(decode):
     peer.offer("r1")
     _tick(node)
     assert peer.recv() == P.KvPull("r1") and node.engine.kv_stats()[0] == 2
-    node.incoming["r1"].reserved_at = time.monotonic() - node.cfg.kv_lease_s / 2 - 1
+    node.incoming["r1"].pulled_at = time.monotonic() - node.cfg.kv_lease_s / 2 - 1
     node.tick()
     ack = peer.recv()
     assert isinstance(ack, P.KvAck) and ack.ok and "recomputed" in ack.reason
@@ -231,7 +231,8 @@ def test_kv_that_arrives_after_the_node_gave_up_on_it_is_ignored(decode):
     _tick(node)
     assert peer.recv() == P.KvPull("r1")
     req = node.engine.requests["r1"]
-    (backend,) = node.peer_backends.values()
+    (paired,) = node.peers.values()
+    backend = paired.backend
     layers = list(node.engine.send_kv(req, backend))  # frames shaped as the prefill node's, from this pool
     damaged = [(h, [np.full_like(f, 0xFF) for f in frames]) for h, frames in layers]
     half = len(layers) // 2
@@ -240,7 +241,7 @@ def test_kv_that_arrives_after_the_node_gave_up_on_it_is_ignored(decode):
         assert node.kv_sock.poll(WAIT_MS)
         node.drain(node.kv_sock)
     assert node.incoming["r1"].layers_landed == half
-    node.incoming["r1"].reserved_at = time.monotonic() - node.cfg.kv_lease_s / 2 - 1
+    node.incoming["r1"].pulled_at = time.monotonic() - node.cfg.kv_lease_s / 2 - 1
     node.tick()
     ack = peer.recv()
     assert isinstance(ack, P.KvAck) and "recomputed" in ack.reason and req.status is Status.WAITING

@@ -9,7 +9,7 @@ import subprocess
 
 import httpx
 import pytest
-from helpers import Streamer, hf_greedy, mixed_workload, wait_until
+from helpers import Stream, hf_greedy, mixed_workload, tiny_greedy, wait_until
 from stack import Stack
 
 from bench.systems import node_counters_per_node
@@ -125,7 +125,7 @@ def _node_requests(stack: Stack, addr: str) -> int:
 
 
 def _with_none_left_queued_requests_fail_and_decoding_ones_finish(stack: Stack) -> None:
-    decoding = Streamer(stack.url, 600)
+    decoding = Stream(stack.url, tiny_greedy(600))
     decoding.start()
     _wait_for(lambda: len(decoding.times) >= 2, "a request is decoding")
     decode = stack.procs["decode0"]

@@ -11,10 +11,11 @@ import pytest
 from helpers import hf_greedy
 
 from pdserve.config import EngineConfig
-from pdserve.engine.block_allocator import BlockAllocator
 from pdserve.engine.engine import Engine
 from pdserve.engine.request import Request, Status
 from pdserve.engine.scheduler import Scheduler
+from pdserve.kv.backend import InProcessBackend
+from pdserve.kv.block_allocator import BlockAllocator
 from pdserve.wire.protocol import SamplingParams, block_hashes, chain_seed
 
 SEED = chain_seed("test-model")
@@ -270,3 +271,38 @@ def test_no_prefix_caching_recomputes(tiny_models):
         while engine.has_work():
             engine.step()
     assert engine.cache_counters()["prefix_cache_hits"] == 0 and engine.pool.allocator.num_cached == 0
+
+
+# ---- disaggregated: the decode node pulls only the KV it lacks -------------------------------------------
+def _run(engine: Engine) -> dict[str, list[int]]:
+    got: dict[str, list[int]] = {}
+    while engine.has_work():
+        for o in engine.step():
+            got.setdefault(o.request.request_id, []).append(o.token_id)
+    return got
+
+
+def test_an_engine_pulls_only_the_blocks_it_lacks_through_the_in_process_backend(tiny_models):
+    """The handoff between a prefill engine and a decode engine in one process, through the in-process fake of the
+    KV interface: the decode engine holds the prompt's first blocks from an earlier request, so it pulls from the
+    first block it lacks, the fake ships exactly those blocks, the checksums pass, and the answer is transformers'."""
+    model = tiny_models["qwen3"]
+    rng = random.Random(11)
+    prompt = [rng.randrange(500) for _ in range(90)]
+    prefill, decode = Engine(EngineConfig(model=str(model)), prefill_only=True), Engine(EngineConfig(model=str(model)))
+    decode.add(greedy("earlier", prompt[:70], 2))  # leaves the prompt's first 4 blocks of 16 cached there
+    _run(decode)
+    sent = greedy("r", prompt, 6)
+    prefill.add(sent)
+    first = _run(prefill)["r"]
+    held = Request("r", prompt, sent.params, output_token_ids=list(first), status=Status.WAITING_FOR_KV)
+    decode.add(held)
+    assert decode.reserve_remote() == [held] and decode.first_block_to_pull(held) == 4
+    fake = InProcessBackend()
+    landed = sum(decode.receive_kv(held, fake, h, f, None) for h, f in prefill.send_kv(sent, fake, 4))
+    assert landed == decode.layout.num_layers and decode.kv_landed(held, fake, prefill.kv_checksums(sent, 4)) == ""
+    assert {h.shape[2] for h in fake.sent} == {(6 - 4) * 16}  # blocks 4 and 5 of a 90-token prompt, nothing before
+    prefill.release(sent, Status.FINISHED)
+    assert first + _run(decode)["r"] == hf_greedy(model, [prompt], [6])[0]
+    assert decode.cache_counters()["prefix_cache_hits"] == 4 * 16
+    assert prefill.kv_stats()[0] == decode.kv_stats()[0] == 0  # every block back in both pools

@@ -15,9 +15,9 @@ from pdserve.config import RouterConfig
 from pdserve.router.core import RouterCore
 from pdserve.router.metrics import RouterMetrics, merge_expositions
 from pdserve.wire import protocol as P
-from tests.helpers import wait_until
+from tests.helpers import start_streams, tiny_greedy, wait_until
 from tests.stack import Stack
-from tests.test_drain import SHORT, _join, _start_streams
+from tests.test_drain import SHORT, _join
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +104,7 @@ def test_two_router_workers_share_the_port_and_one_that_dies_fails_only_its_stre
         for _ in range(6):  # each on a new connection, so on either worker
             assert httpx.post(stack.url + "/v1/completions", json=SHORT, timeout=60).status_code == 200
         assert wait_until(lambda: all(_requests_total(stack.url) == 6 for _ in range(8)), 60), "metrics not summed"
-        streams = _start_streams(stack.url, 8, 300)
+        streams = start_streams(stack.url, [tiny_greedy(300)] * 8)
         workers = _workers(stack.url)
         victim = max(workers.values(), key=lambda h: h["in_flight"])
         assert victim["in_flight"] > 0 and sum(h["in_flight"] for h in workers.values()) == 8

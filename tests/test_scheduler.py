@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine.block_allocator import BlockAllocator
 from pdserve.engine.request import IllegalTransition, Request, Status
 from pdserve.engine.scheduler import Scheduler
+from pdserve.kv.block_allocator import BlockAllocator
 from pdserve.wire.protocol import SamplingParams
 
 

@@ -33,31 +33,23 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
 
 import zmq
 
 from pdserve.config import NodeConfig
 from pdserve.engine.request import Request, Status
+from pdserve.kv.peers import KvPeer, KvTransfer, TransferError, TransferState, choose_transport
 from pdserve.node import NodeBase, kv_backends
 from pdserve.wire import protocol as P
 from pdserve.wire import transport
-from pdserve.wire.kv_peers import TransferError, choose_transport
 
 log = logging.getLogger("pdserve.decode")
 REMEMBER_ABORTS = 4096
 WAITING_NOTICE_S = 0.25
 
 
-@dataclass
-class Incoming:
-    """Where an offered request's KV comes from, and how much of it has landed."""
-
-    identity: bytes  # the prefill peer
-    request: Request
-    checksums: list[int] = field(default_factory=list)  # the sender's CRC-32 per layer of the KV it sends
-    layers_landed: int = 0
-    reserved_at: float = 0.0
+PrefillPeer = KvPeer[bytes]  # linked by the routing id of its connection to our KV socket
+Incoming = KvTransfer[Request]  # an offered request's KV: where it comes from, how much of it has landed
 
 
 class DecodeNode(NodeBase):
@@ -66,14 +58,12 @@ class DecodeNode(NodeBase):
     def __init__(self, cfg: NodeConfig) -> None:
         self.backends = kv_backends(cfg)  # before the binds: a node that cannot bind closes them
         super().__init__(cfg)
-        self.peer_backends: dict[bytes, object] = {}  # paired prefill peers -> the transport chosen at pairing
         self.kv_sock = self.ctx.socket(zmq.ROUTER)
         transport.configure(self.kv_sock)
         self.kv_addr = self.bind(self.kv_sock, cfg.kv_listen, "--kv-listen")
         self.poller.register(self.kv_sock, zmq.POLLIN)
         self.handlers[self.kv_sock] = self.handle_kv
-        self.sources: dict[bytes, object] = {}  # paired prefill peers -> mapped pool (or None for zmq)
-        self.handles: dict[bytes, dict] = {}  # paired prefill peers -> how their pool was mapped
+        self.peers: dict[bytes, PrefillPeer] = {}  # the paired prefill nodes, by routing id
         self.incoming: dict[str, Incoming] = {}  # offered, KV not landed yet (the engine holds the request)
         self.aborted: OrderedDict[str, None] = OrderedDict()
         self.counters.update(kv_offers=0, kv_received=0, kv_refused=0, kv_bad=0, kv_recomputed=0,
@@ -98,7 +88,7 @@ class DecodeNode(NodeBase):
     def fail_all(self, why: str) -> None:
         for rid, inc in list(self.incoming.items()):  # the engine holds these too: super() ends them
             del self.incoming[rid]
-            self._refuse(inc.identity, rid, why, P.ErrorCode.DRAINING)
+            self._refuse(inc.peer.link, rid, why, P.ErrorCode.DRAINING)
         super().fail_all(why)
 
     def close(self) -> None:
@@ -110,13 +100,13 @@ class DecodeNode(NodeBase):
     def handle_kv(self, identity: bytes, msg, frames: list) -> None:
         if isinstance(msg, P.KvHello):
             self._on_pairing(identity, msg)
-        elif identity not in self.sources:
+        elif identity not in self.peers:
             if isinstance(msg, P.KvOffer):
                 self._refuse(identity, msg.request_id, "no pairing handshake on this connection")
         elif isinstance(msg, P.KvOffer):
-            self._on_offer(identity, msg)
+            self._on_offer(self.peers[identity], msg)
         elif isinstance(msg, P.KvData):
-            self._on_data(identity, msg, frames)
+            self._on_data(self.peers[identity], msg, frames)
         elif isinstance(msg, P.KvCancel):
             self._forget(msg.request_id)
 
@@ -131,8 +121,8 @@ class DecodeNode(NodeBase):
         if not reason:
             backend = self.backends[chosen]
             try:
-                self.sources[identity] = backend.attach(handle, self.engine.layout, self.cfg.engine.device)
-                self.handles[identity], self.peer_backends[identity] = handle, backend
+                source = backend.attach(handle, self.engine.layout, self.cfg.engine.device)
+                self.peers[identity] = PrefillPeer(identity, backend=backend, paired=True, handle=handle, source=source)
             except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:  # a handle from the wire
                 reason = f"cannot map the prefill pool: {e!r}"
         if reason:
@@ -159,7 +149,7 @@ class DecodeNode(NodeBase):
             return f"KV layout mismatch: {layout.mismatch(msg.layout)}"
         return ""
 
-    def _on_offer(self, identity: bytes, offer: P.KvOffer) -> None:
+    def _on_offer(self, peer: PrefillPeer, offer: P.KvOffer) -> None:
         self.counters["kv_offers"] += 1  # taken or refused: every offer of a paired peer counts
         why = self.engine.check_fits(offer.num_tokens, offer.params.max_tokens)
         code = P.ErrorCode.INVALID_REQUEST
@@ -170,32 +160,31 @@ class DecodeNode(NodeBase):
             why = f"an offer of {offer.num_tokens} tokens of KV for a prompt of {len(offer.prompt_token_ids)}"
             code = P.ErrorCode.INTERNAL
         if rid in self.aborted or why:
-            self._refuse(identity, rid, why, code)
+            self._refuse(peer.link, rid, why, code)
             return
         req = Request(rid, list(offer.prompt_token_ids), offer.params, output_token_ids=[offer.first_token_id],
                       status=Status.WAITING_FOR_KV)  # fmt: skip
         try:
             self.engine.add(req)
         except ValueError as e:  # a grammar this node cannot use
-            self._refuse(identity, rid, str(e), P.ErrorCode.INVALID_REQUEST)
+            self._refuse(peer.link, rid, str(e), P.ErrorCode.INVALID_REQUEST)
             return
-        self.incoming[rid] = Incoming(identity, req)
+        self.incoming[rid] = Incoming(req, peer)
 
-    def _on_data(self, identity: bytes, header: P.KvData, frames: list) -> None:
+    def _on_data(self, peer: PrefillPeer, header: P.KvData, frames: list) -> None:
         inc = self.incoming.get(header.request_id)
-        if inc is None or inc.identity != identity or inc.request.status is not Status.RECEIVING_KV:
+        if inc is None or inc.peer is not peer or inc.state is not TransferState.PULLED:
             return  # cancelled after the pull (or not this peer's, or not pulled)
         if header.kv_checksums:
             inc.checksums = list(header.kv_checksums)
         try:
-            inc.layers_landed += self.engine.receive_kv(inc.request, self.peer_backends[identity], header, frames,
-                                                        self.sources.get(identity))  # fmt: skip
+            inc.layers_landed += self.engine.receive_kv(inc.request, peer.backend, header, frames, peer.source)
         except TransferError as e:
             self._kv_failed(inc, f"bad KV: {e}")
             return
         if inc.layers_landed < self.engine.layout.num_layers:
             return
-        why = self.engine.kv_landed(inc.request, self.peer_backends[identity], inc.checksums)
+        why = self.engine.kv_landed(inc.request, peer.backend, inc.checksums)
         if why:
             self._kv_failed(inc, why)
             return
@@ -205,7 +194,7 @@ class DecodeNode(NodeBase):
 
     def _let_prefill_go(self, inc: Incoming, ack: P.KvAck) -> None:
         """Free the prefill node's copy of a request's KV, and tell the router it no longer needs that node."""
-        transport.send(self.kv_sock, ack, identity=inc.identity)
+        transport.send(self.kv_sock, ack, identity=inc.peer.link)
         self.emit([P.TokenEvent(ack.request_id, [], None)])  # "KV landed", an event without tokens
 
     def _kv_failed(self, inc: Incoming, why: str) -> None:
@@ -217,7 +206,7 @@ class DecodeNode(NodeBase):
         log.warning("request %s: %s; %s", rid, why, "recomputing its prompt here" if recompute else "failing it")
         if not recompute:
             self.engine.abort(rid)
-            self._refuse(inc.identity, rid, f"the KV transfer failed ({why}; --kv-failure fail)")
+            self._refuse(inc.peer.link, rid, f"the KV transfer failed ({why}; --kv-failure fail)")
             return
         self.counters["kv_recomputed"] += 1
         self.engine.kv_lost(inc.request)
@@ -254,11 +243,11 @@ class DecodeNode(NodeBase):
         now = time.monotonic()
         for req in self.engine.reserve_remote():
             inc = self.incoming[req.request_id]
-            inc.reserved_at = now
-            pull = P.KvPull(req.request_id, self.engine.first_block_to_pull(req))
-            transport.send(self.kv_sock, pull, identity=inc.identity)
+            inc.pulled(self.engine.first_block_to_pull(req))
+            transport.send(self.kv_sock, P.KvPull(req.request_id, inc.first_block), identity=inc.peer.link)
         wait = self.cfg.kv_lease_s / 2  # well before the prefill node's lease on the KV runs out
-        for inc in [i for i in self.incoming.values() if i.reserved_at and now - i.reserved_at > wait]:
+        pulled = [i for i in self.incoming.values() if i.state is TransferState.PULLED]
+        for inc in [i for i in pulled if now - i.pulled_at > wait]:
             self._kv_failed(inc, f"not all of its KV arrived within {wait:g}s of the pull")
         if now >= self._next_notice:
             self._next_notice = now + WAITING_NOTICE_S
@@ -267,24 +256,23 @@ class DecodeNode(NodeBase):
 
     def _drop_gone_peers(self) -> None:
         """Drop the prefill nodes whose pool is gone (shm: unlinked; cuda_ipc: its process ended)."""
-        for identity, handle in list(self.handles.items()):
-            if not self.peer_backends[identity].alive(handle):
-                self._drop_peer(identity, "its pool is gone")
+        for peer in list(self.peers.values()):
+            if not peer.backend.alive(peer.handle):
+                self._drop_peer(peer, "its pool is gone")
 
     def _drop_superseded(self, identity: bytes, handle: dict) -> None:
         """A KvHello replaces the pairing of the same connection, and any older pairing of the same pool
         (the prefill node reconnected): that side has failed the old pairing's transfers already."""
         pool_id = handle.get("pool_id")
-        for other, old in list(self.handles.items()):
-            if other == identity or (pool_id and old.get("pool_id") == pool_id):
-                self._drop_peer(other, "it paired again")
+        for old in list(self.peers.values()):
+            if old.link == identity or (pool_id and old.handle.get("pool_id") == pool_id):
+                self._drop_peer(old, "it paired again")
 
-    def _drop_peer(self, identity: bytes, why: str) -> None:
+    def _drop_peer(self, peer: PrefillPeer, why: str) -> None:
         """Unmap a prefill peer's pool and forget its offers and reservations: their KV will not come."""
-        handle = self.handles.pop(identity)
-        self.sources.pop(identity, None)
-        self.peer_backends.pop(identity).forget(handle)
-        dead = [rid for rid, i in self.incoming.items() if i.identity == identity]
+        del self.peers[peer.link]
+        peer.backend.forget(peer.handle)
+        dead = [rid for rid, i in self.incoming.items() if i.peer is peer]
         for rid in dead:
             self._forget(rid)
         log.info("dropped a prefill node's pairing (%s) and %d of its transfers", why, len(dead))
@@ -293,6 +281,6 @@ class DecodeNode(NodeBase):
         """Tell each prefill node which of its offers still wait here, so its leases do not run out."""
         waiting: dict[bytes, list[str]] = {}
         for req in self.engine.waiting_for_kv():
-            waiting.setdefault(self.incoming[req.request_id].identity, []).append(req.request_id)
+            waiting.setdefault(self.incoming[req.request_id].peer.link, []).append(req.request_id)
         for identity, ids in waiting.items():
             transport.send(self.kv_sock, P.KvWaiting(ids), identity=identity)

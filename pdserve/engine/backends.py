@@ -28,9 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine import kernels
-from pdserve.engine.block_allocator import blocks_for, cdiv
 from pdserve.engine.copies import to_device
-from pdserve.engine.kv_cache import KVPool
+from pdserve.kv.block_allocator import blocks_for, cdiv
+from pdserve.kv.pool import KVPool
 
 TILE_M = 16  # query rows of an attention tile, (token, query head) pairs: a decode token's query heads of one KV
 # head fill its first G; tl.dot needs at least 16

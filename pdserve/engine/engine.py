@@ -23,15 +23,18 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdserve.config import EngineConfig
-from pdserve.engine.block_allocator import blocks_for
 from pdserve.engine.draws import Drawn, TokenLogprob, finish_reason
 from pdserve.engine.parts import build_parts
 from pdserve.engine.request import Request, Status
 from pdserve.engine.scheduler import Batch, Scheduler
-from pdserve.wire.protocol import ErrorCode, FinishReason, Role, chain_seed, kv_tokens_needed
+from pdserve.kv.backend import KvBackend, Message
+from pdserve.kv.block_allocator import blocks_for
+from pdserve.wire.protocol import ErrorCode, FinishReason, KvData, Role, chain_seed, kv_tokens_needed
 
 log = logging.getLogger("pdserve.engine")
 
@@ -128,12 +131,12 @@ class Engine:
         """A RECEIVING_KV request's first prompt block whose KV it lacks (those before came from the prefix cache)."""
         return req.num_computed_tokens // self.pool.block_size
 
-    def receive_kv(self, req: Request, backend, header, frames, source) -> int:
+    def receive_kv(self, req: Request, backend: KvBackend, header: KvData, frames: list, source: Any | None) -> int:
         """Land part of a request's KV (RECEIVING_KV) in its blocks; return how many layers it carried."""
         blocks, num_tokens = self.prompt_kv(req, self.first_block_to_pull(req))
         return backend.unpack(self.pool, blocks, num_tokens, header, frames, source)
 
-    def kv_landed(self, req: Request, backend, checksums: list[int]) -> str:
+    def kv_landed(self, req: Request, backend: KvBackend, checksums: list[int]) -> str:
         """Every layer is in: once the copies have read the sender's memory, the KV is checked against the sender's
         per-layer `checksums` of what it sent ([]: none to check). If it matches, the request joins the queue and ""
         is returned; else why not, and the request stays RECEIVING_KV (then `kv_lost` or `abort`): never decoded
@@ -157,7 +160,7 @@ class Engine:
         """A RECEIVING_KV request whose KV was lost or damaged: it waits to recompute its prompt here."""
         self.scheduler.kv_lost(req)
 
-    def send_kv(self, req: Request, backend, first_block: int = 0):
+    def send_kv(self, req: Request, backend: KvBackend, first_block: int = 0) -> Iterator[Message]:
         """A held request's prompt KV from block `first_block` on, for shipping: (header, frames) messages from the
         backend."""
         return backend.pack(self.pool, req.request_id, *self.prompt_kv(req, first_block))
@@ -176,6 +179,16 @@ class Engine:
         s = self.scheduler
         return {"prefix_cache_queries": s.prefix_cache_queries, "prefix_cache_hits": s.prefix_cache_hits,
                 "prefix_cache_evictions": self.pool.allocator.num_evicted}  # fmt: skip
+
+    def follow_cache(self) -> None:
+        """Record the prefix cache's changes from now on, for `cache_changes` (the router's view of the cache)."""
+        self.pool.allocator.changes = {}
+
+    def cache_changes(self, whole: bool) -> tuple[list[int], list[int]]:
+        """(names stored, names evicted) in the prefix cache since the last call; with `whole`, every name cached now
+        and none evicted."""
+        stored, evicted = self.pool.allocator.take_changes()
+        return (self.pool.allocator.cached_names(), []) if whole else (stored, evicted)
 
     def count_run(self, batch: Batch, graphed: bool) -> None:
         kind = "graph" if graphed else "eager"

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from pdserve.engine.block_allocator import cdiv
 from pdserve.engine.copies import to_device
 from pdserve.engine.request import Request
+from pdserve.kv.block_allocator import cdiv
 
 log = logging.getLogger("pdserve.engine")
 

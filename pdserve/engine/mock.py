@@ -27,13 +27,13 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from pdserve.config import EngineConfig, max_model_len, read_mock_costs
-from pdserve.engine.block_allocator import BlockAllocator
 from pdserve.engine.checkpoint import BUILTIN_MODELS, resolve_model
 from pdserve.engine.draws import Drawn, TokenLogprob
-from pdserve.engine.kv_layout import KVLayout
 from pdserve.engine.parts import EngineParts
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import Batch
+from pdserve.kv.block_allocator import BlockAllocator
+from pdserve.kv.layout import KVLayout
 
 log = logging.getLogger("pdserve.engine")
 MOCK_TOKENS = range(256, 509)  # two printable ASCII characters each in a built-in tokenizer of 512+ ids

@@ -26,11 +26,11 @@ from torch import nn
 
 from pdserve.config import max_model_len
 from pdserve.engine.backends import Chunk, ForwardInputs, make_backend
-from pdserve.engine.block_allocator import blocks_for, cdiv
 from pdserve.engine.checkpoint import SUPPORTED_MODEL_TYPES
 from pdserve.engine.copies import to_device
-from pdserve.engine.kv_cache import DTYPES, KVLayout, KVPool
 from pdserve.engine.scheduler import Batch
+from pdserve.kv.block_allocator import blocks_for, cdiv
+from pdserve.kv.pool import DTYPES, KVLayout, KVPool
 
 log = logging.getLogger("pdserve.model")
 

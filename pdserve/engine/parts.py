@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.config import EngineConfig, eos_token_ids, max_model_len
-from pdserve.engine.kv_layout import KVLayout
+from pdserve.kv.layout import KVLayout
 
 log = logging.getLogger("pdserve.engine")
 
@@ -44,9 +44,9 @@ def model_parts(cfg: EngineConfig, prefill_only: bool, pool_storage=None) -> Eng
 
     from pdserve.engine.checkpoint import resolve_model
     from pdserve.engine.grammar import Guides
-    from pdserve.engine.kv_cache import KVPool
     from pdserve.engine.model import ModelRunner, kv_layout, load_model
     from pdserve.engine.sampling import Sampler
+    from pdserve.kv.pool import KVPool
 
     if cfg.cpu_cores:
         torch.set_num_threads(len(cfg.cpu_cores))

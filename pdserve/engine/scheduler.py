@@ -25,8 +25,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from pdserve.engine.block_allocator import BlockAllocator
 from pdserve.engine.request import Request, Status
+from pdserve.kv.block_allocator import BlockAllocator
 from pdserve.wire.protocol import block_hashes
 
 

@@ -14,7 +14,7 @@ A request's life here:
    The pull names the first prompt block the decode node lacks (it shares the KV of those before from
    its prefix cache): only the KV from there on is shipped. The first KvData carries a CRC-32 per layer
    of the KV shipped, computed here over our pool, which the decode node checks once the KV has landed.
-   `--kv-fault-rate` damages a share of the transfers on purpose (wire/kv_faults.py), for tests and
+   `--kv-fault-rate` damages a share of the transfers on purpose (kv/faults.py), for tests and
    drills; a decode node that recomputes a damaged request's KV acknowledges it all the same (with the
    reason), and our copy is freed.
 5. An Abort from the router at any point frees the KV and cancels the transfer on the decode node.
@@ -25,39 +25,31 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import zmq
 
 from pdserve.config import NodeConfig
 from pdserve.engine.engine import Engine, TokenOutput
 from pdserve.engine.request import Request, Status
+from pdserve.kv.faults import DELAY_S, FaultInjector
+from pdserve.kv.peers import KvPeer, KvTransfer, TransferState
 from pdserve.node import NodeBase, error_event, kv_backends
 from pdserve.wire import protocol as P
 from pdserve.wire import transport
-from pdserve.wire.kv_faults import DELAY_S, FaultInjector
 
 log = logging.getLogger("pdserve.prefill")
 
 
-@dataclass
-class DecodePeer:
-    addr: str
+class DecodeLink(NamedTuple):
+    """How a prefill node reaches one decode node: its KV socket, and the monitor of that connection."""
+
     sock: zmq.Socket
     monitor: zmq.Socket
-    paired: bool = False
-    refused: str = ""
-    queued: list[str] = field(default_factory=list)  # offers waiting for the handshake
-    backend: object = None  # the transport the decode node chose at pairing
 
 
-@dataclass
-class Transfer:
-    request: Request
-    peer: DecodePeer
-    started: float = field(default_factory=time.monotonic)  # lease start; renewed by KvWaiting
-    pulled_at: float = 0.0
-    first_block: int = 0  # the first prompt block pulled (the decode node had the KV of those before cached)
+DecodePeer = KvPeer[DecodeLink]
+Transfer = KvTransfer[Request]
 
 
 class PrefillNode(NodeBase):
@@ -122,27 +114,31 @@ class PrefillNode(NodeBase):
             sock.setsockopt(zmq.RECONNECT_IVL, 100)
             mon = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | transport.HANDSHAKE_FAILED)
             sock.connect(addr)
-            peer = DecodePeer(addr, sock, mon)
+            peer = DecodePeer(DecodeLink(sock, mon), addr)
             self.peers[addr] = peer
             self.poller.register(sock, zmq.POLLIN)  # the monitor is read in tick(), every loop
             self.handlers[sock] = lambda _id, msg, frames, p=peer: self.handle_kv(p, msg, frames)
         return peer
 
     def _offer(self, req: Request, peer: DecodePeer) -> None:
-        self.transfers[req.request_id] = Transfer(req, peer)
+        t = self.transfers[req.request_id] = Transfer(req, peer, TransferState.QUEUED)
         if peer.refused:
-            self._fail(req.request_id, f"decode node {peer.addr} refused to pair: {peer.refused}")
+            self._fail(req.request_id, f"decode node {peer.name} refused to pair: {peer.refused}")
         elif peer.paired:
-            self._send_offer(req, peer)
-        else:
-            peer.queued.append(req.request_id)
+            self._send_offer(t)
 
-    def _send_offer(self, req: Request, peer: DecodePeer) -> None:
-        self.transfers[req.request_id].started = time.monotonic()  # the lease runs from the offer
+    def _send_offer(self, t: Transfer) -> None:
+        t.move(TransferState.OFFERED)
+        t.started = time.monotonic()  # the lease runs from the offer
         self.counters["kv_offers"] += 1
+        req = t.request
         offer = P.KvOffer(req.request_id, req.prompt_token_ids, req.output_token_ids[0], req.params,
                           len(req.prompt_token_ids))  # fmt: skip
-        transport.send(peer.sock, offer)
+        transport.send(t.peer.link.sock, offer)
+
+    def _queued(self, peer: DecodePeer) -> list[Transfer]:
+        """The transfers whose offer waits for the pairing with `peer`, oldest first."""
+        return [t for t in self.transfers.values() if t.peer is peer and t.state is TransferState.QUEUED]
 
     # ---- from decode nodes ---------------------------------------------------------------------
     def handle_kv(self, peer: DecodePeer, msg, frames: list) -> None:
@@ -167,35 +163,34 @@ class PrefillNode(NodeBase):
             msg = P.HelloAck(False, msg.role, {}, f"it chose KV transport {chosen!r}, which this node does not offer")
         if not msg.ok:
             peer.refused = msg.reason
-            log.error("decode node %s refused to pair: %s", peer.addr, msg.reason)
-            for rid in peer.queued:
-                self._fail(rid, f"decode node {peer.addr} refused to pair: {msg.reason}")
+            log.error("decode node %s refused to pair: %s", peer.name, msg.reason)
+            for t in self._queued(peer):
+                self._fail(t.request.request_id, f"decode node {peer.name} refused to pair: {msg.reason}")
         else:
             peer.paired, peer.refused, peer.backend = True, "", self.backends[chosen]
             self.counters[f"kv_pairings_{chosen}"] += 1
-            log.info("paired with decode node %s; KV goes over %s", peer.addr, chosen)
-            for rid in peer.queued:
-                if rid in self.transfers:
-                    self._send_offer(self.transfers[rid].request, peer)
-        peer.queued.clear()
+            log.info("paired with decode node %s; KV goes over %s", peer.name, chosen)
+            for t in self._queued(peer):
+                self._send_offer(t)
 
     def _on_pull(self, pull: P.KvPull) -> None:
         t = self.transfers.get(pull.request_id)
-        if t is None:  # aborted meanwhile; the decode node got a KvCancel
+        if t is None or t.state is not TransferState.OFFERED:  # aborted meanwhile (the decode node got a KvCancel)
             return
         req, first = t.request, pull.first_block
-        if first * self.engine.pool.block_size >= len(req.prompt_token_ids):
+        if self.engine.prompt_kv(req, first)[1] <= 0:  # nothing of the prompt left to ship
             self._end_transfer(t, ok=False, why=f"the decode node pulled KV from block {first} of a "
                                                 f"{len(req.prompt_token_ids)}-token prompt")  # fmt: skip
             return
-        t.pulled_at, t.started, t.first_block = time.perf_counter(), time.monotonic(), first
+        t.pulled(first)
+        t.started = t.pulled_at  # the lease runs on from the pull
         messages = self._with_checksums(self.engine.send_kv(req, t.peer.backend, first), req, first)
         kind = self.faults.pick()
         if kind is not None:
             shipped = self.engine.prompt_kv(req, first)[1]
             messages = self._inject(kind, pull.request_id, list(messages), shipped)
         for header, frames in messages:
-            transport.send(t.peer.sock, header, frames)
+            transport.send(t.peer.link.sock, header, frames)
 
     def _with_checksums(self, messages, req: Request, first_block: int):
         """The transfer's messages, the first carrying a CRC-32 per layer of the KV shipped."""
@@ -221,18 +216,18 @@ class PrefillNode(NodeBase):
         for _, rid, messages in due:
             t = self.transfers.get(rid)  # (gone: aborted or failed meanwhile)
             for header, frames in messages if t is not None else ():
-                transport.send(t.peer.sock, header, frames)
+                transport.send(t.peer.link.sock, header, frames)
 
     def _end_transfer(self, t: Transfer, ok: bool, why: str,
                       code: P.ErrorCode = P.ErrorCode.KV_TRANSFER_FAILED) -> None:  # fmt: skip
         """The transfer is over: our copy of the KV is freed; if it failed for a reason (`why`), the router is told."""
         rid = t.request.request_id
         self.transfers.pop(rid, None)
-        if ok and t.pulled_at and not why:  # (ok with a reason: the decode node recomputed the KV)
+        if ok and t.state is TransferState.PULLED and not why:  # (ok with a reason: the decode node recomputed it)
             self._count_transfer(t)
         self.engine.release(t.request, Status.FINISHED if ok else Status.ABORTED)
         if not ok and t.peer.paired:  # the decode node may still hold an offer or blocks for it
-            transport.send(t.peer.sock, P.KvCancel(rid))
+            transport.send(t.peer.link.sock, P.KvCancel(rid))
         if not ok and why:
             self.counters["kv_transfer_failures"] += 1
             self.emit([error_event(rid, why, code)])
@@ -244,7 +239,7 @@ class PrefillNode(NodeBase):
         self.counters["kv_transfers"] += 1
         self.counters["kv_transfer_bytes"] += shipped * per_token
         self.counters["kv_skipped_bytes"] += (len(t.request.prompt_token_ids) - shipped) * per_token
-        self.counters["kv_transfer_time_s"] += time.perf_counter() - t.pulled_at
+        self.counters["kv_transfer_time_s"] += time.monotonic() - t.pulled_at
 
     def _fail(self, request_id: str, why: str) -> None:
         t = self.transfers.get(request_id)
@@ -261,9 +256,9 @@ class PrefillNode(NodeBase):
     def tick(self) -> None:
         super().tick()
         for peer in list(self.peers.values()):
-            for event in transport.monitor_events(peer.monitor):
+            for event in transport.monitor_events(peer.link.monitor):
                 self._on_peer_event(peer, event)
-            self.drain(peer.sock)  # lease renewals that came in during a long step count
+            self.drain(peer.link.sock)  # lease renewals that came in during a long step count
         if self.delayed:
             self._send_delayed()
         now = time.monotonic()
@@ -274,11 +269,11 @@ class PrefillNode(NodeBase):
         if event == zmq.EVENT_CONNECTED:
             hello = P.KvHello(P.PROTOCOL_VERSION, self.engine.layout.to_dict(), self.cfg.kv_transport,
                               self.backend.handle(), self.host_id, list(self.backends))  # fmt: skip
-            transport.send(peer.sock, hello)
+            transport.send(peer.link.sock, hello)
         elif event & transport.HANDSHAKE_FAILED:
-            log.error("decode node %s: the CurveZMQ handshake failed; check --zmq-keys on both sides", peer.addr)
+            log.error("decode node %s: the CurveZMQ handshake failed; check --zmq-keys on both sides", peer.name)
         elif event == zmq.EVENT_DISCONNECTED:
             peer.paired = False
             for t in [t for t in self.transfers.values() if t.peer is peer]:
-                if t.request.request_id not in peer.queued:
-                    self._end_transfer(t, ok=False, why=f"decode node {peer.addr} disconnected")
+                if t.state is not TransferState.QUEUED:
+                    self._end_transfer(t, ok=False, why=f"decode node {peer.name} disconnected")

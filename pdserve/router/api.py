@@ -3,35 +3,36 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import os
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import aclosing, asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field, replace
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.config import RouterConfig
-from pdserve.router import small_routes, sse
+from pdserve.router import small_routes
 from pdserve.router.access_log import AccessLog
 from pdserve.router.auth import ApiKeyGuard
-from pdserve.router.choices import derive_seed, gather_all, merge
+from pdserve.router.choices import derive_seed, gather_all
 from pdserve.router.core import NoNodeAvailable, Overloaded, RouterCore, StartupError
-from pdserve.router.errors import HTTP_STATUS, ApiError, api_error_body, logged_error
+from pdserve.router.errors import ApiError, api_error_body, logged_error
 from pdserve.router.limits import Offload, RequestLimits, content_chars, stop_problem
 from pdserve.router.logprobs import ChoiceExtras, merge_pieces
 from pdserve.router.metrics import merge_expositions
 from pdserve.router.openai_fields import UnsupportedField, check_fields
 from pdserve.router.response_format import grammar_for, schema_size
-from pdserve.router.sse import ChunkFormat
-from pdserve.router.text import Detokenizer, ModelInfo, NoTokenizerError, chat_prompt_ids, load_model_info
+from pdserve.router.stream import ChoiceView, Delta, Outbox, SseResponse, SseStream, choice, envelope, usage
+from pdserve.router.text import ModelInfo, NoTokenizerError, chat_prompt_ids, load_model_info
 from pdserve.router.workers import SharedMetrics, read_others
 from pdserve.wire import protocol as P
 
@@ -284,14 +285,6 @@ def _hidden_token(params: P.SamplingParams) -> P.SamplingParams:
 # ---- running a job -------------------------------------------------------------------------------
 
 
-@dataclass
-class Delta:
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    logprobs: dict | None = None
-
-
 def expand(jobs: list[Job], n: int) -> list[Job]:
     """One job per choice: prompt i's sample j is choice i * n + j, with its own seed; one id for the response."""
     first = jobs[0]
@@ -332,7 +325,7 @@ async def run_job(core: RouterCore, info: ModelInfo, job: Job, flight=None) -> A
     came since the last list (one node message's, unless the stream fell behind). Aborts it everywhere if the consumer
     leaves."""
     flight = flight or submit(core, job)
-    view = _ChoiceView(info, job)
+    view = ChoiceView(info, job)
     try:
         while view.reason is None:
             deltas, error = view.deltas(await flight.inbox.take())
@@ -343,64 +336,6 @@ async def run_job(core: RouterCore, info: ModelInfo, job: Job, flight=None) -> A
     finally:
         if view.reason is None or flight.request_id in core.flights:
             core.abort(flight.request_id, view.reason or P.FinishReason.ABORT)
-
-
-class _ChoiceView:
-    """What the client sees of one choice's events: text (stop strings cut), shown tokens, log-probabilities."""
-
-    def __init__(self, info: ModelInfo, job: Job) -> None:
-        self.job = job
-        self.detok = Detokenizer(info.tokenizer, job.stops, job.include_stop, job.skip_special)
-        self.extras = job.extras(info.tokenizer)
-        self.reason: P.FinishReason | None = None  # set by the last event the client sees
-
-    def deltas(self, events: list[P.TokenEvent]) -> tuple[list[Delta], ApiError | None]:
-        """The deltas of `events` up to the choice's end, and the error that ended it, if one did."""
-        out = []
-        for ev in events:
-            if ev.finish_reason == P.FinishReason.ERROR:
-                self.reason = ev.finish_reason
-                status, code = HTTP_STATUS[ev.error_code], ev.error_code.value
-                return out, ApiError(status, f"request failed: {ev.error}", code=code)
-            out.append(self._delta(ev))
-            if self.reason is not None:
-                break
-        return out, None
-
-    def _delta(self, ev: P.TokenEvent) -> Delta:
-        shown = list(ev.token_ids) if self.job.show_tokens else []
-        text, stopped = self.detok.add(shown)
-        reason = P.FinishReason.STOP if stopped else ev.finish_reason
-        if reason is not None:
-            text += "" if stopped else self.detok.flush()
-            self.reason = reason
-        prefix, logprobs = self.extras.event(ev, shown) if self.extras else ("", None)
-        return Delta(prefix + text, shown, reason, logprobs)
-
-
-def _usage(jobs: list[Job], completion_tokens: int) -> dict:
-    prompt_tokens = sum(len(j.prompt_ids) for j in jobs if j.sample == 0)  # a prompt counts once, whatever n
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
-
-
-def _choice(job: Job, chat: bool, text: str, token_ids: list[int] | None, reason, stream: bool,
-            logprobs: dict | None = None) -> dict:  # fmt: skip
-    if chat:
-        key = "delta" if stream else "message"
-        choice = {"index": job.index, key: {"role": "assistant", "content": text}, "logprobs": logprobs,
-                  "finish_reason": reason}  # fmt: skip
-    else:
-        choice = {"index": job.index, "text": text, "logprobs": logprobs, "finish_reason": reason}
-    if job.return_token_ids and token_ids is not None:
-        choice["token_ids"] = token_ids
-    return choice
-
-
-def _envelope(job: Job, chat: bool, stream: bool) -> dict:
-    obj = ("chat.completion" if chat else "text_completion") + (".chunk" if stream and chat else "")
-    return {"id": ("chatcmpl-" if chat else "cmpl-") + job.id, "object": obj, "created": job.created,
-            "model": job.model}  # fmt: skip
 
 
 async def _collect(core, info, job: Job) -> tuple[str, list[int], str | None, dict | None]:
@@ -422,10 +357,10 @@ async def _complete(core, info, jobs: list[Job], chat: bool, request: Request) -
             task.cancel()  # run_job's finally aborts each request on its nodes
     await asyncio.gather(task, return_exceptions=True)
     results = task.result()
-    body = _envelope(jobs[0], chat, stream=False)
-    body["choices"] = [_choice(job, chat, text, ids, reason, stream=False, logprobs=lps)
+    body = envelope(jobs[0], chat, stream=False)
+    body["choices"] = [choice(job, chat, text, ids, reason, stream=False, logprobs=lps)
                        for job, (text, ids, reason, lps) in zip(jobs, results, strict=True)]  # fmt: skip
-    body["usage"] = request.state.usage = _usage(jobs, sum(len(ids) for _, ids, _, _ in results))
+    body["usage"] = request.state.usage = usage(jobs, sum(len(ids) for _, ids, _, _ in results))
     return body
 
 
@@ -440,47 +375,6 @@ def submit_all(core: RouterCore, jobs: list[Job]) -> list:
             core.abort(f.request_id)
         raise
     return flights
-
-
-async def _numbered(deltas: AsyncIterator[list[Delta]]) -> AsyncIterator[tuple[int, list[Delta]]]:
-    """One choice's deltas as `merge` gives several choices' (closing this closes the choice's stream)."""
-    async with aclosing(deltas):
-        async for d in deltas:
-            yield 0, d
-
-
-def _chunk(job: Job, chat: bool, fmt: ChunkFormat, d: Delta) -> str:
-    if d.logprobs is None:
-        return fmt.event(d.text, d.token_ids, d.finish_reason)
-    chunk = _envelope(job, chat, stream=True)
-    chunk["choices"] = [_choice(job, chat, d.text, d.token_ids, d.finish_reason, stream=True, logprobs=d.logprobs)]
-    return sse.event(chunk)
-
-
-async def _stream(core, info, jobs: list[Job], chat: bool, flights: list, state) -> AsyncIterator[str]:
-    """The SSE body: one event per delta (per token, unless a node sent several at once), the events of one list of
-    deltas in one write; the usage chunk when asked for; [DONE]. The usage goes to `state` (the request's) when it
-    ends, however it ends."""
-    n = 0
-    runs = [run_job(core, info, j, f) for j, f in zip(jobs, flights, strict=True)]
-    formats = [ChunkFormat(_envelope(j, chat, stream=True), j.index, chat, j.return_token_ids) for j in jobs]
-    batches = _numbered(runs[0]) if len(runs) == 1 else merge(runs)
-    try:
-        async with aclosing(batches):  # a client that leaves closes it now: every choice is aborted at once
-            async for i, deltas in batches:
-                n += sum(len(d.token_ids) for d in deltas)
-                yield "".join([_chunk(jobs[i], chat, formats[i], d) for d in deltas])
-    except ApiError as e:
-        where = "stream of POST " + ("/v1/chat/completions" if chat else "/v1/completions")
-        yield sse.event(api_error_body(where, e))
-        return
-    finally:
-        state.usage = _usage(jobs, n)
-    if jobs[0].include_usage:
-        chunk = _envelope(jobs[0], chat, stream=True)
-        chunk["choices"], chunk["usage"] = [], _usage(jobs, n)
-        yield sse.event(chunk)
-    yield "data: [DONE]\n\n"
 
 
 # ---- the app -------------------------------------------------------------------------------------
@@ -498,7 +392,7 @@ def _parse(raw: bytes, model: type[_Common]) -> _Common:
 
 
 def _where(request: Request) -> str:
-    return f"{request.method} {request.url.path}"
+    return f"{request.method} {request.scope['path']}"
 
 
 def _invalid_message(errors: list) -> tuple[str, str | None]:
@@ -517,6 +411,14 @@ async def _read(request: Request, model: type[_Common]) -> _Common:
     return body
 
 
+def _without_telemetry() -> dict:
+    """FastAPI's own OpenTelemetry hooks off, where this FastAPI has them: pdserve exports Prometheus metrics, and the
+    hooks would look up the global OpenTelemetry providers on every request."""
+    if "telemetry" not in inspect.signature(FastAPI).parameters:
+        return {}
+    return {"telemetry": {"tracing": False, "metrics": False, "logs": False}}
+
+
 def create_app(cfg: RouterConfig, worker: int | None = None, metrics_dir: str = "") -> FastAPI:
     """The router's app; `worker`: its number among --router-workers processes (None: the only one), which share
     their metrics through files in `metrics_dir`."""
@@ -526,6 +428,7 @@ def create_app(cfg: RouterConfig, worker: int | None = None, metrics_dir: str = 
         app.state.info = load_model_info(cfg.model, tokenizer=not cfg.skip_tokenizer)
         app.state.served = {cfg.served_model_name or cfg.model, cfg.model}
         app.state.offload = Offload()
+        app.state.outbox = Outbox()
         app.state.core = RouterCore(cfg)
         if getattr(app.state, "exit_requested", False):  # a SIGTERM came while the model info loaded
             app.state.core.start_cancelled.set()
@@ -546,7 +449,7 @@ def create_app(cfg: RouterConfig, worker: int | None = None, metrics_dir: str = 
             await app.state.core.stop()
             app.state.offload.close()
 
-    app = FastAPI(title="pdserve", lifespan=lifespan)
+    app = FastAPI(title="pdserve", lifespan=lifespan, **_without_telemetry())
     app.include_router(small_routes.router)
     app.add_middleware(RequestLimits, limit=cfg.max_request_bytes)
     if cfg.api_key:  # added last, so outermost: a stranger's body is not even read
@@ -584,8 +487,8 @@ def create_app(cfg: RouterConfig, worker: int | None = None, metrics_dir: str = 
         jobs = expand(jobs, body.n)
         if body.stream:  # dispatch first, so that a refusal is still an HTTP error, not a 200 stream
             flights = submit_all(st.core, jobs)
-            events = _stream(st.core, st.info, jobs, chat, flights, request.state)
-            return StreamingResponse(events, media_type="text/event-stream")
+            where = f"stream of {_where(request)}"
+            return SseResponse(SseStream(st.core, st.info, jobs, chat, flights, request.state, where, st.outbox))
         return await _complete(st.core, st.info, jobs, chat, request)
 
     @app.post("/v1/completions")

@@ -10,12 +10,11 @@ request, random as usual.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Iterable
+from collections.abc import Awaitable, Iterable
 from typing import TypeVar
 
 T = TypeVar("T")
 _M64 = 0xFFFFFFFFFFFFFFFF
-_DONE = object()
 
 
 def derive_seed(seed: int | None, sample: int) -> int | None:
@@ -33,37 +32,6 @@ async def gather_all(aws: Iterable[Awaitable[T]]) -> list[T]:
     tasks = [asyncio.ensure_future(a) for a in aws]
     try:
         return list(await asyncio.gather(*tasks))
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
-    """(stream number, item) as each stream yields it; a stream's exception is raised here, and leaving (or
-    failing) cancels every stream still running, so each runs its own clean-up."""
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, stream: AsyncIterator[T]) -> None:
-        try:
-            async for item in stream:
-                queue.put_nowait((i, item, None))
-        except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
-            queue.put_nowait((i, _DONE, e))
-            return
-        queue.put_nowait((i, _DONE, None))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        running = len(tasks)
-        while running:
-            i, item, error = await queue.get()
-            if error is not None:
-                raise error
-            if item is _DONE:
-                running -= 1
-            else:
-                yield i, item
     finally:
         for t in tasks:
             t.cancel()

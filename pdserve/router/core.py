@@ -1,8 +1,9 @@
 """The router's state: its connections to the nodes, and every request in flight.
 
 Everything here runs on the router's one event loop, so one task at a time owns the state: HTTP
-handlers call `submit` / `abort` and take events from the request's inbox; one reader task per node
-feeds those inboxes; one watchdog marks silent or disconnected nodes down and fails their requests.
+handlers call `submit` / `abort` and take events from the request's inbox (or have them pushed); the event loop
+watches each node's socket and its monitor, and reads them (`_read`, `_read_monitor`) when they wake; one watchdog
+marks silent or disconnected nodes down and fails their requests.
 
 A request's life in the router:
 1. admission: refused (429, Retry-After) while --max-queued-requests requests wait for a first token.
@@ -44,11 +45,11 @@ import math
 import os
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq
-import zmq.asyncio
-from zmq.utils.monitor import recv_monitor_message
+from zmq.utils.monitor import parse_monitor_message
 
 from pdserve.config import RouterConfig
 from pdserve.router.membership import Member, make_membership
@@ -59,6 +60,9 @@ from pdserve.wire import transport
 log = logging.getLogger("pdserve.router")
 MAX_ATTEMPTS = 3  # dispatches of one request, the first included, before a lost node fails it
 MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | transport.HANDSHAKE_FAILED
+READ_BATCH = 256  # messages read from one socket before the other callbacks and tasks get a turn
+# the enum members of the per-token path, looked up once (on its class, an enum member costs about a microsecond)
+ERROR, DECODE, PREFILL = P.FinishReason.ERROR, P.Role.DECODE, P.Role.PREFILL
 
 
 class NoNodeAvailable(RuntimeError):
@@ -82,7 +86,8 @@ class NodeConn:
     role: P.Role
     addr: str
     kv_addr: str = ""
-    sock: zmq.asyncio.Socket | None = None
+    sock: zmq.Socket | None = None
+    monitor: zmq.Socket | None = None  # the socket's connection events
     up: bool = False
     draining: bool = False  # shutting down: finishes what it holds, takes nothing new
     last_seen: float = 0.0
@@ -92,7 +97,6 @@ class NodeConn:
     requests: set[str] = field(default_factory=set)
     cached: set[int] = field(default_factory=set)  # the block names its prefix cache holds, as its Stats tell
     ever_up: asyncio.Event = field(default_factory=asyncio.Event)
-    tasks: list[asyncio.Task] = field(default_factory=list)  # its reader and connection monitor
 
     @property
     def name(self) -> str:
@@ -108,20 +112,32 @@ class NodeConn:
 
 
 class Inbox:
-    """A request's events on their way from the core to the task that streams them: `put` appends without waking
-    anything but that task, `take` hands over every event that came since the last take (one node message's, unless
-    the stream fell behind), so a task switch and a write serve them all."""
+    """A request's events on their way from the core to what streams them. Pulled: `put` appends without waking
+    anything but the task that waits in `take`, which hands over every event that came since the last take (one node
+    message's, unless the stream fell behind), so a task switch serves them all. Pushed (after `attach`): `put` hands
+    each event straight to a callback, on the node reader's stack, with no task switch at all."""
 
-    __slots__ = ("events", "waiter")
+    __slots__ = ("events", "waiter", "push")
 
     def __init__(self) -> None:
         self.events: list[P.TokenEvent] = []
         self.waiter: asyncio.Future | None = None
+        self.push: Callable[[P.TokenEvent], None] | None = None
 
     def put(self, ev: P.TokenEvent) -> None:
+        if self.push is not None:
+            self.push(ev)
+            return
         self.events.append(ev)
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_result(None)
+
+    def attach(self, push: Callable[[P.TokenEvent], None]) -> None:
+        """From now on hand every event to `push` (which must not raise), those that came already first."""
+        self.push = push
+        events, self.events = self.events, []
+        for ev in events:
+            push(ev)
 
     async def take(self) -> list[P.TokenEvent]:
         while not self.events:
@@ -155,7 +171,7 @@ class Flight:
     @property
     def handed_off(self) -> bool:
         """Whether its prompt is computed on a prefill node and its KV shipped to its decode node."""
-        return any(n.role == P.Role.PREFILL for n in self.nodes)
+        return bool(self.nodes) and self.nodes[0].role is PREFILL  # [prefill, decode]: once a token, kept cheap
 
 
 def follow_cache(node: NodeConn, stats: P.Stats) -> None:
@@ -185,7 +201,7 @@ def tokens_to_compute(num_tokens: int, cached_blocks: int, block_size: int) -> i
 class RouterCore:
     def __init__(self, cfg: RouterConfig) -> None:
         self.cfg = cfg
-        self.ctx = zmq.asyncio.Context()
+        self.ctx = zmq.Context()
         self.membership = make_membership(cfg)
         self.keys = transport.load_keys(cfg.zmq_keys) if cfg.zmq_keys else None
         self.nodes: list[NodeConn] = []  # changed in place only: the metrics collector holds this list
@@ -232,10 +248,11 @@ class RouterCore:
                                "(are they running, at these addresses?)")  # fmt: skip
 
     async def stop(self) -> None:
-        tasks = self._tasks + [t for n in self.nodes for t in n.tasks]
-        for t in tasks:
+        for t in self._tasks:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for node in self.nodes:
+            self._unwatch(node)
         self.ctx.destroy(linger=0)
         self.membership.close()
 
@@ -283,9 +300,12 @@ class RouterCore:
         transport.configure(node.sock)
         transport.secure_client(node.sock, self.keys)
         node.sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        mon = node.sock.get_monitor_socket(MONITORED)
+        node.monitor = node.sock.get_monitor_socket(MONITORED)
         node.sock.connect(node.addr)
-        node.tasks = [asyncio.create_task(self._reader(node)), asyncio.create_task(self._monitor(node, mon))]
+        loop = asyncio.get_running_loop()
+        loop.add_reader(node.sock.FD, self._read, node)
+        loop.add_reader(node.monitor.FD, self._read_monitor, node)
+        loop.call_soon(self._read_monitor, node)  # what came before the loop watched: its wake-up may be past
         self.nodes.append(node)
         log.info("%s joined", node.name)
 
@@ -293,14 +313,18 @@ class RouterCore:
         self._node_down(node, "it left the cluster")
         self.nodes.remove(node)
         log.info("%s left", node.name)
-        self._tasks.append(asyncio.create_task(self._disconnect(node)))
+        self._unwatch(node)
 
-    async def _disconnect(self, node: NodeConn) -> None:
-        for t in node.tasks:
-            t.cancel()
-        await asyncio.gather(*node.tasks, return_exceptions=True)
-        node.sock.disable_monitor()
-        node.sock.close(linger=0)
+    def _unwatch(self, node: NodeConn) -> None:
+        """Stop reading the node's sockets, and close them."""
+        loop = asyncio.get_running_loop()
+        for sock in (node.sock, node.monitor):
+            if sock is not None and not sock.closed:
+                loop.remove_reader(sock.FD)
+        if node.sock is not None and not node.sock.closed:
+            node.sock.disable_monitor()
+            node.monitor.close(linger=0)
+            node.sock.close(linger=0)
 
     def _same_model(self, node: NodeConn, info: dict) -> bool:
         """A node that joins must serve the model the others serve, or outputs would be garbage."""
@@ -309,30 +333,47 @@ class RouterCore:
 
     # ---- node I/O -----------------------------------------------------------------------------
     def _hello(self, node: NodeConn) -> None:
-        node.sock.send(P.encode(P.Hello(P.PROTOCOL_VERSION, P.Role.ROUTER)))
+        self._send(node, P.Hello(P.PROTOCOL_VERSION, P.Role.ROUTER))
 
-    async def _reader(self, node: NodeConn) -> None:
-        while True:
-            parts = await node.sock.recv_multipart(copy=False)
-            try:
-                _, msg, _ = transport.split(parts, routed=False)
-            except P.ProtocolError as e:
-                log.warning("%s sent a malformed message: %s", node.name, e)
-                continue
-            node.last_seen = time.monotonic()
-            if not node.up and isinstance(msg, P.Stats):
-                self._hello(node)  # marked down for silence, yet alive: pair again
-            if isinstance(msg, P.TokenEvents):
-                for ev in msg.events:
-                    self._deliver(ev, node)
-            elif isinstance(msg, P.Stats):
-                node.stats, node.draining = msg, msg.draining
-                node.reports += 1
-                follow_cache(node, msg)
-                if msg.draining:  # it may exit once nothing routed to it is left
-                    node.sock.send(P.encode(P.Pending(sorted(node.requests))))
-            elif isinstance(msg, P.HelloAck):
-                self._on_hello_ack(node, msg)
+    def _send(self, node: NodeConn, msg: object) -> None:
+        """Send `msg` to the node (its socket's send queue has no bound: this never waits). A zmq socket's descriptor
+        wakes only on a change, and a send may take in the change that a message from the node made: so look for
+        messages after it, or one could wait unread until the node sends the next (seen: a prefill node's first
+        tokens read 0.6 s late, after the decode node's next hundred tokens)."""
+        node.sock.send(P.encode(msg), zmq.NOBLOCK)
+        if node.sock.get(zmq.EVENTS) & zmq.POLLIN:
+            asyncio.get_running_loop().call_soon(self._read, node)
+
+    def _read(self, node: NodeConn) -> None:
+        """Every message the node's socket holds (READ_BATCH at a time), when its descriptor wakes or a send may have
+        hidden a wake-up."""
+        sock = node.sock
+        for _ in range(READ_BATCH):
+            if sock.closed or not sock.get(zmq.EVENTS) & zmq.POLLIN:  # cheaper than the exception of an empty read
+                return
+            self._on_message(node, sock.recv_multipart(zmq.NOBLOCK))  # bytes: cheaper than frames for small messages
+        asyncio.get_running_loop().call_soon(self._read, node)
+
+    def _on_message(self, node: NodeConn, parts: list) -> None:
+        try:
+            _, msg, _ = transport.split(parts, routed=False)
+        except P.ProtocolError as e:
+            log.warning("%s sent a malformed message: %s", node.name, e)
+            return
+        node.last_seen = time.monotonic()
+        if not node.up and isinstance(msg, P.Stats):
+            self._hello(node)  # marked down for silence, yet alive: pair again
+        if isinstance(msg, P.TokenEvents):
+            for ev in msg.events:
+                self._deliver(ev, node)
+        elif isinstance(msg, P.Stats):
+            node.stats, node.draining = msg, msg.draining
+            node.reports += 1
+            follow_cache(node, msg)
+            if msg.draining:  # it may exit once nothing routed to it is left
+                self._send(node, P.Pending(sorted(node.requests)))
+        elif isinstance(msg, P.HelloAck):
+            self._on_hello_ack(node, msg)
 
     def _on_hello_ack(self, node: NodeConn, msg: P.HelloAck) -> None:
         if not msg.ok or msg.role != node.role:
@@ -346,9 +387,13 @@ class RouterCore:
         node.ever_up.set()
         log.info("%s is up", node.name)
 
-    async def _monitor(self, node: NodeConn, mon: zmq.asyncio.Socket) -> None:
-        while True:
-            event = (await recv_monitor_message(mon))["event"]
+    def _read_monitor(self, node: NodeConn) -> None:
+        """Every connection event the node's monitor holds."""
+        while not node.monitor.closed:
+            try:
+                event = parse_monitor_message(node.monitor.recv_multipart(zmq.NOBLOCK))["event"]
+            except zmq.Again:
+                return
             if event == zmq.EVENT_CONNECTED:
                 node.last_seen = time.monotonic()
                 self._hello(node)
@@ -468,7 +513,7 @@ class RouterCore:
         self.flights[rid] = flight
         for n in nodes:
             n.requests.add(rid)
-        nodes[0].sock.send(P.encode(msg))
+        self._send(nodes[0], msg)
 
     @staticmethod
     def _resumed_params(flight: Flight) -> P.SamplingParams:
@@ -506,35 +551,35 @@ class RouterCore:
         flight = self.flights.get(ev.request_id)
         if flight is None:
             return  # already ended (aborted, failed, or dispatched again under a new id)
-        if ev.finish_reason == P.FinishReason.ERROR and source.draining:
+        if source.draining and ev.finish_reason == ERROR:
             self._lost(flight, f"{source.name}: {ev.error}", P.ErrorCode.DRAINING)
             return
-        handed_off = source.role == P.Role.DECODE and flight.handed_off
+        handed_off = source.role is DECODE and flight.handed_off
         if handed_off:
-            if flight.first_token_at is None and ev.finish_reason != P.FinishReason.ERROR:
+            if flight.first_token_at is None and ev.finish_reason != ERROR:
                 flight.early.append(ev)  # two sockets: keep the prefill node's first token first
                 return
             self._left_prefill(flight)  # the decode node has it: a prefill failure no longer concerns it
             if not ev.token_ids and ev.finish_reason is None:
                 return  # the "KV landed" notice
-        self._put(flight, ev, from_decode=handed_off)
-        if source.role == P.Role.PREFILL and flight.early:
+        self._put(flight, ev, handed_off)
+        if flight.early and source.role is PREFILL:
             early, flight.early = flight.early, []
             for e in early:
                 self._deliver(e, flight.nodes[1])
 
     @staticmethod
     def _left_prefill(flight: Flight) -> None:
-        for n in flight.nodes:
-            if n.role == P.Role.PREFILL:
-                n.requests.discard(flight.request_id)
+        prefill = flight.nodes[0]  # [prefill, decode]
+        if prefill.role is PREFILL:
+            prefill.requests.discard(flight.request_id)
 
     def _put(self, flight: Flight, ev: P.TokenEvent, from_decode: bool = False) -> None:
         if ev.token_ids:
             self._observe_tokens(flight, ev.token_ids, from_decode)
-        if ev.finish_reason == P.FinishReason.ERROR:
-            self._abort_on_nodes(flight)  # the nodes that still hold it must let it go
         if ev.finish_reason is not None:
+            if ev.finish_reason is ERROR:
+                self._abort_on_nodes(flight)  # the nodes that still hold it must let it go
             self._end(flight, ev.finish_reason)
         flight.inbox.put(ev)
 
@@ -586,7 +631,7 @@ class RouterCore:
     def _abort_on_nodes(self, flight: Flight) -> None:
         for n in flight.nodes:
             if n.up:
-                n.sock.send(P.encode(P.Abort(flight.request_id)))
+                self._send(n, P.Abort(flight.request_id))
 
     def kv_capacity_tokens(self, role: P.Role) -> int | None:
         """The most tokens one request's KV can take on every node of `role`."""

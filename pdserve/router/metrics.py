@@ -12,11 +12,16 @@ Queue and prefill times inside a node are not reported per request by the nodes 
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
+import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
 
 FAST = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0,
         40.0, 80.0)  # fmt: skip
@@ -34,8 +39,8 @@ class RouterMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram("pdserve:time_to_first_token_seconds", "Time to first token.", registry=r, buckets=FAST)
-        self.itl = Histogram("pdserve:inter_token_latency_seconds", "Time between two token events of a request.",
-                             registry=r, buckets=FAST)  # fmt: skip
+        self.itl = LoopHistogram("pdserve:inter_token_latency_seconds", "Time between two token events of a request.",
+                                 buckets=FAST, registry=r)  # fmt: skip
         self.tpot = Histogram("pdserve:request_time_per_output_token_seconds",
                               "A request's mean time per output token after the first.", registry=r, buckets=FAST)
         self.e2e = Histogram("pdserve:e2e_request_latency_seconds", "Dispatch to last token.", registry=r,
@@ -46,7 +51,7 @@ class RouterMetrics:
                                  "Disaggregated: the prefill node's first token to the decode node's first token "
                                  "(KV transfer, admission, one decode step).", registry=r, buckets=FAST)  # fmt: skip
         self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens dispatched.", registry=r)
-        self.generation_tokens = Counter("pdserve:generation_tokens", "Tokens generated.", registry=r)
+        self.generation_tokens = LoopCounter("pdserve:generation_tokens", "Tokens generated.", registry=r)
         self.success = Counter("pdserve:request_success", "Finished requests by finish reason.", ["finished_reason"],
                                registry=r)  # fmt: skip
         self.requests = Counter("pdserve:requests", "Requests dispatched to the nodes.", registry=r)
@@ -66,6 +71,46 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class LoopHistogram:
+    """A histogram that only the event loop observes, so without prometheus_client's lock and checks per observation
+    (the inter-token latency is observed once a token event); exposed as that client's Histogram is."""
+
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...], registry: CollectorRegistry) -> None:
+        self.name, self.documentation = name, documentation
+        self.bounds = [*buckets, math.inf]
+        self.counts = [0] * len(self.bounds)  # per bucket, not cumulative
+        self.sum = 0.0
+        self.created = time.time()
+        registry.register(self)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(self.name, self.documentation)
+        buckets = [(floatToGoString(b), n) for b, n in zip(self.bounds, itertools.accumulate(self.counts), strict=True)]
+        family.add_metric([], buckets, self.sum)
+        family.samples.append(Sample(f"{self.name}_created", {}, self.created))
+        yield family
+
+
+class LoopCounter:
+    """A counter that only the event loop increments (tokens generated: once a token event), without a lock."""
+
+    def __init__(self, name: str, documentation: str, registry: CollectorRegistry) -> None:
+        self.name, self.documentation = name, documentation
+        self.value = 0
+        self.created = time.time()
+        registry.register(self)
+
+    def inc(self, amount: int = 1) -> None:
+        self.value += amount
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(self.name, self.documentation, value=self.value, created=self.created)
 
 
 class NodeCollector:

@@ -20,6 +20,7 @@ from fastapi import FastAPI
 
 from pdserve.config import RouterConfig
 from pdserve.router.api import create_app
+from pdserve.router.http import RouterHttp
 from pdserve.router.limits import MAX_HEADER_BYTES
 
 log = logging.getLogger("pdserve.router")
@@ -75,7 +76,7 @@ def serve(cfg: RouterConfig, sock: socket.socket | None = None, worker: int | No
     """Serve on cfg.host:cfg.port, or on `sock` (a worker of several, router/workers.py, numbered `worker`, sharing
     metrics through `metrics_dir`)."""
     app = create_app(cfg, worker, metrics_dir)
-    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", http="h11",
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", http=RouterHttp,
                             h11_max_incomplete_event_size=MAX_HEADER_BYTES,
                             timeout_graceful_shutdown=cfg.drain_timeout_s + 5)  # fmt: skip
     server = DrainingServer(config, app, cfg.drain_timeout_s, partial(ready_line, cfg))

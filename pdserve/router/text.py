@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import codecs
 import json
+import random
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,6 +20,7 @@ class ModelInfo:
     max_model_len: int
     eos_token_ids: tuple[int, ...]
     max_prompt_chars: int  # longer prompts cannot fit the context, whatever they say
+    byte_table: ByteTable | None = None  # a byte-level tokenizer's fast detokenizing (Detokenizer)
 
 
 class NoTokenizer:
@@ -59,7 +62,7 @@ def load_model_info(model: str, tokenizer: bool = True) -> ModelInfo:
     eos_ids = eos_token_ids(config)
     context = max_model_len(config)
     limit = max_prompt_chars(context, max_token_chars(tokenizer))
-    return ModelInfo(tokenizer, config.vocab_size, context, eos_ids, limit)
+    return ModelInfo(tokenizer, config.vocab_size, context, eos_ids, limit, ByteTable.of(tokenizer))
 
 
 def _load_tokenizer(path: Path):
@@ -84,29 +87,26 @@ def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool
 class Detokenizer:
     """Turns a growing list of token ids into text deltas, and watches for stop strings.
 
-    Incremental: each new token decodes only a short window (the tokens since the last settled
-    point, plus the few before it for context), so a long answer costs O(n), not O(n^2). Text that
-    ends in an incomplete UTF-8 sequence, or that could be the start of a stop string, is held back
-    until the next tokens settle it.
+    Incremental, O(n) over an answer: with a byte-level tokenizer's `ByteTable`, each token's bytes are looked up
+    and decoded as UTF-8 incrementally (ByteText); otherwise each new token decodes only a short window of ids
+    (WindowText). Text that ends in an incomplete UTF-8 sequence, or that could be the start of a stop string, is
+    held back until the next tokens settle it.
     """
 
-    def __init__(self, tokenizer, stops: list[str], include_stop: bool = False, skip_special: bool = True) -> None:
-        self.tokenizer = tokenizer
-        self._backend = backend_decoder(tokenizer)
+    def __init__(self, tokenizer, stops: list[str], include_stop: bool = False, skip_special: bool = True,
+                 table: ByteTable | None = None) -> None:  # fmt: skip
+        self.source = ByteText(table, skip_special) if table is not None else WindowText(tokenizer, skip_special)
         self.stops = stops
         self.include_stop = include_stop  # the text ends with the stop string rather than before it
-        self.skip_special = skip_special
-        self.ids: list[int] = []
         self.text = ""  # settled text so far
-        self.prefix_offset = 0  # ids[prefix_offset:read_offset] give the context of the next decode
-        self.read_offset = 0
         self.sent = 0  # characters of self.text already returned
 
     def add(self, token_ids: list[int]) -> tuple[str, bool]:
         """Return (new text, stopped). After a stop the text ends before the stop string (after it, with
         include_stop)."""
-        self.ids.extend(token_ids)
-        self._settle()
+        self.text += self.source.add(token_ids)
+        if not self.stops:
+            return self._take(len(self.text)), False
         for stop in self.stops:
             at = self.text.find(stop, max(0, self.sent - len(stop)))
             if at != -1:
@@ -121,20 +121,44 @@ class Detokenizer:
 
     def flush(self) -> str:
         """Everything not yet returned, unsettled bytes included (the answer is over)."""
-        tail = self._decode(self.ids[self.prefix_offset :])[len(self._decode(self._window())) :]
-        self.text += tail
-        self.prefix_offset = self.read_offset = len(self.ids)
+        self.text += self.source.flush()
         return self._take(len(self.text))
 
-    def _settle(self) -> None:
-        before = self._decode(self._window())
+    def _take(self, upto: int) -> str:
+        if upto <= self.sent:
+            return ""
+        out = self.text[self.sent : upto]
+        self.sent = upto
+        return out
+
+
+class WindowText:
+    """The settled text of a growing list of ids, for any tokenizer: each new token decodes a short window (the
+    tokens since the last settled point, plus those before it for context); text ending in U+FFFD (an incomplete
+    UTF-8 sequence) waits for the next tokens."""
+
+    def __init__(self, tokenizer, skip_special: bool) -> None:
+        self.tokenizer = tokenizer
+        self._backend = backend_decoder(tokenizer)
+        self.skip_special = skip_special
+        self.ids: list[int] = []
+        self.prefix_offset = 0  # ids[prefix_offset:read_offset] give the context of the next decode
+        self.read_offset = 0
+
+    def add(self, token_ids: list[int]) -> str:
+        self.ids.extend(token_ids)
+        before = self._decode(self.ids[self.prefix_offset : self.read_offset])
         after = self._decode(self.ids[self.prefix_offset :])
         if len(after) > len(before) and not after.endswith("\ufffd"):
-            self.text += after[len(before) :]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return after[len(before) :]
+        return ""
 
-    def _window(self) -> list[int]:
-        return self.ids[self.prefix_offset : self.read_offset]
+    def flush(self) -> str:
+        settled = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        tail = self._decode(self.ids[self.prefix_offset :])[len(settled) :]
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return tail
 
     def _decode(self, ids: list[int]) -> str:
         if not ids:
@@ -143,12 +167,85 @@ class Detokenizer:
             return self._backend.decode(ids, skip_special_tokens=self.skip_special)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
 
-    def _take(self, upto: int) -> str:
-        if upto <= self.sent:
-            return ""
-        out = self.text[self.sent : upto]
-        self.sent = upto
-        return out
+
+class ByteText:
+    """The settled text of a growing list of ids, for a byte-level tokenizer: each token's bytes from its table,
+    through an incremental UTF-8 decoder (which holds an incomplete sequence back, as decoding all the ids at once
+    would replace it only at the end)."""
+
+    def __init__(self, table: ByteTable, skip_special: bool) -> None:
+        self.table, self.skip_special = table, skip_special
+        self.known = table.skipping if skip_special else table.plain
+        self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def add(self, token_ids: list[int]) -> str:
+        known, table = self.known, self.table
+        parts = [known[t] if t in known else table.learn(t, self.skip_special) for t in token_ids]
+        return self.utf8.decode(b"".join(parts))
+
+    def flush(self) -> str:
+        return self.utf8.decode(b"", final=True)
+
+
+class ByteTable:
+    """Each token's bytes, for a tokenizer whose decoder is byte-level BPE's (GPT-2's, Qwen's): decoding ids is then
+    joining their bytes and reading them as UTF-8 (invalid bytes replaced), which a table and Python's UTF-8 decoder
+    do in a fraction of the time a call to the tokenizer takes. Filled as tokens first appear (a large vocabulary
+    costs nothing at start-up); `of` checks it against the tokenizer."""
+
+    def __init__(self, backend, special: set[int]) -> None:
+        self.backend, self.special = backend, special
+        self.alphabet = _ByteAlphabet()
+        self.plain: dict[int, bytes] = {}  # special tokens as their text
+        self.skipping: dict[int, bytes] = {}  # special tokens skipped
+
+    @classmethod
+    def of(cls, tokenizer) -> ByteTable | None:
+        """The table of `tokenizer`, or None where its decoder is not byte-level or the table decodes otherwise."""
+        backend = backend_decoder(tokenizer)
+        if backend is None or type(getattr(backend, "decoder", None)).__name__ != "ByteLevel":
+            return None
+        special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+        table = cls(backend, special)
+        return table if table.decodes_as_backend() else None
+
+    def learn(self, token_id: int, skip_special: bool) -> bytes:
+        """A token's bytes (none for an id without a token), remembered."""
+        token = self.backend.id_to_token(token_id) if token_id >= 0 else None
+        skipped = token is None or (skip_special and token_id in self.special)
+        data = b"" if skipped else self.alphabet.bytes_of(token)
+        (self.skipping if skip_special else self.plain)[token_id] = data
+        return data
+
+    def decodes_as_backend(self) -> bool:
+        """Whether the table decodes a random sample of ids (every special token among them) as the tokenizer does."""
+        rng = random.Random(0)
+        size = self.backend.get_vocab_size(True)
+        ids = [rng.randrange(size) for _ in range(4000)] + sorted(self.special)
+        rng.shuffle(ids)
+        for skip in (True, False):
+            text = ByteText(self, skip)
+            mine = "".join(text.add(ids[k : k + 3]) for k in range(0, len(ids), 3)) + text.flush()
+            if mine != self.backend.decode(ids, skip_special_tokens=skip):
+                return False
+        return True
+
+
+class _ByteAlphabet:
+    """GPT-2's byte-level alphabet: printable bytes stand for themselves, the others for the characters from U+0100
+    on, in order. A token's bytes are its characters read back through it; a token with a character outside it (an
+    added token's) is its characters' own UTF-8, as in the tokenizers library."""
+
+    def __init__(self) -> None:
+        printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+        others = [b for b in range(256) if b not in printable]
+        self.to_byte = {**{b: b for b in printable}, **{256 + k: b for k, b in enumerate(others)}}  # code point -> byte
+        self.chars = frozenset(map(chr, self.to_byte))
+
+    def bytes_of(self, token: str) -> bytes:
+        if self.chars.issuperset(token):
+            return token.translate(self.to_byte).encode("latin-1")
+        return token.encode()
 
 
 def backend_decoder(tokenizer) -> object | None:

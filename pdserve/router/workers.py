@@ -26,7 +26,6 @@ the nodes' figures taken once). A worker started again starts its counts from ze
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import multiprocessing
 import os
@@ -39,11 +38,11 @@ from multiprocessing.connection import wait
 from pathlib import Path
 
 from pdserve.config import RouterConfig
+from pdserve.process import die_with_parent
 
 log = logging.getLogger("pdserve.router")
 START_GRACE_S = 10.0
 MAX_QUICK_DEATHS = 3
-PR_SET_PDEATHSIG = 1  # prctl(2)
 SHARE_INTERVAL_S = 1.0
 
 
@@ -86,18 +85,8 @@ def _worker_main(cfg: RouterConfig, index: int, log_level: int, metrics_dir: str
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s router worker {index}: %(message)s",
                         datefmt="%Y-%m-%d %H:%M:%S")  # fmt: skip
     os.setpgrp()  # a terminal's Ctrl-C reaches the parent only, which passes it on as one SIGTERM (one drain, not two)
-    _stop_with_parent()
+    die_with_parent()  # no worker is left serving the port on its own
     serve(cfg, sock=reuse_port_socket(cfg.host, cfg.port), worker=index, metrics_dir=metrics_dir)
-
-
-def _stop_with_parent() -> None:
-    """Linux: a SIGTERM (a drain) when the parent dies, so that no worker is left serving the port on its own."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):  # not Linux
-        pass
-    if os.getppid() == 1:  # the parent died before the line above
-        os.kill(os.getpid(), signal.SIGTERM)
 
 
 class Workers:

@@ -1,1 +1,1 @@
-"""What crosses a socket: the message protocol, the ZeroMQ transport, the KV transfer backends."""
+"""What crosses a socket: the message protocol and the ZeroMQ transport (torch-free; imports nothing above it)."""

@@ -63,7 +63,7 @@ NODE_ROLES = (Role.COLOCATED, Role.PREFILL, Role.DECODE)
 
 
 class KvTransport(enum.StrEnum):
-    """How KV moves from a prefill node to a decode node (wire/kv_transfer.py), as --kv-transport names it."""
+    """How KV moves from a prefill node to a decode node (kv/transfer.py), as --kv-transport names it."""
 
     ZMQ = "zmq"
     SHM = "shm"
@@ -392,13 +392,27 @@ _REGISTRY: dict[str, type] = {
 
 
 def _to_wire(value: Any) -> Any:
+    """A message as msgpack takes it; a field at its plain default is left out (the decoder fills it in), so that a
+    token event is two fields, not seven."""
     if dataclasses.is_dataclass(value):
-        return {f.name: _to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        out = {}
+        for name, default in _wire_fields(type(value)):
+            v = getattr(value, name)
+            if type(v) is not type(default) or v != default:
+                out[name] = _to_wire(v)
+        return out
     if isinstance(value, (list, tuple)):
         return [_to_wire(v) for v in value]
     if isinstance(value, enum.Enum):
         return value.value
     return value
+
+
+@functools.cache
+def _wire_fields(cls: type) -> tuple[tuple[str, Any], ...]:
+    """(name, default) of each field of a message class; dataclasses.MISSING where the default is none or a
+    factory's (a field that is always sent)."""
+    return tuple((f.name, f.default) for f in dataclasses.fields(cls))
 
 
 def encode(msg: Any) -> bytes:
@@ -414,6 +428,10 @@ def _build(cls: type, body: Any) -> Any:
     """A message (or nested part) of type `cls` from its decoded map, every field checked against its type."""
     if not isinstance(body, dict):
         raise ProtocolError(f"{cls.__name__}: expected a map, got {type(body).__name__}")
+    if cls is TokenEvent and (plain := _plain_token_event(body)) is not None:
+        return plain
+    if cls is TokenEvents and body.keys() == {"events"} and type(body["events"]) is list:  # one a step: the hot path
+        return TokenEvents([_build(TokenEvent, e) for e in body["events"]])
     checkers = _field_checkers(cls)
     unknown = body.keys() - checkers.keys()
     if unknown:
@@ -423,6 +441,24 @@ def _build(cls: type, body: Any) -> Any:
         return cls(**kwargs)
     except Exception as e:  # a missing field, or a value its __post_init__ refuses
         raise ProtocolError(f"{cls.__name__}: {e}") from e
+
+
+_EVENT_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TokenEvent) if f.default is not dataclasses.MISSING}
+
+
+def _plain_token_event(body: dict) -> TokenEvent | None:
+    """The commonest message part, a request's new tokens and nothing else (its other fields at their defaults, so
+    left out by `encode`), checked in a few steps: one arrives per request and step. None for any other event,
+    which the general checks take."""
+    rid, ids = body.get("request_id"), body.get("token_ids")
+    if len(body) != 2 or type(rid) is not str or type(ids) is not list:
+        return None
+    for t in ids:
+        if type(t) is not int or t < 0:
+            return None
+    ev = object.__new__(TokenEvent)  # what TokenEvent(rid, ids) gives, without a frozen dataclass's slow __init__
+    ev.__dict__.update(_EVENT_DEFAULTS, request_id=rid, token_ids=ids)
+    return ev
 
 
 @functools.cache

@@ -17,10 +17,10 @@ import dataclasses
 import math
 import random
 
+from pdserve.kv.backend import Message
 from pdserve.wire import protocol as P
 
 DELAY_S = 0.3
-Message = tuple[P.KvData, list]  # (header, frames) as a backend's pack() yields them
 
 
 class FaultInjector:

@@ -1,6 +1,6 @@
-"""How one request's KV moves from a prefill node's pool into a decode node's pool.
+"""How one request's KV moves from a prefill node's pool into a decode node's pool: three backends of the one
+interface in backend.py (`KvBackend`).
 
-One small interface, three backends:
 - `zmq`: per layer, the request's whole blocks go as one raw frame (copy=False) after a KvData
   header, gathered into one contiguous `[2, nkv, n * bs, d]` tensor first (a slice per K/V head
   of the head-major pool); works across hosts (tcp://) or on one host (ipc://).
@@ -10,11 +10,6 @@ One small interface, three backends:
   then the decode node copies blocks device to device. The handle names the GPU by its UUID, so
   the two processes may see different `CUDA_VISIBLE_DEVICES`, and names the owning process, so the
   decode node can tell when a restarted prefill node's old pool is gone and unmap it.
-
-Prefill side: `storage()` (where the pool lives), `handle()` (sent in KvHello), `pack()`.
-Decode side: `attach(handle)` per prefill peer, then `unpack()` per transfer and `wait_landed()`
-before the KvAck (after it the prefill node reuses its blocks); `alive(handle)` / `forget(handle)`
-to unmap a peer's pool once it is gone.
 """
 
 from __future__ import annotations
@@ -25,46 +20,33 @@ import mmap
 import os
 import uuid
 import warnings
+from collections.abc import Iterator
 from multiprocessing import shared_memory
 
 import torch
 
-from pdserve.engine.block_allocator import blocks_for
-from pdserve.engine.kv_cache import DTYPES, KVLayout, KVPool
+from pdserve.kv.backend import KvBackend, Message, NoSharedPool
+from pdserve.kv.block_allocator import blocks_for
+from pdserve.kv.peers import TransferError
+from pdserve.kv.pool import DTYPES, KVLayout, KVPool
 from pdserve.wire import protocol as P
-from pdserve.wire.kv_peers import TransferError
 from pdserve.wire.protocol import KvTransport
 
 
-class ZmqBackend:
+class ZmqBackend(NoSharedPool):
     """One message per layer, so that gathering, the wire and scattering overlap layer by layer."""
 
     name = KvTransport.ZMQ
 
-    def storage(self, layout: KVLayout, num_blocks: int, device: str) -> torch.Tensor | None:
-        return None
-
-    def handle(self) -> dict:
-        return {}
-
-    def pack(self, pool: KVPool, request_id: str, block_ids: list[int], num_tokens: int):
+    def pack(self, pool: KVPool, request_id: str, block_ids: list[int], num_tokens: int) -> Iterator[Message]:
         """Yield (header, frames) per layer: the request's whole blocks gathered into one frame."""
         blocks = block_ids[: blocks_for(num_tokens, pool.block_size)]
         for layer in range(pool.layout.num_layers):
             kv = pool.export_blocks(layer, blocks).cpu()  # [2, nkv, n_blocks * bs, d]
             yield P.KvData(request_id, pool.layout.dtype, list(kv.shape), layer), [kv.view(torch.uint8).numpy()]
 
-    def attach(self, handle: dict, layout: KVLayout, device: str) -> object:
-        return None
-
-    def alive(self, handle: dict) -> bool:
-        """Whether the peer's pool behind `handle` still exists (only shared pools can tell)."""
-        return True
-
-    def forget(self, handle: dict) -> None:
-        """Drop our mapping of a peer's pool."""
-
-    def unpack(self, pool: KVPool, dst_blocks: list[int], num_tokens: int, header: P.KvData, frames, source) -> int:
+    def unpack(self, pool: KVPool, dst_blocks: list[int], num_tokens: int, header: P.KvData, frames: list,
+               source: None) -> int:  # fmt: skip
         """Land one layer; return how many layers it carried."""
         lay = pool.layout
         n_blocks = blocks_for(num_tokens, pool.block_size)
@@ -88,9 +70,6 @@ class ZmqBackend:
         go). Here unpack() read our own copy of the frames, which it has copied out (into pinned memory on a
         GPU) by the time it returns."""
 
-    def close(self) -> None:
-        pass
-
 
 class _SharedPoolBackend:
     """Shared by shm and cuda_ipc: the prefill pool is mapped once, transfers copy blocks."""
@@ -103,7 +82,7 @@ class _SharedPoolBackend:
     def forget(self, handle: dict) -> None:
         pass
 
-    def pack(self, pool: KVPool, request_id: str, block_ids: list[int], num_tokens: int):
+    def pack(self, pool: KVPool, request_id: str, block_ids: list[int], num_tokens: int) -> Iterator[Message]:
         """One header naming the source blocks; no frames."""
         n_blocks = blocks_for(num_tokens, pool.block_size)
         self.sync(pool)
@@ -113,7 +92,8 @@ class _SharedPoolBackend:
     def sync(self, pool: KVPool) -> None:
         """Make the pool's KV visible to another process before naming its blocks."""
 
-    def unpack(self, pool: KVPool, dst_blocks: list[int], num_tokens: int, header: P.KvData, frames, source) -> int:
+    def unpack(self, pool: KVPool, dst_blocks: list[int], num_tokens: int, header: P.KvData, frames: list,
+               source: torch.Tensor | None) -> int:  # fmt: skip
         """Copy every layer's blocks out of the mapped prefill pool; return the layers landed."""
         src_blocks = list(header.src_blocks)
         n_blocks = blocks_for(num_tokens, pool.block_size)
@@ -288,7 +268,7 @@ def _pid_namespace() -> str | None:
 BACKENDS = {KvTransport.ZMQ: ZmqBackend, KvTransport.SHM: ShmBackend, KvTransport.CUDA_IPC: CudaIpcBackend}
 
 
-def make_backend(name: KvTransport):
+def make_backend(name: KvTransport) -> KvBackend:
     return BACKENDS[name]()
 
 

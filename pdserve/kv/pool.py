@@ -15,9 +15,8 @@ import zlib
 
 import torch
 
-from pdserve.engine.block_allocator import BlockAllocator, blocks_for
-from pdserve.engine.copies import to_device
-from pdserve.engine.kv_layout import KVLayout
+from pdserve.kv.block_allocator import BlockAllocator, blocks_for
+from pdserve.kv.layout import KVLayout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -58,7 +57,7 @@ class KVPool:
         if is_run(block_ids):
             first = block_ids[0] * self.block_size
             return slice(first, first + length)
-        return to_device(self.slots(block_ids, 0, length), self.data.device)
+        return _to_device(self.slots(block_ids, 0, length), self.data.device)
 
     def export_blocks(self, layer: int, block_ids: list[int]) -> torch.Tensor:
         """Whole blocks of one layer as a contiguous [2, nkv, n_blocks * bs, d] tensor."""
@@ -70,7 +69,7 @@ class KVPool:
         """Write whole blocks of one layer ([2, nkv, n_blocks * bs, d], on the host) into `block_ids`; on a GPU
         without waiting for the step in flight (through pinned memory: `kv` may be reused once this returns)."""
         dst = self.data[layer]  # [2, nkv, S, d]
-        kv = to_device(kv, self.data.device)
+        kv = _to_device(kv, self.data.device)
         idx = self.context_slots(block_ids, len(block_ids) * self.block_size)
         if isinstance(idx, slice):
             dst[:, :, idx].copy_(kv)
@@ -97,6 +96,12 @@ class KVPool:
         bs = self.block_size
         for s, d, n in _runs(src_blocks, dst_blocks):
             self.data[..., d * bs : (d + n) * bs, :].copy_(src[..., s * bs : (s + n) * bs, :])
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor `t` on `device`; on a GPU through pinned memory, without waiting for the work queued there (as
+    engine/copies.py does for the engine's own inputs)."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 def is_run(block_ids: list[int]) -> bool:

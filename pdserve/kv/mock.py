@@ -11,40 +11,24 @@ the receiver takes either.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
-from pdserve.engine.block_allocator import blocks_for
-from pdserve.engine.kv_layout import DTYPE_BYTES, KVLayout
+from pdserve.kv.backend import Message, NoSharedPool
+from pdserve.kv.block_allocator import blocks_for
+from pdserve.kv.layout import DTYPE_BYTES, KVLayout
+from pdserve.kv.peers import TransferError
 from pdserve.wire import protocol as P
-from pdserve.wire.kv_peers import TransferError
 
 
-class MockKvBackend:
+class MockKvBackend(NoSharedPool):
     def __init__(self, name: str, header_only: bool) -> None:
         self.name, self.header_only = name, header_only
         self._zeros = memoryview(b"")
 
-    def storage(self, layout: KVLayout, num_blocks: int, device: str) -> None:
-        return None
-
-    def handle(self) -> dict:
-        return {}
-
-    def attach(self, handle: dict, layout: KVLayout, device: str) -> None:
-        return None
-
-    def alive(self, handle: dict) -> bool:
-        return True
-
-    def forget(self, handle: dict) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
     def wait_landed(self, pool) -> None:
         pass
 
-    def pack(self, pool, request_id: str, block_ids: list[int], num_tokens: int):
+    def pack(self, pool, request_id: str, block_ids: list[int], num_tokens: int) -> Iterator[Message]:
         """Yield (header, frames): per layer a frame of the blocks' real size, or one header for every layer."""
         lay = pool.layout
         if self.header_only:
@@ -55,7 +39,7 @@ class MockKvBackend:
         for layer in range(lay.num_layers):
             yield P.KvData(request_id, lay.dtype, shape, layer), [frame]
 
-    def unpack(self, pool, dst_blocks: list[int], num_tokens: int, header: P.KvData, frames, source) -> int:
+    def unpack(self, pool, dst_blocks: list[int], num_tokens: int, header: P.KvData, frames: list, source: None) -> int:
         """Check one message as the zmq backend would; return how many layers it carried."""
         lay = pool.layout
         if header.layer == -1:  # header only (the sender's --mock-kv decides)

@@ -1,0 +1,288 @@
+"""What a client sees of its choices' events: text deltas, and for a streamed answer, events pushed as they come.
+
+A streamed response attaches itself to its requests' inboxes (`core.Inbox.attach`), so the node reader that
+delivers an event calls it: it detokenizes, builds the choice's chunk and writes it to the connection
+(`http.RawChunks`) in that same call, with no task, queue or ASGI send per token. Each token event is one SSE event
+(a node sends one per request per step), then the usage chunk when asked for, then `data: [DONE]`.
+
+A streamed response's life:
+1. the handler dispatches every choice (a refusal is still an HTTP error, not a 200 stream) and returns an
+   SseResponse;
+2. the response sends its status and headers through ASGI and attaches: events that came meanwhile are replayed,
+   the others pushed as they come;
+3. a choice ends with its last event, or with a stop string in its text (its request is then aborted on the nodes);
+   once every choice has ended: the usage chunk, [DONE], and the body's end (through ASGI);
+4. an error event ends the stream at once with an error event (no [DONE]), the other choices aborted; a client that
+   leaves ends it too, every choice aborted; either way the usage goes to the request's state (the access log).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING
+
+from starlette.responses import Response
+
+from pdserve.router import sse
+from pdserve.router.core import Flight, RouterCore
+from pdserve.router.errors import HTTP_STATUS, ApiError, api_error_body
+from pdserve.router.http import RAW_CHUNKS
+from pdserve.router.sse import ChunkFormat
+from pdserve.router.text import Detokenizer, ModelInfo
+from pdserve.wire import protocol as P
+
+if TYPE_CHECKING:
+    from pdserve.router.api import Job
+
+log = logging.getLogger("pdserve.router")
+ERROR, STOP = P.FinishReason.ERROR, P.FinishReason.STOP  # looked up once: they are used once a token
+
+
+@dataclass
+class Delta:
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: dict | None = None
+
+
+class ChoiceView:
+    """What the client sees of one choice's events: text (stop strings cut), shown tokens, log-probabilities."""
+
+    def __init__(self, info: ModelInfo, job: Job) -> None:
+        self.job = job
+        self.detok = Detokenizer(info.tokenizer, job.stops, job.include_stop, job.skip_special, info.byte_table)
+        self.extras = job.extras(info.tokenizer)
+        self.reason: P.FinishReason | None = None  # set by the last event the client sees
+
+    def deltas(self, events: list[P.TokenEvent]) -> tuple[list[Delta], ApiError | None]:
+        """The deltas of `events` up to the choice's end, and the error that ended it, if one did."""
+        out = []
+        for ev in events:
+            delta = self.delta(ev)
+            if isinstance(delta, ApiError):
+                return out, delta
+            out.append(delta)
+            if self.reason is not None:
+                break
+        return out, None
+
+    def delta(self, ev: P.TokenEvent) -> Delta | ApiError:
+        """What the client sees of one event: its delta, or the error that ends the choice."""
+        if ev.finish_reason is ERROR:
+            self.reason = ev.finish_reason
+            status, code = HTTP_STATUS[ev.error_code], ev.error_code.value
+            return ApiError(status, f"request failed: {ev.error}", code=code)
+        return self._delta(ev)
+
+    def _delta(self, ev: P.TokenEvent) -> Delta:
+        shown = ev.token_ids if self.job.show_tokens else []
+        text, stopped = self.detok.add(shown)
+        reason = STOP if stopped else ev.finish_reason
+        if reason is not None:
+            text += "" if stopped else self.detok.flush()
+            self.reason = reason
+        prefix, logprobs = self.extras.event(ev, shown) if self.extras else ("", None)
+        return Delta(prefix + text, shown, reason, logprobs)
+
+
+# ---- response shapes -----------------------------------------------------------------------------
+
+
+def usage(jobs: list[Job], completion_tokens: int) -> dict:
+    prompt_tokens = sum(len(j.prompt_ids) for j in jobs if j.sample == 0)  # a prompt counts once, whatever n
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+
+
+def choice(job: Job, chat: bool, text: str, token_ids: list[int] | None, reason, stream: bool,
+           logprobs: dict | None = None) -> dict:  # fmt: skip
+    if chat:
+        key = "delta" if stream else "message"
+        out = {"index": job.index, key: {"role": "assistant", "content": text}, "logprobs": logprobs,
+               "finish_reason": reason}  # fmt: skip
+    else:
+        out = {"index": job.index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+    if job.return_token_ids and token_ids is not None:
+        out["token_ids"] = token_ids
+    return out
+
+
+def envelope(job: Job, chat: bool, stream: bool) -> dict:
+    obj = ("chat.completion" if chat else "text_completion") + (".chunk" if stream and chat else "")
+    return {"id": ("chatcmpl-" if chat else "cmpl-") + job.id, "object": obj, "created": job.created,
+            "model": job.model}  # fmt: skip
+
+
+def chunk(job: Job, chat: bool, fmt: ChunkFormat, d: Delta) -> str:
+    """One delta's SSE event: from the choice's template, or (with log-probabilities) a dict serialized whole."""
+    if d.logprobs is None:
+        return fmt.event(d.text, d.token_ids, d.finish_reason)
+    out = envelope(job, chat, stream=True)
+    out["choices"] = [choice(job, chat, d.text, d.token_ids, d.finish_reason, stream=True, logprobs=d.logprobs)]
+    return sse.event(out)
+
+
+# ---- a streamed answer ---------------------------------------------------------------------------
+
+
+class Outbox:
+    """The writes of every stream, held until the event loop's next pass and then sent one per stream: the node
+    messages that came together (one per node and step, each with a token for many streams) cost each stream one
+    write, not one a message."""
+
+    def __init__(self) -> None:
+        self.held: list[SseStream] = []
+
+    def hold(self, stream: SseStream) -> None:
+        if not self.held:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self.held.append(stream)
+
+    def _flush(self) -> None:
+        held, self.held = self.held, []
+        for stream in held:
+            stream.flush()
+
+
+class SseStream:
+    """The choices of one streamed response, written as SSE events as their events come (the module's doc)."""
+
+    def __init__(self, core: RouterCore, info: ModelInfo, jobs: list[Job], chat: bool, flights: list[Flight],
+                 state, where: str, outbox: Outbox) -> None:  # fmt: skip
+        self.core, self.jobs, self.chat, self.flights, self.outbox = core, jobs, chat, flights, outbox
+        self.parts: list[bytes] = []  # written, held in the outbox
+        self.state, self.where = state, where  # the request's state (its usage goes there); "stream of POST ..."
+        self.views = [ChoiceView(info, j) for j in jobs]
+        self.formats = [ChunkFormat(envelope(j, chat, stream=True), j.index, chat, j.return_token_ids) for j in jobs]
+        self.open = len(jobs)  # choices not ended yet
+        self.tokens = 0  # completion tokens streamed
+        self.done = asyncio.get_running_loop().create_future()
+        self.write: Callable[[bytes], object] = _nowhere
+
+    def attach(self, write: Callable[[bytes], object]) -> None:
+        """Write every event from now on (those that came already first) with `write`."""
+        self.write = write
+        for i, flight in enumerate(self.flights):
+            flight.inbox.attach(partial(self._on_event, i))
+
+    def flush(self) -> None:
+        """Send what is held."""
+        if self.parts:
+            data, self.parts = b"".join(self.parts), []
+            self.write(data)
+
+    def close(self) -> None:
+        """End the stream where it stands (an error, or the client left): every choice still running is aborted."""
+        self.flush()
+        if self.done.done():
+            return
+        for flight in self.flights:
+            self.core.abort(flight.request_id)  # nothing for those that ended
+        self.state.usage = usage(self.jobs, self.tokens)
+        self.done.set_result(None)
+
+    def _on_event(self, i: int, ev: P.TokenEvent) -> None:
+        if self.done.done():
+            return
+        try:
+            self._show(i, ev)
+        except Exception:  # a fault of this stream must not stop the node reader that called it
+            log.exception("streaming request %s failed", self.flights[i].request_id)
+            self._end_with(ApiError(500, "internal error while streaming the answer"))
+
+    def _show(self, i: int, ev: P.TokenEvent) -> None:
+        view = self.views[i]
+        delta = view.delta(ev)
+        if isinstance(delta, ApiError):
+            self._end_with(delta)
+            return
+        self.tokens += len(delta.token_ids)
+        self._hold(chunk(self.jobs[i], self.chat, self.formats[i], delta).encode())
+        if view.reason is not None:
+            self.core.abort(self.flights[i].request_id, view.reason)  # a stop string: the nodes still run it
+            self.open -= 1
+            if not self.open:
+                self._finish()
+
+    def _finish(self) -> None:
+        self.state.usage = usage(self.jobs, self.tokens)
+        tail = "data: [DONE]\n\n"
+        if self.jobs[0].include_usage:
+            last = envelope(self.jobs[0], self.chat, stream=True)
+            last["choices"], last["usage"] = [], self.state.usage
+            tail = sse.event(last) + tail
+        self._hold(tail.encode())
+        self.flush()
+        self.done.set_result(None)
+
+    def _end_with(self, error: ApiError) -> None:
+        self._hold(sse.event(api_error_body(self.where, error)).encode())
+        self.close()
+
+    def _hold(self, data: bytes) -> None:
+        if not self.parts:
+            self.outbox.hold(self)
+        self.parts.append(data)
+
+
+def _nowhere(data: bytes) -> bool:
+    return False
+
+
+class SseResponse(Response):
+    """Streams an SseStream: status, headers and the body's end through ASGI; the body on RawChunks where the server
+    offers them, else through ASGI too (one send per batch of writes)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, stream: SseStream) -> None:
+        self.stream, self.status_code, self.background = stream, 200, None
+        self.init_headers()
+
+    async def __call__(self, scope, receive, send) -> None:
+        left = asyncio.ensure_future(_disconnect(receive))
+        body = None
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            raw = scope.get("extensions", {}).get(RAW_CHUNKS)
+            body = None if raw is not None else _AsgiBody(send, self.stream.done)
+            self.stream.attach(raw.write if body is None else body.write)
+            ends = self.stream.done if body is None else body.task
+            await asyncio.wait({ends, left}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            left.cancel()
+            if body is not None:
+                body.task.cancel()
+            self.stream.close()  # aborts whatever still runs: the client left, or the server stops
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _disconnect(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class _AsgiBody:
+    """A streamed body sent through ASGI (a server without RawChunks): writes gather here, one task sends them."""
+
+    def __init__(self, send, done: asyncio.Future) -> None:
+        self.parts: list[bytes] = []
+        self.ready = asyncio.Event()
+        self.task = asyncio.ensure_future(self._pump(send, done))
+
+    def write(self, data: bytes) -> bool:
+        self.parts.append(data)
+        self.ready.set()
+        return True
+
+    async def _pump(self, send, done: asyncio.Future) -> None:
+        while not (done.done() and not self.parts):
+            await self.ready.wait()
+            self.ready.clear()
+            parts, self.parts = self.parts, []
+            await send({"type": "http.response.body", "body": b"".join(parts), "more_body": True})
