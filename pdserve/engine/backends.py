@@ -304,7 +304,8 @@ class TritonBackend(TorchBackend):
     def layout(self, rows: int, samples: int, chunks: list[Chunk]) -> PackLayout:
         """The exact layout of an eager step."""
         width = max((blocks_for(c.past + c.length, self.pool.block_size) for c in chunks), default=1)
-        return PackLayout(rows, samples, len(chunks), width, sum(self.tiles(c.length) for c in chunks))
+        tiles = len(chunks) + sum(self.tiles(c.length) - 1 for c in chunks if c.length > 1)  # a token: one tile
+        return PackLayout(rows, samples, len(chunks), width, tiles)
 
     def bucket_layout(self, rows: int, requests: int, samples: int, width: int) -> PackLayout:
         """The fixed layout of a CUDA graph's bucket: any step of at most `rows` tokens, `requests` requests and
@@ -333,22 +334,33 @@ class TritonBackend(TorchBackend):
         for name, values, pad in (("ids", ids, 0), ("positions", positions, 0), ("slots", slots, -1)):
             seg[name][:T], seg[name][T:] = values, pad
         seg["sample"][:S], seg["sample"][S:] = sample, 0
-        spans = [(c.start, c.length, c.past + c.length) for c in chunks]  # (first row, rows, context) per request
-        self._pack_requests(seg, spans + [(T, lay.rows - T, 0)] if lay.rows > T else spans)
+        n = self._pack_requests(seg, chunks, T, lay.rows)
+        self._pack_work(seg["work"], seg["q_len"][:n])
         width = self._pack_tables(seg["block_tables"], chunks)
         return buf[: lay.prefix(width)]
 
-    def _pack_requests(self, seg: dict, spans: list[tuple[int, int, int]]) -> None:
-        """Per request (first row, rows, context length): its rows and lengths, and the attention's work list: every
-        tile of every request, then padding items (tile -1, no work)."""
-        n = len(spans)
-        for i, name in enumerate(("q_start", "q_len", "ctx_len")):
-            seg[name][:n], seg[name][n:] = [span[i] for span in spans], 0
-        tiles = [(r, m) for r, (_, length, _) in enumerate(spans) for m in range(self.tiles(length))]
-        work = seg["work"]
-        if tiles:
-            work[: len(tiles)] = tiles
-        work[len(tiles) :] = (0, -1)
+    @staticmethod
+    def _pack_requests(seg: dict, chunks: list[Chunk], T: int, rows: int) -> int:
+        """Per request: its first row, rows and context length; the padding rows past the step's T (up to `rows`) as
+        one more request, with no context. Returns the requests with rows."""
+        n = len(chunks)
+        for name, values in (("q_start", [c.start for c in chunks]), ("q_len", [c.length for c in chunks]),
+                             ("ctx_len", [c.past + c.length for c in chunks])):  # fmt: skip
+            seg[name][:n], seg[name][n:] = values, 0
+        if rows > T:
+            seg["q_start"][n], seg["q_len"][n] = T, rows - T
+            n += 1
+        return n
+
+    def _pack_work(self, work: np.ndarray, q_len: np.ndarray) -> None:
+        """The attention's work list [N, 2]: every tile (request, m) of every request's rows, then padding items (tile
+        -1, no work)."""
+        counts = (q_len * self.group + self.tile - 1) // self.tile  # [n] tiles of each request
+        total = int(counts.sum())
+        starts = np.cumsum(counts) - counts  # [n] each request's first item
+        work[:total, 0] = np.repeat(np.arange(len(counts)), counts)
+        work[:total, 1] = np.arange(total) - np.repeat(starts, counts)
+        work[total:] = (0, -1)
 
     def _pack_tables(self, tables, chunks: list[Chunk]) -> int:
         """Block ids into the column-major tables [W, R]; return the columns in use."""

@@ -41,11 +41,6 @@ class ScheduledRequest:
     def of(cls, req: Request, n: int) -> ScheduledRequest:
         return cls(req, n, req.num_computed_tokens + n == req.num_tokens, req.num_computed_tokens)
 
-    @property
-    def decodes(self) -> bool:
-        """One new token after the whole prompt: a decode token (not a one-token prompt, nor a recomputed chunk)."""
-        return self.num_new_tokens == 1 and self.past >= len(self.request.prompt_token_ids)
-
 
 @dataclass
 class Batch:
@@ -60,7 +55,8 @@ class Batch:
 
     @property
     def num_decode_tokens(self) -> int:
-        return sum(s.decodes for s in self.scheduled)
+        """Requests with one new token after their whole prompt (not a one-token prompt, nor a recomputed chunk)."""
+        return sum(1 for s in self.scheduled if s.num_new_tokens == 1 and s.past >= len(s.request.prompt_token_ids))
 
     def prompt_logprob_rows(self) -> list[tuple[int, Request, int]]:
         """(row of the iteration's flat tokens, request, position) of every prompt position whose logits score
