@@ -94,7 +94,8 @@ def test_gpu_check_passes_on_the_cpu(tmp_path):
     fp32 = report["stacks"]["fp32-shm"]
     assert fp32["greedy_exact"]["exact"] == 4 and fp32["sampling"]["seeds_judged"]
     assert fp32["top_k1_greedy"]["greedy"] == 4
-    assert fp32["kv_transfer"]["transfers"] == fp32["kv_transfer"]["requests"] > 4
+    kv = fp32["kv_transfer"]  # every request shipped its KV, or was sent again and prefilled on the decode node
+    assert kv["transfers"] >= 4 and kv["transfers"] + kv["local_prefills"] == kv["requests"] > 4
 
 
 @pytest.mark.gpu
