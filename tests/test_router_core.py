@@ -119,6 +119,28 @@ def test_a_request_resumes_from_the_streamed_tokens_when_its_decode_node_is_lost
     assert flight.nodes[1].addr == "tcp://d1"
 
 
+def test_a_prefill_node_that_saw_its_decode_peer_go_dispatches_the_request_again(core):
+    """The prefill node may see the decode node's socket close before the router does: its error event says the
+    node failed (NODE_FAILED), and the request is dispatched again, not failed; a transfer that failed otherwise
+    (KV_TRANSFER_FAILED: refused, lease out) still reaches the client."""
+    core.nodes.append(NodeConn(P.Role.DECODE, "tcp://d1", "tcp://k1", sock=FakeSock(), up=True))
+    flight, prefill, decode = _submit(core)
+    old = flight.request_id
+    core._deliver(P.TokenEvent(old, [10]), prefill)
+    lost = P.TokenEvent(old, [], ERROR, error="decode node k0 disconnected", error_code=P.ErrorCode.NODE_FAILED)
+    core._deliver(lost, prefill)
+    assert [ev.token_ids for ev in _events(flight)] == [[10]], "the error reached the client"
+    assert flight.request_id != old and flight.attempts == 2
+    resent = flight.nodes[0].sock.sent[-1]
+    assert isinstance(resent, P.Generate) and resent.request_id == flight.request_id
+    assert resent.prompt_token_ids == [1, 2, 3, 10] and resent.params.max_tokens == 4
+    other, prefill2 = _submit(core)[:2]
+    failed = P.TokenEvent(other.request_id, [], ERROR, error="lease out", error_code=P.ErrorCode.KV_TRANSFER_FAILED)
+    core._deliver(failed, prefill2)
+    [ev] = _events(other)
+    assert ev.error_code == P.ErrorCode.KV_TRANSFER_FAILED and other.attempts == 1
+
+
 def test_with_no_node_left_the_request_fails_with_a_typed_error(core):
     flight, prefill, decode = _submit(core)
     core._node_down(decode, "test")

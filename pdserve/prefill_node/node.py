@@ -276,4 +276,5 @@ class PrefillNode(NodeBase):
             peer.paired = False
             for t in [t for t in self.transfers.values() if t.peer is peer]:
                 if t.state is not TransferState.QUEUED:
-                    self._end_transfer(t, ok=False, why=f"decode node {peer.name} disconnected")
+                    self._end_transfer(t, ok=False, why=f"decode node {peer.name} disconnected",
+                                       code=P.ErrorCode.NODE_FAILED)  # the router dispatches it again

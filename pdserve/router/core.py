@@ -63,6 +63,7 @@ MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | transport.HANDSHAKE_F
 READ_BATCH = 256  # messages read from one socket before the other callbacks and tasks get a turn
 # the enum members of the per-token path, looked up once (on its class, an enum member costs about a microsecond)
 ERROR, DECODE, PREFILL = P.FinishReason.ERROR, P.Role.DECODE, P.Role.PREFILL
+NODE_FAILED = P.ErrorCode.NODE_FAILED
 
 
 class NoNodeAvailable(RuntimeError):
@@ -551,8 +552,11 @@ class RouterCore:
         flight = self.flights.get(ev.request_id)
         if flight is None:
             return  # already ended (aborted, failed, or dispatched again under a new id)
-        if source.draining and ev.finish_reason == ERROR:
-            self._lost(flight, f"{source.name}: {ev.error}", P.ErrorCode.DRAINING)
+        if ev.finish_reason == ERROR and (source.draining or ev.error_code == NODE_FAILED):
+            # a node that drains, or the decode node a prefill node shipped to was lost (the prefill node may
+            # see its socket close before the router does): dispatch it again
+            code = P.ErrorCode.DRAINING if source.draining else NODE_FAILED
+            self._lost(flight, f"{source.name}: {ev.error}", code)
             return
         handed_off = source.role is DECODE and flight.handed_off
         if handed_off:
