@@ -43,16 +43,20 @@ PROBE_WAIT_MS = 2000
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    try:
-        for host in HOSTS:
-            c.add_node(num_cpus=2, resources={host: 1})
-        c.wait_for_nodes()
-        ray.init(address=c.address, namespace=RAY_NAMESPACE, logging_level="WARNING", log_to_driver=False)
-        yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()
+    # Ray starts its workers, and so the nodes' actors, at nice 15 unless told otherwise: on a host that other work
+    # keeps busy (the load runs of the tests) they then got a few percent of a core. docs/deployment.md says so.
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RAY_worker_niceness", "0")  # read by each raylet this process starts
+        c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+        try:
+            for host in HOSTS:
+                c.add_node(num_cpus=2, resources={host: 1})
+            c.wait_for_nodes()
+            ray.init(address=c.address, namespace=RAY_NAMESPACE, logging_level="WARNING", log_to_driver=False)
+            yield c
+        finally:
+            ray.shutdown()
+            c.shutdown()
 
 
 @pytest.fixture(scope="module")
