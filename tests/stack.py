@@ -19,6 +19,9 @@ START_TIMEOUT_S = 600  # a hang guard: nodes starting side by side on a loaded h
 # a node starved of CPU on a loaded host is not a dead node: tests see a node die by its disconnect (SIGKILL closes
 # its sockets), and only a test that measures the silence timeout sets a short one (router_args come after this)
 NODE_TIMEOUT_S = 60
+# router flags for a test that sends a prompt again and means it to go through a prefill node and a KV transfer:
+# otherwise the decode node that caches it prefills it itself (conditional disaggregation)
+NO_LOCAL_PREFILL = ("--local-prefill-max-tokens", "0")
 ROUTER_WORKERS = 1  # router processes of every stack: pytest's --router-workers (conftest.py)
 STATS_INTERVAL_S = 0.1  # nodes report to the router five times as often as by default: waits on reports are short
 REPORTS = "pdserve:stats_reports_total"  # Stats received from each node: a reading after it grew is fresh

@@ -27,7 +27,7 @@ import pytest
 import torch
 import transformers
 from helpers import Stream
-from stack import Stack
+from stack import NO_LOCAL_PREFILL, Stack
 
 from bench.systems import node_counters
 from pdserve.engine.checkpoint import resolve_model
@@ -74,10 +74,6 @@ def hf(model_dir):
 @pytest.fixture(scope="module")
 def tok(model_dir):
     return transformers.AutoTokenizer.from_pretrained(model_dir)
-
-
-# prompts sent again (recomputed, then alone) go through a prefill node all the same
-NO_LOCAL_PREFILL = ("--local-prefill-max-tokens", "0")
 
 
 @pytest.fixture(scope="module", params=["zmq", "shm"])

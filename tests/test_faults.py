@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from helpers import Stream, tiny_greedy, wait_until
-from stack import Stack, Stacks
+from stack import NO_LOCAL_PREFILL, Stack, Stacks
 
 
 def _stream_some(url: str, n_chunks: int, max_tokens: int = 1500, n: int = 1) -> tuple[int, int]:
@@ -62,9 +62,6 @@ def test_mismatched_pairing_is_refused(tmp_path):
 
 
 HANG_S = 60  # a guard against a hang, not a latency target: a failure is known by its cause, not its timing
-# a prompt sent again is prefilled on the decode node that caches it (conditional disaggregation): tests of the
-# prefill node and of KV transfers that repeat prompts turn that off
-NO_LOCAL_PREFILL = ("--local-prefill-max-tokens", "0")
 
 
 def test_dead_decode_node_fails_fast_and_recovers(stacks):

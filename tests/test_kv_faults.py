@@ -12,14 +12,13 @@ import time
 import httpx
 import pytest
 from helpers import hf_greedy, mixed_workload, wait_until
-from stack import Stack
+from stack import NO_LOCAL_PREFILL, Stack
 
 from bench.systems import node_counters
 from pdserve.engine.checkpoint import resolve_model
 
 NUM_REQUESTS = 200
 NUM_FAIL_PHASE = 60
-NO_LOCAL_PREFILL = ("--local-prefill-max-tokens", "0")  # prompts sent again go through the transfer all the same
 FAULTS = ("--kv-fault-rate", "0.05", "--kv-lease-s", "12")  # a lost transfer is given up after 6 s; a starved
 # decode node (busy host) renews its leases late, and a legitimate transfer must not run out of one
 

@@ -10,14 +10,13 @@ import subprocess
 import httpx
 import pytest
 from helpers import Stream, hf_greedy, mixed_workload, tiny_greedy, wait_until
-from stack import Stack
+from stack import NO_LOCAL_PREFILL, Stack
 
 from bench.systems import node_counters_per_node
 from pdserve.engine.checkpoint import resolve_model
 
 ENGINE_ARGS = ("--max-num-batched-tokens", "32")  # slow prompts, so that the prefill nodes hold a queue
 NUM_REQUESTS = 16
-NO_LOCAL_PREFILL = ("--local-prefill-max-tokens", "0")  # prompts sent again go through a prefill node all the same
 
 
 @pytest.fixture(scope="module")

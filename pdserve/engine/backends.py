@@ -355,7 +355,7 @@ class TritonBackend(TorchBackend):
     def _pack_work(self, work: np.ndarray, q_len: np.ndarray) -> None:
         """The attention's work list [N, 2]: every tile (request, m) of every request's rows, then padding items (tile
         -1, no work)."""
-        counts = (q_len * self.group + self.tile - 1) // self.tile  # [n] tiles of each request
+        counts = self.tiles(q_len)  # [n] tiles of each request (`tiles` takes an array as it takes an int)
         total = int(counts.sum())
         starts = np.cumsum(counts) - counts  # [n] each request's first item
         work[:total, 0] = np.repeat(np.arange(len(counts)), counts)
