@@ -4,11 +4,13 @@ The head holds no CPUs, so every node lands on one of the two simulated hosts, e
 resource. First a controller alone places two nodes with `--placement pack`; then one deployment, with CurveZMQ
 keys, serves the rest of the module; its tests run in order: spread placement, greedy output, strangers kept
 out, scaling decode from 1 to 2 while serving, a decode actor killed and restarted by Ray, then scaling decode
-from 2 to 1 while serving (the removed node drains).
+from 2 to 1 while serving (the removed node drains). Last, a second deployment beside it (on the two CPUs the
+first leaves free) with two router workers, each of which finds the nodes through Ray.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import signal
@@ -69,11 +71,17 @@ def keys(tmp_path_factory):
 @pytest.fixture(scope="module")
 def deployment(cluster, keys):
     """`pdserve up --ray` as a user runs it; stopped by PID (SIGTERM) at the end."""
+    with _up_ray(cluster, DEPLOYMENT, "--kv-transport", "auto", "--zmq-keys", str(keys)) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def _up_ray(cluster, name: str, *extra: str):
+    """`pdserve up --ray --name NAME` (1P1D, spread) until the block ends; stopped by PID (SIGTERM)."""
     port = free_port()
     argv = [sys.executable, "-m", "pdserve", "--log-level", "WARNING", "up", "--ray", cluster.address,
-            "--name", DEPLOYMENT, "--model", "tiny", "--port", str(port), "--placement", "spread",
-            "--ray-bind-host", "127.0.0.1", "--num-kv-blocks", "256", "--kv-transport", "auto",
-            "--zmq-keys", str(keys)]  # fmt: skip
+            "--name", name, "--model", "tiny", "--port", str(port), "--placement", "spread",
+            "--ray-bind-host", "127.0.0.1", "--num-kv-blocks", "256", *extra]  # fmt: skip
     proc = subprocess.Popen(argv, env=os.environ.copy())
     url = f"http://127.0.0.1:{port}"
     try:
@@ -109,8 +117,8 @@ def _wait(done, timeout: float, interval: float = 0.2) -> None:
         raise TimeoutError("condition not reached")
 
 
-def _controller():
-    return ray.get_actor(controller_name(DEPLOYMENT), namespace=RAY_NAMESPACE)
+def _controller(name: str = DEPLOYMENT):
+    return ray.get_actor(controller_name(name), namespace=RAY_NAMESPACE)
 
 
 def _nodes(url: str, role: str) -> list[dict]:
@@ -350,6 +358,44 @@ def test_the_registry_keeps_a_node_scaled_away_from_coming_back():
     assert ctl.members() == [{**entry, "key": "decode-0", "pid": 9}, entry]
     ctl.renew({**entry, "listen": "tcp://h:3", "pid": 11})  # its process died and Ray restarted the actor
     assert ctl.members() == [{**entry, "key": "decode-0", "pid": 9}, entry]  # until it lapses, the old entry
+
+
+def test_two_router_workers_follow_the_ray_registry(cluster, deployment):
+    """`pdserve up --ray --router-workers 2`, a second deployment beside the first: each worker reads the registry
+    itself, so both list the nodes; both serve transformers' greedy tokens; the decode actor killed under requests
+    of both workers: with no other decode node, each worker fails its own requests (none hangs), and once Ray has
+    restarted the actor both workers take its new node in and serve again."""
+    name = "t2"
+    want = _four_ref()
+    with _up_ray(cluster, name, "--router-workers", "2") as url:
+        up = lambda h, role: [n["addr"] for n in h["nodes"] if n["role"] == role and n["up"]]  # noqa: E731
+        _wait(lambda: all(up(h, "prefill") and up(h, "decode") for h in _each_worker(url).values()), 60)
+        [decode] = [m for m in ray.get(_controller(name).members.remote()) if m["role"] == "decode"]
+        assert {tuple(up(h, "decode")) for h in _each_worker(url).values()} == {(decode["listen"],)}
+        with ThreadPoolExecutor(16) as pool:
+            futures = [pool.submit(_complete, url, FOUR[i % 4], LONG) for i in range(16)]  # 16 connections
+            _wait(lambda: all(h["in_flight"] > 0 for h in _each_worker(url).values()), 60, 0.02)
+            ray.kill(ray.get_actor(f"{name}-{decode['key']}", namespace=RAY_NAMESPACE), no_restart=False)
+            results = [f.result(timeout=180) for f in futures]
+        failed = [code for code, _ in results if code != 200]
+        assert failed and set(failed) == {503}, [code for code, _ in results]  # the node died under them
+        _wait(lambda: all(up(h, "decode") and decode["listen"] not in up(h, "decode")
+                          for h in _each_worker(url).values()), START_TIMEOUT_S)  # fmt: skip
+        with ThreadPoolExecutor(8) as pool:
+            again = list(pool.map(lambda i: _complete(url, FOUR[i % 4], LONG), range(8)))
+        assert again == [(200, want[i % 4]) for i in range(8)]
+
+
+def _each_worker(url: str, workers: int = 2) -> dict[int, dict]:
+    """/health from each router worker: every call opens a new connection, which the kernel gives to a worker by
+    a hash of its addresses and ports, so a few dozen calls reach both."""
+    seen: dict[int, dict] = {}
+    for _ in range(200):
+        h = httpx.get(url + "/health", timeout=10).json()
+        seen[h["worker"]] = h
+        if len(seen) == workers:
+            return seen
+    raise AssertionError(f"200 connections reached only router workers {sorted(seen)}")
 
 
 def _newest_decode() -> dict:
