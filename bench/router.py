@@ -73,6 +73,7 @@ class RouterBench:
     real_max_num_batched_tokens: int = 512
     real_concurrency: tuple[int, ...] = ()  # the runs of the real-model fronts (none: the same as the mock's)
     real_requests_per_stream: int = 0  # 0: the same as the mock's
+    stack_args: tuple[str, ...] = ()  # more flags for the mock stack's `pdserve up`
 
     def for_real_model(self) -> RouterBench:
         """The load of the fronts that serve a real model (pdserve before a node of it, vLLM): the same client,
@@ -104,13 +105,15 @@ def parse_args(argv: list[str] | None = None) -> RouterBench:
     p.add_argument("--real-concurrency", type=int, nargs="*", default=[],
                    help="the runs before a real model (pdserve's node, vLLM); default: --concurrency")
     p.add_argument("--real-requests-per-stream", type=int, default=0, help="default: --requests-per-stream")
+    p.add_argument("--stack-arg", action="append", default=[],
+                   help="a flag for the mock stack's `pdserve up` (repeat; as --stack-arg=--flag=value)")
     a = p.parse_args(argv)
     if min(a.concurrency) < 1 or a.prefill < 1 or a.decode < 1 or a.max_tokens < 2:
         p.error("concurrency, node counts must be at least 1 and --max-tokens at least 2")
     return RouterBench(a.prefill, a.decode, tuple(sorted(a.concurrency)), a.requests_per_stream, a.prompt_tokens,
                        a.max_tokens, a.mock_step_s, tuple(a.workers), a.out, a.vllm_url, a.vllm_pid, a.pdserve_model,
                        a.real_max_num_seqs, a.real_max_num_batched_tokens, tuple(sorted(a.real_concurrency)),
-                       a.real_requests_per_stream)  # fmt: skip
+                       a.real_requests_per_stream, tuple(a.stack_arg))  # fmt: skip
 
 
 # ---- the stack and its router processes -------------------------------------------------------------
@@ -128,7 +131,7 @@ def stack_argv(cfg: RouterBench, workers: int, port: int) -> list[str]:
             "--num-prefill", str(cfg.prefill), "--num-decode", str(cfg.decode), "--port", str(port), "--no-pin",
             "--mock-step-s", cfg.mock_step_s, "--max-num-seqs", str(biggest), "--max-queued-requests",
             str(biggest * 4)]  # fmt: skip
-    return argv + (["--router-workers", str(workers)] if workers > 1 else [])
+    return argv + (["--router-workers", str(workers)] if workers > 1 else []) + list(cfg.stack_args)
 
 
 def real_stack_argv(cfg: RouterBench, port: int) -> list[str]:

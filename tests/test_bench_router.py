@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.router import capacity, router_fit
+from bench.router import capacity, parse_args, router_fit, stack_argv
 from bench.router_reach import served
 
 
@@ -60,3 +60,10 @@ def test_a_fronts_cpu_per_token_net_of_idle_takes_off_its_idle_rate_over_the_run
     run = net_of_idle({"router_cpu_s": 1.0, "wall_s": 10.0, "tokens": 1000}, 0.05)
     assert run["router_us_per_token_net"] == pytest.approx(500.0)
     assert net_of_idle({"router_cpu_s": 0.0, "wall_s": 1.0, "tokens": 0}, 0.0)["router_us_per_token_net"] is None
+
+
+def test_stack_args_reach_the_mock_stacks_pdserve_up_after_its_own_flags():
+    cfg = parse_args(["--stack-arg=--no-access-log", "--stack-arg=--node-timeout-s=20"])
+    one, two = stack_argv(cfg, 1, 8000), stack_argv(cfg, 2, 8000)
+    assert one[-2:] == two[-2:] == ["--no-access-log", "--node-timeout-s=20"]
+    assert "--router-workers" not in one and two[-4:-2] == ["--router-workers", "2"]

@@ -391,21 +391,18 @@ _REGISTRY: dict[str, type] = {
 }  # fmt: skip
 
 
-def _to_wire(value: Any) -> Any:
-    """A message as msgpack takes it; a field at its plain default is left out (the decoder fills it in), so that a
-    token event is two fields, not seven."""
-    if dataclasses.is_dataclass(value):
-        out = {}
-        for name, default in _wire_fields(type(value)):
-            v = getattr(value, name)
-            if type(v) is not type(default) or v != default:
-                out[name] = _to_wire(v)
-        return out
-    if isinstance(value, (list, tuple)):
-        return [_to_wire(v) for v in value]
-    if isinstance(value, enum.Enum):
-        return value.value
-    return value
+def _wire_map(value: Any) -> dict:
+    """A message (or nested part) as msgpack takes it, called by msgpack for each dataclass it meets, so that lists of
+    ids and strings are packed in C, not visited here. A field at its plain default is left out (the decoder fills it
+    in), so that a token event is two fields, not seven. Enums are StrEnums, which msgpack packs as their value."""
+    if not dataclasses.is_dataclass(value) or isinstance(value, type):
+        raise TypeError(f"cannot encode a {type(value).__name__}")
+    out = {}
+    for name, default in _wire_fields(type(value)):
+        v = getattr(value, name)
+        if type(v) is not type(default) or v != default:
+            out[name] = v
+    return out
 
 
 @functools.cache
@@ -419,9 +416,9 @@ def encode(msg: Any) -> bytes:
     tag = type(msg).__name__
     if _REGISTRY.get(tag) is not type(msg):
         raise TypeError(f"{tag} is not a registered message type")
-    body = _to_wire(msg)
+    body = _wire_map(msg)
     body["t"] = tag
-    return msgpack.packb(body, use_bin_type=True)
+    return msgpack.packb(body, use_bin_type=True, default=_wire_map)
 
 
 def _build(cls: type, body: Any) -> Any:
