@@ -159,7 +159,7 @@ def run_workloads(target: HttpTarget, counters: Callable[[], dict], sizes: Sizes
 
 
 def run_pdserve(args, system: System, sizes: Sizes, vocab: int) -> dict:
-    extra = () if system.caching else ("--no-prefix-caching",)
+    extra = (() if system.caching else ("--no-prefix-caching",)) + tuple(args.stack_arg)
     logs = RUNS_DIR / f"prefix-{system.name}-{'on' if system.caching else 'off'}"
     opts = systems.StackOptions(args.model, MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, args.kv_cache_gb,
                                 args.kv_transport, logs, extra)  # fmt: skip
@@ -339,6 +339,8 @@ def report(results: list[dict], env: dict, sizes: Sizes) -> str:
              f"multi_turn: {sizes.conversations} conversations x {sizes.turns} turns, a {sizes.system}-token "
              f"system prompt, messages of {sizes.message[0]}-{sizes.message[1]} tokens, {sizes.answer}-token "
              "answers; conversations side by side, turns one after another.", "",
+             *([f"pdserve's stacks started with `{' '.join(env['stack_args'])}` besides the benchmark's own flags.",
+                ""] if env.get("stack_args") else []),
              "| system | caching | shared_prefix TTFT p50 ms | hits / queries | multi_turn TTFT p50 ms | "
              "multi_turn out tok/s | KV MB shipped / turn | KV shipped / KV added | local prefills | ok |",
              "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -429,6 +431,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-plot", action="store_true", help="no PNG")
     p.add_argument("--report", type=Path, default=None, metavar="RUN.json",
                    help="only rewrite a run's .md and .png from its .json (same stem), running nothing")  # fmt: skip
+    p.add_argument("--stack-arg", action="append", default=[],
+                   help="a flag for every pdserve stack's `pdserve up` (repeat; as --stack-arg=--flag=value)")
     p.add_argument("--name", default="", help="a label added to the files' name (prefix-caching-NAME)")
     p.add_argument("--record", action="store_true", help="write to bench/results, named by date and commit")
     p.add_argument("--out-dir", type=Path, default=None, help="default: bench/runs (bench/results with --record)")
@@ -448,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
         return rewrite_report(args.report, plotted=not args.no_plot)
     sizes = QUICK if args.quick else Sizes()
     config = model_config(args.model)
-    env = {**environment(), "model": args.model}
+    env = {**environment(), "model": args.model, "stack_args": args.stack_arg}
     args.out_dir = args.out_dir or (RESULTS_DIR if args.record else RUNS_DIR)
     for folder in {args.out_dir, RUNS_DIR}:
         folder.mkdir(parents=True, exist_ok=True)
