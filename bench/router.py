@@ -74,6 +74,7 @@ class RouterBench:
     real_concurrency: tuple[int, ...] = ()  # the runs of the real-model fronts (none: the same as the mock's)
     real_requests_per_stream: int = 0  # 0: the same as the mock's
     stack_args: tuple[str, ...] = ()  # more flags for the mock stack's `pdserve up`
+    keep_alive: bool = False  # the client reuses its connections (default: one per request)
 
     def for_real_model(self) -> RouterBench:
         """The load of the fronts that serve a real model (pdserve before a node of it, vLLM): the same client,
@@ -107,13 +108,16 @@ def parse_args(argv: list[str] | None = None) -> RouterBench:
     p.add_argument("--real-requests-per-stream", type=int, default=0, help="default: --requests-per-stream")
     p.add_argument("--stack-arg", action="append", default=[],
                    help="a flag for the mock stack's `pdserve up` (repeat; as --stack-arg=--flag=value)")
+    p.add_argument("--keep-alive", action="store_true",
+                   help="the client keeps its connections open between requests, as the OpenAI SDK does (default: a "
+                   "connection per request)")  # fmt: skip
     a = p.parse_args(argv)
     if min(a.concurrency) < 1 or a.prefill < 1 or a.decode < 1 or a.max_tokens < 2:
         p.error("concurrency, node counts must be at least 1 and --max-tokens at least 2")
     return RouterBench(a.prefill, a.decode, tuple(sorted(a.concurrency)), a.requests_per_stream, a.prompt_tokens,
                        a.max_tokens, a.mock_step_s, tuple(a.workers), a.out, a.vllm_url, a.vllm_pid, a.pdserve_model,
                        a.real_max_num_seqs, a.real_max_num_batched_tokens, tuple(sorted(a.real_concurrency)),
-                       a.real_requests_per_stream, tuple(a.stack_arg))  # fmt: skip
+                       a.real_requests_per_stream, tuple(a.stack_arg), a.keep_alive)  # fmt: skip
 
 
 # ---- the stack and its router processes -------------------------------------------------------------
@@ -191,7 +195,7 @@ def run_once(url: str, cfg: RouterBench, concurrency: int, pids: list[int], pdse
     """One closed run at `concurrency`: the front processes' (`pids`) and this process's CPU per streamed token,
     the streamed rate and TPOT, and (`pdserve`) the nodes' messages, from the router's /metrics."""
     w = workload(cfg, concurrency)
-    target = HttpTarget(url, max_concurrency=concurrency)  # the model: the first one the server lists
+    target = HttpTarget(url, max_concurrency=concurrency, keep_alive=cfg.keep_alive)  # model: the first one listed
     metrics = Metrics(url) if pdserve else None
     steps0 = metrics.node_steps() if metrics else 0.0
     router0, client0 = cpu_of(pids), time.process_time()
@@ -360,7 +364,9 @@ def markdown(result: dict) -> str:
              f"Machine: {m['cpu_model']}, {m['cpu_count']} cores (load average {m['loadavg_at_start'][0]:.1f} at "
              f"start{_end_load(m)}). Mock stack: {cfg['prefill']}P{cfg['decode']}D mock nodes (step "
              f"{cfg['mock_step_s']} s). Load: {cfg['prompt_tokens']}-token prompts, {cfg['max_tokens']} output tokens "
-             "a request, closed, the same client for every front.", "",
+             "a request, closed, the same client for every front"
+             + (", connections kept open between requests" if cfg.get("keep_alive") else ", a connection a request")
+             + "." + (f" Stack flags: `{' '.join(cfg['stack_args'])}`." if cfg.get("stack_args") else ""), "",
              "| front | streams | tok/s | TPOT p50 ms | TPOT p99 ms | front CPU µs/token | net of idle | client CPU "
              "µs/token | failed |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for label, f in fronts(result):

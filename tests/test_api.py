@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -447,6 +448,25 @@ def test_bench_load_generator_reads_every_token(stack):
     assert all(len(r.token_times) == r.expected_output_len for r in records)
     _, refused = run_http(HttpTarget(stack.url, model="no-such-model"), workload, progress=False)
     assert all("HTTP 404" in r.error and "no-such-model" in r.error for r in refused), refused[0].error
+
+
+def test_streams_one_after_another_on_one_kept_open_connection(stack):
+    """A client that keeps its connection open (the OpenAI SDK's does, and `bench.router --keep-alive`): streamed
+    answers, whose bodies the router writes past h11, one after another on one connection, each whole."""
+    from bench.http_client import Connections, HttpTarget, send
+    from bench.workloads import BenchRequest
+
+    async def three(conns: Connections) -> list:
+        try:
+            return [await send(stack.url + "/v1/completions", "tiny", BenchRequest((5, 6, 7), n),
+                               HttpTarget(stack.url), conns=conns) for n in (3, 40, 7)]  # fmt: skip
+        finally:
+            conns.close()
+
+    conns = Connections(keep_alive=True)
+    records = asyncio.run(three(conns))
+    assert [(r.error, len(r.output_token_ids)) for r in records] == [("", 3), ("", 40), ("", 7)]
+    assert conns.opened == 1, f"{conns.opened} connections for three requests"
 
 
 REFUSED = [
