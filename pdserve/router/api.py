@@ -287,6 +287,8 @@ def _hidden_token(params: P.SamplingParams) -> P.SamplingParams:
 
 def expand(jobs: list[Job], n: int) -> list[Job]:
     """One job per choice: prompt i's sample j is choice i * n + j, with its own seed; one id for the response."""
+    if n == 1 and len(jobs) == 1:
+        return jobs  # choice 0, sample 0, its own seed and id already
     first = jobs[0]
     return [replace(job, id=first.id, created=first.created, index=i * n + j, sample=j,
                     params=replace(job.params, seed=derive_seed(job.params.seed, j)))
@@ -477,7 +479,8 @@ def create_app(cfg: RouterConfig, worker: int | None = None, metrics_dir: str = 
 
     async def serve(request: Request, body: _Common, prompts: list[list[int]], chat: bool):
         st = request.app.state
-        check_fields(body.model_extra or {}, body.model_dump())
+        if body.model_extra:  # fields no request model declares: refused unless harmless
+            check_fields(body.model_extra, body.model_dump())
         caps = [c for c in (st.core.kv_capacity_tokens(r) for r in (P.Role.COLOCATED, P.Role.DECODE)) if c]
         grammar = await st.offload.run(schema_size(body.response_format), grammar_for, body.response_format)
         jobs = [make_job(body, ids, st.info, chat_default=chat, kv_capacity=min(caps, default=None),
