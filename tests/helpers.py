@@ -29,6 +29,20 @@ def wait_until(cond, timeout: float, interval: float = 0.05) -> bool:
     return True
 
 
+def each_worker_health(url: str, timeout: float, workers: int = 2) -> dict[int, dict]:
+    """Each router worker's /health by its number, asked over new connections until every worker has answered (the
+    kernel spreads connections over the workers by a hash of their ports; a worker that is starting answers none)."""
+    seen: dict[int, dict] = {}
+
+    def all_seen() -> bool:
+        h = httpx.get(url + "/health", timeout=10).json()
+        seen[h["worker"]] = h
+        return len(seen) == workers
+
+    assert wait_until(all_seen, timeout, interval=0.01), f"only workers {sorted(seen)} answered"
+    return seen
+
+
 def optional(name: str):
     """Import an optional package (ray, llguidance, jsonschema, triton): a test that needs it is skipped where it is
     not installed, but fails under CI (CI=true), where the [test] extra installs them all and a missing one is a

@@ -23,7 +23,7 @@ import httpx
 import pytest
 import zmq
 import zmq.auth
-from helpers import hf_greedy, mixed_workload, optional, probe_answers, wait_until
+from helpers import each_worker_health, hf_greedy, mixed_workload, optional, probe_answers, wait_until
 from stack import free_port
 
 from bench.systems import node_counters_per_node
@@ -369,33 +369,21 @@ def test_two_router_workers_follow_the_ray_registry(cluster, deployment):
     want = _four_ref()
     with _up_ray(cluster, name, "--router-workers", "2") as url:
         up = lambda h, role: [n["addr"] for n in h["nodes"] if n["role"] == role and n["up"]]  # noqa: E731
-        _wait(lambda: all(up(h, "prefill") and up(h, "decode") for h in _each_worker(url).values()), 60)
+        _wait(lambda: all(up(h, "prefill") and up(h, "decode") for h in each_worker_health(url, 60).values()), 60)
         [decode] = [m for m in ray.get(_controller(name).members.remote()) if m["role"] == "decode"]
-        assert {tuple(up(h, "decode")) for h in _each_worker(url).values()} == {(decode["listen"],)}
+        assert {tuple(up(h, "decode")) for h in each_worker_health(url, 60).values()} == {(decode["listen"],)}
         with ThreadPoolExecutor(16) as pool:
             futures = [pool.submit(_complete, url, FOUR[i % 4], LONG) for i in range(16)]  # 16 connections
-            _wait(lambda: all(h["in_flight"] > 0 for h in _each_worker(url).values()), 60, 0.02)
+            _wait(lambda: all(h["in_flight"] > 0 for h in each_worker_health(url, 60).values()), 60, 0.02)
             ray.kill(ray.get_actor(f"{name}-{decode['key']}", namespace=RAY_NAMESPACE), no_restart=False)
             results = [f.result(timeout=180) for f in futures]
         failed = [code for code, _ in results if code != 200]
         assert failed and set(failed) == {503}, [code for code, _ in results]  # the node died under them
         _wait(lambda: all(up(h, "decode") and decode["listen"] not in up(h, "decode")
-                          for h in _each_worker(url).values()), START_TIMEOUT_S)  # fmt: skip
+                          for h in each_worker_health(url, 60).values()), START_TIMEOUT_S)  # fmt: skip
         with ThreadPoolExecutor(8) as pool:
             again = list(pool.map(lambda i: _complete(url, FOUR[i % 4], LONG), range(8)))
         assert again == [(200, want[i % 4]) for i in range(8)]
-
-
-def _each_worker(url: str, workers: int = 2) -> dict[int, dict]:
-    """/health from each router worker: every call opens a new connection, which the kernel gives to a worker by
-    a hash of its addresses and ports, so a few dozen calls reach both."""
-    seen: dict[int, dict] = {}
-    for _ in range(200):
-        h = httpx.get(url + "/health", timeout=10).json()
-        seen[h["worker"]] = h
-        if len(seen) == workers:
-            return seen
-    raise AssertionError(f"200 connections reached only router workers {sorted(seen)}")
 
 
 def _newest_decode() -> dict:

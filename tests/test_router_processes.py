@@ -15,7 +15,7 @@ from pdserve.config import RouterConfig
 from pdserve.router.core import RouterCore
 from pdserve.router.metrics import RouterMetrics, merge_expositions
 from pdserve.wire import protocol as P
-from tests.helpers import start_streams, tiny_greedy, wait_until
+from tests.helpers import each_worker_health, start_streams, tiny_greedy, wait_until
 from tests.stack import Stack
 from tests.test_drain import SHORT, _join
 
@@ -77,17 +77,7 @@ def test_each_router_gets_the_events_of_its_own_requests_and_every_heartbeat(dis
 
 
 def _workers(url: str) -> dict[int, dict]:
-    """Each router worker's /health by its number, asked over new connections until both have answered (the kernel
-    spreads connections over the workers; one that is starting answers none)."""
-    seen: dict[int, dict] = {}
-
-    def both() -> bool:
-        h = httpx.get(url + "/health", timeout=10).json()
-        seen[h["worker"]] = h
-        return len(seen) == 2
-
-    assert wait_until(both, 120, interval=0.01), f"only workers {sorted(seen)} answered"
-    return seen
+    return each_worker_health(url, 120)
 
 
 def _requests_total(url: str) -> float:

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from pdserve.engine.checkpoint import resolve_model
-from tests.helpers import Stream, wait_until
+from tests.helpers import Stream, each_worker_health, wait_until
 from tests.stack import Stack
 from tests.test_mock_scale import MOCK, exact
 
@@ -33,16 +33,7 @@ def stack(tmp_path_factory):
 
 
 def _workers(stack: Stack) -> dict[int, dict]:
-    """Each worker's /health by its number, asked over new connections until both have answered."""
-    seen: dict[int, dict] = {}
-
-    def both() -> bool:
-        h = httpx.get(stack.url + "/health", timeout=10).json()
-        seen[h["worker"]] = h
-        return len(seen) == 2
-
-    assert wait_until(both, 60, interval=0.01), f"only workers {sorted(seen)} answered"
-    return seen
+    return each_worker_health(stack.url, 60)
 
 
 def _on_node(workers: dict[int, dict], addr: str) -> dict[int, int]:
