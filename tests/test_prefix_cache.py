@@ -13,7 +13,7 @@ from helpers import hf_greedy
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.request import Request, Status
-from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler import Batch, Scheduler
 from pdserve.kv.backend import InProcessBackend
 from pdserve.kv.block_allocator import BlockAllocator
 from pdserve.wire.protocol import SamplingParams, block_hashes, chain_seed
@@ -172,6 +172,56 @@ def test_a_blocked_head_gives_its_shared_blocks_back():
     assert s.allocator.num_used == len(hog.block_ids)
 
 
+def test_a_request_waits_for_the_prefix_a_running_request_computes():
+    """Sent together, the second of two prompts with the same 40-token prefix waits a step instead of computing the
+    prefix again (an unrelated request behind it goes ahead), then shares the first one's 10 blocks."""
+    s = sched(budget=64)
+    s.add(a := req("a", list(range(40)) + [1, 2]))
+    s.add(b := req("b", list(range(40)) + [7, 8, 9]))
+    s.add(c := req("c", list(range(1000, 1010))))
+    batch = s.schedule()
+    assert [x.request for x in batch.scheduled] == [a, c]
+    assert b.status is Status.WAITING and not b.block_ids and s.prefix_cache_queries == 42 + 10
+    s.advance(batch)
+    batch = s.schedule()
+    assert b in [x.request for x in batch.scheduled] and b.num_cached_blocks == 10 and b.num_computed_tokens == 40
+    assert s.prefix_cache_hits == 40 and s.prefix_cache_queries == 42 + 10 + 43
+
+
+def test_a_short_shared_prefix_or_a_holder_that_never_names_its_blocks_makes_nobody_wait():
+    s = sched(budget=64)
+    s.add(req("a", list(range(12)) + [1, 2]))  # 3 shared blocks: fewer than WAIT_FOR_PREFIX_BLOCKS
+    s.add(b := req("b", list(range(12)) + [7, 8, 9]))
+    assert b in [x.request for x in s.schedule().scheduled]
+    s = sched(budget=128)
+    s.add(req("echo", list(range(40)) + [1, 2], prompt_logprobs=1))  # bypasses the cache: its blocks stay unnamed
+    s.add(b := req("b", list(range(40)) + [7, 8, 9]))
+    assert b in [x.request for x in s.schedule().scheduled]
+
+
+def test_the_wait_ends_when_the_holder_leaves_and_outlasts_its_preemption():
+    """The waiting request is admitted (recomputing the prefix) as soon as the request computing it is aborted,
+    whose blocks were never named. A preempted holder rejoins ahead of it and computes the prefix again: it still
+    waits, and then shares."""
+    s = sched(budget=64)
+    s.add(a := req("a", list(range(40)) + [1, 2]))
+    s.add(b := req("b", list(range(40)) + [7, 8, 9]))
+    s.schedule()
+    s.finish(a, Status.ABORTED)
+    batch = s.schedule()
+    assert [x.request for x in batch.scheduled] == [b] and b.num_computed_tokens == 0 and s.allocator.num_cached == 0
+
+    s = sched(budget=64)
+    s.add(a := req("a", list(range(40)) + [1, 2]))
+    s.add(b := req("b", list(range(40)) + [7, 8, 9]))
+    s.schedule()
+    s._preempt(a, Batch())
+    batch = s.schedule()
+    assert [x.request for x in batch.scheduled] == [a] and b.status is Status.WAITING
+    s.advance(batch)
+    assert b in [x.request for x in s.schedule().scheduled] and b.num_computed_tokens == 40
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_preemption_and_abort_storms_leave_the_pool_whole(seed):
     """Shared prefixes under a small pool: requests preempt each other, share and evict blocks, and some are aborted
@@ -260,6 +310,21 @@ def test_greedy_with_cache_hits_equals_transformers(tiny_models, kernels, num_bl
     if num_blocks is not None:
         assert engine.num_preemptions() > 0 and counters["prefix_cache_evictions"] > 0
     assert engine.pool.allocator.num_free == engine.pool.num_blocks and engine.pool.allocator.num_used == 0
+
+
+def test_prompts_sent_together_compute_their_shared_prefix_once(tiny_models):
+    """Two prompts behind the same 80-token prefix, added at once: the second waits for the first's blocks and
+    shares them (the hits counted); both answers are transformers'."""
+    model = tiny_models["qwen3"]
+    rng = random.Random(5)
+    prefix = [rng.randrange(500) for _ in range(80)]
+    prompts = [prefix + [rng.randrange(500) for _ in range(n)] for n in (7, 12)]
+    engine = Engine(EngineConfig(model=str(model), max_num_batched_tokens=256))
+    for i, p in enumerate(prompts):
+        engine.add(greedy(str(i), p, 5))
+    got = _run(engine)
+    assert [got["0"], got["1"]] == hf_greedy(model, prompts, [5, 5])
+    assert engine.cache_counters()["prefix_cache_hits"] == 80
 
 
 def test_no_prefix_caching_recomputes(tiny_models):

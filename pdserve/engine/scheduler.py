@@ -9,7 +9,9 @@ dry the newest running request is preempted: its blocks are freed and it recompu
 Prefix caching (`cache_seed` set): a request admitted without KV first shares the cached blocks of its
 longest cached prefix (never its last token, whose logits it needs; never for echo with logprobs,
 which scores every prompt position), and starts computing after them. After each step, the full
-blocks a request has computed are named in the cache (`commit`), so they outlive it.
+blocks a request has computed are named in the cache (`commit`), so they outlive it. A new request whose next
+blocks a running request is computing now (the same system prompt, sent at once) waits for them instead of
+computing them again, while requests behind it go ahead (`_waits_for_prefix`).
 
 Asynchronous scheduling (docs/async-scheduling.md): the engine schedules step N+1 before step N's tokens
 reach the host. A request then has a pending token (`Request.num_pending`): it is scheduled for one token
@@ -28,6 +30,9 @@ from dataclasses import dataclass, field
 from pdserve.engine.request import Request, Status
 from pdserve.kv.block_allocator import BlockAllocator
 from pdserve.wire.protocol import block_hashes
+
+# A new request waits for a prefix a running request is computing when that saves it at least this many blocks.
+WAIT_FOR_PREFIX_BLOCKS = 4
 
 
 @dataclass(frozen=True)
@@ -185,24 +190,46 @@ class Scheduler:
         return not req.waits_for_host and req.num_output_tokens < req.params.max_tokens
 
     def _admit(self, batch: Batch, budget: int) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
+        i = 0  # the first waiting request not waiting for a prefix in flight
+        while i < min(len(self.waiting), self.max_num_seqs) and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[i]
             if req.num_pending:  # preempted with its last token still on the device: it rejoins once that is known
                 break
             looked_up = self._share_prefix(req)
+            if looked_up and self._waits_for_prefix(req):
+                self._drop_kv(req)
+                i += 1
+                continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self._grow_head(req, n):
                 if looked_up:
                     self._drop_kv(req)  # the shared blocks go back (evictable) until it is admitted
-                break  # FCFS: nobody overtakes the head of the queue
+                break  # FCFS for the pool: nobody overtakes this request for blocks
             if looked_up:
                 self._count_lookup(req, req.num_tokens)
-            self.waiting.popleft()
+            del self.waiting[i]
             req.move_to(Status.RUNNING)
             self.running.append(req)
             batch.scheduled.append(ScheduledRequest.of(req, n))
             budget -= n
         return budget
+
+    def _waits_for_prefix(self, req: Request) -> bool:
+        """Whether `req` (its cached prefix just matched) should wait: its next WAIT_FOR_PREFIX_BLOCKS blocks are
+        in the prompt of a running request that has not yet computed them (hashes chain, so the whole prefix up
+        to them is the same). Once they are computed and named, it shares them. The running request moves on
+        every step, so the wait ends; if it is preempted or aborted, the wait ends at once."""
+        k, bs = req.num_cached_blocks, self.allocator.block_size
+        if (req.num_tokens - 1) // bs - k < WAIT_FOR_PREFIX_BLOCKS:
+            return False
+        last = req.block_hashes[k + WAIT_FOR_PREFIX_BLOCKS - 1]
+        for r in self.running:
+            full = len(r.prompt_token_ids) // bs
+            if r.num_cached_blocks >= full or r.params.prompt_logprobs is not None:  # nothing to name, or never
+                continue
+            if last in self._hashes(r, full)[r.num_cached_blocks :]:
+                return True
+        return False
 
     def _share_prefix(self, req: Request, max_blocks: int | None = None) -> bool:
         """A request without KV takes the cached blocks of its longest cached prefix (at most `max_blocks`; by
