@@ -263,7 +263,8 @@ class NodeBase:
             self._cache_reset = True  # every router gets the whole cache: the changes are taken once, for all
         info = {"layout": self.engine.layout.to_dict(), "max_model_len": self.engine.max_model_len,
                 "kv_capacity_tokens": self.engine.kv_stats()[2],
-                "max_num_batched_tokens": self.cfg.engine.max_num_batched_tokens}  # fmt: skip
+                "max_num_batched_tokens": self.cfg.engine.max_num_batched_tokens,
+                "prefix_caching": self.cfg.engine.prefix_caching}  # fmt: skip
         transport.send(self.front, P.HelloAck(ok, self.role, info, reason), identity=identity)
         self.send_stats()
 

@@ -198,6 +198,35 @@ def test_local_prefill_off_with_zero():
         c.ctx.destroy(linger=0)
 
 
+@pytest.mark.parametrize("case", ["caching", "ended by the client", "node without caching"])
+def test_a_conversations_next_turn_finds_the_last_turns_blocks_on_its_decode_node(case):
+    """A request that ends well leaves its blocks (prompt and output, but the last token's) in its decode node's
+    cache: the router's view has them at once, before the node's next Stats, so the next turn, sent right away, is
+    prefilled on the decode node. Not for a request the client ended (its end is the router's guess), nor for a
+    node that does not cache."""
+    c = disagg_core()
+    try:
+        p, d = c.nodes
+        d.info["prefix_caching"] = case != "node without caching"
+        prompt = list(range(40))
+        flight = c.submit(prompt, P.SamplingParams(max_tokens=4))
+        c._deliver(P.TokenEvent(flight.request_id, [7], None), p)
+        c._deliver(P.TokenEvent(flight.request_id, [], None), d)  # the KV landed
+        if case == "ended by the client":
+            c.abort(flight.request_id)
+        else:
+            c._deliver(P.TokenEvent(flight.request_id, [8, 9, 10], P.FinishReason.LENGTH), d)
+        assert flight.ended
+        history = prompt + flight.output
+        if case == "caching":
+            assert d.cached == set(names(history)[:10]) and not p.cached  # 44 tokens, the last one's KV not computed
+            assert routed(c, history + list(range(300, 320))) == ["tcp://d0"]
+        else:
+            assert not d.cached and routed(c, history + list(range(300, 320))) == ["tcp://p0", "tcp://d0"]
+    finally:
+        c.ctx.destroy(linger=0)
+
+
 def test_a_locally_prefilled_request_streams_from_its_decode_node_alone():
     """Its first token comes from the decode node (not held back for a prefill node's, as a handed-off request's
     decode events are); no hand-off is timed; a lost prefill node does not concern it."""

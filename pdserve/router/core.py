@@ -9,7 +9,8 @@ A request's life in the router:
 1. admission: refused (429, Retry-After) while --max-queued-requests requests wait for a first token.
 2. submit: pick a live node of each role it needs, draining ones excepted: the one whose prefix cache
    holds the longest prefix of the prompt (the router names the prompt's blocks as the nodes do, and
-   follows each node's cache through the changes its Stats carry), unless it holds more than
+   follows each node's cache through the changes its Stats carry, and adds the blocks a request that ended
+   well leaves on its node at once: `leaves_cached`), unless it holds more than
    --cache-balance-margin requests above the least loaded; among equals the least loaded (fewest
    requests, then fewest KV blocks used; ties go to the node listed first: command-line or
    registration order); send Generate (the prefill node also learns the decode node's KV address).
@@ -168,11 +169,28 @@ class Flight:
     attempts: int = 0
     ended: bool = False
     early: list[P.TokenEvent] = field(default_factory=list)  # decode events that beat the first token
+    names: list[int] = field(default_factory=list)  # its block names at the latest dispatch ([]: none taken)
 
     @property
     def handed_off(self) -> bool:
         """Whether its prompt is computed on a prefill node and its KV shipped to its decode node."""
         return bool(self.nodes) and self.nodes[0].role is PREFILL  # [prefill, decode]: once a token, kept cheap
+
+
+def leaves_cached(node: NodeConn, flight: Flight, layout: dict) -> None:
+    """A request that ended well on `node` (colocated or decode) left its computed full blocks in the node's cache:
+    its prompt's and its output's but the last token's, whose KV was never computed. Add their names to the
+    router's view now, rather than when the node's next Stats tells (the next turn of a conversation comes at
+    once); that Stats then removes any the node has evicted since."""
+    if not node.info.get("prefix_caching"):
+        return
+    bs, names = layout["block_size"], flight.names
+    tokens = flight.prompt + flight.output
+    full = (len(tokens) - 1) // bs
+    if full > len(names):
+        parent = names[-1] if names else P.chain_seed(layout["model_fingerprint"])
+        names = names + P.block_hashes(tokens[len(names) * bs : full * bs], bs, parent)
+    node.cached.update(names[:full])
 
 
 def follow_cache(node: NodeConn, stats: P.Stats) -> None:
@@ -468,12 +486,18 @@ class RouterCore:
         """The nodes' KV layout (block size, model fingerprint), as their HelloAck gave it."""
         return next((n.info.get("layout") for n in self.nodes if isinstance(n.info.get("layout"), dict)), None)
 
+    def _names_used(self) -> bool:
+        """Whether routing looks at the nodes' caches (cache-aware picks, or conditional disaggregation), and the
+        nodes' layout is known."""
+        cfg = self.cfg
+        used = cfg.cache_balance_margin >= 0 or (cfg.mode == "disagg" and cfg.local_prefill_max_tokens != 0)
+        return used and self._layout() is not None
+
     def _block_names(self, prompt: list[int]) -> list[int]:
         """The prompt's block names as the nodes name them ([] when no node caches, or nothing here uses them)."""
-        cfg, layout = self.cfg, self._layout()
-        used = cfg.cache_balance_margin >= 0 or (cfg.mode == "disagg" and cfg.local_prefill_max_tokens != 0)
-        if not used or layout is None or not any(n.cached for n in self.nodes):
+        if not self._names_used() or not any(n.cached for n in self.nodes):
             return []
+        layout = self._layout()
         return P.block_hashes(prompt, layout["block_size"], P.chain_seed(layout["model_fingerprint"]))
 
     def _local_prefill_limit(self, decode: NodeConn) -> int:
@@ -509,7 +533,7 @@ class RouterCore:
             else:
                 nodes = [self._pick(P.Role.PREFILL, names), decode]
                 msg = P.Generate(rid, prompt, params, decode_addr=decode.kv_addr)
-        flight.request_id, flight.nodes = rid, nodes
+        flight.request_id, flight.nodes, flight.names = rid, nodes, names
         flight.attempts += 1
         self.flights[rid] = flight
         for n in nodes:
@@ -584,6 +608,8 @@ class RouterCore:
         if ev.finish_reason is not None:
             if ev.finish_reason is ERROR:
                 self._abort_on_nodes(flight)  # the nodes that still hold it must let it go
+            elif ev.finish_reason is not P.FinishReason.ABORT and self._names_used():
+                leaves_cached(flight.nodes[-1], flight, self._layout())
             self._end(flight, ev.finish_reason)
         flight.inbox.put(ev)
 
