@@ -198,17 +198,24 @@ def test_local_prefill_off_with_zero():
         c.ctx.destroy(linger=0)
 
 
-@pytest.mark.parametrize("case", ["caching", "ended by the client", "node without caching"])
+@pytest.mark.parametrize("case", ["caching", "ended by the client", "node without caching", "one-token answer"])
 def test_a_conversations_next_turn_finds_the_last_turns_blocks_on_its_decode_node(case):
     """A request that ends well leaves its blocks (prompt and output, but the last token's) in its decode node's
     cache: the router's view has them at once, before the node's next Stats, so the next turn, sent right away, is
     prefilled on the decode node. Not for a request the client ended (its end is the router's guess), nor for a
-    node that does not cache."""
+    node that does not cache; a one-token answer ends on its prefill node, which holds its prompt's blocks (the
+    decode node never got them)."""
     c = disagg_core()
     try:
         p, d = c.nodes
         d.info["prefix_caching"] = case != "node without caching"
+        p.info["prefix_caching"] = True
         prompt = list(range(40))
+        if case == "one-token answer":
+            flight = c.submit(prompt, P.SamplingParams(max_tokens=1))
+            c._deliver(P.TokenEvent(flight.request_id, [7], P.FinishReason.LENGTH), p)
+            assert flight.ended and p.cached == set(names(prompt)) and not d.cached  # 10 blocks, all computed
+            return
         flight = c.submit(prompt, P.SamplingParams(max_tokens=4))
         c._deliver(P.TokenEvent(flight.request_id, [7], None), p)
         c._deliver(P.TokenEvent(flight.request_id, [], None), d)  # the KV landed

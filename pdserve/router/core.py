@@ -178,8 +178,9 @@ class Flight:
 
 
 def leaves_cached(node: NodeConn, flight: Flight, layout: dict) -> None:
-    """A request that ended well on `node` (colocated or decode) left its computed full blocks in the node's cache:
-    its prompt's and its output's but the last token's, whose KV was never computed. Add their names to the
+    """A request that ended well on `node` (the one that sent its last token: colocated, decode, or a prefill node
+    for a one-token answer) left its computed full blocks in the node's cache: its prompt's and its output's but the
+    last token's, whose KV was never computed. Add their names to the
     router's view now, rather than when the node's next Stats tells (the next turn of a conversation comes at
     once); that Stats then removes any the node has evicted since."""
     if not node.info.get("prefix_caching"):
@@ -590,7 +591,7 @@ class RouterCore:
             self._left_prefill(flight)  # the decode node has it: a prefill failure no longer concerns it
             if not ev.token_ids and ev.finish_reason is None:
                 return  # the "KV landed" notice
-        self._put(flight, ev, handed_off)
+        self._put(flight, ev, handed_off, source)
         if flight.early and source.role is PREFILL:
             early, flight.early = flight.early, []
             for e in early:
@@ -602,14 +603,15 @@ class RouterCore:
         if prefill.role is PREFILL:
             prefill.requests.discard(flight.request_id)
 
-    def _put(self, flight: Flight, ev: P.TokenEvent, from_decode: bool = False) -> None:
+    def _put(self, flight: Flight, ev: P.TokenEvent, from_decode: bool = False, source: NodeConn | None = None) -> None:
+        """Hand an event to the request's stream; `source`: the node that sent it (None: the router's own)."""
         if ev.token_ids:
             self._observe_tokens(flight, ev.token_ids, from_decode)
         if ev.finish_reason is not None:
             if ev.finish_reason is ERROR:
                 self._abort_on_nodes(flight)  # the nodes that still hold it must let it go
-            elif ev.finish_reason is not P.FinishReason.ABORT and self._names_used():
-                leaves_cached(flight.nodes[-1], flight, self._layout())
+            elif source is not None and ev.finish_reason is not P.FinishReason.ABORT and self._names_used():
+                leaves_cached(source, flight, self._layout())
             self._end(flight, ev.finish_reason)
         flight.inbox.put(ev)
 
