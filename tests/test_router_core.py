@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import zmq
 
 from pdserve.config import RouterConfig
 from pdserve.router.core import NodeConn, RouterCore
@@ -156,6 +157,27 @@ def test_a_node_error_reaches_the_client_with_its_code_and_the_request_is_aborte
     [ev] = _events(flight)
     assert ev.error_code == P.ErrorCode.KV_TRANSFER_FAILED and rid not in core.flights
     assert P.Abort(rid) in decode.sock.sent
+
+
+def test_what_a_node_sent_before_it_disconnected_is_read_before_it_is_marked_down(core):
+    """A node that fails its requests and exits (a drain period run out): its error events are on the socket when
+    the monitor reports the disconnect, which the router may read first. The client gets the node's error, not "the
+    node failed (disconnected)". Real sockets for the decode node."""
+    flight, prefill, decode = _submit(core)
+    peer = core.ctx.socket(zmq.ROUTER)
+    port = peer.bind_to_random_port("tcp://127.0.0.1")
+    decode.sock = core.ctx.socket(zmq.DEALER)
+    decode.monitor = decode.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    decode.sock.connect(f"tcp://127.0.0.1:{port}")
+    decode.sock.send(b"hello")
+    identity, _ = peer.recv_multipart()
+    error = P.TokenEvent(flight.request_id, [], ERROR, "its drain period ran out", error_code=P.ErrorCode.INTERNAL)
+    peer.send_multipart([identity, P.encode(P.TokenEvents([error]))])
+    peer.close(linger=5000)
+    assert decode.monitor.poll(30_000), "no disconnect reported"
+    core._read_monitor(decode)
+    [ev] = _events(flight)
+    assert not decode.up and ev.error == "its drain period ran out", ev.error
 
 
 def test_every_error_code_has_one_http_status():

@@ -374,6 +374,13 @@ class RouterCore:
             self._on_message(node, sock.recv_multipart(zmq.NOBLOCK))  # bytes: cheaper than frames for small messages
         asyncio.get_running_loop().call_soon(self._read, node)
 
+    def _read_all(self, node: NodeConn) -> None:
+        """Every message the node's socket holds now. After its peer disconnects a socket still holds what the peer
+        sent before; the monitor's event may be read first."""
+        sock = node.sock
+        while not sock.closed and sock.get(zmq.EVENTS) & zmq.POLLIN:
+            self._on_message(node, sock.recv_multipart(zmq.NOBLOCK))
+
     def _on_message(self, node: NodeConn, parts: list) -> None:
         try:
             _, msg, _ = transport.split(parts, routed=False)
@@ -418,6 +425,7 @@ class RouterCore:
                 node.last_seen = time.monotonic()
                 self._hello(node)
             elif event == zmq.EVENT_DISCONNECTED:
+                self._read_all(node)  # what it sent before it went comes first (a drained node's last errors)
                 self._node_down(node, "disconnected")
             elif event & transport.HANDSHAKE_FAILED:
                 log.error("%s: the CurveZMQ handshake failed; do both sides use the same --zmq-keys?", node.name)
