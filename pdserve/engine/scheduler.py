@@ -191,12 +191,15 @@ class Scheduler:
 
     def _admit(self, batch: Batch, budget: int) -> int:
         i = 0  # the first waiting request not waiting for a prefix in flight
+        in_flight: set[int] | None = None  # names of the prompt blocks running requests have yet to compute
         while i < min(len(self.waiting), self.max_num_seqs) and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[i]
             if req.num_pending:  # preempted with its last token still on the device: it rejoins once that is known
                 break
             looked_up = self._share_prefix(req)
-            if looked_up and self._waits_for_prefix(req):
+            if looked_up and in_flight is None:
+                in_flight = {h for r in self.running for h in self._blocks_to_name(r)}
+            if looked_up and self._waits_for_prefix(req, in_flight):
                 self._drop_kv(req)
                 i += 1
                 continue
@@ -210,26 +213,29 @@ class Scheduler:
             del self.waiting[i]
             req.move_to(Status.RUNNING)
             self.running.append(req)
+            if in_flight is not None:
+                in_flight.update(self._blocks_to_name(req))
             batch.scheduled.append(ScheduledRequest.of(req, n))
             budget -= n
         return budget
 
-    def _waits_for_prefix(self, req: Request) -> bool:
+    def _waits_for_prefix(self, req: Request, in_flight: set[int]) -> bool:
         """Whether `req` (its cached prefix just matched) should wait: its next WAIT_FOR_PREFIX_BLOCKS blocks are
-        in the prompt of a running request that has not yet computed them (hashes chain, so the whole prefix up
-        to them is the same). Once they are computed and named, it shares them. The running request moves on
-        every step, so the wait ends; if it is preempted or aborted, the wait ends at once."""
-        k, bs = req.num_cached_blocks, self.allocator.block_size
-        if (req.num_tokens - 1) // bs - k < WAIT_FOR_PREFIX_BLOCKS:
+        among `in_flight`, in the prompt of a running request that has not yet computed them (names chain, so the
+        whole prefix up to them is the same). Once they are computed and named, it shares them. The running request
+        moves on every step, so the wait ends; if it is preempted or aborted, the wait ends at once."""
+        k = req.num_cached_blocks
+        if (req.num_tokens - 1) // self.allocator.block_size - k < WAIT_FOR_PREFIX_BLOCKS:
             return False
-        last = req.block_hashes[k + WAIT_FOR_PREFIX_BLOCKS - 1]
-        for r in self.running:
-            full = len(r.prompt_token_ids) // bs
-            if r.num_cached_blocks >= full or r.params.prompt_logprobs is not None:  # nothing to name, or never
-                continue
-            if last in self._hashes(r, full)[r.num_cached_blocks :]:
-                return True
-        return False
+        return req.block_hashes[k + WAIT_FOR_PREFIX_BLOCKS - 1] in in_flight
+
+    def _blocks_to_name(self, req: Request) -> list[int]:
+        """The names of a running request's full prompt blocks it has not yet named (none for one that never names
+        its blocks: echo with logprobs, or no caching)."""
+        full = len(req.prompt_token_ids) // self.allocator.block_size
+        if self.cache_seed is None or req.num_cached_blocks >= full or req.params.prompt_logprobs is not None:
+            return []
+        return self._hashes(req, full)[req.num_cached_blocks :]
 
     def _share_prefix(self, req: Request, max_blocks: int | None = None) -> bool:
         """A request without KV takes the cached blocks of its longest cached prefix (at most `max_blocks`; by
