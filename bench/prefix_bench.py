@@ -135,6 +135,11 @@ def _summary(records: list[RequestRecord]) -> dict:
             "errors": sorted({r.error for r in records if r.error})[:3]}  # fmt: skip
 
 
+def _p50(values) -> float | None:
+    values = list(values)
+    return statistics.median(values) if values else None
+
+
 def run_workloads(target: HttpTarget, counters: Callable[[], dict], sizes: Sizes, vocab: int, seed: int) -> dict:
     """Both workloads against one server: their TTFTs, the multi-turn rate, the server's counters over each
     (`counters()`: {group: {counter: value}}) and every answer's token ids."""
@@ -151,6 +156,10 @@ def run_workloads(target: HttpTarget, counters: Callable[[], dict], sizes: Sizes
     return {"shared_prefix": {**_summary(shared), "counters": systems.counters_diff(mid, before)},
             "multi_turn": {**_summary(records), "wall_s": wall, "counters": systems.counters_diff(after, mid),
                            "output_tok_s": sum(len(r.output_token_ids) for r in records) / wall,
+                           "first_turn_ttft_p50_s": _p50(r.ttft for i, r in enumerate(records)
+                                                         if r.ok and i % sizes.turns == 0),
+                           "later_turn_ttft_p50_s": _p50(r.ttft for i, r in enumerate(records)
+                                                         if r.ok and i % sizes.turns),
                            "tokens_added": sum(a for _, a in turns),
                            "tokens_added_after_first_turn": sum(a for i, (_, a) in enumerate(turns)
                                                                 if i % sizes.turns)},
@@ -355,12 +364,14 @@ def report(results: list[dict], env: dict, sizes: Sizes) -> str:
 def each_run(results: list[dict]) -> list[str]:
     lines = ["Each run, in the order run:", "",
              "| round | system | load avg before / after | shared_prefix TTFT p50 ms | multi_turn TTFT p50 ms | "
-             "multi_turn out tok/s | KV MB shipped / turn | KV shipped / KV added |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "first / later turns' TTFT p50 ms | multi_turn out tok/s | KV MB shipped / turn | KV shipped / KV added |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in results:
+        mt = r["multi_turn"]
         lines.append(f"| {r['round'] + 1} | {r['label']} | {r['loadavg_before'][0]:.1f} / {r['loadavg_after'][0]:.1f} "
-                     f"| {_ms(r['shared_prefix']['ttft_p50_s'])} | {_ms(r['multi_turn']['ttft_p50_s'])} | "
-                     f"{r['multi_turn']['output_tok_s']:.1f} | {_mb(kv_mb_per_turn(r))} | {kv_per_turn(r)} |")
+                     f"| {_ms(r['shared_prefix']['ttft_p50_s'])} | {_ms(mt['ttft_p50_s'])} | "
+                     f"{_ms(mt.get('first_turn_ttft_p50_s'))} / {_ms(mt.get('later_turn_ttft_p50_s'))} | "
+                     f"{mt['output_tok_s']:.1f} | {_mb(kv_mb_per_turn(r))} | {kv_per_turn(r)} |")
     notes = [f"{r['label']}'s prefix cache could not be emptied before round {r['round'] + 1} (no "
              "`/reset_prefix_cache`): it may hold that round's prefixes from an earlier one"
              for r in results if r.get("external") and not r["cache_emptied_first"] and r["round"]]  # fmt: skip
