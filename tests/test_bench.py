@@ -220,3 +220,16 @@ def test_an_external_servers_prefix_cache_counters_and_best_of_rounds():
     assert [[r["round"] for r in g] for g in groups] == [[0, 1], [0]]
     best = best_of(groups[0])
     assert (best["shared_ttft_p50_s"], best["multi_tok_s"], best["runs"], best["ok"]) == (0.2, 10.0, 2, "4/4")
+
+
+def test_each_prefix_run_gives_first_and_later_turns_ttft_apart():
+    from bench.prefix_bench import each_run
+
+    part = {"ttft_p50_s": 0.05, "ok": 1, "requests": 1, "counters": {}}
+    run = {"label": "disagg caching on", "mode": "disagg", "prefix_caching": True, "round": 0,
+           "loadavg_before": [0.5], "loadavg_after": [0.6], "shared_prefix": part,
+           "multi_turn": {**part, "output_tok_s": 100.0, "tokens_added": 10, "first_turn_ttft_p50_s": 0.2812,
+                          "later_turn_ttft_p50_s": 0.0631}}  # fmt: skip
+    old = {**run, "multi_turn": {**part, "output_tok_s": 90.0, "tokens_added": 10}}  # a run recorded before them
+    rows = [line for line in each_run([run, old]) if line.startswith("| 1 |")]
+    assert "| 281.2 / 63.1 | 100.0 |" in rows[0] and "| - / - | 90.0 |" in rows[1]
