@@ -180,9 +180,9 @@ class Flight:
 def leaves_cached(node: NodeConn, flight: Flight, layout: dict) -> None:
     """A request that ended well on `node` (the one that sent its last token: colocated, decode, or a prefill node
     for a one-token answer) left its computed full blocks in the node's cache: its prompt's and its output's but the
-    last token's, whose KV was never computed. Add their names to the
-    router's view now, rather than when the node's next Stats tells (the next turn of a conversation comes at
-    once); that Stats then removes any the node has evicted since."""
+    last token's, whose KV was never computed. Add their names to the router's view now, rather than when the
+    node's next Stats tells (the next turn of a conversation comes at once); that Stats then removes any the node
+    has evicted since."""
     if not node.info.get("prefix_caching"):
         return
     bs, names = layout["block_size"], flight.names
