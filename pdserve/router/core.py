@@ -367,19 +367,23 @@ class RouterCore:
     def _read(self, node: NodeConn) -> None:
         """Every message the node's socket holds (READ_BATCH at a time), when its descriptor wakes or a send may have
         hidden a wake-up."""
-        sock = node.sock
-        for _ in range(READ_BATCH):
-            if sock.closed or not sock.get(zmq.EVENTS) & zmq.POLLIN:  # cheaper than the exception of an empty read
-                return
-            self._on_message(node, sock.recv_multipart(zmq.NOBLOCK))  # bytes: cheaper than frames for small messages
-        asyncio.get_running_loop().call_soon(self._read, node)
+        if self._read_batch(node):
+            asyncio.get_running_loop().call_soon(self._read, node)
 
     def _read_all(self, node: NodeConn) -> None:
         """Every message the node's socket holds now. After its peer disconnects a socket still holds what the peer
         sent before; the monitor's event may be read first."""
+        while self._read_batch(node):
+            pass
+
+    def _read_batch(self, node: NodeConn) -> bool:
+        """Up to READ_BATCH of the node's messages; True when that many were read (more may wait)."""
         sock = node.sock
-        while not sock.closed and sock.get(zmq.EVENTS) & zmq.POLLIN:
-            self._on_message(node, sock.recv_multipart(zmq.NOBLOCK))
+        for _ in range(READ_BATCH):
+            if sock.closed or not sock.get(zmq.EVENTS) & zmq.POLLIN:  # cheaper than the exception of an empty read
+                return False
+            self._on_message(node, sock.recv_multipart(zmq.NOBLOCK))  # bytes: cheaper than frames for small messages
+        return True
 
     def _on_message(self, node: NodeConn, parts: list) -> None:
         try:
@@ -495,18 +499,18 @@ class RouterCore:
         """The nodes' KV layout (block size, model fingerprint), as their HelloAck gave it."""
         return next((n.info.get("layout") for n in self.nodes if isinstance(n.info.get("layout"), dict)), None)
 
-    def _names_used(self) -> bool:
-        """Whether routing looks at the nodes' caches (cache-aware picks, or conditional disaggregation), and the
-        nodes' layout is known."""
+    def _names_layout(self) -> dict | None:
+        """The nodes' layout, by which blocks are named, when routing looks at the nodes' caches (cache-aware picks,
+        or conditional disaggregation); None when it does not, or no node has told it yet."""
         cfg = self.cfg
         used = cfg.cache_balance_margin >= 0 or (cfg.mode == "disagg" and cfg.local_prefill_max_tokens != 0)
-        return used and self._layout() is not None
+        return self._layout() if used else None
 
     def _block_names(self, prompt: list[int]) -> list[int]:
         """The prompt's block names as the nodes name them ([] when no node caches, or nothing here uses them)."""
-        if not self._names_used() or not any(n.cached for n in self.nodes):
+        layout = self._names_layout()
+        if layout is None or not any(n.cached for n in self.nodes):
             return []
-        layout = self._layout()
         return P.block_hashes(prompt, layout["block_size"], P.chain_seed(layout["model_fingerprint"]))
 
     def _local_prefill_limit(self, decode: NodeConn) -> int:
@@ -618,8 +622,10 @@ class RouterCore:
         if ev.finish_reason is not None:
             if ev.finish_reason is ERROR:
                 self._abort_on_nodes(flight)  # the nodes that still hold it must let it go
-            elif source is not None and ev.finish_reason is not P.FinishReason.ABORT and self._names_used():
-                leaves_cached(source, flight, self._layout())
+            elif source is not None and ev.finish_reason is not P.FinishReason.ABORT:
+                layout = self._names_layout()
+                if layout is not None:
+                    leaves_cached(source, flight, layout)
             self._end(flight, ev.finish_reason)
         flight.inbox.put(ev)
 
