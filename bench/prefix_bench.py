@@ -129,8 +129,8 @@ async def _multi_turn(url: str, model: str, target, system, convs, answer: int):
 
 def _summary(records: list[RequestRecord]) -> dict:
     ok = [r for r in records if r.ok]
-    ttfts = sorted(r.ttft for r in ok)
-    return {"requests": len(records), "ok": len(ok), "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
+    ttfts = [r.ttft for r in ok]
+    return {"requests": len(records), "ok": len(ok), "ttft_p50_s": _p50(ttfts),
             "ttft_mean_s": statistics.fmean(ttfts) if ttfts else None,
             "errors": sorted({r.error for r in records if r.error})[:3]}  # fmt: skip
 

@@ -136,10 +136,8 @@ def _complete_batch(url: str, prompts: list[list[int]], n: int) -> tuple[int, li
 
 
 def _complete(url: str, prompt: list[int], n: int) -> tuple[int, list[int]]:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True}  # fmt: skip
-    r = httpx.post(url + "/v1/completions", json=body, timeout=180)
-    return r.status_code, r.json()["choices"][0]["token_ids"] if r.status_code == 200 else []
+    code, choices = _complete_batch(url, [prompt], n)
+    return code, choices[0] if choices else []
 
 
 @pytest.fixture(scope="module")
