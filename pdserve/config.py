@@ -310,6 +310,11 @@ class RouterConfig:
                                                   "prefill node and the KV transfer; 0: never (default: one chunk, "
                                                   "the decode node's --max-num-batched-tokens)", type=int,
                                                   metavar="TOKENS")  # fmt: skip
+    max_prefill_queue: int = option(0, "disaggregated: when every prefill node holds at least this many of the "
+                                       "router's requests (queued, being computed, or shipping their KV), the decode "
+                                       "node chosen computes a prompt itself, as long as fewer of its own prompts "
+                                       "wait for their first token; 0: never", type=int,
+                                    metavar="REQUESTS")  # fmt: skip
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -340,6 +345,8 @@ class RouterConfig:
             raise ValueError("--cache-balance-margin must be -1 (off) or a number of requests >= 0")
         if self.local_prefill_max_tokens is not None and self.local_prefill_max_tokens < 0:
             raise ValueError("--local-prefill-max-tokens must be 0 (off) or a number of tokens >= 1")
+        if self.max_prefill_queue < 0:
+            raise ValueError("--max-prefill-queue must be 0 (off) or a number of requests >= 1")
 
     @property
     def mode(self) -> str:

@@ -143,8 +143,8 @@ def test_a_nodes_stats_carry_its_whole_cache_after_a_hello_then_its_changes(tiny
 # ---- conditional disaggregation: the router's choice ----------------------------------------------------
 def disagg_core(**cfg) -> RouterCore:
     """A disaggregated router over fake nodes p0 and d0; d0 says it runs 64 tokens a step."""
-    c = RouterCore(RouterConfig(model="tiny", prefill=("tcp://p0",), decode=("tcp://d0",), decode_kv=("tcp://k0",),
-                                **cfg))  # fmt: skip
+    cfg.setdefault("prefill", ("tcp://p0",))
+    c = RouterCore(RouterConfig(model="tiny", decode=("tcp://d0",), decode_kv=("tcp://k0",), **cfg))
     for m in c.membership._members:
         info = {"layout": LAYOUT, "max_num_batched_tokens": 64}
         c.nodes.append(NodeConn(m.role, m.addr, m.kv_addr, sock=FakeSock(), up=True, info=info))
@@ -194,6 +194,44 @@ def test_local_prefill_off_with_zero():
         prompt = list(range(40))
         follow_cache(c.nodes[1], stats(P.Role.DECODE, stored=names(prompt)))
         assert routed(c, prompt) == ["tcp://p0", "tcp://d0"]
+    finally:
+        c.ctx.destroy(linger=0)
+
+
+def test_a_decode_node_takes_prompts_while_every_prefill_node_holds_the_queue_limit():
+    """--max-prefill-queue 1: while p0 holds a request not yet handed off, d0 takes the next prompt itself (nothing of
+    it cached), unless it already holds as many prompts of its own waiting for their first token; never a request
+    scored at every prompt position. First tokens and hand-offs shorten the queues again."""
+    c = disagg_core(max_prefill_queue=1)
+    try:
+        p, d = c.nodes
+        prompts = iter(list(range(100 * i, 100 * i + 40)) for i in range(10))
+        assert routed(c, next(prompts)) == ["tcp://p0", "tcp://d0"]
+        assert routed(c, next(prompts)) == ["tcp://d0"]  # p0 holds 1, d0 none of its own
+        assert routed(c, next(prompts)) == ["tcp://p0", "tcp://d0"]  # d0 holds 1 of its own: not fewer
+        assert routed(c, next(prompts), prompt_logprobs=1) == ["tcp://p0", "tcp://d0"]
+        assert routed(c, next(prompts)) == ["tcp://d0"]  # p0 holds 3, d0 1 of its own
+        for f in [f for f in c.waiting if f.nodes == [d]]:
+            c._deliver(P.TokenEvent(f.request_id, [7], None), d)  # d0's own have their first token
+        assert routed(c, next(prompts)) == ["tcp://d0"] and len(p.requests) == 3
+        for f in [f for f in c.waiting if f.nodes == [p, d]]:
+            c._deliver(P.TokenEvent(f.request_id, [7], None), p)
+            c._deliver(P.TokenEvent(f.request_id, [], None), d)  # the KV landed: handed off
+        assert not p.requests and routed(c, next(prompts)) == ["tcp://p0", "tcp://d0"]
+    finally:
+        c.ctx.destroy(linger=0)
+
+
+@pytest.mark.parametrize("limit, prefill, want", [(0, ("tcp://p0",), ["tcp://p0", "tcp://d0"]),
+                                                  (2, ("tcp://p0",), ["tcp://p0", "tcp://d0"]),
+                                                  (1, ("tcp://p0", "tcp://p1"), ["tcp://p1", "tcp://d0"])])
+def test_a_prefill_queue_below_the_limit_keeps_the_prompt_on_the_prefill_nodes(limit, prefill, want):
+    """Off (0, the default), a limit not yet reached, or a second prefill node with room: the second request goes
+    through a prefill node like the first."""
+    c = disagg_core(max_prefill_queue=limit, prefill=prefill)
+    try:
+        routed(c, list(range(40)))
+        assert routed(c, list(range(100, 140))) == want
     finally:
         c.ctx.destroy(linger=0)
 

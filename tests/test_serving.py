@@ -20,6 +20,7 @@ MODES = {
     "disagg-zmq": dict(mode="disagg", transport="zmq"),
     "disagg-shm": dict(mode="disagg", transport="shm"),
     "disagg-2p2d": dict(mode="disagg", transport="zmq", num_prefill=2, num_decode=2),
+    "disagg-queue": dict(mode="disagg", transport="zmq", router_args=("--max-prefill-queue", "1")),
 }
 NUM_REQUESTS = 32
 CHUNK = 128  # --max-num-batched-tokens: the tokens a decode node prefills itself at most (by default)
@@ -122,6 +123,21 @@ def test_concurrent_requests_behind_a_cached_prefix_equal_transformers(stack):
     assert prefill["prefix_cache_hits"] == 6 * BLOCK * len(remote)
     assert prefill["kv_skipped_bytes"] == 6 * BLOCK * len(remote) * per_token
     assert prefill["kv_transfer_bytes"] == sum(len(p) - 6 * BLOCK for p in remote) * per_token
+
+
+@pytest.mark.parametrize("stack", ["disagg-queue"], indirect=True)
+def test_prompts_sent_together_are_prefilled_on_both_nodes_past_the_prefill_queue_limit(stack):
+    """--max-prefill-queue 1: eight new 300-token prompts at once. The first goes through the prefill node; while
+    it is there, the decode node takes prompts too (one more than its own still waiting at most), so both compute
+    some, and every answer is transformers'."""
+    rng = random.Random(11)
+    prompts = [[300 + i] + _random_ids(rng, 299) for i in range(8)]
+    before = _counters(stack)
+    assert asyncio.run(_complete_all(stack.url, prompts, [6] * 8)) == hf_greedy(resolve_model("tiny"), prompts, [6] * 8)
+    grew = counters_diff(_counters(stack), before)
+    local, remote = grew["decode"]["local_prefill_requests"], grew["prefill"]["requests"]
+    assert local >= 1 and remote >= 1 and local + remote == 8
+    assert grew["prefill"]["kv_transfers"] == remote
 
 
 @pytest.mark.parametrize("stack", ["disagg-zmq", "disagg-shm"], indirect=True)

@@ -529,6 +529,20 @@ class RouterCore:
             return False
         return tokens_to_compute(len(prompt), hit, layout["block_size"]) <= self._local_prefill_limit(decode)
 
+    def _takes_a_queued_prefill(self, decode: NodeConn, params: P.SamplingParams) -> bool:
+        """Conditional disaggregation by load (--max-prefill-queue): whether every live prefill node holds at least
+        that many of this router's requests not yet handed to their decode node, while `decode` holds fewer prompts
+        of its own still waiting for their first token, so that it takes the next prompt as a prefill node would.
+        Never for a request scored at every prompt position (echo with logprobs)."""
+        limit = self.cfg.max_prefill_queue
+        if not limit or params.prompt_logprobs is not None:
+            return False
+        queues = [len(n.requests) for n in self.nodes if n.role is PREFILL and n.usable]
+        if not queues or min(queues) < limit:
+            return False
+        own = sum(1 for f in self.waiting if len(f.nodes) == 1 and f.nodes[0] is decode)
+        return own < min(queues)
+
     def _dispatch(self, flight: Flight) -> None:
         """Send the request, from where its stream stands, to the nodes that cache most of it or are least loaded,
         under a new id."""
@@ -541,7 +555,7 @@ class RouterCore:
             msg = P.Generate(rid, prompt, params)
         else:
             decode = self._pick(P.Role.DECODE, names)
-            if self._prefills_locally(decode, prompt, names, params):
+            if self._prefills_locally(decode, prompt, names, params) or self._takes_a_queued_prefill(decode, params):
                 nodes, msg = [decode], P.Generate(rid, prompt, params)
             else:
                 nodes = [self._pick(P.Role.PREFILL, names), decode]
