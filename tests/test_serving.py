@@ -20,8 +20,8 @@ MODES = {
     "disagg-zmq": dict(mode="disagg", transport="zmq"),
     "disagg-shm": dict(mode="disagg", transport="shm"),
     "disagg-2p2d": dict(mode="disagg", transport="zmq", num_prefill=2, num_decode=2),
-    "disagg-queue": dict(mode="disagg", transport="zmq", router_args=("--max-prefill-queue", "1")),
 }
+ONLY_WHERE_ASKED = {"disagg-queue": dict(mode="disagg", transport="zmq", router_args=("--max-prefill-queue", "1"))}
 NUM_REQUESTS = 32
 CHUNK = 128  # --max-num-batched-tokens: the tokens a decode node prefills itself at most (by default)
 BLOCK = 16  # tokens per KV block (the default)
@@ -35,7 +35,8 @@ def workload():
 
 @pytest.fixture(scope="module", params=list(MODES))
 def stack(request, tmp_path_factory):
-    s = Stack(tmp_path_factory.mktemp(request.param), "tiny", engine_args=ENGINE_ARGS, **MODES[request.param])
+    settings = {**MODES, **ONLY_WHERE_ASKED}[request.param]
+    s = Stack(tmp_path_factory.mktemp(request.param), "tiny", engine_args=ENGINE_ARGS, **settings)
     yield s.start()
     s.close()
 
