@@ -99,6 +99,9 @@ def test_decode_node_sigterm_finishes_its_streams_or_past_its_grace_fails_them_c
         stack.restart_node("decode0", "decode", ("--drain-timeout-s", "0.001"))
         stack.wait_healthy(timeout=60)
         streams = start_streams(stack.url, [tiny_greedy(300)] * 2)
+        # each stream's second token comes from the decode node: it holds both (a request whose KV is still on its
+        # way when the node exits fails as the node's loss instead, "failed (disconnected)")
+        assert wait_until(lambda: all(len(s.token_ids) >= 2 for s in streams), 60), [s.error for s in streams]
         stack.procs["decode0"].send_signal(signal.SIGTERM)
         _join(streams)
         assert all(not s.done and "drain period" in s.error for s in streams), [s.error for s in streams]
