@@ -129,8 +129,8 @@ def test_concurrent_requests_behind_a_cached_prefix_equal_transformers(stack):
 @pytest.mark.parametrize("stack", ["disagg-queue"], indirect=True)
 def test_prompts_sent_together_are_prefilled_on_both_nodes_past_the_prefill_queue_limit(stack):
     """--max-prefill-queue 1: eight new 300-token prompts at once. The first goes through the prefill node; while
-    it is there, the decode node takes prompts too (one more than its own still waiting at most), so both compute
-    some, and every answer is transformers'."""
+    it is there, the decode node takes prompts too (while fewer of its own wait for their first token than the
+    prefill node holds), so both compute some, and every answer is transformers'."""
     rng = random.Random(11)
     prompts = [[300 + i] + _random_ids(rng, 299) for i in range(8)]
     before = _counters(stack)

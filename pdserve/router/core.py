@@ -537,11 +537,11 @@ class RouterCore:
         limit = self.cfg.max_prefill_queue
         if not limit or params.prompt_logprobs is not None:
             return False
-        queues = [len(n.requests) for n in self.nodes if n.role is PREFILL and n.usable]
-        if not queues or min(queues) < limit:
+        shortest = min((len(n.requests) for n in self.nodes if n.role is PREFILL and n.usable), default=0)
+        if shortest < limit:
             return False
         own = sum(1 for f in self.waiting if len(f.nodes) == 1 and f.nodes[0] is decode)
-        return own < min(queues)
+        return own < shortest
 
     def _dispatch(self, flight: Flight) -> None:
         """Send the request, from where its stream stands, to the nodes that cache most of it or are least loaded,
