@@ -3,7 +3,8 @@
 /metrics, which probes poll, are not logged.
 
 The completion handlers put the request's usage in `request.state.usage` (the ASGI scope's state), which this
-middleware reads after the response's last byte; it reads no body.
+middleware reads after the response's last byte; it reads no body. Requests on the router's direct path
+(router/http.py), which no middleware sees, are logged by its handler with `log_request`, in the same form.
 """
 
 from __future__ import annotations
@@ -35,9 +36,12 @@ class AccessLog:
         try:
             await self.app(scope, receive, send_seen)
         finally:
-            usage = scope.get("state", {}).get("usage")
-            log.info("%s %s %s%s %.3f s", scope["method"], scope["path"], status or "-", _tokens(usage),
-                     time.perf_counter() - started)  # fmt: skip
+            log_request(scope["method"], scope["path"], status, scope.get("state", {}).get("usage"), started)
+
+
+def log_request(method: str, path: str, status: int, usage: dict | None, started: float) -> None:
+    """A request's line (`status` 0: no response started; `started`: its time.perf_counter() when it came)."""
+    log.info("%s %s %s%s %.3f s", method, path, status or "-", _tokens(usage), time.perf_counter() - started)
 
 
 def _tokens(usage: dict | None) -> str:

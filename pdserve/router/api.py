@@ -5,36 +5,52 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.config import RouterConfig
 from pdserve.router import small_routes
-from pdserve.router.access_log import AccessLog
-from pdserve.router.auth import ApiKeyGuard
+from pdserve.router.access_log import AccessLog, log_request
+from pdserve.router.auth import ApiKeyGuard, authorized, refusal
 from pdserve.router.choices import derive_seed, gather_all
 from pdserve.router.core import NoNodeAvailable, Overloaded, RouterCore, StartupError
 from pdserve.router.errors import ApiError, api_error_body, logged_error
+from pdserve.router.http import Exchange
 from pdserve.router.limits import Offload, RequestLimits, content_chars, stop_problem
 from pdserve.router.logprobs import ChoiceExtras, merge_pieces
 from pdserve.router.metrics import merge_expositions
 from pdserve.router.openai_fields import UnsupportedField, check_fields
 from pdserve.router.response_format import grammar_for, schema_size
-from pdserve.router.stream import ChoiceView, Delta, Outbox, SseResponse, SseStream, choice, envelope, usage
+from pdserve.router.stream import (
+    SSE_HEADERS,
+    ChoiceView,
+    Delta,
+    Outbox,
+    SseResponse,
+    SseStream,
+    choice,
+    envelope,
+    usage,
+)
 from pdserve.router.text import ModelInfo, NoTokenizerError, chat_prompt_ids, load_model_info
 from pdserve.router.workers import SharedMetrics, read_others
 from pdserve.wire import protocol as P
+
+log = logging.getLogger("pdserve.router")
 
 # ---- request bodies ------------------------------------------------------------------------------
 
@@ -351,18 +367,18 @@ async def _collect(core, info, job: Job) -> tuple[str, list[int], str | None, di
     return "".join(texts), ids, reason, merge_pieces(logprobs)
 
 
-async def _complete(core, info, jobs: list[Job], chat: bool, request: Request) -> dict:
+async def _complete(core, info, jobs: list[Job], chat: bool, call: Call) -> dict:
     task = asyncio.create_task(gather_all(_collect(core, info, job) for job in jobs))
     while not task.done():
         await asyncio.wait({task}, timeout=0.5)
-        if not task.done() and await request.is_disconnected():
+        if not task.done() and await call.is_disconnected():
             task.cancel()  # run_job's finally aborts each request on its nodes
     await asyncio.gather(task, return_exceptions=True)
     results = task.result()
     body = envelope(jobs[0], chat, stream=False)
     body["choices"] = [choice(job, chat, text, ids, reason, stream=False, logprobs=lps)
                        for job, (text, ids, reason, lps) in zip(jobs, results, strict=True)]  # fmt: skip
-    body["usage"] = request.state.usage = usage(jobs, sum(len(ids) for _, ids, _, _ in results))
+    body["usage"] = call.state.usage = usage(jobs, sum(len(ids) for _, ids, _, _ in results))
     return body
 
 
@@ -403,14 +419,88 @@ def _invalid_message(errors: list) -> tuple[str, str | None]:
     return f"invalid request: {where + ': ' if where else ''}{first.get('msg', 'malformed body')}", where or None
 
 
-async def _read(request: Request, model: type[_Common]) -> _Common:
-    """The body, parsed and validated (off the event loop when it is large); the model name checked."""
+@dataclass
+class Call:
+    """What a completion handler needs of its HTTP request, which came through FastAPI or the direct path (http.py)."""
+
+    where: str  # method and path, for error lines
+    state: Any  # the request's state: the handler puts its usage there, for the access log
+    is_disconnected: Callable[[], Awaitable[bool]]
+
+
+async def answer(st, call: Call, raw: bytes, chat: bool) -> dict | SseStream:
+    """A completion request's answer, from its body (at most --max-request-bytes; its admission checked before it was
+    read): the response's body, or the stream to send. Raises ApiError or UnsupportedField for an error response."""
+    body = await st.offload.run(len(raw), _parse, raw, ChatBody if chat else CompletionBody)  # large: off the loop
+    small_routes.check_served(st.served, body.model)
+    prompts = [await _chat_ids(body, st.info, st.offload)] if chat else await _prompt_ids(body, st.info, st.offload)
+    if body.model_extra:  # fields no request model declares: refused unless harmless
+        check_fields(body.model_extra, body.model_dump())
+    caps = [c for c in (st.core.kv_capacity_tokens(r) for r in (P.Role.COLOCATED, P.Role.DECODE)) if c]
+    grammar = await st.offload.run(schema_size(body.response_format), grammar_for, body.response_format)
+    jobs = [make_job(body, ids, st.info, chat_default=chat, kv_capacity=min(caps, default=None),
+                     max_n=st.cfg.max_n, grammar=grammar) for ids in prompts]  # fmt: skip
+    for job in jobs:
+        check_capacity(st.core, job)
+    jobs = expand(jobs, body.n)
+    if body.stream:  # dispatch first, so that a refusal is still an HTTP error, not a 200 stream
+        flights = submit_all(st.core, jobs)
+        return SseStream(st.core, st.info, jobs, chat, flights, call.state, f"stream of {call.where}", st.outbox)
+    return await _complete(st.core, st.info, jobs, chat, call)
+
+
+async def _asgi_answer(request: Request, chat: bool) -> dict | SseResponse:
+    st = request.app.state
     with admission_errors():  # refuse early, before spending anything on the body
-        request.app.state.core.check_admission()
+        st.core.check_admission()
     raw = await request.body()  # at most --max-request-bytes: RequestLimits saw it first
-    body = await request.app.state.offload.run(len(raw), _parse, raw, model)
-    small_routes.check_model(request, body.model)
-    return body
+    out = await answer(st, Call(_where(request), request.state, request.is_disconnected), raw, chat)
+    return SseResponse(out) if isinstance(out, SseStream) else out
+
+
+class DirectApi:
+    """The direct path's handler (http.py): a completion request answered as the app answers it through ASGI, doing
+    for it what the middlewares and exception handlers do there (API key, access log line, error bodies)."""
+
+    def __init__(self, st, cfg: RouterConfig) -> None:
+        self.st, self.key, self.access_log = st, cfg.api_key.encode(), cfg.access_log
+
+    async def __call__(self, ex: Exchange) -> None:
+        started, state = time.perf_counter(), SimpleNamespace(usage=None)
+        try:
+            await self._answer(ex, state)
+        finally:
+            if self.access_log:
+                log_request("POST", ex.head.path, ex.status, state.usage, started)
+
+    async def _answer(self, ex: Exchange, state: SimpleNamespace) -> None:
+        if self.key and not authorized(ex.head.headers.get(b"authorization", b""), self.key):
+            return _respond(ex, refusal(ex.where))
+        try:
+            with admission_errors():
+                self.st.core.check_admission()
+            out = await answer(self.st, Call(ex.where, state, ex.is_disconnected), ex.body, ex.head.chat)
+        except ApiError as e:
+            return _respond(ex, JSONResponse(api_error_body(ex.where, e), status_code=e.status, headers=e.headers))
+        except UnsupportedField as e:
+            return _respond(ex, JSONResponse(logged_error(ex.where, 400, str(e), e.field), status_code=400))
+        except Exception:
+            log.exception("%s failed", ex.where)
+            return _respond(ex, PlainTextResponse("Internal Server Error", status_code=500))
+        if not isinstance(out, SseStream):
+            return _respond(ex, JSONResponse(out))
+        ex.start_stream(list(SSE_HEADERS))
+        ex.on_lost = out.close
+        out.attach(ex.write)
+        try:
+            await out.done
+        finally:
+            out.close()  # aborts whatever still runs: the server stops
+        ex.end_stream()
+
+
+def _respond(ex: Exchange, response: Response) -> None:
+    ex.respond(response.status_code, response.raw_headers, response.body)
 
 
 def _without_telemetry() -> dict:
@@ -452,6 +542,8 @@ def create_app(cfg: RouterConfig, worker: int | None = None, metrics_dir: str = 
             app.state.offload.close()
 
     app = FastAPI(title="pdserve", lifespan=lifespan, **_without_telemetry())
+    app.state.cfg = cfg
+    app.state.direct = DirectApi(app.state, cfg)  # the handler of the router's direct path (server.py)
     app.include_router(small_routes.router)
     app.add_middleware(RequestLimits, limit=cfg.max_request_bytes)
     if cfg.api_key:  # added last, so outermost: a stranger's body is not even read
@@ -477,34 +569,13 @@ def create_app(cfg: RouterConfig, worker: int | None = None, metrics_dir: str = 
         body = logged_error(_where(request), e.status_code, str(e.detail))
         return JSONResponse(body, status_code=e.status_code)
 
-    async def serve(request: Request, body: _Common, prompts: list[list[int]], chat: bool):
-        st = request.app.state
-        if body.model_extra:  # fields no request model declares: refused unless harmless
-            check_fields(body.model_extra, body.model_dump())
-        caps = [c for c in (st.core.kv_capacity_tokens(r) for r in (P.Role.COLOCATED, P.Role.DECODE)) if c]
-        grammar = await st.offload.run(schema_size(body.response_format), grammar_for, body.response_format)
-        jobs = [make_job(body, ids, st.info, chat_default=chat, kv_capacity=min(caps, default=None),
-                         max_n=cfg.max_n, grammar=grammar) for ids in prompts]  # fmt: skip
-        for job in jobs:
-            check_capacity(st.core, job)
-        jobs = expand(jobs, body.n)
-        if body.stream:  # dispatch first, so that a refusal is still an HTTP error, not a 200 stream
-            flights = submit_all(st.core, jobs)
-            where = f"stream of {_where(request)}"
-            return SseResponse(SseStream(st.core, st.info, jobs, chat, flights, request.state, where, st.outbox))
-        return await _complete(st.core, st.info, jobs, chat, request)
-
     @app.post("/v1/completions")
     async def completions(request: Request):
-        st = request.app.state
-        body = await _read(request, CompletionBody)
-        return await serve(request, body, await _prompt_ids(body, st.info, st.offload), chat=False)
+        return await _asgi_answer(request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        st = request.app.state
-        body = await _read(request, ChatBody)
-        return await serve(request, body, [await _chat_ids(body, st.info, st.offload)], chat=True)
+        return await _asgi_answer(request, chat=True)
 
     @app.get("/v1/models")
     async def models(request: Request):

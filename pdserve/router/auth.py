@@ -23,13 +23,21 @@ class ApiKeyGuard:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self._authorized(scope):
             await self.app(scope, receive, send)
             return
-        body = logged_error(f"{scope['method']} {scope['path']}", 401,
-                            "a valid API key is required (Authorization: Bearer <key>)", code="invalid_api_key")
-        await JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+        await refusal(f"{scope['method']} {scope['path']}")(scope, receive, send)
 
     def _authorized(self, scope: Scope) -> bool:
-        given = bearer_token(dict(scope["headers"]).get(b"authorization", b""))
-        return hmac.compare_digest(given, self.key)  # constant time in the key's content
+        return authorized(dict(scope["headers"]).get(b"authorization", b""), self.key)
+
+
+def authorized(header: bytes, key: bytes) -> bool:
+    """Whether an Authorization header's value carries `key`."""
+    return hmac.compare_digest(bearer_token(header), key)  # constant time in the key's content
+
+
+def refusal(where: str) -> JSONResponse:
+    """The answer to a request without the key (logged as it is made)."""
+    body = logged_error(where, 401, "a valid API key is required (Authorization: Bearer <key>)", code="invalid_api_key")
+    return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
 
 
 def bearer_token(header: bytes) -> bytes:

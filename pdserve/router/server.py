@@ -76,7 +76,8 @@ def serve(cfg: RouterConfig, sock: socket.socket | None = None, worker: int | No
     """Serve on cfg.host:cfg.port, or on `sock` (a worker of several, router/workers.py, numbered `worker`, sharing
     metrics through `metrics_dir`)."""
     app = create_app(cfg, worker, metrics_dir)
-    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", http=RouterHttp,
+    http = partial(RouterHttp, direct=app.state.direct, body_limit=cfg.max_request_bytes)
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", http=http,
                             h11_max_incomplete_event_size=MAX_HEADER_BYTES,
                             timeout_graceful_shutdown=cfg.drain_timeout_s + 5)  # fmt: skip
     server = DrainingServer(config, app, cfg.drain_timeout_s, partial(ready_line, cfg))

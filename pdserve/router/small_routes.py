@@ -33,7 +33,10 @@ class DetokenizeBody(BaseModel):
 
 def check_model(request: Request, model: str | None) -> None:
     """404 unless `model` (when given) is a name this server serves."""
-    served = request.app.state.served
+    check_served(request.app.state.served, model)
+
+
+def check_served(served: set[str], model: str | None) -> None:
     if model is not None and model not in served:
         raise ApiError(404, f"model {model!r} does not exist; this server serves {sorted(served)[0]!r}", "model",
                        "model_not_found")  # fmt: skip

@@ -234,15 +234,16 @@ def _nowhere(data: bytes) -> bool:
     return False
 
 
+SSE_HEADERS = ((b"content-type", b"text/event-stream; charset=utf-8"),)  # a streamed answer's, either path
+
+
 class SseResponse(Response):
     """Streams an SseStream: status, headers and the body's end through ASGI; the body on RawChunks where the server
     offers them, else through ASGI too (one send per batch of writes)."""
 
-    media_type = "text/event-stream"
-
     def __init__(self, stream: SseStream) -> None:
         self.stream, self.status_code, self.background = stream, 200, None
-        self.init_headers()
+        self.raw_headers = list(SSE_HEADERS)
 
     async def __call__(self, scope, receive, send) -> None:
         left = asyncio.ensure_future(_disconnect(receive))
