@@ -134,7 +134,8 @@ class Harness:
         for part in self.stream_parts:
             ex.write(part)
         await self.release.wait()
-        ex.end_stream()
+        ex.end_stream(b"data: 3\n\n" if self.stream_parts else b"")
+        ex.end_stream()  # once only
 
     async def app(self, scope, receive, send) -> None:
         body = b""
@@ -239,7 +240,8 @@ def test_a_stream_is_written_in_few_writes_and_ends_with_the_last_chunk():
         assert second == b"9\r\ndata: 2\n\n\r\n"
         h.release.set()
         await h.settle()
-        assert h.transport.writes[2:] == [b"0\r\n\r\n"] and not h.transport.closed
+        assert h.transport.writes[2:] == [b"9\r\ndata: 3\n\n\r\n0\r\n\r\n"]  # the last chunk ends the body
+        assert not h.transport.closed
 
     run(main())
 

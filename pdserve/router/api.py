@@ -144,9 +144,9 @@ def _one_prompt(prompt: str | list[int], info: ModelInfo) -> str | list[int]:
         _check_chars(len(prompt), info, "prompt")
         return prompt
     _check_prompt_len(len(prompt), info)
-    bad = [t for t in prompt if not 0 <= t < info.vocab_size]
-    if bad:
-        raise ApiError(400, f"token id {bad[0]} is outside the vocabulary [0, {info.vocab_size})", "prompt")
+    if prompt and not 0 <= min(prompt) <= max(prompt) < info.vocab_size:  # checked in C; then the culprit found
+        bad = next(t for t in prompt if not 0 <= t < info.vocab_size)
+        raise ApiError(400, f"token id {bad} is outside the vocabulary [0, {info.vocab_size})", "prompt")
     return list(prompt)
 
 
@@ -491,7 +491,7 @@ class DirectApi:
             return _respond(ex, JSONResponse(out))
         ex.start_stream(list(SSE_HEADERS))
         ex.on_lost = out.close
-        out.attach(ex.write)
+        out.attach(ex.write, ex.end_stream)
         try:
             await out.done
         finally:

@@ -124,6 +124,7 @@ class Exchange:
         self.lost = False  # the client left before the response ended
         self.on_lost: Callable[[], object] | None = None
         self.unsent = b""  # the stream's head, until its first chunk
+        self.ended = False  # the streamed body's end is written
 
     @property
     def where(self) -> str:
@@ -144,16 +145,18 @@ class Exchange:
 
     def write(self, data: bytes) -> bool:
         """One chunk of the streamed body; False once the client has left."""
-        if self.lost:
+        if self.lost or self.ended:
             return False
         if data:  # an empty chunk would end the body
             self.transport.write(b"%b%x\r\n%b\r\n" % (self.unsent, len(data), data))
             self.unsent = b""
         return True
 
-    def end_stream(self) -> None:
-        if not self.lost:
-            self.transport.write(self.unsent + b"0\r\n\r\n")
+    def end_stream(self, last: bytes = b"") -> None:
+        """The body's end, after a last chunk where `last` is given; once."""
+        if not self.lost and not self.ended:
+            self.transport.write(b"%b%b0\r\n\r\n" % (self.unsent, b"%x\r\n%b\r\n" % (len(last), last) if last else b""))
+        self.ended = True
 
     def _head(self, status: int, headers: list[tuple[bytes, bytes]]) -> bytes:
         """The status line and headers, as h11 writes them (the names it adds, title-cased, last)."""

@@ -163,10 +163,12 @@ class SseStream:
         self.tokens = 0  # completion tokens streamed
         self.done = asyncio.get_running_loop().create_future()
         self.write: Callable[[bytes], object] = _nowhere
+        self.last: Callable[[bytes], object] | None = None
 
-    def attach(self, write: Callable[[bytes], object]) -> None:
-        """Write every event from now on (those that came already first) with `write`."""
-        self.write = write
+    def attach(self, write: Callable[[bytes], object], last: Callable[[bytes], object] | None = None) -> None:
+        """Write every event from now on (those that came already first) with `write`; the stream's last bytes with
+        `last`, where given (it ends the body in the same write)."""
+        self.write, self.last = write, last
         for i, flight in enumerate(self.flights):
             flight.inbox.attach(partial(self._on_event, i))
 
@@ -217,7 +219,11 @@ class SseStream:
             last["choices"], last["usage"] = [], self.state.usage
             tail = sse.event(last) + tail
         self._hold(tail.encode())
-        self.flush()
+        if self.last is None:
+            self.flush()
+        else:
+            data, self.parts = b"".join(self.parts), []
+            self.last(data)
         self.done.set_result(None)
 
     def _end_with(self, error: ApiError) -> None:
