@@ -172,6 +172,19 @@ def test_a_request_that_comes_a_byte_at_a_time_is_answered_on_the_direct_path_wh
     run(main())
 
 
+def test_a_body_that_comes_in_many_reads_is_taken_whole_once_its_last_byte_is_in():
+    async def main():
+        h = Harness()
+        raw = request(body=bytes(range(256)) * 3 + b"z" * (LIMIT - 768))
+        for i in range(0, len(raw), 37):
+            assert not h.direct
+            h.proto.data_received(raw[i : i + 37])
+            await h.settle()
+        assert [ex.body for ex in h.direct] == [raw.partition(b"\r\n\r\n")[2]] and len(h.direct[0].body) == LIMIT
+
+    run(main())
+
+
 @pytest.mark.parametrize("raw", [request("/v1/completions?x=1"), request(version="HTTP/1.0"),
                                  request(body=b"x" * (LIMIT + 1))], ids=["query", "http1.0", "too-large"])  # fmt: skip
 def test_a_request_the_direct_path_leaves_reaches_the_app_through_h11_as_it_came(raw):

@@ -184,7 +184,9 @@ class RouterHttp(H11Protocol):
         self.asgi_app = self.app
         self.app = self.with_raw_chunks
         self.direct, self.body_limit = direct, body_limit
-        self.pending = b""  # a request's bytes while it may still be a direct one
+        self.pending = bytearray()  # a request's bytes while it may still be a direct one
+        self.pending_head: Head | None = None  # its head, once whole and taken
+        self.body_at = 0  # where its body begins in `pending`
         self.exchange: Exchange | None = None  # the direct request being answered
         self.held = b""  # bytes that came while it was
         self.closing = False  # the server is shutting down: close once the exchange ends
@@ -214,27 +216,30 @@ class RouterHttp(H11Protocol):
                 and c.their_state is h11.IDLE and not c.trailing_data[0])  # fmt: skip
 
     def _take(self) -> None:
-        """Answer the pending request on the direct path once it is whole; hand it to h11 once it cannot be direct."""
-        end = self.pending.find(b"\r\n\r\n")
-        if end < 0:
-            if not may_be_direct(self.pending):
+        """Answer the pending request on the direct path once it is whole; hand it to h11 once it cannot be direct.
+        A large body that comes in many reads is appended to, not copied or searched again at each."""
+        if self.pending_head is None:
+            end = self.pending.find(b"\r\n\r\n")
+            if end < 0:
+                if not may_be_direct(bytes(self.pending)):
+                    self._to_h11()
+                return
+            self.pending_head, self.body_at = parse_head(bytes(self.pending[:end]), self.body_limit), end + 4
+            if self.pending_head is None:
                 self._to_h11()
-            return
-        head = parse_head(self.pending[:end], self.body_limit)
-        if head is None:
-            self._to_h11()
-            return
-        body_end = end + 4 + head.length
+                return
+        head, body_end = self.pending_head, self.body_at + self.pending_head.length
         if len(self.pending) < body_end:
             return  # the body is on its way
-        body, self.held, self.pending = self.pending[end + 4 : body_end], self.pending[body_end:], b""
+        body, self.held = bytes(self.pending[self.body_at : body_end]), bytes(self.pending[body_end:])
+        self.pending, self.pending_head = bytearray(), None
         self.exchange = Exchange(self, head, body)
         task = self.loop.create_task(self._answer(self.exchange))
         task.add_done_callback(self.tasks.discard)
         self.tasks.add(task)  # the server's graceful shutdown waits for it
 
     def _to_h11(self) -> None:
-        data, self.pending = self.pending, b""
+        data, self.pending, self.pending_head = bytes(self.pending), bytearray(), None
         super().data_received(data)
 
     async def _answer(self, exchange: Exchange) -> None:
