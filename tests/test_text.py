@@ -42,3 +42,25 @@ def test_stop_string_cuts_and_is_never_sent(tokenizer):
         if stopped:
             break
     assert stopped and out == "one two "
+
+
+@pytest.mark.parametrize("byte_level", [False, True], ids=["window", "byte-table"])
+def test_stop_strings_after_a_long_answer_hold_back_only_what_may_start_one(tokenizer, byte_level):
+    """Several stop strings, one a prefix of another, the stop split over tokens after 2,000 words: the text equals
+    the whole answer's decoded text cut before the first stop string found, and what the detokenizer keeps between
+    tokens is never more than the longest stop string's start (not the answer so far)."""
+    table = ByteTable.of(tokenizer) if byte_level else None
+    stops = ["STOP!", "ST", "never"]
+    words = " ".join(random.Random(1).choice(["alpha", "beta", "gamma", "S", "T", "!"]) for _ in range(2000))
+    ids = tokenizer.encode(words + " xSTOP! tail", add_special_tokens=False)
+    d = Detokenizer(tokenizer, stops, table=table)
+    out, stopped, most_held = "", False, 0
+    for t in ids:
+        delta, stopped = d.add([t])
+        out += delta
+        most_held = max(most_held, len(d.held))
+        if stopped:
+            break
+    whole = tokenizer.decode(ids)
+    first = min(at for at in (whole.find(s) for s in stops) if at != -1)
+    assert stopped and out == whole[:first] and most_held <= max(map(len, stops)) - 1

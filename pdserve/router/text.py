@@ -98,37 +98,32 @@ class Detokenizer:
         self.source = ByteText(table, skip_special) if table is not None else WindowText(tokenizer, skip_special)
         self.stops = stops
         self.include_stop = include_stop  # the text ends with the stop string rather than before it
-        self.text = ""  # settled text so far
-        self.sent = 0  # characters of self.text already returned
+        self.held = ""  # settled text not yet returned: it may be the start of a stop string
 
     def add(self, token_ids: list[int]) -> tuple[str, bool]:
         """Return (new text, stopped). After a stop the text ends before the stop string (after it, with
-        include_stop)."""
-        self.text += self.source.add(token_ids)
+        include_stop). Only the text held back is kept, so a token costs the same late in a long answer as early."""
+        new = self.source.add(token_ids)
         if not self.stops:
-            return self._take(len(self.text)), False
+            return new, False
+        text = self.held + new  # no stop string can begin in text already returned: its start would have been held
         for stop in self.stops:
-            at = self.text.find(stop, max(0, self.sent - len(stop)))
+            at = text.find(stop)
             if at != -1:
-                return self._take(at + (len(stop) if self.include_stop else 0)), True
-        hold = len(self.text)
+                self.held = ""
+                return text[: at + (len(stop) if self.include_stop else 0)], True
+        hold = len(text)
         for stop in self.stops:
-            for k in range(min(len(stop) - 1, len(self.text)), 0, -1):
-                if self.text.endswith(stop[:k]):
-                    hold = min(hold, len(self.text) - k)
+            for k in range(min(len(stop) - 1, len(text)), 0, -1):
+                if text.endswith(stop[:k]):
+                    hold = min(hold, len(text) - k)
                     break
-        return self._take(hold), False
+        self.held = text[hold:]
+        return text[:hold], False
 
     def flush(self) -> str:
         """Everything not yet returned, unsettled bytes included (the answer is over)."""
-        self.text += self.source.flush()
-        return self._take(len(self.text))
-
-    def _take(self, upto: int) -> str:
-        if upto <= self.sent:
-            return ""
-        out = self.text[self.sent : upto]
-        self.sent = upto
+        out, self.held = self.held + self.source.flush(), ""
         return out
 
 
@@ -180,6 +175,9 @@ class ByteText:
 
     def add(self, token_ids: list[int]) -> str:
         known, table = self.known, self.table
+        if len(token_ids) == 1:  # a decode step's one token: no list to build and join
+            t = token_ids[0]
+            return self.utf8.decode(known[t] if t in known else table.learn(t, self.skip_special))
         parts = [known[t] if t in known else table.learn(t, self.skip_special) for t in token_ids]
         return self.utf8.decode(b"".join(parts))
 
