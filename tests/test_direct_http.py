@@ -275,6 +275,27 @@ def test_a_client_that_leaves_mid_stream_is_told_to_the_handler_and_writes_stop(
     run(main())
 
 
+@pytest.mark.parametrize("fault", ["raises", "returns"])
+def test_a_handler_that_leaves_its_response_unfinished_closes_the_connection(fault):
+    """Rather than leave the client waiting: as uvicorn does for an ASGI app that raises or returns mid-response."""
+
+    async def main():
+        h = Harness()
+
+        async def broken(ex: Exchange) -> None:
+            ex.start_stream([])
+            ex.write(b"data: 1\n\n")
+            if fault == "raises":
+                raise RuntimeError("a fault of the handler's own")
+
+        h.proto.direct = broken
+        h.proto.data_received(request())
+        await h.settle()
+        assert h.transport.closed and not h.transport.out.endswith(b"0\r\n\r\n")
+
+    run(main())
+
+
 def test_a_shutdown_lets_a_stream_end_then_closes_its_connection():
     async def main():
         h = Harness(stream_parts=[])

@@ -124,7 +124,7 @@ class Exchange:
         self.lost = False  # the client left before the response ended
         self.on_lost: Callable[[], object] | None = None
         self.unsent = b""  # the stream's head, until its first chunk
-        self.ended = False  # the streamed body's end is written
+        self.ended = False  # the response is whole: a response sent, or a stream's end
 
     @property
     def where(self) -> str:
@@ -135,7 +135,7 @@ class Exchange:
 
     def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
         """A whole response; `headers` name its length."""
-        self.status = status
+        self.status, self.ended = status, True
         if not self.lost:
             self.transport.write(self._head(status, headers) + body)
 
@@ -245,16 +245,19 @@ class RouterHttp(H11Protocol):
     async def _answer(self, exchange: Exchange) -> None:
         try:
             await self.direct(exchange)
+        except Exception:
+            self.logger.exception("the direct path's handler failed on %s", exchange.where)
         finally:
             self._answered(exchange)
 
     def _answered(self, exchange: Exchange) -> None:
-        """The exchange's response has ended: close, or take what came meanwhile as the next request."""
+        """The handler is done: close (the client asked to, the server stops, or the handler left its response
+        unfinished, as uvicorn does for an ASGI app that did), or take what came meanwhile as the next request."""
         self.exchange = None
         self.server_state.total_requests += 1
         if exchange.lost or self.transport.is_closing():
             return
-        if exchange.head.close or self.closing:
+        if exchange.head.close or self.closing or not exchange.ended:
             self.transport.close()
             return
         self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
