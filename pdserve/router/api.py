@@ -467,6 +467,7 @@ class DirectApi:
 
     async def __call__(self, ex: Exchange) -> None:
         started, state = time.perf_counter(), SimpleNamespace(usage=None)
+        self.st.core.metrics.direct_http.inc()
         try:
             await self._answer(ex, state)
         finally:

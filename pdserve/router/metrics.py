@@ -56,6 +56,9 @@ class RouterMetrics:
                                registry=r)  # fmt: skip
         self.requests = Counter("pdserve:requests", "Requests dispatched to the nodes.", registry=r)
         self.in_flight = Gauge("pdserve:num_requests_in_flight", "Requests the router has in flight.", registry=r)
+        self.direct_http = LoopCounter("pdserve:router_direct_http_requests", "Completion requests answered on the "
+                                       "router's direct HTTP path (the others went through the ASGI app).",
+                                       registry=r)  # fmt: skip
         self._admission(r)
 
     def _admission(self, r: CollectorRegistry) -> None:
