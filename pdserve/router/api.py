@@ -481,10 +481,8 @@ class DirectApi:
             with admission_errors():
                 self.st.core.check_admission()
             out = await answer(self.st, Call(ex.where, state, ex.is_disconnected), ex.body, ex.head.chat)
-        except ApiError as e:
-            return _respond(ex, JSONResponse(api_error_body(ex.where, e), status_code=e.status, headers=e.headers))
-        except UnsupportedField as e:
-            return _respond(ex, JSONResponse(logged_error(ex.where, 400, str(e), e.field), status_code=400))
+        except (ApiError, UnsupportedField) as e:
+            return _respond(ex, error_response(ex.where, e))
         except Exception:
             log.exception("%s failed", ex.where)
             return _respond(ex, PlainTextResponse("Internal Server Error", status_code=500))
@@ -498,6 +496,13 @@ class DirectApi:
         finally:
             out.close()  # aborts whatever still runs: the server stops
         ex.end_stream()
+
+
+def error_response(where: str, e: ApiError | UnsupportedField) -> JSONResponse:
+    """The answer to a request refused with `e` (logged as it is made), on either path."""
+    if isinstance(e, UnsupportedField):
+        return JSONResponse(logged_error(where, 400, str(e), e.field), status_code=400)
+    return JSONResponse(api_error_body(where, e), status_code=e.status, headers=e.headers)
 
 
 def _respond(ex: Exchange, response: Response) -> None:
@@ -554,11 +559,11 @@ def create_app(cfg: RouterConfig, worker: int | None = None, metrics_dir: str = 
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError):
-        return JSONResponse(api_error_body(_where(request), e), status_code=e.status, headers=e.headers)
+        return error_response(_where(request), e)
 
     @app.exception_handler(UnsupportedField)
     async def _unsupported(request: Request, e: UnsupportedField):
-        return JSONResponse(logged_error(_where(request), 400, str(e), e.field), status_code=400)
+        return error_response(_where(request), e)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError):

@@ -163,20 +163,20 @@ class SseStream:
         self.tokens = 0  # completion tokens streamed
         self.done = asyncio.get_running_loop().create_future()
         self.write: Callable[[bytes], object] = _nowhere
-        self.last: Callable[[bytes], object] | None = None
+        self.last: Callable[[bytes], object] = _nowhere  # the stream's last write
 
     def attach(self, write: Callable[[bytes], object], last: Callable[[bytes], object] | None = None) -> None:
         """Write every event from now on (those that came already first) with `write`; the stream's last bytes with
         `last`, where given (it ends the body in the same write)."""
-        self.write, self.last = write, last
+        self.write, self.last = write, last or write
         for i, flight in enumerate(self.flights):
             flight.inbox.attach(partial(self._on_event, i))
 
-    def flush(self) -> None:
-        """Send what is held."""
+    def flush(self, write: Callable[[bytes], object] | None = None) -> None:
+        """Send what is held (with `write`, where given)."""
         if self.parts:
             data, self.parts = b"".join(self.parts), []
-            self.write(data)
+            (write or self.write)(data)
 
     def close(self) -> None:
         """End the stream where it stands (an error, or the client left): every choice still running is aborted."""
@@ -219,11 +219,7 @@ class SseStream:
             last["choices"], last["usage"] = [], self.state.usage
             tail = sse.event(last) + tail
         self._hold(tail.encode())
-        if self.last is None:
-            self.flush()
-        else:
-            data, self.parts = b"".join(self.parts), []
-            self.last(data)
+        self.flush(self.last)
         self.done.set_result(None)
 
     def _end_with(self, error: ApiError) -> None:
