@@ -301,7 +301,7 @@ class NodeBase:
             if router is not None:
                 by_router.setdefault(router, []).append(ev)
         for router, evs in by_router.items():
-            transport.send(self.front, P.TokenEvents(evs), identity=router)
+            transport.send(self.front, P.TokenEvents.of(evs), identity=router)
 
     def router_of(self, request_id: str) -> bytes | None:
         """The router that dispatched `request_id`: the one whose routing id leads it (P.router_of), or else (a

@@ -17,6 +17,8 @@ import torch
 import transformers
 import zmq
 
+from pdserve.wire import protocol as P
+
 
 def wait_until(cond, timeout: float, interval: float = 0.05) -> bool:
     """Poll `cond` until it holds (True) or `timeout` seconds have passed (False); the caller asserts with its own
@@ -199,3 +201,17 @@ def start_streams(url: str, bodies: list[dict], timeout: float = 120) -> list[St
         assert s.first.wait(timeout), f"no token within {timeout} s"
     assert not any(s.error for s in streams), [s.error for s in streams]
     return streams
+
+
+class FakeNodeSock:
+    """A node's socket as the router's core sees it in-process: what it was sent, decoded; nothing ever waits to be
+    read (the tests hand the core each node message themselves)."""
+
+    def __init__(self) -> None:
+        self.sent: list = []
+
+    def send(self, data: bytes, flags: int = 0) -> None:
+        self.sent.append(P.decode(data))
+
+    def get(self, option: int) -> int:
+        return 0  # ZMQ_EVENTS: no message waiting

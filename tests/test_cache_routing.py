@@ -4,6 +4,7 @@ its pick of the node holding the longest cached prefix unless that node is too l
 from __future__ import annotations
 
 import pytest
+from helpers import FakeNodeSock
 
 from pdserve.colocated_node.node import ColocatedNode
 from pdserve.config import EngineConfig, NodeConfig, RouterConfig
@@ -13,17 +14,6 @@ from pdserve.router.core import NodeConn, RouterCore, follow_cache
 from pdserve.wire import protocol as P
 
 LAYOUT = {"block_size": 4, "model_fingerprint": "fp"}
-
-
-class FakeSock:
-    def __init__(self) -> None:
-        self.sent: list = []
-
-    def send(self, data: bytes, flags: int = 0) -> None:
-        self.sent.append(P.decode(data))
-
-    def get(self, option: int) -> int:
-        return 0  # no message waiting
 
 
 def stats(role: P.Role, stored=(), evicted=(), reset: bool = False) -> P.Stats:
@@ -38,7 +28,7 @@ def names(prompt: list[int]) -> list[int]:
 def colocated():
     c = RouterCore(RouterConfig(model="tiny", colocated=("tcp://c0", "tcp://c1", "tcp://c2")))
     for m in c.membership._members:
-        c.nodes.append(NodeConn(m.role, m.addr, m.kv_addr, sock=FakeSock(), up=True, info={"layout": LAYOUT}))
+        c.nodes.append(NodeConn(m.role, m.addr, m.kv_addr, sock=FakeNodeSock(), up=True, info={"layout": LAYOUT}))
     yield c
     c.ctx.destroy(linger=0)
 
@@ -94,7 +84,7 @@ def test_margin_minus_one_routes_by_load_only():
     c = RouterCore(RouterConfig(model="tiny", colocated=("tcp://c0", "tcp://c1"), cache_balance_margin=-1))
     try:
         for m in c.membership._members:
-            c.nodes.append(NodeConn(m.role, m.addr, sock=FakeSock(), up=True, info={"layout": LAYOUT}))
+            c.nodes.append(NodeConn(m.role, m.addr, sock=FakeNodeSock(), up=True, info={"layout": LAYOUT}))
         follow_cache(c.nodes[1], stats(P.Role.COLOCATED, stored=names(list(range(40)))))
         assert submit(c, list(range(40))) == "tcp://c0"
     finally:
@@ -106,7 +96,7 @@ def test_disagg_picks_the_prefill_and_the_decode_node_by_their_caches():
                                 decode_kv=("tcp://k0", "tcp://k1")))  # fmt: skip
     try:
         for m in c.membership._members:
-            c.nodes.append(NodeConn(m.role, m.addr, m.kv_addr, sock=FakeSock(), up=True, info={"layout": LAYOUT}))
+            c.nodes.append(NodeConn(m.role, m.addr, m.kv_addr, sock=FakeNodeSock(), up=True, info={"layout": LAYOUT}))
         prompt = list(range(40))
         follow_cache(c.nodes[1], stats(P.Role.PREFILL, stored=names(prompt)[:2]))
         follow_cache(c.nodes[3], stats(P.Role.DECODE, stored=names(prompt)[:8]))
@@ -147,7 +137,7 @@ def disagg_core(**cfg) -> RouterCore:
     c = RouterCore(RouterConfig(model="tiny", decode=("tcp://d0",), decode_kv=("tcp://k0",), **cfg))
     for m in c.membership._members:
         info = {"layout": LAYOUT, "max_num_batched_tokens": 64}
-        c.nodes.append(NodeConn(m.role, m.addr, m.kv_addr, sock=FakeSock(), up=True, info=info))
+        c.nodes.append(NodeConn(m.role, m.addr, m.kv_addr, sock=FakeNodeSock(), up=True, info=info))
     return c
 
 

@@ -51,7 +51,7 @@ class FakeRouter:
     def events(self) -> list[P.TokenEvent]:
         msg = _recv(self.sock)[1]
         assert isinstance(msg, P.TokenEvents), msg
-        return msg.events
+        return msg.all()
 
 
 # ---- the prefill node ------------------------------------------------------------------------------

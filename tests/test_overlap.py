@@ -92,7 +92,7 @@ class Router:
         while sum(map(len, self.events.values())) < published or self.sock.poll(0):
             assert self.sock.poll(WAIT_MS), "the node's events did not come"
             msg = transport.recv(self.sock)[1]
-            for e in msg.events if isinstance(msg, P.TokenEvents) else []:
+            for e in msg.all() if isinstance(msg, P.TokenEvents) else []:
                 self.events.setdefault(e.request_id, []).append(e)
 
     def tokens(self, rid: str) -> list[int]:

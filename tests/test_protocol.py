@@ -89,6 +89,13 @@ def test_only_registered_types_encode():
          "error code"),  # fmt: skip
         ({"t": "TokenEvents", "events": [{"request_id": "r", "token_ids": [], "error_code": "internal"}]},
          "error code"),  # fmt: skip
+        ({"t": "TokenEvents", "events": [], "tokens": ["r"]}, "request ids and token id lists"),
+        ({"t": "TokenEvents", "events": [], "tokens": ["r", [1], 5, [2]]}, "request ids and token id lists"),
+        ({"t": "TokenEvents", "events": [], "tokens": ["r", 7]}, "request ids and token id lists"),
+        ({"t": "TokenEvents", "events": [], "tokens": ["r", [1, -2]]}, "non-negative"),
+        ({"t": "TokenEvents", "events": [], "tokens": ["r", [1.5]]}, "non-negative"),
+        ({"t": "TokenEvents", "tokens": []}, "expected events"),
+        ({"t": "TokenEvents", "events": [], "tokens": [], "extra": 1}, "expected events"),
         ({"t": "Stats", "role": "decode", "num_running": 1, "num_waiting": 0, "kv_blocks_used": 0, "kv_blocks_free": 0,
           "counters": [1]}, "counters must be a map"),  # fmt: skip
     ],
@@ -110,3 +117,22 @@ def test_an_error_code_arrives_as_its_enum_and_travels_as_a_string():
     ev = P.TokenEvent("r", [], "error", "lease ran out", error_code=P.ErrorCode.KV_TRANSFER_FAILED)
     assert msgpack.unpackb(P.encode(P.TokenEvents([ev])))["events"][0]["error_code"] == "kv_transfer_failed"
     assert P.decode(P.encode(P.TokenEvents([ev]))).events[0].error_code is P.ErrorCode.KV_TRANSFER_FAILED
+
+
+def test_a_steps_plain_events_travel_flat_and_come_back_as_events():
+    """TokenEvents.of: a plain event (tokens and nothing else) as its id and ids; the others whole. `all` gives every
+    event back, the flat ones first, which keeps each request's order because each request is there once."""
+    plain, last = P.TokenEvent("a", [5, 6]), P.TokenEvent("b", [7], P.FinishReason.LENGTH)
+    landed = P.TokenEvent("c", [])  # "KV landed": plain too
+    lp = P.TokenEvent("d", [8], logprobs=P.Logprobs([-0.5], [[8]], [[-0.5]]))
+    msg = P.TokenEvents.of([plain, last, landed, lp])
+    assert msg.tokens == ["a", [5, 6], "c", []] and msg.events == [last, lp]
+    assert msgpack.unpackb(P.encode(msg))["tokens"] == ["a", [5, 6], "c", []]
+    back = P.decode(P.encode(msg))
+    assert back == msg and back.all() == [plain, landed, last, lp]
+
+
+def test_a_step_with_two_events_of_one_request_travels_whole():
+    evs = [P.TokenEvent("a", [5]), P.TokenEvent("b", [6]), P.TokenEvent("a", [], P.FinishReason.ABORT)]
+    msg = P.TokenEvents.of(evs)
+    assert msg.tokens == [] and msg.all() == evs

@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 import zmq
+from helpers import FakeNodeSock
 
 from pdserve.config import RouterConfig
 from pdserve.router.core import NodeConn, RouterCore
@@ -16,25 +17,12 @@ from pdserve.wire import protocol as P
 ERROR, STOP, LENGTH = P.FinishReason.ERROR, P.FinishReason.STOP, P.FinishReason.LENGTH
 
 
-class FakeSock:
-    """What the router sent a node, decoded."""
-
-    def __init__(self) -> None:
-        self.sent: list = []
-
-    def send(self, data: bytes, flags: int = 0) -> None:
-        self.sent.append(P.decode(data))
-
-    def get(self, option: int) -> int:
-        return 0  # ZMQ_EVENTS: nothing waits to be read (the tests hand the core each node message themselves)
-
-
 @pytest.fixture
 def core():
     cfg = RouterConfig(model="tiny", prefill=("tcp://p0", "tcp://p1"), decode=("tcp://d0",), decode_kv=("tcp://k0",))
     c = RouterCore(cfg)
     for m in c.membership._members:  # what _sync_members would connect, with fake sockets, marked up
-        c.nodes.append(NodeConn(m.role, m.addr, m.kv_addr, sock=FakeSock(), up=True))
+        c.nodes.append(NodeConn(m.role, m.addr, m.kv_addr, sock=FakeNodeSock(), up=True))
     yield c
     c.ctx.destroy(linger=0)
 
@@ -107,7 +95,7 @@ def test_a_lost_prefill_node_after_the_kv_landed_does_not_concern_the_request(co
 
 
 def test_a_request_resumes_from_the_streamed_tokens_when_its_decode_node_is_lost(core):
-    core.nodes.append(NodeConn(P.Role.DECODE, "tcp://d1", "tcp://k1", sock=FakeSock(), up=True))
+    core.nodes.append(NodeConn(P.Role.DECODE, "tcp://d1", "tcp://k1", sock=FakeNodeSock(), up=True))
     flight, prefill, decode = _submit(core, prompt=(1, 2, 3), max_tokens=5)
     rid = flight.request_id
     core._deliver(P.TokenEvent(rid, [10]), prefill)
@@ -124,7 +112,7 @@ def test_a_prefill_node_that_saw_its_decode_peer_go_dispatches_the_request_again
     """The prefill node may see the decode node's socket close before the router does: its error event says the
     node failed (NODE_FAILED), and the request is dispatched again, not failed; a transfer that failed otherwise
     (KV_TRANSFER_FAILED: refused, lease out) still reaches the client."""
-    core.nodes.append(NodeConn(P.Role.DECODE, "tcp://d1", "tcp://k1", sock=FakeSock(), up=True))
+    core.nodes.append(NodeConn(P.Role.DECODE, "tcp://d1", "tcp://k1", sock=FakeNodeSock(), up=True))
     flight, prefill, decode = _submit(core)
     old = flight.request_id
     core._deliver(P.TokenEvent(old, [10]), prefill)
@@ -196,7 +184,7 @@ def test_nodes_join_in_the_order_listed_and_ties_go_to_the_first(monkeypatch):
         asyncio.run(c._sync_members())
         assert [n.addr for n in c.nodes] == ["tcp://h:5", *addrs]
         for n in c.nodes:
-            n.sock, n.up = FakeSock(), True
+            n.sock, n.up = FakeNodeSock(), True
         picked = [c.submit([1, 2], P.SamplingParams(max_tokens=4)).nodes[1].addr for _ in range(4)]
         assert picked == [*addrs, addrs[0]]
     finally:

@@ -58,6 +58,10 @@ class ChoiceView:
         self.detok = Detokenizer(info.tokenizer, job.stops, job.include_stop, job.skip_special, info.byte_table)
         self.extras = job.extras(info.tokenizer)
         self.reason: P.FinishReason | None = None  # set by the last event the client sees
+        # a plain choice (its tokens shown, no stop strings, no log-probabilities or echo): an event before its end is
+        # only its tokens' text, which SseStream takes straight from here
+        plain = job.show_tokens and not job.stops and self.extras is None
+        self.plain_text: Callable[[list[int]], str] | None = self.detok.source.add if plain else None
 
     def deltas(self, events: list[P.TokenEvent]) -> tuple[list[Delta], ApiError | None]:
         """The deltas of `events` up to the choice's end, and the error that ended it, if one did."""
@@ -170,7 +174,8 @@ class SseStream:
         `last`, where given (it ends the body in the same write)."""
         self.write, self.last = write, last or write
         for i, flight in enumerate(self.flights):
-            flight.inbox.attach(partial(self._on_event, i))
+            plain = self.views[i].plain_text is not None
+            flight.inbox.attach(partial(self._on_event, i), partial(self._on_tokens, i) if plain else None)
 
     def flush(self, write: Callable[[bytes], object] | None = None) -> None:
         """Send what is held (with `write`, where given)."""
@@ -189,13 +194,29 @@ class SseStream:
         self.done.set_result(None)
 
     def _on_event(self, i: int, ev: P.TokenEvent) -> None:
+        if ev.finish_reason is None and self.views[i].plain_text is not None:
+            self._on_tokens(i, ev.token_ids)
+            return
         if self.done.done():
             return
         try:
             self._show(i, ev)
         except Exception:  # a fault of this stream must not stop the node reader that called it
-            log.exception("streaming request %s failed", self.flights[i].request_id)
-            self._end_with(ApiError(500, "internal error while streaming the answer"))
+            self._fault(i)
+
+    def _on_tokens(self, i: int, token_ids: list[int]) -> None:
+        """A plain choice's event before its end (the commonest by far): its tokens' text, its chunk; no Delta."""
+        if self.done.done():
+            return
+        try:
+            self.tokens += len(token_ids)
+            self._hold(self.formats[i].event(self.views[i].plain_text(token_ids), token_ids, None).encode())
+        except Exception:
+            self._fault(i)
+
+    def _fault(self, i: int) -> None:
+        log.exception("streaming request %s failed", self.flights[i].request_id)
+        self._end_with(ApiError(500, "internal error while streaming the answer"))
 
     def _show(self, i: int, ev: P.TokenEvent) -> None:
         view = self.views[i]

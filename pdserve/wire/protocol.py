@@ -29,7 +29,8 @@ import msgpack
 # 6: SamplingParams.resumed (a resumed seeded request draws on from where its stream stands)
 # 7: partial KV transfers (KvPull.first_block), the checksums travel with the KV (KvData.kv_checksums, not KvOffer),
 #    prefix cache events in Stats (cache_stored, cache_evicted, cache_reset)
-PROTOCOL_VERSION = 7
+# 8: plain token events travel flat in TokenEvents.tokens
+PROTOCOL_VERSION = 8
 MAX_LOGPROBS = 20  # the most alternatives per position a request may ask for (OpenAI's limit)
 MAX_HEADER_BYTES = 64 * 1024 * 1024  # one control message; tensor frames are bounded separately
 MAX_LIST_LEN = 4 * 1024 * 1024
@@ -279,9 +280,32 @@ class TokenEvent:
 
 @dataclass(frozen=True)
 class TokenEvents:
-    """All the events of one engine step, batched into one message."""
+    """All the events of one engine step, batched into one message. A plain event (a request's new tokens and nothing
+    else: all but a request's last, unless it asked for log-probabilities) travels flat in `tokens`, as its request
+    id and token ids ([id, ids, id, ids, ...]): no map to write per event, no event to build on arrival; the others
+    in `events`. `of` makes one from a step's events; `all` gives them back."""
 
     events: list[TokenEvent]
+    tokens: list = field(default_factory=list)
+
+    @classmethod
+    def of(cls, events: list[TokenEvent]) -> TokenEvents:
+        """The message of `events`, the plain ones flat where each event is a different request's (so that taking
+        the flat ones first keeps every request's events in order)."""
+        if len({ev.request_id for ev in events}) != len(events):
+            return cls(events)
+        tokens, others = [], []
+        for ev in events:
+            if ev.finish_reason is None and ev.logprobs is None and ev.prompt_logprobs is None and not ev.error:
+                tokens += (ev.request_id, ev.token_ids)
+            else:
+                others.append(ev)
+        return cls(others, tokens)
+
+    def all(self) -> list[TokenEvent]:
+        """Every event of the message, the flat ones first."""
+        pairs = zip(self.tokens[::2], self.tokens[1::2], strict=True)
+        return [TokenEvent(rid, ids) for rid, ids in pairs] + self.events
 
 
 @dataclass(frozen=True)
@@ -427,8 +451,10 @@ def _build(cls: type, body: Any) -> Any:
         raise ProtocolError(f"{cls.__name__}: expected a map, got {type(body).__name__}")
     if cls is TokenEvent and (plain := _plain_token_event(body)) is not None:
         return plain
-    if cls is TokenEvents and body.keys() == {"events"} and type(body["events"]) is list:  # one a step: the hot path
-        return TokenEvents([_build(TokenEvent, e) for e in body["events"]])
+    if cls is TokenEvents:  # one a step and node: the hot path
+        if not body.keys() <= {"events", "tokens"} or type(body.get("events")) is not list:
+            raise ProtocolError(f"TokenEvents: expected events (a list) and tokens, got {sorted(body)}")
+        return TokenEvents([_build(TokenEvent, e) for e in body["events"]], _flat_tokens(body.get("tokens", [])))
     checkers = _field_checkers(cls)
     unknown = body.keys() - checkers.keys()
     if unknown:
@@ -456,6 +482,20 @@ def _plain_token_event(body: dict) -> TokenEvent | None:
     ev = object.__new__(TokenEvent)  # what TokenEvent(rid, ids) gives, without a frozen dataclass's slow __init__
     ev.__dict__.update(_EVENT_DEFAULTS, request_id=rid, token_ids=ids)
     return ev
+
+
+def _flat_tokens(tokens: Any) -> list:
+    """TokenEvents.tokens checked: request ids (strings) and lists of token ids (non-negative integers), in turn."""
+    if type(tokens) is not list or len(tokens) % 2:
+        raise ProtocolError("TokenEvents.tokens must be a list of request ids and token id lists, in turn")
+    for k in range(0, len(tokens), 2):
+        rid, ids = tokens[k], tokens[k + 1]
+        if type(rid) is not str or type(ids) is not list:
+            raise ProtocolError("TokenEvents.tokens must be a list of request ids and token id lists, in turn")
+        for t in ids:
+            if type(t) is not int or t < 0:
+                raise ProtocolError("TokenEvents.tokens[] must be non-negative integers")
+    return tokens
 
 
 @functools.cache
