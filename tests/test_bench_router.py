@@ -1,10 +1,14 @@
-"""bench/router.py and bench/router_reach.py: the capacity rule, the router cost fit and the served rule, by hand."""
+"""bench/router.py and bench/router_reach.py: the capacity rule, the router cost fit and the served rule, by hand;
+bench/router_path.py run small."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
 from bench.router import capacity, parse_args, router_fit, stack_argv
+from bench.router_path import main as router_path
 from bench.router_reach import served
 
 
@@ -67,3 +71,10 @@ def test_stack_args_reach_the_mock_stacks_pdserve_up_after_its_own_flags():
     one, two = stack_argv(cfg, 1, 8000), stack_argv(cfg, 2, 8000)
     assert one[-2:] == two[-2:] == ["--no-access-log", "--node-timeout-s=20"]
     assert "--router-workers" not in one and two[-4:-2] == ["--router-workers", "2"]
+
+
+def test_the_in_process_path_runs_every_stream_to_a_chunk_a_token(capsys):
+    """Small and once (no timing asserted): each round checks that the streams wrote a chunk for every token."""
+    assert router_path(["--streams", "3", "--steps", "20", "--rounds", "2", "--cold-mb", "1"]) == 0
+    result = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert result["streams"] == 3 and len(result["rounds"]) == 2 and result["us_per_token"] > 0
