@@ -31,6 +31,8 @@ from pdserve.router.stream import Outbox, SseStream
 from pdserve.router.text import load_model_info
 from pdserve.wire import protocol as P
 
+MAX_STEPS = 2000  # each stream's answer is --steps + 2 tokens, within the tiny model's context of 2048
+
 
 class _NodeSock:
     """A node's socket that holds the messages queued for the core to read; what the core sends it is dropped."""
@@ -111,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--cold-mb", type=int, default=0, help="memory walked before each message (0: none)")
     a = ap.parse_args(argv)
+    if not 1 <= a.steps <= MAX_STEPS or a.streams < 1 or a.rounds < 1:
+        ap.error(f"--streams and --rounds must be at least 1, --steps between 1 and {MAX_STEPS} (a request's tokens "
+                 "within tiny's context)")  # fmt: skip
     result = asyncio.run(measure(a.streams, a.steps, a.rounds, a.cold_mb))
     print(json.dumps(result))
     print(f"{result['us_per_token']:.2f} µs of CPU a token (least of {a.rounds} rounds; {a.streams} streams, "
