@@ -296,7 +296,7 @@ class TokenEvents:
             return cls(events)
         tokens, others = [], []
         for ev in events:
-            if ev.finish_reason is None and ev.logprobs is None and ev.prompt_logprobs is None and not ev.error:
+            if _is_plain(ev):
                 tokens += (ev.request_id, ev.token_ids)
             else:
                 others.append(ev)
@@ -467,6 +467,13 @@ def _build(cls: type, body: Any) -> Any:
 
 
 _EVENT_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TokenEvent) if f.default is not dataclasses.MISSING}
+
+
+def _is_plain(ev: TokenEvent) -> bool:
+    """Whether every field of `ev` but its request and tokens is at its default (as `encode` leaves them out): a field
+    added to TokenEvent is then never dropped by the flat form."""
+    fields = ev.__dict__
+    return all(fields[name] == default for name, default in _EVENT_DEFAULTS.items())
 
 
 def _plain_token_event(body: dict) -> TokenEvent | None:
