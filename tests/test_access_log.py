@@ -44,8 +44,10 @@ async def _requests() -> list[int]:
 def test_one_line_per_request_with_status_tokens_and_duration(caplog):
     with caplog.at_level(logging.INFO, logger="pdserve.access"):
         assert asyncio.run(_requests()) == [200, 200, 404, 404]
-    lines = [r.getMessage() for r in caplog.records if r.name == "pdserve.access"]
+    records = [r for r in caplog.records if r.name == "pdserve.access"]
+    lines = [r.getMessage() for r in records]
     assert len(lines) == 3, lines  # /health, which probes poll, is not logged
+    assert {(r.levelname, r.funcName, r.module) for r in records} == {("INFO", "log_request", "access_log")}
     assert lines[0].startswith("POST /v1/completions 200 3+5 tokens ") and lines[0].endswith(" s")
     assert lines[1].startswith("POST /v1/stream 200 2+3 tokens "), "a stream's tokens, counted once it ended"
     assert lines[2].startswith("GET /nowhere 404 ") and "tokens" not in lines[2]
@@ -60,3 +62,9 @@ def test_the_router_app_logs_only_when_asked():
         return any(m.cls is AccessLog for m in app.user_middleware)
 
     assert has_access_log() and not has_access_log(access_log=False)
+
+
+def test_no_line_below_the_loggers_level(caplog):
+    with caplog.at_level(logging.WARNING, logger="pdserve.access"):
+        assert asyncio.run(_requests()) == [200, 200, 404, 404]
+    assert not [r for r in caplog.records if r.name == "pdserve.access"]

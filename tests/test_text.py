@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import codecs
 import random
 
 import pytest
 import transformers
 
 from pdserve.engine.checkpoint import resolve_model
-from pdserve.router.text import ByteTable, Detokenizer, backend_decoder
+from pdserve.router.text import ByteTable, ByteText, Detokenizer, backend_decoder
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +31,21 @@ def test_deltas_add_up_to_the_whole_text(tokenizer, byte_level, skip_special):
         assert text == tokenizer.decode(ids, skip_special_tokens=skip_special)
     if byte_level:
         assert len(table.skipping if skip_special else table.plain) > 100, "the table was used"
+
+
+def test_byte_text_holds_back_what_codecs_incremental_decoder_holds_back(tokenizer):
+    """Delta by delta, not only the whole: a stream's chunks carry what each step settled."""
+    table, rng = ByteTable.of(tokenizer), random.Random(1)
+    ids = [rng.randrange(tokenizer.vocab_size) for _ in range(3000)]
+    text, utf8 = ByteText(table, True), codecs.getincrementaldecoder("utf-8")("replace")
+    k = 0
+    while k < len(ids):
+        step = rng.choice((1, 1, 1, 2, 5))
+        ours = text.add(ids[k : k + step])
+        assert ours == utf8.decode(b"".join(table.skipping[t] for t in ids[k : k + step])), k
+        k += step
+    assert text.flush() == utf8.decode(b"", final=True)
+    assert any(table.skipping[t][:1] >= b"\x80" for t in ids), "byte fragments of multi-byte characters were met"
 
 
 def test_stop_string_cuts_and_is_never_sent(tokenizer):

@@ -136,13 +136,6 @@ class Inbox:
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_result(None)
 
-    def put_tokens(self, request_id: str, token_ids: list[int]) -> None:
-        """A plain event (new tokens, nothing else): its tokens to `push_tokens` where attached, else as an event."""
-        if self.push_tokens is not None:
-            self.push_tokens(token_ids)
-        else:
-            self.put(P.TokenEvent(request_id, token_ids))
-
     def attach(self, push: Callable[[P.TokenEvent], None],
                push_tokens: Callable[[list[int]], None] | None = None) -> None:  # fmt: skip
         """From now on hand every event to `push` (which must not raise), those that came already first; a plain
@@ -616,20 +609,25 @@ class RouterCore:
         """A node message's plain events (new tokens, nothing else; flat: request id, token ids, ...), the commonest by
         far. A steady request's (`Flight.steady`) are only tokens to count (the gap since its last, one clock reading
         a message) and hand over; any other goes the long way, as an event."""
-        flights, itl, now, count = self.flights, self.metrics.itl, time.perf_counter(), 0
+        flights, now, count, gaps = self.flights, time.perf_counter(), 0, []
         for k in range(0, len(tokens), 2):
             request_id, token_ids = tokens[k], tokens[k + 1]
             flight = flights.get(request_id)
             if flight is None:
                 continue  # already ended (aborted, failed, or dispatched again under a new id)
             if flight.steady is source and token_ids:
-                itl.observe(now - flight.last_token_at)
+                gaps.append(now - flight.last_token_at)
                 flight.last_token_at = now
                 flight.output += token_ids
                 count += len(token_ids)
-                flight.inbox.put_tokens(request_id, token_ids)
+                inbox = flight.inbox
+                if inbox.push_tokens is not None:  # a plain event's tokens, where its stream takes them so
+                    inbox.push_tokens(token_ids)
+                else:
+                    inbox.put(P.TokenEvent(request_id, token_ids))
             else:
                 self._deliver(P.TokenEvent(request_id, token_ids), source)
+        self.metrics.itl.observe_all(gaps)
         self.metrics.generation_tokens.inc(count)
 
     def _deliver(self, ev: P.TokenEvent, source: NodeConn) -> None:

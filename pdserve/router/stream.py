@@ -210,9 +210,13 @@ class SseStream:
             return
         try:
             self.tokens += len(token_ids)
-            self._hold(self.formats[i].event(self.views[i].plain_text(token_ids), token_ids, None).encode())
+            data = self.formats[i].event(self.views[i].plain_text(token_ids), token_ids, None).encode()
         except Exception:
             self._fault(i)
+            return
+        if not self.parts:  # _hold's work, here without its call
+            self.outbox.hold(self)
+        self.parts.append(data)
 
     def _fault(self, i: int) -> None:
         log.exception("streaming request %s failed", self.flights[i].request_id)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import codecs
 import json
 import random
+from codecs import utf_8_decode
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -168,21 +168,29 @@ class ByteText:
     through an incremental UTF-8 decoder (which holds an incomplete sequence back, as decoding all the ids at once
     would replace it only at the end)."""
 
+    __slots__ = ("table", "skip_special", "known", "pending")
+
     def __init__(self, table: ByteTable, skip_special: bool) -> None:
         self.table, self.skip_special = table, skip_special
         self.known = table.skipping if skip_special else table.plain
-        self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self.pending = b""  # the start of a UTF-8 sequence that the next token's bytes may complete
 
     def add(self, token_ids: list[int]) -> str:
-        known, table = self.known, self.table
+        """What codecs' incremental UTF-8 decoder does (its buffer, then `utf_8_decode`), one Python call the less."""
+        known = self.known
         if len(token_ids) == 1:  # a decode step's one token: no list to build and join
             t = token_ids[0]
-            return self.utf8.decode(known[t] if t in known else table.learn(t, self.skip_special))
-        parts = [known[t] if t in known else table.learn(t, self.skip_special) for t in token_ids]
-        return self.utf8.decode(b"".join(parts))
+            data = self.pending + (known[t] if t in known else self.table.learn(t, self.skip_special))
+        else:
+            data = self.pending + b"".join([known[t] if t in known else self.table.learn(t, self.skip_special)
+                                            for t in token_ids])  # fmt: skip
+        text, used = utf_8_decode(data, "replace", False)
+        self.pending = data[used:]
+        return text
 
     def flush(self) -> str:
-        return self.utf8.decode(b"", final=True)
+        data, self.pending = self.pending, b""
+        return utf_8_decode(data, "replace", True)[0]
 
 
 class ByteTable:
