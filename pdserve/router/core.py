@@ -53,6 +53,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from pdserve.config import RouterConfig
+from pdserve.router import native
 from pdserve.router.membership import Member, make_membership
 from pdserve.router.metrics import NodeCollector, RouterMetrics
 from pdserve.wire import protocol as P
@@ -182,6 +183,11 @@ class Flight:
         return bool(self.nodes) and self.nodes[0].role is PREFILL  # [prefill, decode]: once a token, kept cheap
 
 
+def _put_tokens(inbox: Inbox, request_id: str, token_ids: list[int]) -> None:
+    """A steady request's tokens, to an inbox whose stream does not take them bare: as an event."""
+    inbox.put(P.TokenEvent(request_id, token_ids))
+
+
 def leaves_cached(node: NodeConn, flight: Flight, layout: dict) -> None:
     """A request that ended well on `node` (the one that sent its last token: colocated, decode, or a prefill node
     for a one-token answer) left its computed full blocks in the node's cache: its prompt's and its output's but the
@@ -242,6 +248,7 @@ class RouterCore:
         self._ids = itertools.count()
         self.routing_id = f"router-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # on every node connection; leads our ids
         self.start_cancelled = asyncio.Event()  # set by a SIGTERM that comes before the nodes answered
+        self.native = native.load()  # the per-token path in C (None: its Python twin runs)
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -608,8 +615,19 @@ class RouterCore:
     def _deliver_tokens(self, tokens: list, source: NodeConn) -> None:
         """A node message's plain events (new tokens, nothing else; flat: request id, token ids, ...), the commonest by
         far. A steady request's (`Flight.steady`) are only tokens to count (the gap since its last, one clock reading
-        a message) and hand over; any other goes the long way, as an event."""
-        flights, now, count, gaps = self.flights, time.perf_counter(), 0, []
+        a message) and hand over; any other goes the long way, as an event. The loop runs in C where built
+        (native.py), else here."""
+        now, gaps = time.perf_counter(), []
+        if self.native is not None:
+            count = self.native.deliver(tokens, self.flights, source, now, gaps, self._deliver_plain, _put_tokens)
+        else:
+            count = self._deliver_tokens_here(tokens, source, now, gaps)
+        self.metrics.itl.observe_all(gaps)
+        self.metrics.generation_tokens.inc(count)
+
+    def _deliver_tokens_here(self, tokens: list, source: NodeConn, now: float, gaps: list[float]) -> int:
+        """The loop of _deliver_tokens in Python (native.deliver's twin): the tokens handed over the short way."""
+        flights, count = self.flights, 0
         for k in range(0, len(tokens), 2):
             request_id, token_ids = tokens[k], tokens[k + 1]
             flight = flights.get(request_id)
@@ -624,11 +642,14 @@ class RouterCore:
                 if inbox.push_tokens is not None:  # a plain event's tokens, where its stream takes them so
                     inbox.push_tokens(token_ids)
                 else:
-                    inbox.put(P.TokenEvent(request_id, token_ids))
+                    _put_tokens(inbox, request_id, token_ids)
             else:
-                self._deliver(P.TokenEvent(request_id, token_ids), source)
-        self.metrics.itl.observe_all(gaps)
-        self.metrics.generation_tokens.inc(count)
+                self._deliver_plain(request_id, token_ids, source)
+        return count
+
+    def _deliver_plain(self, request_id: str, token_ids: list[int], source: NodeConn) -> None:
+        """A plain event of a request that is not steady: the long way."""
+        self._deliver(P.TokenEvent(request_id, token_ids), source)
 
     def _deliver(self, ev: P.TokenEvent, source: NodeConn) -> None:
         flight = self.flights.get(ev.request_id)
