@@ -90,7 +90,7 @@ ROUTER_LIMIT_FLAGS = flags_of(RouterConfig, "max_request_bytes", "max_queued_req
 ROUTER_API_FLAGS = flags_of(RouterConfig, "host", "port", "served_model_name", "skip_tokenizer", "api_key", "max_n")
 UP_ROUTER_FLAGS = (ROUTER_API_FLAGS + flags_of(RouterConfig, "node_timeout_s", "access_log", "cache_balance_margin",
                                                 "local_prefill_max_tokens", "max_prefill_queue",
-                                                "router_workers")
+                                                "router_workers", "token_path")
                    + ROUTER_LIMIT_FLAGS)  # fmt: skip
 RAY_UP_FLAGS = flags_of(LaunchConfig, "ray", "name", "placement", "ray_node_cpus", "ray_bind_host", "max_restarts")
 NODE_FLAGS = flags_of(EngineConfig, "device", "cpu_cores") + flags_of(NodeConfig, "listen", "ready_file", "host_id")

@@ -248,7 +248,7 @@ class RouterCore:
         self._ids = itertools.count()
         self.routing_id = f"router-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # on every node connection; leads our ids
         self.start_cancelled = asyncio.Event()  # set by a SIGTERM that comes before the nodes answered
-        self.native = native.load()  # the per-token path in C (None: its Python twin runs)
+        self.native = native.load() if cfg.token_path == "auto" else None  # the per-token path in C (None: Python)
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:

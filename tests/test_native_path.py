@@ -1,0 +1,213 @@
+"""The router's per-token path in C (pdserve/router/native.py) against its Python twin: the same node messages, read by
+two routers that differ only in which runs, must leave the same stream bytes, outputs, metrics and faults; and the C
+path must be the one that ran where it is built."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from types import SimpleNamespace
+
+import pytest
+from helpers import FakeNodeSock
+
+from pdserve.config import RouterConfig
+from pdserve.router import api, native
+from pdserve.router.core import NodeConn, RouterCore
+from pdserve.router.stream import Outbox, SseStream
+from pdserve.router.text import ByteTable, load_model_info
+from pdserve.wire import protocol as P
+
+LENGTH = P.FinishReason.LENGTH
+
+
+@pytest.fixture(scope="module")
+def tokenpath():
+    why = native._cannot_build()
+    if why:
+        pytest.skip(f"the C path cannot be built here: {why}")
+    module = native.load()
+    assert module is not None, "the C path did not build (see the warning logged)"
+    return module
+
+
+@pytest.fixture(scope="module")
+def info():
+    return load_model_info("tiny")
+
+
+def _core(in_c: bool, **addrs) -> RouterCore:
+    core = RouterCore(RouterConfig(model="tiny", token_path="auto" if in_c else "python", **addrs))
+    assert (core.native is not None) is in_c
+    for m in core.membership._members:
+        core.nodes.append(NodeConn(m.role, m.addr, m.kv_addr, sock=FakeNodeSock(), up=True))
+    return core
+
+
+def _step(core: RouterCore, node: NodeConn, *events: P.TokenEvent) -> None:
+    core._on_message(node, [P.encode(P.TokenEvents.of(list(events)))])
+
+
+def _stream(core: RouterCore, info, writes: list[bytes], prompt: list[int], **fields) -> SseStream:
+    body = api.CompletionBody(model="tiny", prompt=prompt, max_tokens=40, stream=True, **fields)
+    job = api.make_job(body, prompt, info)
+    flight = core.submit(job.prompt_ids, job.params)
+    job.id, job.created = f"x{len(prompt)}", 1  # the same envelope for either router
+    stream = SseStream(core, info, [job], False, [flight], SimpleNamespace(usage=None), "stream", Outbox())
+    stream.attach(lambda data: writes.append(data) or True)
+    return stream
+
+
+def _fragments(info) -> list[int]:
+    """Tokens of the tiny tokenizer whose bytes are not whole UTF-8: a character that only a later token completes."""
+    table, found = info.byte_table, []
+    for t in range(info.vocab_size):
+        data = table.skipping.get(t) or table.learn(t, True)
+        if data and data[0] >= 0x80:
+            found.append(t)
+    assert len(found) > 10, "the tiny tokenizer has byte fragments"
+    return found
+
+
+async def _serve(in_c: bool, info, steps: list[list[tuple[int, list[int], object]]], fields: list[dict]) -> dict:
+    """Streams of `fields` on a colocated router; `steps`: per node message, (stream, tokens, finish reason)."""
+    core = _core(in_c, colocated=("tcp://c0",))
+    try:
+        writes = [[] for _ in fields]
+        streams = [_stream(core, info, writes[k], [1, 2, 3 + k], **f) for k, f in enumerate(fields)]
+        node = streams[0].flights[0].nodes[0]
+        rids = [s.flights[0].request_id for s in streams]
+        for events in steps:
+            _step(core, node, *(P.TokenEvent(rids[k], ids, reason) for k, ids, reason in events))
+            await asyncio.sleep(0)  # the outbox's flush
+        flights = [s.flights[0] for s in streams]
+        m = core.metrics
+        return {"writes": writes, "outputs": [f.output for f in flights], "tokens": [s.tokens for s in streams],
+                "usage": [s.state.usage for s in streams], "generated": m.generation_tokens.value,
+                "itl": list(m.itl.counts), "itl_sum_finite": math.isfinite(m.itl.sum),
+                "ended": [s.done.done() for s in streams],
+                "plain_in_c": [type(f.inbox.push_tokens).__name__ == "Plain" for f in flights]}  # fmt: skip
+    finally:
+        core.ctx.destroy(linger=0)
+
+
+def _steps(info, n_streams: int, length: int, seed: int) -> list[list[tuple[int, list[int], object]]]:
+    import random
+
+    rng, frags = random.Random(seed), _fragments(info)
+    steps = []
+    for j in range(length):
+        events = []
+        for k in range(n_streams):
+            ids = [rng.choice(frags) if rng.random() < 0.4 else rng.randrange(info.vocab_size)
+                   for _ in range(rng.choice((1, 1, 1, 2, 3)))]  # fmt: skip
+            events.append((k, ids, LENGTH if j == length - 1 else None))
+        steps.append(events)
+    return steps
+
+
+FIELDS = [{}, {"return_token_ids": True}, {"stream_options": {"include_usage": True}}, {"stop": ["zz"]},
+          {"skip_special_tokens": False}]  # fmt: skip
+
+
+def test_c_and_python_leave_the_same_bytes_outputs_and_metrics(tokenpath, info):
+    steps = _steps(info, len(FIELDS), 30, seed=0)
+    in_c, in_python = asyncio.run(_serve(True, info, steps, FIELDS)), asyncio.run(_serve(False, info, steps, FIELDS))
+    assert in_c["plain_in_c"] == [True, True, True, False, True], "each plain choice's tokens go to C, no other's"
+    assert not any(in_python["plain_in_c"])
+    for key in ("writes", "outputs", "tokens", "usage", "generated", "itl_sum_finite", "ended"):
+        assert in_c[key] == in_python[key], key
+    assert in_c["itl"] == in_python["itl"] and sum(in_c["itl"]) == len(FIELDS) * 29, "a gap per message after the first"
+    assert all(in_c["ended"]) and all(len(w) == 30 for w in in_c["writes"])
+
+
+def test_the_c_path_is_what_runs(tokenpath, info, monkeypatch):
+    """Steady plain tokens never reach the Python loop or SseStream._on_tokens where C is built: only each stream's
+    first tokens do (the long way, as an event)."""
+    here = []
+    monkeypatch.setattr(RouterCore, "_deliver_tokens_here", lambda *a: here.append("loop") or 0)
+    monkeypatch.setattr(SseStream, "_on_tokens", lambda *a: here.append("stream"))
+    out = asyncio.run(_serve(True, info, _steps(info, 2, 6, seed=1), [{}, {}]))
+    assert here == ["stream", "stream"] and out["generated"] == sum(len(o) for o in out["outputs"]) > 12
+
+
+def test_a_tokens_fault_ends_its_stream_alike(tokenpath, info, monkeypatch):
+    """A chunk that cannot be made (a token's bytes fail to load) ends the stream with the same error event."""
+    learn = ByteTable.learn
+
+    def failing(self, token_id, skip_special):
+        if token_id == 7:
+            raise RuntimeError("no bytes")
+        return learn(self, token_id, skip_special)
+
+    monkeypatch.setattr(ByteTable, "learn", failing)
+    info.byte_table.skipping.pop(7, None)  # learned again, and failing, at its next use
+    steps = [[(0, [5], None), (1, [6], None)], [(0, [7], None), (1, [8], None)], [(0, [9], LENGTH), (1, [10], LENGTH)]]
+    in_c, in_python = (asyncio.run(_serve(c, info, steps, [{}, {}])) for c in (True, False))
+    assert in_c["writes"] == in_python["writes"] and in_c["ended"] == in_python["ended"] == [True, True]
+    assert b"internal error while streaming" in b"".join(in_c["writes"][0])
+    assert b"internal error" not in b"".join(in_c["writes"][1]), "the other stream went on"
+
+
+def test_a_disaggregated_requests_tokens_take_the_c_path_after_its_decode_nodes_first(tokenpath, info):
+    async def run(in_c: bool) -> tuple[list[bytes], list[int]]:
+        core = _core(in_c, prefill=("tcp://p0",), decode=("tcp://d0",), decode_kv=("tcp://k0",))
+        try:
+            writes: list[bytes] = []
+            stream = _stream(core, info, writes, [1, 2, 3])
+            flight = stream.flights[0]
+            rid, (prefill, decode) = flight.request_id, flight.nodes
+            _step(core, decode, P.TokenEvent(rid, []))  # "KV landed"
+            _step(core, decode, P.TokenEvent(rid, [11]))  # beats the first token: held
+            _step(core, prefill, P.TokenEvent(rid, [10]))
+            for t in (12, 13):
+                _step(core, decode, P.TokenEvent(rid, [t]))
+                await asyncio.sleep(0)
+            _step(core, decode, P.TokenEvent(rid, [14], LENGTH))
+            await asyncio.sleep(0)
+            return writes, flight.output
+        finally:
+            core.ctx.destroy(linger=0)
+
+    assert asyncio.run(run(True)) == asyncio.run(run(False))
+
+
+def test_a_stream_not_attached_gets_steady_tokens_as_events(tokenpath, info):
+    """A request whose inbox is pulled (no push attached) takes steady tokens as events, in C as in Python."""
+
+    def run(in_c: bool) -> list[list[int]]:
+        core = _core(in_c, colocated=("tcp://c0",))
+        try:
+            flight = core.submit([1, 2, 3], P.SamplingParams(max_tokens=5))
+            node, rid = flight.nodes[0], flight.request_id
+            for ids in ([10], [11, 12], [13]):
+                _step(core, node, P.TokenEvent(rid, ids))
+            assert flight.steady is node
+            return [ev.token_ids for ev in flight.inbox.events]
+        finally:
+            core.ctx.destroy(linger=0)
+
+    assert run(True) == run(False) == [[10], [11, 12], [13]]
+
+
+def test_a_failed_build_falls_back_to_python_with_one_warning(monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(native, "cache_dir", lambda kind: tmp_path / kind)
+    monkeypatch.setattr(native, "_compiler", lambda: "false")  # a compiler that fails
+    monkeypatch.setattr(native, "_cannot_build", lambda: "")
+    with caplog.at_level("WARNING", logger="pdserve.router"):
+        assert native.load() is None and native.load() is None
+    assert len([r for r in caplog.records if "did not build" in r.getMessage()]) == 1, "one warning, once"
+    assert not list(tmp_path.rglob("*.so*")), "no half-built module was left"
+
+
+def test_the_module_is_built_once_and_cached(tokenpath, tmp_path, monkeypatch):
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(native, "cache_dir", lambda kind: tmp_path / kind)
+    calls = []
+    compile_ = native._compile
+    monkeypatch.setattr(native, "_compile", lambda path: calls.append(path) or compile_(path))
+    first = native.load()
+    assert first is not None and native.load() is first and len(calls) == 1
+    monkeypatch.setattr(native, "_loaded", {})
+    assert native.load() is not None and len(calls) == 1, "the cached build was not reused"
