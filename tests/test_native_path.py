@@ -5,6 +5,7 @@ path must be the one that ran where it is built."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from types import SimpleNamespace
 
@@ -131,7 +132,7 @@ def test_the_c_path_is_what_runs(tokenpath, info, monkeypatch):
     assert here == ["stream", "stream"] and out["generated"] == sum(len(o) for o in out["outputs"]) > 12
 
 
-def test_a_tokens_fault_ends_its_stream_alike(tokenpath, info, monkeypatch):
+def test_a_tokens_fault_ends_its_stream_alike(tokenpath, info, monkeypatch, caplog):
     """A chunk that cannot be made (a token's bytes fail to load) ends the stream with the same error event."""
     learn = ByteTable.learn
 
@@ -143,7 +144,14 @@ def test_a_tokens_fault_ends_its_stream_alike(tokenpath, info, monkeypatch):
     monkeypatch.setattr(ByteTable, "learn", failing)
     info.byte_table.skipping.pop(7, None)  # learned again, and failing, at its next use
     steps = [[(0, [5], None), (1, [6], None)], [(0, [7], None), (1, [8], None)], [(0, [9], LENGTH), (1, [10], LENGTH)]]
-    in_c, in_python = (asyncio.run(_serve(c, info, steps, [{}, {}])) for c in (True, False))
+    logged = {}
+    for c in (True, False):
+        with caplog.at_level(logging.ERROR, logger="pdserve.router"):
+            caplog.clear()
+            logged[c] = asyncio.run(_serve(c, info, steps, [{}, {}]))
+            faults = [r for r in caplog.records if "failed" in r.getMessage()]
+            assert len(faults) == 1 and repr(faults[0].exc_info[1]) == "RuntimeError('no bytes')", "logged, its cause"
+    in_c, in_python = logged[True], logged[False]
     assert in_c["writes"] == in_python["writes"] and in_c["ended"] == in_python["ended"] == [True, True]
     assert b"internal error while streaming" in b"".join(in_c["writes"][0])
     assert b"internal error" not in b"".join(in_c["writes"][1]), "the other stream went on"
@@ -211,3 +219,47 @@ def test_the_module_is_built_once_and_cached(tokenpath, tmp_path, monkeypatch):
     assert first is not None and native.load() is first and len(calls) == 1
     monkeypatch.setattr(native, "_loaded", {})
     assert native.load() is not None and len(calls) == 1, "the cached build was not reused"
+
+
+def test_a_plain_is_made_once_and_refuses_to_run_unmade(tokenpath, info):
+    with pytest.raises(TypeError, match="not initialised"):
+        tokenpath.Plain.__new__(tokenpath.Plain)([1])
+
+    async def run():
+        core = _core(True, colocated=("tcp://c0",))
+        try:
+            stream = _stream(core, info, [], [1, 2, 3])
+            plain = stream.flights[0].inbox.push_tokens
+            with pytest.raises(TypeError, match="initialised once"):
+                plain.__init__(stream, stream.views[0].detok.source, print, True, b"", b"", False, print)
+        finally:
+            core.ctx.destroy(linger=0)
+
+    asyncio.run(run())
+
+
+def test_a_learn_that_shortens_the_list_does_not_read_past_it(tokenpath):
+    """A token's bytes are learned by Python code, which may change the list being read."""
+    loop = asyncio.new_event_loop()
+    try:
+        ids = [1, 2, 3]
+        held = []
+        outbox = SimpleNamespace(hold=held.append)
+        stream = SimpleNamespace(done=loop.create_future(), outbox=outbox, tokens=0, parts=[])
+        text = SimpleNamespace(known={}, pending=b"")
+        plain = tokenpath.Plain(stream, text, lambda t, skip: ids.pop() and b"a", True, b"<", b">", False, print)
+        plain(ids)
+        assert stream.parts == [b'<"aa">}]}\n\n'] and held == [stream] and stream.tokens == 3
+    finally:
+        loop.close()
+
+
+def test_a_cached_module_that_does_not_load_is_built_again(tokenpath, tmp_path, monkeypatch):
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(native, "cache_dir", lambda kind: tmp_path / kind)
+    ext = native.sysconfig.get_config_var("EXT_SUFFIX")
+    broken = tmp_path / "native" / f"{native.NAME}-{native._build_key()}{ext}"
+    broken.parent.mkdir(parents=True)
+    broken.write_bytes(b"not a shared object")
+    module = native.load()
+    assert module is not None and hasattr(module, "deliver") and broken.stat().st_size > 1000

@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import uuid
 from pathlib import Path
 from types import ModuleType
 
@@ -39,8 +40,11 @@ _loaded: dict[str, ModuleType | None] = {}
 
 
 def load() -> ModuleType | None:
-    """The compiled module, built on first use; None where it cannot be built here."""
-    key = _build_key()
+    """The compiled module, built on first use; None where it cannot be built here (logged once)."""
+    try:
+        key = _build_key()
+    except OSError as e:  # its source is missing from this install
+        key = f"unreadable: {e}"
     if key not in _loaded:
         _loaded[key] = _build_and_load(key)
     return _loaded[key]
@@ -49,28 +53,40 @@ def load() -> ModuleType | None:
 def _build_key() -> str:
     h = hashlib.sha256(SOURCE.read_bytes())
     h.update(" ".join(CFLAGS).encode())
-    h.update(f"{sys.version} {sysconfig.get_config_var('EXT_SUFFIX')} {_include()}".encode())
+    h.update(f"{sys.version} {sysconfig.get_config_var('EXT_SUFFIX')} {_includes()}".encode())
     return h.hexdigest()[:16]
 
 
-def _include() -> str:
-    return sysconfig.get_paths()["include"]
+def _includes() -> list[str]:
+    paths = sysconfig.get_paths()
+    return list(dict.fromkeys((paths["include"], paths.get("platinclude", paths["include"]))))
 
 
 def _build_and_load(key: str) -> ModuleType | None:
-    why = _cannot_build()
+    why = _cannot_build() or (key if key.startswith("unreadable") else "")
     if why:
         log.warning("the router's C token path is not built (%s); its Python path runs", why)
         return None
     path = cache_dir("native") / f"{NAME}-{key}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
     try:
-        if not path.exists():
-            _compile(path)
-        return _import(path)
-    except (OSError, ImportError, subprocess.SubprocessError) as e:
-        detail = (getattr(e, "stderr", "") or str(e)).strip()
+        return _built(path)
+    except Exception as e:  # whatever fails here, the Python path serves: never a router that cannot start
+        detail = getattr(e, "stderr", "") or str(e)
+        detail = (detail.decode(errors="replace") if isinstance(detail, bytes) else detail).strip()
         log.warning("the router's C token path did not build (%s); its Python path runs", detail[:500])
         return None
+
+
+def _built(path: Path) -> ModuleType:
+    """The module at `path`, compiled first where it is not there; compiled again once where the cached one does
+    not load (built by another machine that shares the cache folder, say)."""
+    if path.exists():
+        try:
+            return _import(path)
+        except ImportError:
+            path.unlink(missing_ok=True)
+    _compile(path)
+    return _import(path)
 
 
 def _cannot_build() -> str:
@@ -78,8 +94,8 @@ def _cannot_build() -> str:
         return f"not on {sys.platform}"
     if _compiler() is None:
         return "no C compiler found"
-    if not (Path(_include()) / "Python.h").exists():
-        return f"no Python.h under {_include()}"
+    if not any((Path(d) / "Python.h").exists() for d in _includes()):
+        return f"no Python.h under {' or '.join(_includes())}"
     return ""
 
 
@@ -89,9 +105,9 @@ def _compiler() -> str | None:
 
 def _compile(path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}-{uuid.uuid4().hex[:8]}")  # unique across hosts too
     try:
-        argv = [_compiler(), *CFLAGS, f"-I{_include()}", str(SOURCE), "-o", str(tmp)]
+        argv = [_compiler(), *CFLAGS, *(f"-I{d}" for d in _includes()), str(SOURCE), "-o", str(tmp)]
         subprocess.run(argv, check=True, capture_output=True, text=True, timeout=120)
         os.replace(tmp, path)  # atomic: workers building it at once each win or lose whole
     finally:

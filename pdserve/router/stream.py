@@ -229,8 +229,9 @@ class SseStream:
             self.outbox.hold(self)
         self.parts.append(data)
 
-    def _fault(self, i: int) -> None:
-        log.exception("streaming request %s failed", self.flights[i].request_id)
+    def _fault(self, i: int, error: BaseException | None = None) -> None:
+        """End the stream on a fault of its own (`error`: the exception; None: the one being handled)."""
+        log.error("streaming request %s failed", self.flights[i].request_id, exc_info=error or True)
         self._end_with(ApiError(500, "internal error while streaming the answer"))
 
     def _show(self, i: int, ev: P.TokenEvent) -> None:

@@ -66,6 +66,10 @@ static int Plain_init(Plain *self, PyObject *args, PyObject *kwds) {
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOSSpO", names, &stream, &text, &learn, &skip, &head, &after,
                                      &with_ids, &fault))
         return -1;
+    if (self->stream != NULL) {
+        PyErr_SetString(PyExc_TypeError, "Plain is initialised once");
+        return -1;
+    }
     PyObject *known = PyObject_GetAttrString(text, "known");
     if (known == NULL) return -1;
     if (!PyDict_CheckExact(known)) {
@@ -82,7 +86,6 @@ static int Plain_init(Plain *self, PyObject *args, PyObject *kwds) {
         Py_XDECREF(done);
         return -1;
     }
-    Plain_clear(self);
     self->stream = Py_NewRef(stream); self->text = Py_NewRef(text); self->known = known;
     self->learn = Py_NewRef(learn); self->skip_special = Py_NewRef(skip); self->head = Py_NewRef(head);
     self->after = Py_NewRef(after); self->with_ids = with_ids; self->fault = Py_NewRef(fault);
@@ -103,9 +106,10 @@ static PyObject *text_of(Plain *self, PyObject *ids) {
     PyObject *pending = PyObject_GetAttr(self->text, s_pending);
     if (pending == NULL) return NULL;
     PyObject *data = pending; /* grows to pending + every token's bytes */
-    Py_ssize_t n = PyList_GET_SIZE(ids);
-    for (Py_ssize_t k = 0; k < n; k++) {
-        PyObject *b = token_bytes(self, PyList_GET_ITEM(ids, k));
+    for (Py_ssize_t k = 0; k < PyList_GET_SIZE(ids); k++) { /* read at every pass: `learn` runs Python */
+        PyObject *t = Py_NewRef(PyList_GET_ITEM(ids, k));
+        PyObject *b = token_bytes(self, t);
+        Py_DECREF(t);
         if (b == NULL) { Py_DECREF(data); return NULL; }
         PyBytes_Concat(&data, b); /* `pending + b"".join(parts)`: the same bytes */
         Py_DECREF(b);
@@ -198,24 +202,27 @@ static PyObject *count_and_chunk(Plain *self, PyObject *ids) {
     return chunk;
 }
 
-/* Call `fault` with the exception just raised as the one being handled (log.exception shows it), as an except
- * block would; a BaseException that is not an Exception goes on up. */
+/* `except Exception as e: fault(e)`: a BaseException that is not an Exception goes on up. */
 static int handle_fault(Plain *self) {
     if (!PyErr_ExceptionMatches(PyExc_Exception)) return -1;
-    PyObject *type, *value, *tb, *old_type, *old_value, *old_tb;
+    PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
     PyErr_NormalizeException(&type, &value, &tb);
     if (tb != NULL) PyException_SetTraceback(value, tb);
-    PyErr_GetExcInfo(&old_type, &old_value, &old_tb);
-    PyErr_SetExcInfo(type, value, tb);
-    PyObject *r = PyObject_CallNoArgs(self->fault);
-    PyErr_SetExcInfo(old_type, old_value, old_tb);
+    PyObject *r = PyObject_CallOneArg(self->fault, value);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
     if (r == NULL) return -1;
     Py_DECREF(r);
     return 0;
 }
 
 static PyObject *plain_push(Plain *self, PyObject *ids) {
+    if (self->stream == NULL) {
+        PyErr_SetString(PyExc_TypeError, "Plain was not initialised");
+        return NULL;
+    }
     if (!PyList_CheckExact(ids)) {
         PyErr_SetString(PyExc_TypeError, "Plain takes a list of token ids");
         return NULL;
@@ -231,19 +238,25 @@ static PyObject *plain_push(Plain *self, PyObject *ids) {
         if (handle_fault(self) < 0) return NULL;
         Py_RETURN_NONE;
     }
-    /* SseStream._hold: the first part since a flush puts the stream in the outbox */
+    /* `if not self.parts: self.outbox.hold(self)`, then `self.parts.append(data)` (read again: hold ran Python) */
     PyObject *parts = PyObject_GetAttr(self->stream, s_parts);
     int truth = parts ? PyObject_IsTrue(parts) : -1;
-    int ok = truth >= 0 && PyList_Check(parts);
-    if (truth >= 0 && !ok)
-        PyErr_SetString(PyExc_TypeError, "SseStream.parts must be a list");
+    Py_XDECREF(parts);
+    int ok = truth >= 0;
     if (ok && !truth) {
         PyObject *r = PyObject_CallOneArg(self->hold, self->stream);
         ok = r != NULL;
         Py_XDECREF(r);
     }
-    ok = ok && PyList_Append(parts, chunk) == 0;
-    Py_XDECREF(parts);
+    if (ok) {
+        PyObject *r = NULL;
+        parts = PyObject_GetAttr(self->stream, s_parts);
+        if (parts != NULL) r = PyList_CheckExact(parts) ? (PyList_Append(parts, chunk) ? NULL : Py_NewRef(Py_None))
+                                                        : PyObject_CallMethod(parts, "append", "O", chunk);
+        ok = r != NULL;
+        Py_XDECREF(r);
+        Py_XDECREF(parts);
+    }
     Py_DECREF(chunk);
     if (!ok) return NULL;
     Py_RETURN_NONE;
@@ -320,8 +333,12 @@ static PyObject *deliver(PyObject *module, PyObject *const *args, Py_ssize_t nar
         PyErr_SetString(PyExc_TypeError, "deliver takes the flat list, the flights (a dict) and a list for gaps");
         return NULL;
     }
-    Py_ssize_t count = 0;
-    for (Py_ssize_t k = 0; k + 1 < PyList_GET_SIZE(tokens); k += 2) {
+    Py_ssize_t count = 0, n = PyList_GET_SIZE(tokens); /* `range(0, len(tokens), 2)`: its length read once */
+    for (Py_ssize_t k = 0; k < n; k += 2) {
+        if (k + 1 >= PyList_GET_SIZE(tokens)) {
+            PyErr_SetString(PyExc_IndexError, "list index out of range");
+            return NULL;
+        }
         PyObject *rid = PyList_GET_ITEM(tokens, k), *ids = PyList_GET_ITEM(tokens, k + 1);
         Py_INCREF(rid);
         Py_INCREF(ids); /* the list may change under a Python call */
@@ -334,8 +351,8 @@ static PyObject *deliver(PyObject *module, PyObject *const *args, Py_ssize_t nar
             if (steady == NULL) {
                 bad = 1;
             } else if (steady == source && is_list && PyList_GET_SIZE(ids)) {
+                count += PyList_GET_SIZE(ids); /* `count += len(token_ids)` comes before the push */
                 bad = deliver_steady(flight, rid, ids, now, gaps, put) < 0;
-                count += bad ? 0 : PyList_GET_SIZE(ids);
             } else {
                 PyObject *r = PyObject_CallFunctionObjArgs(slow, rid, ids, source, NULL);
                 bad = r == NULL;
