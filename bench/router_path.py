@@ -97,7 +97,8 @@ async def one_round(core: RouterCore, info, streams: int, steps: int, cold: list
     return spent / (streams * steps) * 1e6
 
 
-async def measure(streams: int, steps: int, rounds: int, cold_mb: int, token_path: str = "auto") -> dict:
+async def measure(streams: int, steps: int, rounds: int, cold_mb: int,
+                  token_path: str = RouterConfig.token_path) -> dict:  # fmt: skip
     info, core = load_model_info("tiny"), _core(token_path)
     cold = list(range(cold_mb * 1024 * 1024 // 8))  # 8 bytes a reference
     try:
@@ -114,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=1000, help="node messages a round")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--cold-mb", type=int, default=0, help="memory walked before each message (0: none)")
-    ap.add_argument("--token-path", choices=TOKEN_PATHS, default="auto", help="the router's --token-path")
+    ap.add_argument("--token-path", choices=TOKEN_PATHS, default=RouterConfig.token_path,
+                    help="the router's --token-path")
     a = ap.parse_args(argv)
     if not 1 <= a.steps <= MAX_STEPS or a.streams < 1 or a.rounds < 1:
         ap.error(f"--streams and --rounds must be at least 1, --steps between 1 and {MAX_STEPS} (a request's tokens "

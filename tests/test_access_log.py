@@ -64,7 +64,20 @@ def test_the_router_app_logs_only_when_asked():
     assert has_access_log() and not has_access_log(access_log=False)
 
 
-def test_no_line_below_the_loggers_level(caplog):
-    with caplog.at_level(logging.WARNING, logger="pdserve.access"):
+def test_no_line_below_the_loggers_level():
+    """The logger's level, not a handler's, keeps the line out: a handler that takes everything sees none."""
+    log, seen = logging.getLogger("pdserve.access"), []
+    handler = logging.Handler(logging.NOTSET)
+    handler.emit = seen.append
+    level = log.level
+    log.addHandler(handler)
+    try:
+        log.setLevel(logging.WARNING)
         assert asyncio.run(_requests()) == [200, 200, 404, 404]
-    assert not [r for r in caplog.records if r.name == "pdserve.access"]
+        assert seen == []
+        log.setLevel(logging.INFO)
+        assert asyncio.run(_requests()) == [200, 200, 404, 404]
+        assert len(seen) == 3, "the handler sees the lines once the level lets them through"
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)

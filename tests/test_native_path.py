@@ -5,8 +5,10 @@ path must be the one that ran where it is built."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
-import math
+import random
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -16,7 +18,7 @@ from pdserve.config import RouterConfig
 from pdserve.router import api, native
 from pdserve.router.core import NodeConn, RouterCore
 from pdserve.router.stream import Outbox, SseStream
-from pdserve.router.text import ByteTable, load_model_info
+from pdserve.router.text import load_model_info
 from pdserve.wire import protocol as P
 
 LENGTH = P.FinishReason.LENGTH
@@ -70,8 +72,19 @@ def _fragments(info) -> list[int]:
     return found
 
 
-async def _serve(in_c: bool, info, steps: list[list[tuple[int, list[int], object]]], fields: list[dict]) -> dict:
-    """Streams of `fields` on a colocated router; `steps`: per node message, (stream, tokens, finish reason)."""
+def _serve(in_c: bool, steps: list[list[tuple[int, list[int], object]]], fields: list[dict], monkeypatch,
+           prepare=lambda info: None) -> dict:  # fmt: skip
+    """Streams of `fields` on a colocated router with a model of its own (its byte table learns as it goes; `prepare`
+    sees it first) and a clock that moves 3 ms a reading; `steps`: per node message, (stream, tokens, finish
+    reason)."""
+    info = load_model_info("tiny")
+    prepare(info)
+    clock = itertools.count()
+    monkeypatch.setattr(time, "perf_counter", lambda: next(clock) * 0.003)
+    return asyncio.run(_served(in_c, info, steps, fields))
+
+
+async def _served(in_c: bool, info, steps: list[list[tuple[int, list[int], object]]], fields: list[dict]) -> dict:
     core = _core(in_c, colocated=("tcp://c0",))
     try:
         writes = [[] for _ in fields]
@@ -85,16 +98,13 @@ async def _serve(in_c: bool, info, steps: list[list[tuple[int, list[int], object
         m = core.metrics
         return {"writes": writes, "outputs": [f.output for f in flights], "tokens": [s.tokens for s in streams],
                 "usage": [s.state.usage for s in streams], "generated": m.generation_tokens.value,
-                "itl": list(m.itl.counts), "itl_sum_finite": math.isfinite(m.itl.sum),
-                "ended": [s.done.done() for s in streams],
+                "itl": list(m.itl.counts), "itl_sum": m.itl.sum, "ended": [s.done.done() for s in streams],
                 "plain_in_c": [type(f.inbox.push_tokens).__name__ == "Plain" for f in flights]}  # fmt: skip
     finally:
         core.ctx.destroy(linger=0)
 
 
 def _steps(info, n_streams: int, length: int, seed: int) -> list[list[tuple[int, list[int], object]]]:
-    import random
-
     rng, frags = random.Random(seed), _fragments(info)
     steps = []
     for j in range(length):
@@ -111,14 +121,14 @@ FIELDS = [{}, {"return_token_ids": True}, {"stream_options": {"include_usage": T
           {"skip_special_tokens": False}]  # fmt: skip
 
 
-def test_c_and_python_leave_the_same_bytes_outputs_and_metrics(tokenpath, info):
+def test_c_and_python_leave_the_same_bytes_outputs_and_metrics(tokenpath, info, monkeypatch):
     steps = _steps(info, len(FIELDS), 30, seed=0)
-    in_c, in_python = asyncio.run(_serve(True, info, steps, FIELDS)), asyncio.run(_serve(False, info, steps, FIELDS))
+    in_c, in_python = _serve(True, steps, FIELDS, monkeypatch), _serve(False, steps, FIELDS, monkeypatch)
     assert in_c["plain_in_c"] == [True, True, True, False, True], "each plain choice's tokens go to C, no other's"
     assert not any(in_python["plain_in_c"])
-    for key in ("writes", "outputs", "tokens", "usage", "generated", "itl_sum_finite", "ended"):
+    for key in ("writes", "outputs", "tokens", "usage", "generated", "itl", "itl_sum", "ended"):
         assert in_c[key] == in_python[key], key
-    assert in_c["itl"] == in_python["itl"] and sum(in_c["itl"]) == len(FIELDS) * 29, "a gap per message after the first"
+    assert sum(in_c["itl"]) == len(FIELDS) * 29 and in_c["itl_sum"] > 0, "a gap per message after the first"
     assert all(in_c["ended"]) and all(len(w) == 30 for w in in_c["writes"])
 
 
@@ -128,27 +138,30 @@ def test_the_c_path_is_what_runs(tokenpath, info, monkeypatch):
     here = []
     monkeypatch.setattr(RouterCore, "_deliver_tokens_here", lambda *a: here.append("loop") or 0)
     monkeypatch.setattr(SseStream, "_on_tokens", lambda *a: here.append("stream"))
-    out = asyncio.run(_serve(True, info, _steps(info, 2, 6, seed=1), [{}, {}]))
+    out = _serve(True, _steps(info, 2, 6, seed=1), [{}, {}], monkeypatch)
     assert here == ["stream", "stream"] and out["generated"] == sum(len(o) for o in out["outputs"]) > 12
 
 
-def test_a_tokens_fault_ends_its_stream_alike(tokenpath, info, monkeypatch, caplog):
+def test_a_tokens_fault_ends_its_stream_alike(tokenpath, monkeypatch, caplog):
     """A chunk that cannot be made (a token's bytes fail to load) ends the stream with the same error event."""
-    learn = ByteTable.learn
+    def failing(info) -> None:
+        """Token 7's bytes fail to load in this run's own table."""
+        table, learn = info.byte_table, info.byte_table.learn
 
-    def failing(self, token_id, skip_special):
-        if token_id == 7:
-            raise RuntimeError("no bytes")
-        return learn(self, token_id, skip_special)
+        def learn_or_fail(token_id: int, skip_special: bool) -> bytes:
+            if token_id == 7:
+                raise RuntimeError("no bytes")
+            return learn(token_id, skip_special)
 
-    monkeypatch.setattr(ByteTable, "learn", failing)
-    info.byte_table.skipping.pop(7, None)  # learned again, and failing, at its next use
+        table.skipping.pop(7, None)
+        table.learn = learn_or_fail
+
     steps = [[(0, [5], None), (1, [6], None)], [(0, [7], None), (1, [8], None)], [(0, [9], LENGTH), (1, [10], LENGTH)]]
     logged = {}
     for c in (True, False):
         with caplog.at_level(logging.ERROR, logger="pdserve.router"):
             caplog.clear()
-            logged[c] = asyncio.run(_serve(c, info, steps, [{}, {}]))
+            logged[c] = _serve(c, steps, [{}, {}], monkeypatch, prepare=failing)
             faults = [r for r in caplog.records if "failed" in r.getMessage()]
             assert len(faults) == 1 and repr(faults[0].exc_info[1]) == "RuntimeError('no bytes')", "logged, its cause"
     in_c, in_python = logged[True], logged[False]

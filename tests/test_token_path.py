@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 from helpers import FakeNodeSock
 
-from pdserve.config import RouterConfig
+from pdserve.config import TOKEN_PATHS, RouterConfig
 from pdserve.router import api
 from pdserve.router.core import NodeConn, RouterCore
 from pdserve.router.stream import Outbox, SseStream
@@ -21,23 +21,24 @@ from pdserve.wire import protocol as P
 LENGTH = P.FinishReason.LENGTH
 
 
-def _core(**addrs) -> RouterCore:
-    core = RouterCore(RouterConfig(model="tiny", **addrs))
+def _core(token_path: str, **addrs) -> RouterCore:
+    core = RouterCore(RouterConfig(model="tiny", token_path=token_path, **addrs))
     for m in core.membership._members:
         core.nodes.append(NodeConn(m.role, m.addr, m.kv_addr, sock=FakeNodeSock(), up=True))
     return core
 
 
-@pytest.fixture
-def disagg():
-    core = _core(prefill=("tcp://p0",), decode=("tcp://d0", "tcp://d1"), decode_kv=("tcp://k0", "tcp://k1"))
+@pytest.fixture(params=TOKEN_PATHS)  # the C path where it builds, and its Python twin
+def disagg(request):
+    core = _core(request.param, prefill=("tcp://p0",), decode=("tcp://d0", "tcp://d1"),
+                 decode_kv=("tcp://k0", "tcp://k1"))  # fmt: skip
     yield core
     core.ctx.destroy(linger=0)
 
 
-@pytest.fixture
-def colocated():
-    core = _core(colocated=("tcp://c0",))
+@pytest.fixture(params=TOKEN_PATHS)
+def colocated(request):
+    core = _core(request.param, colocated=("tcp://c0",))
     yield core
     core.ctx.destroy(linger=0)
 

@@ -618,11 +618,13 @@ class RouterCore:
         a message) and hand over; any other goes the long way, as an event. The loop runs in C where built
         (native.py), else here."""
         now, gaps = time.perf_counter(), []
-        if self.native is not None:
-            count = self.native.deliver(tokens, self.flights, source, now, gaps, self._deliver_plain, _put_tokens)
-        else:
-            count = self._deliver_tokens_here(tokens, source, now, gaps)
-        self.metrics.itl.observe_all(gaps)
+        try:
+            if self.native is not None:
+                count = self.native.deliver(tokens, self.flights, source, now, gaps, self._deliver_plain, _put_tokens)
+            else:
+                count = self._deliver_tokens_here(tokens, source, now, gaps)
+        finally:  # the gaps of the clocks already moved on, even where a stream's push raised
+            self.metrics.itl.observe_all(gaps)
         self.metrics.generation_tokens.inc(count)
 
     def _deliver_tokens_here(self, tokens: list, source: NodeConn, now: float, gaps: list[float]) -> int:

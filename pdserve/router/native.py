@@ -41,17 +41,19 @@ _loaded: dict[str, ModuleType | None] = {}
 
 def load() -> ModuleType | None:
     """The compiled module, built on first use; None where it cannot be built here (logged once)."""
-    try:
-        key = _build_key()
-    except OSError as e:  # its source is missing from this install
-        key = f"unreadable: {e}"
+    key = _build_key()
     if key not in _loaded:
         _loaded[key] = _build_and_load(key)
     return _loaded[key]
 
 
 def _build_key() -> str:
-    h = hashlib.sha256(SOURCE.read_bytes())
+    """What the build depends on, hashed: the source, the flags, this Python; "" where the source cannot be read."""
+    try:
+        source = SOURCE.read_bytes()
+    except OSError:
+        return ""
+    h = hashlib.sha256(source)
     h.update(" ".join(CFLAGS).encode())
     h.update(f"{sys.version} {sysconfig.get_config_var('EXT_SUFFIX')} {_includes()}".encode())
     return h.hexdigest()[:16]
@@ -63,7 +65,7 @@ def _includes() -> list[str]:
 
 
 def _build_and_load(key: str) -> ModuleType | None:
-    why = _cannot_build() or (key if key.startswith("unreadable") else "")
+    why = _cannot_build() or ("" if key else f"{SOURCE} cannot be read")
     if why:
         log.warning("the router's C token path is not built (%s); its Python path runs", why)
         return None
@@ -90,6 +92,7 @@ def _built(path: Path) -> ModuleType:
 
 
 def _cannot_build() -> str:
+    """Why the module cannot be built here, or ""."""
     if not sys.platform.startswith("linux"):
         return f"not on {sys.platform}"
     if _compiler() is None:
@@ -100,6 +103,7 @@ def _cannot_build() -> str:
 
 
 def _compiler() -> str | None:
+    """The system's C compiler, as the engine's kernels find it."""
     return shutil.which("cc") or shutil.which("gcc")
 
 

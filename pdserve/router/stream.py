@@ -221,13 +221,9 @@ class SseStream:
             return
         try:
             self.tokens += len(token_ids)
-            data = self.formats[i].event(self.views[i].plain_text(token_ids), token_ids, None).encode()
+            self._hold(self.formats[i].event(self.views[i].plain_text(token_ids), token_ids, None).encode())
         except Exception:
             self._fault(i)
-            return
-        if not self.parts:  # _hold's work, here without its call
-            self.outbox.hold(self)
-        self.parts.append(data)
 
     def _fault(self, i: int, error: BaseException | None = None) -> None:
         """End the stream on a fault of its own (`error`: the exception; None: the one being handled)."""

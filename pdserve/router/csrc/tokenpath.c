@@ -218,6 +218,32 @@ static int handle_fault(Plain *self) {
     return 0;
 }
 
+/* SseStream._hold: `if not self.parts: self.outbox.hold(self)`, then `self.parts.append(data)` (read again: hold
+ * ran Python). */
+static int hold(Plain *self, PyObject *chunk) {
+    PyObject *parts = PyObject_GetAttr(self->stream, s_parts);
+    int truth = parts ? PyObject_IsTrue(parts) : -1;
+    Py_XDECREF(parts);
+    if (truth < 0) return -1;
+    if (!truth) {
+        PyObject *r = PyObject_CallOneArg(self->hold, self->stream);
+        if (r == NULL) return -1;
+        Py_DECREF(r);
+    }
+    parts = PyObject_GetAttr(self->stream, s_parts);
+    if (parts == NULL) return -1;
+    int bad;
+    if (PyList_CheckExact(parts)) {
+        bad = PyList_Append(parts, chunk);
+    } else {
+        PyObject *r = PyObject_CallMethod(parts, "append", "O", chunk);
+        bad = r == NULL;
+        Py_XDECREF(r);
+    }
+    Py_DECREF(parts);
+    return bad ? -1 : 0;
+}
+
 static PyObject *plain_push(Plain *self, PyObject *ids) {
     if (self->stream == NULL) {
         PyErr_SetString(PyExc_TypeError, "Plain was not initialised");
@@ -233,32 +259,11 @@ static PyObject *plain_push(Plain *self, PyObject *ids) {
     Py_DECREF(is_done);
     if (done < 0) return NULL;
     if (done) Py_RETURN_NONE;
+    /* the try block: count the tokens, make the chunk, hold it; `except Exception as e: fault(e)` */
     PyObject *chunk = count_and_chunk(self, ids);
-    if (chunk == NULL) {
-        if (handle_fault(self) < 0) return NULL;
-        Py_RETURN_NONE;
-    }
-    /* `if not self.parts: self.outbox.hold(self)`, then `self.parts.append(data)` (read again: hold ran Python) */
-    PyObject *parts = PyObject_GetAttr(self->stream, s_parts);
-    int truth = parts ? PyObject_IsTrue(parts) : -1;
-    Py_XDECREF(parts);
-    int ok = truth >= 0;
-    if (ok && !truth) {
-        PyObject *r = PyObject_CallOneArg(self->hold, self->stream);
-        ok = r != NULL;
-        Py_XDECREF(r);
-    }
-    if (ok) {
-        PyObject *r = NULL;
-        parts = PyObject_GetAttr(self->stream, s_parts);
-        if (parts != NULL) r = PyList_CheckExact(parts) ? (PyList_Append(parts, chunk) ? NULL : Py_NewRef(Py_None))
-                                                        : PyObject_CallMethod(parts, "append", "O", chunk);
-        ok = r != NULL;
-        Py_XDECREF(r);
-        Py_XDECREF(parts);
-    }
-    Py_DECREF(chunk);
-    if (!ok) return NULL;
+    int bad = chunk == NULL || hold(self, chunk) < 0;
+    Py_XDECREF(chunk);
+    if (bad && handle_fault(self) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
