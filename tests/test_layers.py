@@ -30,8 +30,8 @@ ROLE_ALLOWED = ("pdserve.node", "pdserve.engine.engine", "pdserve.engine.request
                 "pdserve.config", "pdserve.cli")  # fmt: skip
 ALLOWED = {  # package -> the pdserve modules (or packages) its modules may import, beside its own
     "router": ("pdserve.wire.protocol", "pdserve.wire.transport", "pdserve.config", "pdserve.engine.checkpoint",
-               "pdserve.process"),
-    "engine": ("pdserve.kv", "pdserve.wire.protocol", "pdserve.config"),
+               "pdserve.cbuild", "pdserve.process"),
+    "engine": ("pdserve.kv", "pdserve.wire.protocol", "pdserve.config", "pdserve.cbuild"),
     "kv": ("pdserve.wire.protocol",),
     "wire": (),
     "prefill_node": ROLE_ALLOWED,

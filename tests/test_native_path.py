@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 from helpers import FakeNodeSock
 
+from pdserve import cbuild
 from pdserve.config import RouterConfig
 from pdserve.router import api, native
 from pdserve.router.core import NodeConn, RouterCore
@@ -214,7 +215,7 @@ def test_a_stream_not_attached_gets_steady_tokens_as_events(tokenpath, info):
 def test_a_failed_build_falls_back_to_python_with_one_warning(monkeypatch, tmp_path, caplog):
     monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.setattr(native, "cache_dir", lambda kind: tmp_path / kind)
-    monkeypatch.setattr(native, "_compiler", lambda: "false")  # a compiler that fails
+    monkeypatch.setattr(cbuild, "compiler", lambda: "false")  # a compiler that fails
     monkeypatch.setattr(native, "_cannot_build", lambda: "")
     with caplog.at_level("WARNING", logger="pdserve.router"):
         assert native.load() is None and native.load() is None
@@ -244,7 +245,7 @@ def test_a_plain_is_made_once_and_refuses_to_run_unmade(tokenpath, info):
             stream = _stream(core, info, [], [1, 2, 3])
             plain = stream.flights[0].inbox.push_tokens
             with pytest.raises(TypeError, match="initialised once"):
-                plain.__init__(stream, stream.views[0].detok.source, print, True, b"", b"", False, print)
+                plain.__init__(stream, stream.views[0].detok.source, b"", b"", False, print)
         finally:
             core.ctx.destroy(linger=0)
 
@@ -259,8 +260,9 @@ def test_a_learn_that_shortens_the_list_does_not_read_past_it(tokenpath):
         held = []
         outbox = SimpleNamespace(hold=held.append)
         stream = SimpleNamespace(done=loop.create_future(), outbox=outbox, tokens=0, parts=[])
-        text = SimpleNamespace(known={}, pending=b"")
-        plain = tokenpath.Plain(stream, text, lambda t, skip: ids.pop() and b"a", True, b"<", b">", False, print)
+        table = SimpleNamespace(learn=lambda t, skip: ids.pop() and b"a")
+        text = SimpleNamespace(known={}, pending=b"", table=table, skip_special=True)
+        plain = tokenpath.Plain(stream, text, b"<", b">", False, print)
         plain(ids)
         assert stream.parts == [b'<"aa">}]}\n\n'] and held == [stream] and stream.tokens == 3
     finally:

@@ -20,15 +20,14 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
-import os
 import platform
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
+from pdserve import cbuild
 from pdserve.engine.checkpoint import cache_dir
 
 log = logging.getLogger("pdserve.kernels")
@@ -202,7 +201,7 @@ def _build_and_load(key: str) -> CpuKernels | None:
     if not sys.platform.startswith("linux"):
         log.warning("CPU kernels: not built on %s; using torch's ops", sys.platform)
         return None
-    compiler = shutil.which("cc") or shutil.which("gcc")
+    compiler = cbuild.compiler()
     if compiler is None:
         log.warning("CPU kernels: no C compiler found; using torch's ops")
         return None
@@ -218,18 +217,12 @@ def _build_and_load(key: str) -> CpuKernels | None:
 
 
 def _compile(compiler: str, lib_path: Path) -> None:
-    lib_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = lib_path.with_name(f"{lib_path.name}.tmp{os.getpid()}")
-    objects = [tmp.with_name(f"{tmp.name}.{src.stem}.o") for src in SOURCES]
-    try:
-        for src, obj in zip(SOURCES, objects, strict=True):
-            _run([compiler, *CFLAGS, "-c", str(src), "-o", str(obj)])
-        _run([compiler, *LDFLAGS, *map(str, objects), "-o", str(tmp), "-lm"])
-    finally:
-        for obj in objects:
-            obj.unlink(missing_ok=True)
-    os.replace(tmp, lib_path)  # atomic: a process building the same kernel at once wins or loses whole
-
-
-def _run(argv: list[str]) -> None:
-    subprocess.run(argv, check=True, capture_output=True, text=True, timeout=120)
+    with cbuild.replacing(lib_path) as tmp:
+        objects = [tmp.with_name(f"{tmp.name}.{src.stem}.o") for src in SOURCES]
+        try:
+            for src, obj in zip(SOURCES, objects, strict=True):
+                cbuild.run([compiler, *CFLAGS, "-c", str(src), "-o", str(obj)])
+            cbuild.run([compiler, *LDFLAGS, *map(str, objects), "-o", str(tmp), "-lm"])
+        finally:
+            for obj in objects:
+                obj.unlink(missing_ok=True)

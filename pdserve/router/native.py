@@ -20,15 +20,12 @@ import hashlib
 import importlib.machinery
 import importlib.util
 import logging
-import os
-import shutil
-import subprocess
 import sys
 import sysconfig
-import uuid
 from pathlib import Path
 from types import ModuleType
 
+from pdserve import cbuild
 from pdserve.engine.checkpoint import cache_dir
 
 log = logging.getLogger("pdserve.router")
@@ -95,27 +92,16 @@ def _cannot_build() -> str:
     """Why the module cannot be built here, or ""."""
     if not sys.platform.startswith("linux"):
         return f"not on {sys.platform}"
-    if _compiler() is None:
+    if cbuild.compiler() is None:
         return "no C compiler found"
     if not any((Path(d) / "Python.h").exists() for d in _includes()):
         return f"no Python.h under {' or '.join(_includes())}"
     return ""
 
 
-def _compiler() -> str | None:
-    """The system's C compiler, as the engine's kernels find it."""
-    return shutil.which("cc") or shutil.which("gcc")
-
-
 def _compile(path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}-{uuid.uuid4().hex[:8]}")  # unique across hosts too
-    try:
-        argv = [_compiler(), *CFLAGS, *(f"-I{d}" for d in _includes()), str(SOURCE), "-o", str(tmp)]
-        subprocess.run(argv, check=True, capture_output=True, text=True, timeout=120)
-        os.replace(tmp, path)  # atomic: workers building it at once each win or lose whole
-    finally:
-        tmp.unlink(missing_ok=True)
+    with cbuild.replacing(path) as tmp:
+        cbuild.run([cbuild.compiler(), *CFLAGS, *(f"-I{d}" for d in _includes()), str(SOURCE), "-o", str(tmp)])
 
 
 def _import(path: Path) -> ModuleType:

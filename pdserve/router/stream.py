@@ -184,8 +184,7 @@ class SseStream:
         if tokenpath is None or not isinstance(source, ByteText) or self.views[i].plain_text != source.add:
             return partial(self._on_tokens, i)
         head, after = self.formats[i].plain_ends()
-        return tokenpath.Plain(self, source, source.table.learn, source.skip_special, head, after,
-                               self.formats[i].with_token_ids, partial(self._fault, i))  # fmt: skip
+        return tokenpath.Plain(self, source, head, after, self.formats[i].with_token_ids, partial(self._fault, i))
 
     def flush(self, write: Callable[[bytes], object] | None = None) -> None:
         """Send what is held (with `write`, where given)."""

@@ -3,7 +3,7 @@
  * Two functions, each the twin of Python code that stays the reference and the fallback (pdserve/router/native.py
  * says when which runs; tests/test_native_path.py checks they give the same):
  *
- *   Plain(stream, text, learn, skip_special, head, after, with_ids, fault)(token_ids)
+ *   Plain(stream, text, head, after, with_ids, fault)(token_ids)
  *       SseStream._on_tokens for one plain choice: its tokens' text (ByteText.add), its chunk
  *       (ChunkFormat.event, no finish reason), held in the stream's parts (SseStream._hold).
  *   deliver(tokens, flights, source, now, gaps, slow, put) -> tokens counted
@@ -34,7 +34,7 @@ typedef struct {
     PyObject *head;         /* bytes: the chunk up to its text */
     PyObject *after;        /* bytes: after the text, through the finish reason (null) */
     int with_ids;           /* the chunk carries its token ids */
-    PyObject *fault;        /* called (no arguments) when the chunk cannot be made, as SseStream._fault */
+    PyObject *fault;        /* called with the exception when the chunk cannot be made, as SseStream._fault */
     PyObject *done;         /* stream.done, a future */
     PyObject *hold;         /* stream.outbox.hold */
 } Plain;
@@ -60,34 +60,37 @@ static void Plain_dealloc(Plain *self) {
 }
 
 static int Plain_init(Plain *self, PyObject *args, PyObject *kwds) {
-    static char *names[] = {"stream", "text", "learn", "skip_special", "head", "after", "with_ids", "fault", NULL};
-    PyObject *stream, *text, *learn, *skip, *head, *after, *fault;
+    static char *names[] = {"stream", "text", "head", "after", "with_ids", "fault", NULL};
+    PyObject *stream, *text, *head, *after, *fault;
     int with_ids;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOSSpO", names, &stream, &text, &learn, &skip, &head, &after,
-                                     &with_ids, &fault))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOSSpO", names, &stream, &text, &head, &after, &with_ids, &fault))
         return -1;
     if (self->stream != NULL) {
         PyErr_SetString(PyExc_TypeError, "Plain is initialised once");
         return -1;
     }
     PyObject *known = PyObject_GetAttrString(text, "known");
-    if (known == NULL) return -1;
-    if (!PyDict_CheckExact(known)) {
-        Py_DECREF(known);
+    if (known != NULL && !PyDict_CheckExact(known)) {
+        Py_CLEAR(known);
         PyErr_SetString(PyExc_TypeError, "Plain: text.known must be a dict");
-        return -1;
     }
-    PyObject *done = PyObject_GetAttr(stream, s_done);
+    PyObject *table = known ? PyObject_GetAttrString(text, "table") : NULL;
+    PyObject *learn = table ? PyObject_GetAttrString(table, "learn") : NULL;
+    Py_XDECREF(table);
+    PyObject *skip = learn ? PyObject_GetAttrString(text, "skip_special") : NULL;
+    PyObject *done = skip ? PyObject_GetAttr(stream, s_done) : NULL;
     PyObject *outbox = done ? PyObject_GetAttr(stream, s_outbox) : NULL;
     PyObject *hold = outbox ? PyObject_GetAttr(outbox, s_hold) : NULL;
     Py_XDECREF(outbox);
     if (hold == NULL) {
-        Py_DECREF(known);
+        Py_XDECREF(known);
+        Py_XDECREF(learn);
+        Py_XDECREF(skip);
         Py_XDECREF(done);
         return -1;
     }
     self->stream = Py_NewRef(stream); self->text = Py_NewRef(text); self->known = known;
-    self->learn = Py_NewRef(learn); self->skip_special = Py_NewRef(skip); self->head = Py_NewRef(head);
+    self->learn = learn; self->skip_special = skip; self->head = Py_NewRef(head);
     self->after = Py_NewRef(after); self->with_ids = with_ids; self->fault = Py_NewRef(fault);
     self->done = done; self->hold = hold;
     return 0;
