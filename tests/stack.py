@@ -221,7 +221,7 @@ class Stacks:
         return self.started[key]
 
     def close(self) -> None:
-        """Every stack stopped, side by side (each one's nodes take about a second to drain and exit)."""
+        """Every stack stopped, side by side (each waits for its nodes to drain and exit, then its router)."""
         with ThreadPoolExecutor(max(1, len(self.started))) as pool:
             list(pool.map(Stack.close, self.started.values()))
 
