@@ -144,6 +144,10 @@ class NodeBase:
     def _drain_step(self) -> None:
         self._announce_drain()
         if not self.holds_work():
+            silent = sum(r not in self.router_pending for r in self.routers)
+            if silent:
+                log.warning("%s node: %d router(s) did not answer within %gs (gone without a goodbye); not waiting "
+                            "longer", self.role, silent, ROUTER_ANSWER_S)  # fmt: skip
             log.info("%s node drained; exiting", self.role)
             self._stop = True
         elif time.monotonic() > self.drain_deadline:
@@ -162,7 +166,7 @@ class NodeBase:
     def holds_work(self) -> bool:
         """Whether requests still depend on this node: held here, or routed here and not arrived yet."""
         started = self.drain_deadline - self.cfg.drain_timeout_s  # a live router answers our draining stats at
-        unanswered = any(r not in self.router_pending for r in self.routers)  # once, one that has exited never will
+        unanswered = any(r not in self.router_pending for r in self.routers)  # once, one that stopped has said so
         waiting = unanswered and time.monotonic() - started < ROUTER_ANSWER_S
         return bool(self.engine.requests or self.held) or waiting or any(self.router_pending.values())
 

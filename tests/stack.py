@@ -32,7 +32,7 @@ class Stack:
     def __init__(self, tmp: Path, model: str, mode: str = "colocated", transport: str = "zmq",
                  num_prefill: int = 1, num_decode: int = 1, engine_args: tuple[str, ...] = (),
                  decode_args: tuple[str, ...] = (), router_args: tuple[str, ...] = (),
-                 api_key: str = "", router_log: bool = False) -> None:  # fmt: skip
+                 api_key: str = "", router_log: bool = False, node_logs: bool = False) -> None:  # fmt: skip
         self.tmp, self.model, self.mode, self.transport = tmp, model, mode, transport
         self.num_prefill, self.num_decode = num_prefill, num_decode
         self.engine_args, self.decode_args = list(engine_args), list(decode_args)
@@ -43,6 +43,7 @@ class Stack:
         self.infos: dict[str, dict] = {}
         self.url = ""
         self.router_log = tmp / "router.log" if router_log else None  # the router's output, else inherited
+        self.node_logs = node_logs  # each node's output in tmp/NAME.log, else inherited
 
     # ---- processes --------------------------------------------------------------------------------
     def start_node(self, name: str, role: str, extra: list[str] = ()) -> dict:
@@ -55,7 +56,11 @@ class Stack:
         argv = [sys.executable, "-m", "pdserve", "--log-level", "WARNING", role, "--model", self.model,
                 "--kv-transport", self.transport, "--ready-file", str(ready), "--stats-interval-s",
                 str(STATS_INTERVAL_S), *self.engine_args, *extra]  # fmt: skip
-        self.procs[name] = subprocess.Popen(argv, env=os.environ.copy())
+        if not self.node_logs:
+            self.procs[name] = subprocess.Popen(argv, env=os.environ.copy())
+            return
+        with open(self.tmp / f"{name}.log", "ab") as out:
+            self.procs[name] = subprocess.Popen(argv, env=os.environ.copy(), stdout=out, stderr=subprocess.STDOUT)
 
     def wait_ready(self, name: str) -> dict:
         ready, proc = self.tmp / f"{name}.json", self.procs[name]
@@ -162,9 +167,10 @@ class Stack:
 
     def close(self) -> None:
         """Stop the nodes, then the router. A node drains on SIGTERM and waits for its router's answer (what it still
-        routes there): a live router answers at once, one that has exited never does, and the node waits
-        pdserve.node.ROUTER_ANSWER_S for it. So the nodes go first while their router still runs, or, where none runs
-        (a stack of nodes alone), they stop at once (SIGINT): a test has checked what they hold already."""
+        routes there): a live router answers at once, one that stopped told it so as it went, and one that was killed
+        never answers: the node waits pdserve.node.ROUTER_ANSWER_S for it. So the nodes go first while their router
+        still runs, or, where none runs (a stack of nodes alone, or its router killed), they stop at once (SIGINT): a
+        test has checked what they hold already."""
         router = self.procs.get("router")
         nodes = [proc for name, proc in self.procs.items() if name != "router"]
         _stop(nodes, signal.SIGTERM if router is not None and router.poll() is None else signal.SIGINT)

@@ -15,6 +15,7 @@ from stack import Stack, free_port
 
 SHORT = {"model": "tiny", "prompt": "x", "max_tokens": 2}
 HANG_S = 600  # drain periods and waits that only guard against a hang: a loaded host may decode a few tokens a second
+MOCK = ("--engine", "mock", "--mock-step-s", "0.001,0,0")  # nodes without a model: a test of the protocol alone
 STREAM = 100  # tokens a stream decodes: SIGSTOP, not length, keeps a stream running where a test needs it to
 
 
@@ -143,3 +144,27 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
     except OSError:
         return False
+
+
+def test_a_stopped_router_says_so_and_its_nodes_drain_without_waiting_for_it(tmp_path):
+    """A router that stops tells each node it routes nothing there any more (an empty Pending), so a node that drains
+    after it does not wait for its answer; one that was killed never answers, and the node waits
+    pdserve.node.ROUTER_ANSWER_S for it, then says so: the line this test looks for either way."""
+    for stop in (signal.SIGTERM, signal.SIGKILL):
+        folder = tmp_path / stop.name
+        folder.mkdir()
+        stack = Stack(folder, "tiny", engine_args=MOCK, node_logs=True).start(router=False)
+        try:
+            # one router process for SIGKILL: the workers of several would get SIGTERM from their parent's death
+            stack.start_router(("--router-workers", "1") if stop == signal.SIGKILL else ())
+            assert httpx.post(stack.url + "/v1/completions", json=SHORT, timeout=HANG_S).status_code == 200
+            router, node = stack.procs.pop("router"), stack.procs["colocated0"]
+            router.send_signal(stop)
+            router.wait(timeout=HANG_S)
+            node.send_signal(signal.SIGTERM)
+            assert node.wait(timeout=HANG_S) == 0
+        finally:
+            stack.close()
+        log = (folder / "colocated0.log").read_text()
+        waited = "1 router(s) did not answer within" in log
+        assert waited == (stop == signal.SIGKILL), log[-2000:]

@@ -62,6 +62,7 @@ from pdserve.wire import transport
 log = logging.getLogger("pdserve.router")
 MAX_ATTEMPTS = 3  # dispatches of one request, the first included, before a lost node fails it
 MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | transport.HANDSHAKE_FAILED
+GOODBYE_LINGER_MS = 200  # how long a stopping router's last message to each node may take to go out
 READ_BATCH = 256  # messages read from one socket before the other callbacks and tasks get a turn
 # the enum members of the per-token path, looked up once (on its class, an enum member costs about a microsecond)
 ERROR, DECODE, PREFILL = P.FinishReason.ERROR, P.Role.DECODE, P.Role.PREFILL
@@ -284,9 +285,21 @@ class RouterCore:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for node in self.nodes:
-            self._unwatch(node)
+            self._unwatch(node, linger_ms=GOODBYE_LINGER_MS if self._say_goodbye(node) else 0)
         self.ctx.destroy(linger=0)
         self.membership.close()
+
+    def _say_goodbye(self, node: NodeConn) -> bool:
+        """Tell a node that this router routes nothing there any more (an empty Pending, unasked), so that a node that
+        drains later does not wait for its answer (node.ROUTER_ANSWER_S). True where it was sent: its socket then
+        closes with a short linger, for it to go out."""
+        if not node.up or node.sock is None or node.sock.closed:
+            return False
+        try:
+            node.sock.send(P.encode(P.Pending([])), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            return False  # its connection is gone: nothing to tell
+        return True
 
     async def drain(self, grace_s: float) -> None:
         """Take no new requests; wait up to `grace_s` for those in flight, then fail the rest (503)."""
@@ -347,8 +360,8 @@ class RouterCore:
         log.info("%s left", node.name)
         self._unwatch(node)
 
-    def _unwatch(self, node: NodeConn) -> None:
-        """Stop reading the node's sockets, and close them."""
+    def _unwatch(self, node: NodeConn, linger_ms: int = 0) -> None:
+        """Stop reading the node's sockets, and close them (what is still to send there may take `linger_ms`)."""
         loop = asyncio.get_running_loop()
         for sock in (node.sock, node.monitor):
             if sock is not None and not sock.closed:
@@ -356,7 +369,7 @@ class RouterCore:
         if node.sock is not None and not node.sock.closed:
             node.sock.disable_monitor()
             node.monitor.close(linger=0)
-            node.sock.close(linger=0)
+            node.sock.close(linger=linger_ms)
 
     def _same_model(self, node: NodeConn, info: dict) -> bool:
         """A node that joins must serve the model the others serve, or outputs would be garbage."""

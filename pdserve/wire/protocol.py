@@ -327,7 +327,8 @@ class Stats:
 
 @dataclass(frozen=True)
 class Pending:
-    """Router -> a draining node: the requests it still counts on that node (some may not have reached it yet)."""
+    """Router -> a node: the requests it still counts on that node (some may not have reached it yet), in answer to the
+    node's draining Stats; empty and unasked from a router that stops (it will route nothing there again)."""
 
     request_ids: list[str]
 
