@@ -21,7 +21,6 @@ clear error first. A second SIGTERM stops at once.
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import os
@@ -129,7 +128,6 @@ class NodeBase:
                     self._drain_step()
         finally:
             self.close()
-            gc.freeze()  # the interpreter's last collection, as it exits, need not walk the model's heap (about 1 s)
 
     @property
     def draining(self) -> bool:
