@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -10,11 +11,18 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import zmq
 from helpers import Stream, start_streams, tiny_greedy, wait_until
 from stack import Stack, free_port
 
+from pdserve.config import RouterConfig
+from pdserve.router.core import RouterCore, StartupError
+from pdserve.wire import protocol as P
+from pdserve.wire import transport
+
 SHORT = {"model": "tiny", "prompt": "x", "max_tokens": 2}
 HANG_S = 600  # drain periods and waits that only guard against a hang: a loaded host may decode a few tokens a second
+GONE_S = 30  # for a message already sent to arrive over loopback: only a guard, so that a missing one fails soon
 MOCK = ("--engine", "mock", "--mock-step-s", "0.001,0,0")  # nodes without a model: a test of the protocol alone
 STREAM = 100  # tokens a stream decodes: SIGSTOP, not length, keeps a stream running where a test needs it to
 
@@ -181,3 +189,37 @@ def test_a_model_node_stopped_cleanly_writes_nothing_as_it_exits(tmp_path):
         stack.close()
     assert stack.procs["colocated0"].returncode == 0
     assert (tmp_path / "colocated0.log").read_text() == ""
+
+
+def test_a_router_stopped_before_a_node_answered_its_hello_still_says_it_has_gone():
+    """A node that has taken a router's Hello counts it among its routers (and, draining, would wait for its answer)
+    though the router may not have had the node's HelloAck yet: a router that stops says goodbye to every node it
+    greeted. Here the node (a bare zmq socket) never answers, and the router is stopped while it waits."""
+    ctx = zmq.Context()
+    node = ctx.socket(zmq.ROUTER)
+    port = node.bind_to_random_port("tcp://127.0.0.1")
+
+    async def receive() -> tuple[bytes, object]:
+        while not node.poll(0):
+            await asyncio.sleep(0.01)
+        identity, msg, _ = transport.split(node.recv_multipart(), routed=True)
+        return identity, msg
+
+    async def run() -> list[tuple[bytes, object]]:
+        core = RouterCore(RouterConfig(model="tiny", colocated=(f"tcp://127.0.0.1:{port}",)))
+        start = asyncio.create_task(core.start())
+        got = [await asyncio.wait_for(receive(), HANG_S)]  # its Hello, left unanswered
+        core.start_cancelled.set()
+        try:
+            await start
+        except StartupError:
+            pass
+        await core.stop()  # returns once what it sent has gone out, or its linger ran out
+        got.append(await asyncio.wait_for(receive(), GONE_S))
+        return got
+
+    try:
+        (hello_from, hello), (bye_from, bye) = asyncio.run(run())
+    finally:
+        ctx.destroy(linger=0)
+    assert isinstance(hello, P.Hello) and bye == P.Pending([]) and bye_from == hello_from

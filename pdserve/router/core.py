@@ -94,6 +94,7 @@ class NodeConn:
     sock: zmq.Socket | None = None
     monitor: zmq.Socket | None = None  # the socket's connection events
     up: bool = False
+    greeted: bool = False  # a Hello went out: the node may count this router among its routers
     draining: bool = False  # shutting down: finishes what it holds, takes nothing new
     last_seen: float = 0.0
     stats: P.Stats | None = None
@@ -290,10 +291,11 @@ class RouterCore:
         self.membership.close()
 
     def _say_goodbye(self, node: NodeConn) -> bool:
-        """Tell a node that this router routes nothing there any more (an empty Pending, unasked), so that a node that
-        drains later does not wait for its answer (node.ROUTER_ANSWER_S). True where it was sent: its socket then
-        closes with a short linger, for it to go out."""
-        if not node.up or node.sock is None or node.sock.closed:
+        """Tell a node this router greeted that it routes nothing there any more (an empty Pending, unasked), so that
+        the node, draining later, does not wait for its answer (node.ROUTER_ANSWER_S); greeted, not only answered: the
+        node counts a router once it has its Hello. True where it was sent: its socket then closes with a short
+        linger, for it to go out."""
+        if not node.greeted or node.sock is None or node.sock.closed:  # greeted, even if not answered yet
             return False
         try:
             node.sock.send(P.encode(P.Pending([])), zmq.NOBLOCK)
@@ -379,6 +381,7 @@ class RouterCore:
     # ---- node I/O -----------------------------------------------------------------------------
     def _hello(self, node: NodeConn) -> None:
         self._send(node, P.Hello(P.PROTOCOL_VERSION, P.Role.ROUTER))
+        node.greeted = True
 
     def _send(self, node: NodeConn, msg: object) -> None:
         """Send `msg` to the node (its socket's send queue has no bound: this never waits). A zmq socket's descriptor
