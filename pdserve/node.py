@@ -142,7 +142,7 @@ class NodeBase:
     def _drain_step(self) -> None:
         self._announce_drain()
         if not self.holds_work():
-            silent = sum(r not in self.router_pending for r in self.routers)
+            silent = self._silent_routers()
             if silent:
                 log.warning("%s node: %d router(s) did not answer within %gs (gone without a goodbye); not waiting "
                             "longer", self.role, silent, ROUTER_ANSWER_S)  # fmt: skip
@@ -163,10 +163,14 @@ class NodeBase:
 
     def holds_work(self) -> bool:
         """Whether requests still depend on this node: held here, or routed here and not arrived yet."""
-        started = self.drain_deadline - self.cfg.drain_timeout_s  # a live router answers our draining stats at
-        unanswered = any(r not in self.router_pending for r in self.routers)  # once, one that stopped has said so
-        waiting = unanswered and time.monotonic() - started < ROUTER_ANSWER_S
+        started = self.drain_deadline - self.cfg.drain_timeout_s
+        waiting = self._silent_routers() > 0 and time.monotonic() - started < ROUTER_ANSWER_S
         return bool(self.engine.requests or self.held) or waiting or any(self.router_pending.values())
+
+    def _silent_routers(self) -> int:
+        """The routers that said Hello and have not answered the draining stats (a live one answers at once, one that
+        stopped said so as it went; one that was killed never will)."""
+        return sum(r not in self.router_pending for r in self.routers)
 
     def fail_all(self, why: str) -> None:
         """End every request held here with an error event (after the tokens it has; the node is shutting down)."""
