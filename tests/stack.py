@@ -56,11 +56,7 @@ class Stack:
         argv = [sys.executable, "-m", "pdserve", "--log-level", "WARNING", role, "--model", self.model,
                 "--kv-transport", self.transport, "--ready-file", str(ready), "--stats-interval-s",
                 str(STATS_INTERVAL_S), *self.engine_args, *extra]  # fmt: skip
-        if not self.node_logs:
-            self.procs[name] = subprocess.Popen(argv, env=os.environ.copy())
-            return
-        with open(self.tmp / f"{name}.log", "ab") as out:
-            self.procs[name] = subprocess.Popen(argv, env=os.environ.copy(), stdout=out, stderr=subprocess.STDOUT)
+        self.procs[name] = _spawn(argv, os.environ.copy(), self.tmp / f"{name}.log" if self.node_logs else None)
 
     def wait_ready(self, name: str) -> dict:
         ready, proc = self.tmp / f"{name}.json", self.procs[name]
@@ -111,11 +107,7 @@ class Stack:
                    "--router-workers", str(ROUTER_WORKERS), *self.router_args, *extra]  # fmt: skip
         argv = router_command(self.model, self.infos.values(), options, log_level="WARNING")
         env = {**os.environ, "PDSERVE_API_KEY": self.api_key}
-        if self.router_log is None:
-            self.procs["router"] = subprocess.Popen(argv, env=env)
-        else:
-            with open(self.router_log, "ab") as out:
-                self.procs["router"] = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
+        self.procs["router"] = _spawn(argv, env, self.router_log)
         self.url = f"http://127.0.0.1:{port}"
         self.wait_healthy()
         return self
@@ -230,6 +222,14 @@ class Stacks:
         """Every stack stopped, side by side (each waits for its nodes to drain and exit, then its router)."""
         with ThreadPoolExecutor(max(1, len(self.started))) as pool:
             list(pool.map(Stack.close, self.started.values()))
+
+
+def _spawn(argv: list[str], env: dict[str, str], log: Path | None) -> subprocess.Popen:
+    """A child process, its output appended to `log` where given, else inherited."""
+    if log is None:
+        return subprocess.Popen(argv, env=env)
+    with open(log, "ab") as out:
+        return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
 def _stop(procs: list[subprocess.Popen], sig: int) -> None:
