@@ -35,8 +35,18 @@ from pathlib import Path
 import numpy as np
 
 RESULTS_DIR = Path(__file__).parent / "results"
-PREFILL_SHAPES = ((16, 0), (64, 0), (128, 0), (256, 0), (512, 0), (512, 512), (512, 1024), (512, 1280),
-                  (128, 1024), (256, 512))  # fmt: skip  # (chunk tokens, past tokens)
+PREFILL_SHAPES = (
+    (16, 0),
+    (64, 0),
+    (128, 0),
+    (256, 0),
+    (512, 0),
+    (512, 512),
+    (512, 1024),
+    (512, 1280),
+    (128, 1024),
+    (256, 512),
+)  # (chunk tokens, past tokens)
 DECODE_BATCHES = (1, 2, 4, 8, 16)
 DECODE_CONTEXTS = (64, 256, 768)
 QUICK_PREFILL_SHAPES = ((16, 0), (128, 0), (512, 0), (512, 512), (256, 1024))  # --quick: costs right before a run
@@ -105,8 +115,9 @@ def _engine(model: str, prefill_only: bool, max_tokens_budget: int):
     from pdserve.config import EngineConfig
     from pdserve.engine.engine import Engine
 
-    cfg = EngineConfig(model=model, dtype="float32", max_num_seqs=16, max_num_batched_tokens=max_tokens_budget,
-                       kv_cache_gb=0.25)  # fmt: skip
+    cfg = EngineConfig(
+        model=model, dtype="float32", max_num_seqs=16, max_num_batched_tokens=max_tokens_budget, kv_cache_gb=0.25
+    )
     return Engine(cfg, prefill_only=prefill_only)
 
 
@@ -228,8 +239,10 @@ def measure_corun(model: str, other_core: int) -> dict:
     role; the slowdowns are the ratios."""
     batch, prompt = CORUN_DECODE
     decode, prefill = _engine(model, False, 2048), _engine(model, True, 2048)
-    measure = {"decode": lambda tag: _median_decode_step(decode, batch, prompt, tag),
-               "prefill": lambda tag: _median_prefill_step(prefill, CORUN_PREFILL, tag)}  # fmt: skip
+    measure = {
+        "decode": lambda tag: _median_decode_step(decode, batch, prompt, tag),
+        "prefill": lambda tag: _median_prefill_step(prefill, CORUN_PREFILL, tag),
+    }
     out = {}
     for role, other in (("decode", "prefill"), ("prefill", "decode")):
         before = measure[role](f"{role}-alone-0")
@@ -260,14 +273,30 @@ def _least_squares(rows: list[list[float]], y: list[float]) -> list[float]:
         keep.pop(int(np.argmin(coef)))
 
 
-def fit(prefill: list[dict], decode: list[dict], kv_bytes_per_token: int, link_bytes_per_s: float,
-        link_latency_s: float = 0.0, router_s_per_token: float = 0.0, corun: dict | None = None) -> Costs:  # fmt: skip
-    p = _least_squares([[1, s["tokens"], s["tokens"] * (s["past"] + s["tokens"] / 2)] for s in prefill],
-                       [s["s"] for s in prefill])  # fmt: skip
+def fit(
+    prefill: list[dict],
+    decode: list[dict],
+    kv_bytes_per_token: int,
+    link_bytes_per_s: float,
+    link_latency_s: float = 0.0,
+    router_s_per_token: float = 0.0,
+    corun: dict | None = None,
+) -> Costs:
+    p = _least_squares(
+        [[1, s["tokens"], s["tokens"] * (s["past"] + s["tokens"] / 2)] for s in prefill], [s["s"] for s in prefill]
+    )
     d = _least_squares([[1, s["batch"], s["context"]] for s in decode], [s["s"] for s in decode])
     slow = {role: (corun or {}).get(role, {}).get("slowdown", 1.0) for role in ("prefill", "decode")}
-    return Costs(*p, *d, kv_bytes_per_token, link_bytes_per_s, link_latency_s, router_s_per_token,
-                 slow["prefill"], slow["decode"])  # fmt: skip
+    return Costs(
+        *p,
+        *d,
+        kv_bytes_per_token,
+        link_bytes_per_s,
+        link_latency_s,
+        router_s_per_token,
+        slow["prefill"],
+        slow["decode"],
+    )
 
 
 def kv_bytes_per_token(model: str) -> int:
@@ -317,12 +346,20 @@ def main(argv: list[str] | None = None) -> int:
     else:
         prefill, decode = measure_prefill(a.model), measure_decode(a.model)
     corun = measure_corun(a.model, a.corun_core) if a.corun_core is not None else None
-    costs = fit(prefill, decode, kv_bytes_per_token(a.model), link, a.link_latency_s, a.router_us_per_token / 1e6,
-                corun)  # fmt: skip
-    out = {"model": a.model, "costs": asdict(costs), "prefill_samples": prefill, "decode_samples": decode,
-           "corun": corun,
-           "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "link_source": a.link_key,
-           "measured": time.strftime("%Y-%m-%d %H:%M:%S")}  # fmt: skip
+    costs = fit(
+        prefill, decode, kv_bytes_per_token(a.model), link, a.link_latency_s, a.router_us_per_token / 1e6, corun
+    )
+    out = {
+        "model": a.model,
+        "costs": asdict(costs),
+        "prefill_samples": prefill,
+        "decode_samples": decode,
+        "corun": corun,
+        "loadavg_before": load_before,
+        "loadavg_after": os.getloadavg(),
+        "link_source": a.link_key,
+        "measured": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(out, indent=1))
     print(json.dumps(out["costs"], indent=1))

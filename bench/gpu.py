@@ -71,14 +71,18 @@ COPY_BYTES = 256 * 2**20
 COPY_REPEATS = 20
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 STEADY_SHARE = 0.9  # the steady state: at least this share of --concurrency decoding
-STEADY_HEADER = ("| run | system | in flight | steady window (s) | of the run | steady tok/s | whole-run tok/s | "
-                 "Triton compilations in the run (at start) |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
+STEADY_HEADER = (
+    "| run | system | in flight | steady window (s) | of the run | steady tok/s | whole-run tok/s | "
+    "Triton compilations in the run (at start) |\n|---|---|---|---|---|---|---|---|"
+)
 STEP_HEADER = (
     "| system | node | steps | mean batch | mean step (ms) | weights + KV / step (GB) | floor (ms) | step/floor |"
 )
 KV_HEADER = "| path | transfers | GB | GB/s | vs copy |\n|---|---|---|---|---|"
-GRAPH_HEADER = ("| system | node | steps | eager steps | steps in graphs | tokens in graphs | decode tokens in graphs "
-                "| graphs captured in the run (at start) |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
+GRAPH_HEADER = (
+    "| system | node | steps | eager steps | steps in graphs | tokens in graphs | decode tokens in graphs "
+    "| graphs captured in the run (at start) |\n|---|---|---|---|---|---|---|---|"
+)
 RUN_KINDS = ("steps", "tokens", "decode_tokens")
 
 
@@ -160,8 +164,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slo-tpot-s", type=float, default=0.05)
     p.add_argument("--hf-cuda-graphs", action="store_true", help="let HF continuous batching use CUDA graphs")
     p.add_argument("--engine-arg", action="append", default=[], help="e.g. --engine-arg=--enforce-eager")
-    p.add_argument("--large-run", type=int, nargs=2, default=[1024, 256], metavar=("REQUESTS", "CONCURRENCY"),
-                   help="the larger run after the others (0 0: none)")
+    p.add_argument(
+        "--large-run",
+        type=int,
+        nargs=2,
+        default=[1024, 256],
+        metavar=("REQUESTS", "CONCURRENCY"),
+        help="the larger run after the others (0 0: none)",
+    )
     p.add_argument("--large-systems", nargs="+", default=["colocated"], choices=("colocated", "disagg"))
     p.add_argument("--out-dir", type=Path, default=None, help="default: $OUT when set, else bench/runs/gpu")
     p.add_argument("--name", default="gpu", help="stem of the result files")
@@ -174,13 +184,27 @@ def parse_args(argv: list[str] | None = None) -> GpuBenchConfig:
     on_gpu = a.device.startswith("cuda")
     out_dir = a.out_dir or (Path(os.environ["OUT"]) if os.environ.get("OUT") else GpuBenchConfig.out_dir)
     return GpuBenchConfig(
-        model=a.model, device=a.device, dtype=a.dtype or ("bfloat16" if on_gpu else "float32"),
-        requests=a.requests, concurrency=a.concurrency, max_num_batched_tokens=a.max_num_batched_tokens,
-        kv_cache_gb=a.kv_cache_gb or (16.0 if on_gpu else 0.25), systems=tuple(a.systems), budget_s=a.budget_s,
-        seed=a.seed, slo_ttft_s=a.slo_ttft_s, slo_tpot_s=a.slo_tpot_s, hf_cuda_graphs=a.hf_cuda_graphs,
-        engine_args=tuple(a.engine_arg), out_dir=out_dir, name=a.name, progress=not a.no_progress,
-        large_requests=a.large_run[0], large_concurrency=a.large_run[1], large_systems=tuple(a.large_systems),
-    )  # fmt: skip
+        model=a.model,
+        device=a.device,
+        dtype=a.dtype or ("bfloat16" if on_gpu else "float32"),
+        requests=a.requests,
+        concurrency=a.concurrency,
+        max_num_batched_tokens=a.max_num_batched_tokens,
+        kv_cache_gb=a.kv_cache_gb or (16.0 if on_gpu else 0.25),
+        systems=tuple(a.systems),
+        budget_s=a.budget_s,
+        seed=a.seed,
+        slo_ttft_s=a.slo_ttft_s,
+        slo_tpot_s=a.slo_tpot_s,
+        hf_cuda_graphs=a.hf_cuda_graphs,
+        engine_args=tuple(a.engine_arg),
+        out_dir=out_dir,
+        name=a.name,
+        progress=not a.no_progress,
+        large_requests=a.large_run[0],
+        large_concurrency=a.large_run[1],
+        large_systems=tuple(a.large_systems),
+    )
 
 
 # ---- hardware and model figures --------------------------------------------------------------------
@@ -264,8 +288,9 @@ def model_figures(config, cfg: GpuBenchConfig, workload: Workload) -> dict:
 
 def steady_windows(records: list[dict], threshold: int) -> list[tuple[float, float]]:
     """The intervals in which at least `threshold` requests are decoding (first token to last token)."""
-    events = sorted(ev for r in records if len(r["token_s"]) >= 2
-                    for ev in ((r["token_s"][0], 1), (r["token_s"][-1], -1)))  # fmt: skip
+    events = sorted(
+        ev for r in records if len(r["token_s"]) >= 2 for ev in ((r["token_s"][0], 1), (r["token_s"][-1], -1))
+    )
     windows, running, opened = [], 0, None
     for t, delta in events:  # at equal times an end (-1) sorts first: a request ending as another starts
         running += delta
@@ -289,8 +314,13 @@ def steady_state(records: list[dict], concurrency: int, share: float = STEADY_SH
     times = sorted(t for r in records for t in r["token_s"][1:])
     tokens = sum(bisect.bisect_right(times, b) - bisect.bisect_left(times, a) for a, b in windows)
     run_s = max((r["token_s"][-1] for r in records if r["token_s"]), default=0.0)
-    return {"threshold": threshold, "window_s": seconds, "share_of_run": seconds / run_s if run_s else None,
-            "tokens": tokens, "output_throughput": tokens / seconds}  # fmt: skip
+    return {
+        "threshold": threshold,
+        "window_s": seconds,
+        "share_of_run": seconds / run_s if run_s else None,
+        "tokens": tokens,
+        "output_throughput": tokens / seconds,
+    }
 
 
 # ---- node counters ---------------------------------------------------------------------------------
@@ -325,9 +355,14 @@ def graph_share(counts: dict, role: str, at_start: dict) -> dict | None:
     if not total["steps"]:
         return None
     shares = {f"{k}_share": c.get(f"graph_{k}", 0) / n if n else None for k, n in total.items()}
-    return {"node": role, "steps": int(total["steps"]), "eager_steps": int(c.get("eager_steps", 0)), **shares,
-            "captures_in_run": int(c.get("graph_captures", 0)),
-            "captures_at_start": int(at_start.get(role, {}).get("graph_captures", 0))}  # fmt: skip
+    return {
+        "node": role,
+        "steps": int(total["steps"]),
+        "eager_steps": int(c.get("eager_steps", 0)),
+        **shares,
+        "captures_in_run": int(c.get("graph_captures", 0)),
+        "captures_at_start": int(at_start.get(role, {}).get("graph_captures", 0)),
+    }
 
 
 def kv_transfer(counts: dict, hw: dict) -> dict | None:
@@ -353,11 +388,16 @@ def stack_options(cfg: GpuBenchConfig, mode: str, deadline: float) -> systems.St
     if mode == "disagg":
         devices += ["--prefill-device", cfg.device, "--decode-device", cfg.decode_device]
     return systems.StackOptions(
-        model=cfg.model, max_num_seqs=cfg.concurrency, max_num_batched_tokens=cfg.max_num_batched_tokens,
-        kv_cache_gb=cfg.kv_cache_gb, kv_transport="cuda_ipc" if cfg.on_gpu else "shm",
-        log_prefix=cfg.out_dir / "logs" / cfg.name, extra_args=("--dtype", cfg.dtype, *devices, *cfg.engine_args),
-        max_concurrency=cfg.concurrency, deadline=deadline,
-    )  # fmt: skip
+        model=cfg.model,
+        max_num_seqs=cfg.concurrency,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        kv_cache_gb=cfg.kv_cache_gb,
+        kv_transport="cuda_ipc" if cfg.on_gpu else "shm",
+        log_prefix=cfg.out_dir / "logs" / cfg.name,
+        extra_args=("--dtype", cfg.dtype, *devices, *cfg.engine_args),
+        max_concurrency=cfg.concurrency,
+        deadline=deadline,
+    )
 
 
 class HfModel:
@@ -379,8 +419,9 @@ def open_system(cfg: GpuBenchConfig, system: str, hf: HfModel, deadline: float):
         return systems.pdserve_stack(stack_options(cfg, system, deadline), system, cfg.progress)
     if system == "static":
         return systems.static_batching(hf.get(), cfg.concurrency, cfg.progress, deadline)
-    opts = systems.CbOptions(cfg.concurrency, cfg.max_num_batched_tokens, cfg.kv_cache_gb, cfg.concurrency,
-                             deadline, cfg.hf_cuda_graphs)  # fmt: skip
+    opts = systems.CbOptions(
+        cfg.concurrency, cfg.max_num_batched_tokens, cfg.kv_cache_gb, cfg.concurrency, deadline, cfg.hf_cuda_graphs
+    )
     return systems.hf_continuous_batching(hf.get(), opts, cfg.progress)
 
 
@@ -439,8 +480,9 @@ def run_system(cfg: GpuBenchConfig, system: str, w: Workload, hf: HfModel, ctx: 
 def add_node_figures(result: dict, counts: dict, system: str, ctx: dict, at_start: dict) -> None:
     """From the node counters over the run (`counts`; `at_start`: before it): the decode step, CUDA graphs, KV."""
     result["node_counters"] = counts
-    result["decode_step"] = decode_step(counts, "colocated" if system == "colocated" else "decode", ctx["model"],
-                                        ctx["hardware"])  # fmt: skip
+    result["decode_step"] = decode_step(
+        counts, "colocated" if system == "colocated" else "decode", ctx["model"], ctx["hardware"]
+    )
     roles = ("colocated",) if system == "colocated" else ("prefill", "decode")
     result["graphs"] = [g for g in (graph_share(counts, role, at_start) for role in roles) if g]
     result["kv_transfer"] = kv_transfer(counts, ctx["hardware"]) if system == "disagg" else None
@@ -457,24 +499,41 @@ def _step_lines(results: list[dict]) -> list[str]:
     lines.append("|---" * 8 + "|")
     for r in rows:
         d = r["decode_step"]
-        cells = [r["system"], d["node"], str(d["steps"]), f"{d['mean_batch']:.1f}", f"{d['mean_step_ms']:.2f}",
-                 f"{d['weights_GB_per_step']:.3g} + {d['kv_GB_per_step']:.3g}", f"{d['floor_ms']:.3g}",
-                 f"{d['step_over_floor']:.1f}×"]  # fmt: skip
+        cells = [
+            r["system"],
+            d["node"],
+            str(d["steps"]),
+            f"{d['mean_batch']:.1f}",
+            f"{d['mean_step_ms']:.2f}",
+            f"{d['weights_GB_per_step']:.3g} + {d['kv_GB_per_step']:.3g}",
+            f"{d['floor_ms']:.3g}",
+            f"{d['step_over_floor']:.1f}×",
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
 def _steady_lines(results: list[dict]) -> list[str]:
     rows = [r for r in results if r.get("ok")]
-    lines = ["", f"## Steady state: output tok/s while at least {STEADY_SHARE:.0%} of the requests in flight decode",
-             "", STEADY_HEADER]  # fmt: skip
+    lines = [
+        "",
+        f"## Steady state: output tok/s while at least {STEADY_SHARE:.0%} of the requests in flight decode",
+        "",
+        STEADY_HEADER,
+    ]
     for r in rows:
         st, whole = r.get("steady_state"), r["summary"]["output_throughput"]
-        cells = ([f"{st['window_s']:.1f}", f"{st['share_of_run']:.0%}", f"{st['output_throughput']:.0f}"] if st
-                 else ["none", "", ""])  # fmt: skip
+        cells = (
+            [f"{st['window_s']:.1f}", f"{st['share_of_run']:.0%}", f"{st['output_throughput']:.0f}"]
+            if st
+            else ["none", "", ""]
+        )
         compiled = f"{r['triton_compilations']} ({r['triton_compiled_at_start']})" if "triton_compilations" in r else ""
-        lines.append(f"| {r['label']} | {r['system']} | {r.get('concurrency', '')} | " + " | ".join(cells)
-                     + f" | {whole:.0f} | {compiled} |")  # fmt: skip
+        lines.append(
+            f"| {r['label']} | {r['system']} | {r.get('concurrency', '')} | "
+            + " | ".join(cells)
+            + f" | {whole:.0f} | {compiled} |"
+        )
     return lines
 
 
@@ -484,8 +543,12 @@ def _kernel_lines(run: dict) -> list[str]:
     if not k.get("counted"):
         lines.append(f"Not counted: {k.get('why', 'no count')}.")
     else:
-        lines += [f"{k['layers']} layers, limit for a decode step {k['limit']}:", "",
-                  "| step | kernels | per layer | outside the layers |", "|---|---|---|---|"]  # fmt: skip
+        lines += [
+            f"{k['layers']} layers, limit for a decode step {k['limit']}:",
+            "",
+            "| step | kernels | per layer | outside the layers |",
+            "|---|---|---|---|",
+        ]
         lines += [f"| {c['kind']} | {c['total']} | {c['per_layer']:.1f} | {c['fixed']} |" for c in k["steps"]]
     return lines
 
@@ -497,8 +560,11 @@ def _graph_lines(results: list[dict]) -> list[str]:
     lines = ["", "## Steps replayed as CUDA graphs (node counters over the run)", "", GRAPH_HEADER]
     for r, g in rows:
         shares = [f"{g[f'{k}_share']:.1%}" if g[f"{k}_share"] is not None else "" for k in RUN_KINDS]
-        lines.append(f"| {r['system']} | {g['node']} | {g['steps']} | {g['eager_steps']} | " + " | ".join(shares)
-                     + f" | {g['captures_in_run']} ({g['captures_at_start']}) |")  # fmt: skip
+        lines.append(
+            f"| {r['system']} | {g['node']} | {g['steps']} | {g['eager_steps']} | "
+            + " | ".join(shares)
+            + f" | {g['captures_in_run']} ({g['captures_at_start']}) |"
+        )
     return lines
 
 
@@ -508,8 +574,9 @@ def _kv_lines(results: list[dict], hw: dict) -> list[str]:
     lines = ["", "## KV transfer (prefill node counters, pull to ack) beside a device copy", "", KV_HEADER, copy]
     for r in rows:
         k = r["kv_transfer"]
-        lines.append(f"| pdserve {r['system']} | {k['transfers']} | {k['GB']:.3g} | {k['GBps']:.3g} | "
-                     f"{k['share_of_copy']:.1%} |")  # fmt: skip
+        lines.append(
+            f"| pdserve {r['system']} | {k['transfers']} | {k['GB']:.3g} | {k['GBps']:.3g} | {k['share_of_copy']:.1%} |"
+        )
     return lines
 
 
@@ -533,9 +600,11 @@ def markdown(run: dict) -> str:
     ]
     for extra in run.get("runs", [])[1:]:
         ew = extra["workload"]
-        head[2] += (f" Then `{extra['label']}`: {ew['requests']} requests ({ew['prompt_tokens']} prompt, "
-                    f"{ew['output_tokens']} output tokens), at most {extra['concurrency']} in flight (also "
-                    f"--max-num-seqs), on {', '.join(extra['systems'])}.")  # fmt: skip
+        head[2] += (
+            f" Then `{extra['label']}`: {ew['requests']} requests ({ew['prompt_tokens']} prompt, "
+            f"{ew['output_tokens']} output tokens), at most {extra['concurrency']} in flight (also "
+            f"--max-num-seqs), on {', '.join(extra['systems'])}."
+        )
     base = report.baseline_throughput(results)
     lines = head + [report.table_row(r, base) for r in results]
     lines += _steady_lines(results) + _step_lines(results) + _graph_lines(results) + _kernel_lines(run)
@@ -595,16 +664,27 @@ def plot(run: dict, path: Path) -> None:
 
 def workload_summary(w: Workload) -> dict:
     prompt_tokens = sum(len(r.prompt_token_ids) for r in w.requests)
-    return {"requests": len(w.requests), "prompt_tokens": prompt_tokens, "output_tokens": w.num_output_tokens,
-            "shape": SHAREGPT_SHAPE}  # fmt: skip
+    return {
+        "requests": len(w.requests),
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": w.num_output_tokens,
+        "shape": SHAREGPT_SHAPE,
+    }
 
 
 def sharegpt(config, cfg: GpuBenchConfig) -> Workload:
     """`sharegpt_like` with cfg's request count, named by its requests and concurrency."""
     from pdserve.engine.model import max_model_len
 
-    w = make_workload("sharegpt_like", config.vocab_size, max_model_len(config), cfg.seed, None, cfg.requests,
-                      shape_args=SHAREGPT_SHAPE)  # fmt: skip
+    w = make_workload(
+        "sharegpt_like",
+        config.vocab_size,
+        max_model_len(config),
+        cfg.seed,
+        None,
+        cfg.requests,
+        shape_args=SHAREGPT_SHAPE,
+    )
     return dataclasses.replace(w, name=f"sharegpt_like {cfg.requests}/{cfg.concurrency}")
 
 
@@ -613,8 +693,9 @@ def plan_runs(cfg: GpuBenchConfig, config) -> list[tuple[GpuBenchConfig, Workloa
     runs = [(cfg, sharegpt(config, cfg))]
     large_systems = tuple(s for s in cfg.systems if s in cfg.large_systems)
     if cfg.large_requests and large_systems:
-        big = dataclasses.replace(cfg, requests=cfg.large_requests, concurrency=cfg.large_concurrency,
-                                  systems=large_systems)  # fmt: skip
+        big = dataclasses.replace(
+            cfg, requests=cfg.large_requests, concurrency=cfg.large_concurrency, systems=large_systems
+        )
         runs.append((big, sharegpt(config, big)))
     return runs
 
@@ -652,9 +733,16 @@ def prepare(cfg: GpuBenchConfig) -> tuple[Path, list[tuple[GpuBenchConfig, Workl
         "workload": workload_summary(runs[0][1]),
         "hardware": hardware(cfg),
         "model_figures": model_figures(config, cfg, runs[0][1]),
-        "runs": [{"label": w.label, "concurrency": c.concurrency, "systems": list(c.systems),
-                  "workload": workload_summary(w), "model_figures": model_figures(config, c, w)}
-                 for c, w in runs],  # fmt: skip
+        "runs": [
+            {
+                "label": w.label,
+                "concurrency": c.concurrency,
+                "systems": list(c.systems),
+                "workload": workload_summary(w),
+                "model_figures": model_figures(config, c, w),
+            }
+            for c, w in runs
+        ],
         "kernels": kernels_per_step(cfg, config),
         "results": [],
     }

@@ -38,8 +38,10 @@ class Tally:
         self.decode_tokens += decode_tokens
 
     def share_of(self, whole: Tally) -> dict[str, float]:
-        return {k: getattr(self, k) / getattr(whole, k) if getattr(whole, k) else 1.0 for k in ("steps", "tokens",
-                "decode_tokens")}  # fmt: skip
+        return {
+            k: getattr(self, k) / getattr(whole, k) if getattr(whole, k) else 1.0
+            for k in ("steps", "tokens", "decode_tokens")
+        }
 
 
 class StepRecorder:
@@ -79,8 +81,9 @@ def gpu_workload(requests: int, concurrency: int, seed: int = 0):
     return sharegpt(model_facts(cfg.model), cfg)
 
 
-def replay(requests: int = 256, concurrency: int = 128, max_num_batched_tokens: int | None = None,
-           seed: int = 0) -> dict:  # fmt: skip
+def replay(
+    requests: int = 256, concurrency: int = 128, max_num_batched_tokens: int | None = None, seed: int = 0
+) -> dict:
     """Run bench.gpu's workload through the mock engine closed at `concurrency`; the tallies and shares."""
     from bench.gpu import GpuBenchConfig
     from pdserve.config import EngineConfig
@@ -91,16 +94,23 @@ def replay(requests: int = 256, concurrency: int = 128, max_num_batched_tokens: 
 
     gpu = GpuBenchConfig(device="cpu")
     budget = max_num_batched_tokens or gpu.max_num_batched_tokens
-    cfg = EngineConfig(model=gpu.model, dtype=gpu.dtype, engine="mock", mock_step_s=(0.0, 0.0, 0.0),
-                       max_num_seqs=concurrency, max_num_batched_tokens=budget,
-                       kv_cache_gb=gpu.kv_cache_gb)  # fmt: skip
+    cfg = EngineConfig(
+        model=gpu.model,
+        dtype=gpu.dtype,
+        engine="mock",
+        mock_step_s=(0.0, 0.0, 0.0),
+        max_num_seqs=concurrency,
+        max_num_batched_tokens=budget,
+        kv_cache_gb=gpu.kv_cache_gb,
+    )
     engine = Engine(cfg)
     recorder = engine.runner = StepRecorder(engine.runner, plan(budget, concurrency), cfg.block_size)
     queue = [
-        Request(str(i), list(r.prompt_token_ids), SamplingParams(max_tokens=r.output_len, temperature=0,
-                                                                  ignore_eos=True))
+        Request(
+            str(i), list(r.prompt_token_ids), SamplingParams(max_tokens=r.output_len, temperature=0, ignore_eos=True)
+        )
         for i, r in enumerate(gpu_workload(requests, concurrency, seed).requests)
-    ]  # fmt: skip
+    ]
     queue.reverse()
     for _ in range(min(concurrency, len(queue))):
         engine.add(queue.pop())
@@ -108,9 +118,15 @@ def replay(requests: int = 256, concurrency: int = 128, max_num_batched_tokens: 
         ended = sum(o.finish_reason is not None for o in engine.step())
         for _ in range(min(ended, len(queue))):  # the load generator sends one for each that ends
             engine.add(queue.pop())
-    return {"requests": requests, "concurrency": concurrency, "max_num_batched_tokens": budget, "goal": GOAL,
-            "all": dataclasses.asdict(recorder.all), "replayed": recorder.replayed.share_of(recorder.all),
-            "decode_only_before": recorder.decode_only.share_of(recorder.all)}  # fmt: skip
+    return {
+        "requests": requests,
+        "concurrency": concurrency,
+        "max_num_batched_tokens": budget,
+        "goal": GOAL,
+        "all": dataclasses.asdict(recorder.all),
+        "replayed": recorder.replayed.share_of(recorder.all),
+        "decode_only_before": recorder.decode_only.share_of(recorder.all),
+    }
 
 
 def meets_goal(res: dict) -> bool:
@@ -119,10 +135,14 @@ def meets_goal(res: dict) -> bool:
 
 def markdown(res: dict) -> str:
     a = res["all"]
-    lines = [f"Share computed in replayed CUDA graphs, bench.gpu's workload ({res['requests']} requests, at most "
-             f"{res['concurrency']} in flight, --max-num-batched-tokens {res['max_num_batched_tokens']}; the scheduler "
-             f"replayed: {a['steps']} steps, {a['tokens']} tokens, {a['decode_tokens']} decode tokens)", "",
-             "| graphs | steps | tokens | decode tokens |", "|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"Share computed in replayed CUDA graphs, bench.gpu's workload ({res['requests']} requests, at most "
+        f"{res['concurrency']} in flight, --max-num-batched-tokens {res['max_num_batched_tokens']}; the scheduler "
+        f"replayed: {a['steps']} steps, {a['tokens']} tokens, {a['decode_tokens']} decode tokens)",
+        "",
+        "| graphs | steps | tokens | decode tokens |",
+        "|---|---|---|---|",
+    ]
     for name, key in (("every step by token-count bucket", "replayed"), ("decode-only (before)", "decode_only_before")):
         s = res[key]
         lines.append(f"| {name} | {s['steps']:.1%} | {s['tokens']:.1%} | {s['decode_tokens']:.1%} |")

@@ -129,8 +129,16 @@ def stub_engine(n: int, prompt: int, steps: int, device: StubDevice, ahead: bool
     pool = KVPool(layout, n * (prompt + steps * 3 + 64) // bs, "cpu")
     fields = {f.name for f in dataclasses.fields(EngineParts)}
     extra = {"feeds": True} if "feeds" in fields else {}
-    parts = EngineParts(types.SimpleNamespace(attach=lambda req: None), layout, pool,
-                        StubRunner(triton_backend(pool), bs), StubSampler(device), 1 << 20, True, **extra)  # fmt: skip
+    parts = EngineParts(
+        types.SimpleNamespace(attach=lambda req: None),
+        layout,
+        pool,
+        StubRunner(triton_backend(pool), bs),
+        StubSampler(device),
+        1 << 20,
+        True,
+        **extra,
+    )
     engine_mod.build_parts = lambda *a, **k: parts
     cfg = {"max_num_seqs": n, "max_num_batched_tokens": 8192, "model": "tiny"}
     if ahead:
@@ -160,8 +168,11 @@ def measure(n: int, prompt: int, steps: int, device_ms: float, ahead: bool) -> d
     for _ in range(steps):
         iterate()
     wall, cpu = time.perf_counter() - started, time.process_time() - cpu
-    return {"host_ms": (wall - device.slept) / steps * 1000, "host_cpu_ms": cpu / steps * 1000,
-            "device_wait_ms": device.idle / steps * 1000}  # fmt: skip
+    return {
+        "host_ms": (wall - device.slept) / steps * 1000,
+        "host_cpu_ms": cpu / steps * 1000,
+        "device_wait_ms": device.idle / steps * 1000,
+    }
 
 
 # ---- the driver ---------------------------------------------------------------------------------------------------
@@ -180,8 +191,20 @@ def checkout(rev: str, into: Path) -> None:
 
 
 def run_worker(tree: Path, variant: str, a: argparse.Namespace, n: int) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", variant, "--requests", str(n),
-           "--prompt", str(a.prompt), "--steps", str(a.steps), "--device-ms", str(a.device_ms)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        variant,
+        "--requests",
+        str(n),
+        "--prompt",
+        str(a.prompt),
+        "--steps",
+        str(a.steps),
+        "--device-ms",
+        str(a.device_ms),
+    ]
     env = {**os.environ, "PYTHONPATH": str(tree)}
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     if out.returncode:
@@ -201,23 +224,38 @@ def compare(a: argparse.Namespace) -> dict:
                     results[n][v].append(run_worker(trees[v], v, a, n))
                     print(f"round {r + 1}, {n} requests, {v}: {results[n][v][-1]}", file=sys.stderr)
     before = subprocess.run(["git", "rev-parse", "--short", rev], cwd=ROOT, capture_output=True, text=True)
-    best = {n: {v: {k: min(x[k] for x in runs) for k in runs[0]} for v, runs in by.items()}
-            for n, by in results.items()}  # fmt: skip
-    return {"before": before.stdout.strip(), "device_ms": a.device_ms, "steps": a.steps, "prompt": a.prompt,
-            "repeats": a.repeats, "best": best, "runs": results}  # fmt: skip
+    best = {
+        n: {v: {k: min(x[k] for x in runs) for k in runs[0]} for v, runs in by.items()} for n, by in results.items()
+    }
+    return {
+        "before": before.stdout.strip(),
+        "device_ms": a.device_ms,
+        "steps": a.steps,
+        "prompt": a.prompt,
+        "repeats": a.repeats,
+        "best": best,
+        "runs": results,
+    }
 
 
 def markdown(res: dict, commit: str) -> str:
-    lines = [f"# Host time per decode step, forward stubbed ({commit}, before: {res['before']})", "",
-             f"Stub device step {res['device_ms']} ms; {res['steps']} decode steps of requests with "
-             f"{res['prompt']}-token prompts; best of {res['repeats']} interleaved rounds.", "",
-             "| requests | variant | host ms/step | host CPU ms/step | device waits ms/step | host CPU × before | "
-             "wait × before host |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"# Host time per decode step, forward stubbed ({commit}, before: {res['before']})",
+        "",
+        f"Stub device step {res['device_ms']} ms; {res['steps']} decode steps of requests with "
+        f"{res['prompt']}-token prompts; best of {res['repeats']} interleaved rounds.",
+        "",
+        "| requests | variant | host ms/step | host CPU ms/step | device waits ms/step | host CPU × before | "
+        "wait × before host |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for n, by in res["best"].items():
         base, cpu = by["before"]["host_ms"], by["before"]["host_cpu_ms"]
         for v, m in by.items():
-            lines.append(f"| {n} | {v} | {m['host_ms']:.3f} | {m['host_cpu_ms']:.3f} | {m['device_wait_ms']:.3f} | "
-                         f"{m['host_cpu_ms'] / cpu:.2f} | {m['device_wait_ms'] / base:.2f} |")  # fmt: skip
+            lines.append(
+                f"| {n} | {v} | {m['host_ms']:.3f} | {m['host_cpu_ms']:.3f} | {m['device_wait_ms']:.3f} | "
+                f"{m['host_cpu_ms'] / cpu:.2f} | {m['device_wait_ms'] / base:.2f} |"
+            )
     return "\n".join(lines) + "\n"
 
 

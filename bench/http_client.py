@@ -144,9 +144,11 @@ async def _post_events(url: str, body: dict, conns: Connections | None = None) -
     try:
         payload = json.dumps(body).encode()
         close = "" if conns.keep_alive else "Connection: close\r\n"
-        writer.write(f"POST {parts.path} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n"
-                     f"Accept: text/event-stream\r\nContent-Length: {len(payload)}\r\n{close}\r\n"
-                     .encode() + payload)  # fmt: skip
+        writer.write(
+            f"POST {parts.path} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n"
+            f"Accept: text/event-stream\r\nContent-Length: {len(payload)}\r\n{close}\r\n".encode()
+            + payload
+        )
         status = int((await reader.readline()).split()[1])
         while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
             key, _, value = line.decode("latin-1").partition(":")
@@ -177,7 +179,12 @@ async def _stream(url: str, body: dict, rec: RequestRecord, conns: Connections |
 
 
 async def _send_at(
-    url: str, model: str, req: BenchRequest, t0: float, target: HttpTarget, slots: asyncio.Semaphore | None,
+    url: str,
+    model: str,
+    req: BenchRequest,
+    t0: float,
+    target: HttpTarget,
+    slots: asyncio.Semaphore | None,
     conns: Connections,
 ) -> RequestRecord:
     await asyncio.sleep(max(0.0, t0 + req.arrival_s - time.perf_counter()))
@@ -185,8 +192,14 @@ async def _send_at(
         return await send(url, model, req, target, t0, conns)
 
 
-async def send(url: str, model: str, req: BenchRequest, target: HttpTarget, t0: float | None = None,
-               conns: Connections | None = None) -> RequestRecord:  # fmt: skip
+async def send(
+    url: str,
+    model: str,
+    req: BenchRequest,
+    target: HttpTarget,
+    t0: float | None = None,
+    conns: Connections | None = None,
+) -> RequestRecord:
     """Send one request now and stream its answer (on one of `conns`, or a connection of its own); the run that
     started at `t0` bounds it too."""
     rec = RequestRecord(time.perf_counter(), req.output_len, len(req.prompt_token_ids))

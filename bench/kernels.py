@@ -30,8 +30,19 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-NO_WORK = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh", "detach",
-           "alias", "set_", "resize_", "_reshape_alias"}  # fmt: skip
+NO_WORK = {
+    "empty",
+    "empty_like",
+    "empty_strided",
+    "new_empty",
+    "new_empty_strided",
+    "lift_fresh",
+    "detach",
+    "alias",
+    "set_",
+    "resize_",
+    "_reshape_alias",
+}
 INPUT_COPIES = 1  # the packed inputs' one host-to-device copy (a no-op on the CPU, where this counts)
 BLOCK_SIZE = 16
 
@@ -162,8 +173,14 @@ def narrow_spec(layers: int):
     """qwen3-0.6b's layout (heads, KV heads, tied head, bf16) at a width the interpreter runs quickly."""
     from pdserve.engine.checkpoint import BUILTIN_MODELS
 
-    return dataclasses.replace(BUILTIN_MODELS["qwen3-0.6b"], vocab_size=1024, hidden_size=128, intermediate_size=384,
-                               head_dim=16, num_layers=layers)  # fmt: skip
+    return dataclasses.replace(
+        BUILTIN_MODELS["qwen3-0.6b"],
+        vocab_size=1024,
+        hidden_size=128,
+        intermediate_size=384,
+        head_dim=16,
+        num_layers=layers,
+    )
 
 
 def build_runner(layers: int, num_blocks: int = 64, device: str = "cpu"):
@@ -176,8 +193,11 @@ def build_runner(layers: int, num_blocks: int = 64, device: str = "cpu"):
 
     spec = narrow_spec(layers)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config(spec), dtype=torch.bfloat16,
-                                                          attn_implementation="sdpa").to(device).eval()  # fmt: skip
+    model = (
+        transformers.AutoModelForCausalLM.from_config(hf_config(spec), dtype=torch.bfloat16, attn_implementation="sdpa")
+        .to(device)
+        .eval()
+    )
     pool = KVPool(kv_layout(model, BLOCK_SIZE, spec.dtype), num_blocks, device)
     return ModelRunner(model, pool, attention_backend="triton")
 
@@ -257,9 +277,13 @@ def limit(layers: int) -> int:
 
 
 def markdown(counts: list[StepCount], layers: int) -> str:
-    lines = [f"Kernels per step, {layers} layers (qwen3-0.6b's layout), Triton path traced on the CPU; "
-             f"limit for a decode step: {limit(layers)}", "",
-             "| step | kernels | per layer | outside the layers |", "|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"Kernels per step, {layers} layers (qwen3-0.6b's layout), Triton path traced on the CPU; "
+        f"limit for a decode step: {limit(layers)}",
+        "",
+        "| step | kernels | per layer | outside the layers |",
+        "|---|---|---|---|",
+    ]
     lines += [f"| {c.kind} | {c.total} | {c.per_layer:.1f} | {c.fixed} |" for c in counts]
     for c in counts:
         lines += ["", f"{c.kind} step, by op:", ""] + [f"    {n:>5}  {name}" for name, n in c.ops.items()]
@@ -281,8 +305,11 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown(counts, args.layers))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"layers": args.layers, "limit": limit(args.layers),
-                       "steps": [dataclasses.asdict(c) for c in counts]}, f, indent=1)  # fmt: skip
+            json.dump(
+                {"layers": args.layers, "limit": limit(args.layers), "steps": [dataclasses.asdict(c) for c in counts]},
+                f,
+                indent=1,
+            )
     return 0 if counts[0].total <= limit(args.layers) else 1
 
 

@@ -41,8 +41,10 @@ from bench.workloads import NUM_SPECIAL_TOKENS, BenchRequest
 
 CONFIGS = [("colocated", True), ("colocated", False), ("disagg", True), ("disagg", False)]
 MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS = 16, 512  # pdserve's engine budget (an external server brings its own)
-EXTERNAL_COUNTERS = {"vllm:prefix_cache_queries_total": "prefix_cache_queries",
-                     "vllm:prefix_cache_hits_total": "prefix_cache_hits"}  # fmt: skip
+EXTERNAL_COUNTERS = {
+    "vllm:prefix_cache_queries_total": "prefix_cache_queries",
+    "vllm:prefix_cache_hits_total": "prefix_cache_hits",
+}
 
 
 @dataclass(frozen=True)
@@ -58,8 +60,9 @@ class Sizes:
     turns: int = 3
 
 
-QUICK = Sizes(prefix=100, suffix=(4, 8), requests=4, output=4, system=64, message=(4, 12), answer=4,
-              conversations=2, turns=2)  # fmt: skip
+QUICK = Sizes(
+    prefix=100, suffix=(4, 8), requests=4, output=4, system=64, message=(4, 12), answer=4, conversations=2, turns=2
+)
 
 
 def _tokens(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
@@ -69,16 +72,20 @@ def _tokens(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
 def shared_prefix(sizes: Sizes, vocab: int, seed: int) -> list[BenchRequest]:
     rng = np.random.default_rng(seed)
     prefix = _tokens(rng, sizes.prefix, vocab)
-    return [BenchRequest(tuple(prefix + _tokens(rng, int(rng.integers(*sizes.suffix, endpoint=True)), vocab)),
-                         sizes.output) for _ in range(sizes.requests)]  # fmt: skip
+    return [
+        BenchRequest(tuple(prefix + _tokens(rng, int(rng.integers(*sizes.suffix, endpoint=True)), vocab)), sizes.output)
+        for _ in range(sizes.requests)
+    ]
 
 
 def multi_turn_messages(sizes: Sizes, vocab: int, seed: int) -> tuple[list[int], list[list[list[int]]]]:
     """The shared system prompt, and each conversation's user messages."""
     rng = np.random.default_rng(seed + 1)
     system = _tokens(rng, sizes.system, vocab)
-    msgs = [[_tokens(rng, int(rng.integers(*sizes.message, endpoint=True)), vocab) for _ in range(sizes.turns)]
-            for _ in range(sizes.conversations)]  # fmt: skip
+    msgs = [
+        [_tokens(rng, int(rng.integers(*sizes.message, endpoint=True)), vocab) for _ in range(sizes.turns)]
+        for _ in range(sizes.conversations)
+    ]
     return system, msgs
 
 
@@ -99,8 +106,11 @@ class System:
 
 
 def chosen_systems(args: argparse.Namespace) -> list[System]:
-    pdserve = [System(mode, caching) for mode, caching in CONFIGS
-               if mode in args.modes and ("on" if caching else "off") in args.caching]  # fmt: skip
+    pdserve = [
+        System(mode, caching)
+        for mode, caching in CONFIGS
+        if mode in args.modes and ("on" if caching else "off") in args.caching
+    ]
     return pdserve + [System(name, url=url) for name, url in _external(args.external)]
 
 
@@ -130,9 +140,13 @@ async def _multi_turn(url: str, model: str, target, system, convs, answer: int):
 def _summary(records: list[RequestRecord]) -> dict:
     ok = [r for r in records if r.ok]
     ttfts = [r.ttft for r in ok]
-    return {"requests": len(records), "ok": len(ok), "ttft_p50_s": _p50(ttfts),
-            "ttft_mean_s": statistics.fmean(ttfts) if ttfts else None,
-            "errors": sorted({r.error for r in records if r.error})[:3]}  # fmt: skip
+    return {
+        "requests": len(records),
+        "ok": len(ok),
+        "ttft_p50_s": _p50(ttfts),
+        "ttft_mean_s": statistics.fmean(ttfts) if ttfts else None,
+        "errors": sorted({r.error for r in records if r.error})[:3],
+    }
 
 
 def _p50(values) -> float | None:
@@ -153,25 +167,31 @@ def run_workloads(target: HttpTarget, counters: Callable[[], dict], sizes: Sizes
     wall, turns = asyncio.run(_multi_turn(url, model, target, system, convs, sizes.answer))
     after = counters()
     records = [rec for rec, _ in turns]
-    return {"shared_prefix": {**_summary(shared), "counters": systems.counters_diff(mid, before)},
-            "multi_turn": {**_summary(records), "wall_s": wall, "counters": systems.counters_diff(after, mid),
-                           "output_tok_s": sum(len(r.output_token_ids) for r in records) / wall,
-                           "first_turn_ttft_p50_s": _p50(r.ttft for i, r in enumerate(records)
-                                                         if r.ok and i % sizes.turns == 0),
-                           "later_turn_ttft_p50_s": _p50(r.ttft for i, r in enumerate(records)
-                                                         if r.ok and i % sizes.turns),
-                           "tokens_added": sum(a for _, a in turns),
-                           "tokens_added_after_first_turn": sum(a for i, (_, a) in enumerate(turns)
-                                                                if i % sizes.turns)},
-            "token_ids": {"shared_prefix": [r.output_token_ids for r in shared],
-                          "multi_turn": [r.output_token_ids for r in records]}}  # fmt: skip
+    return {
+        "shared_prefix": {**_summary(shared), "counters": systems.counters_diff(mid, before)},
+        "multi_turn": {
+            **_summary(records),
+            "wall_s": wall,
+            "counters": systems.counters_diff(after, mid),
+            "output_tok_s": sum(len(r.output_token_ids) for r in records) / wall,
+            "first_turn_ttft_p50_s": _p50(r.ttft for i, r in enumerate(records) if r.ok and i % sizes.turns == 0),
+            "later_turn_ttft_p50_s": _p50(r.ttft for i, r in enumerate(records) if r.ok and i % sizes.turns),
+            "tokens_added": sum(a for _, a in turns),
+            "tokens_added_after_first_turn": sum(a for i, (_, a) in enumerate(turns) if i % sizes.turns),
+        },
+        "token_ids": {
+            "shared_prefix": [r.output_token_ids for r in shared],
+            "multi_turn": [r.output_token_ids for r in records],
+        },
+    }
 
 
 def run_pdserve(args, system: System, sizes: Sizes, vocab: int) -> dict:
     extra = (() if system.caching else ("--no-prefix-caching",)) + tuple(args.stack_arg)
     logs = RUNS_DIR / f"prefix-{system.name}-{'on' if system.caching else 'off'}"
-    opts = systems.StackOptions(args.model, MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, args.kv_cache_gb,
-                                args.kv_transport, logs, extra)  # fmt: skip
+    opts = systems.StackOptions(
+        args.model, MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, args.kv_cache_gb, args.kv_transport, logs, extra
+    )
     with systems.pdserve_stack(opts, system.name, progress=False) as run:
         result = run_workloads(run.target, lambda: systems.settled_counters(run), sizes, vocab, args.seed)
     return {"mode": system.name, "prefix_caching": system.caching, **result}
@@ -186,8 +206,13 @@ def run_external(args, system: System, sizes: Sizes, vocab: int) -> dict:
         raise systems.SystemFailed(f"{system.name}: nothing answers at {target.base_url}")
     emptied = reset_prefix_cache(target.base_url)
     result = run_workloads(target, lambda: external_counters(target.base_url), sizes, vocab, args.seed)
-    return {"mode": system.name, "prefix_caching": external_caching(target.base_url), "external": target.base_url,
-            "cache_emptied_first": emptied, **result}  # fmt: skip
+    return {
+        "mode": system.name,
+        "prefix_caching": external_caching(target.base_url),
+        "external": target.base_url,
+        "cache_emptied_first": emptied,
+        **result,
+    }
 
 
 def _server_up(base_url: str) -> bool:
@@ -262,9 +287,15 @@ def run_system(args, system: System, sizes: Sizes, vocab: int, round_: int) -> d
     load0, t0 = os.getloadavg(), time.time()
     runner = run_external if system.url else run_pdserve
     result = runner(args, system, sizes, vocab)
-    return {**result, "label": system.label, "round": round_, "loadavg_before": load0,
-            "loadavg_after": os.getloadavg(), "seconds": time.time() - t0,
-            "bytes_per_token": _bytes_per_token(model_config(args.model))}  # fmt: skip
+    return {
+        **result,
+        "label": system.label,
+        "round": round_,
+        "loadavg_before": load0,
+        "loadavg_after": os.getloadavg(),
+        "seconds": time.time() - t0,
+        "bytes_per_token": _bytes_per_token(model_config(args.model)),
+    }
 
 
 # ---- report ----------------------------------------------------------------------------------------
@@ -303,8 +334,10 @@ def _mb(x: float | None) -> str:
 
 def _hits(result: dict) -> tuple[float, float]:
     counters = result["shared_prefix"]["counters"].values()
-    return (sum(c.get("prefix_cache_hits", 0) for c in counters), sum(c.get("prefix_cache_queries", 0)
-                                                                         for c in counters))  # fmt: skip
+    return (
+        sum(c.get("prefix_cache_hits", 0) for c in counters),
+        sum(c.get("prefix_cache_queries", 0) for c in counters),
+    )
 
 
 def _caching(result: dict) -> str:
@@ -315,18 +348,26 @@ def _caching(result: dict) -> str:
 
 def best_of(runs: list[dict]) -> dict:
     """One system's runs, each figure the best of them: lowest TTFT, highest rate, fewest KV bytes."""
+
     def least(get):
         vals = [v for v in map(get, runs) if v is not None]
         return min(vals) if vals else None
 
-    return {"label": runs[0]["label"], "mode": runs[0]["mode"], "caching": _caching(runs[0]), "runs": len(runs),
-            "shared_ttft_p50_s": least(lambda r: r["shared_prefix"]["ttft_p50_s"]),
-            "multi_ttft_p50_s": least(lambda r: r["multi_turn"]["ttft_p50_s"]),
-            "multi_tok_s": max(r["multi_turn"]["output_tok_s"] for r in runs),
-            "kv_ratio": least(kv_ratio), "kv_mb_per_turn": least(kv_mb_per_turn), "hits": _hits(runs[-1]),
-            "local_prefills": local_prefills(runs[-1]),
-            "ok": f"{sum(r['shared_prefix']['ok'] + r['multi_turn']['ok'] for r in runs)}/"
-                  f"{sum(r['shared_prefix']['requests'] + r['multi_turn']['requests'] for r in runs)}"}  # fmt: skip
+    return {
+        "label": runs[0]["label"],
+        "mode": runs[0]["mode"],
+        "caching": _caching(runs[0]),
+        "runs": len(runs),
+        "shared_ttft_p50_s": least(lambda r: r["shared_prefix"]["ttft_p50_s"]),
+        "multi_ttft_p50_s": least(lambda r: r["multi_turn"]["ttft_p50_s"]),
+        "multi_tok_s": max(r["multi_turn"]["output_tok_s"] for r in runs),
+        "kv_ratio": least(kv_ratio),
+        "kv_mb_per_turn": least(kv_mb_per_turn),
+        "hits": _hits(runs[-1]),
+        "local_prefills": local_prefills(runs[-1]),
+        "ok": f"{sum(r['shared_prefix']['ok'] + r['multi_turn']['ok'] for r in runs)}/"
+        f"{sum(r['shared_prefix']['requests'] + r['multi_turn']['requests'] for r in runs)}",
+    }
 
 
 def by_system(results: list[dict]) -> list[list[dict]]:
@@ -339,42 +380,60 @@ def by_system(results: list[dict]) -> list[list[dict]]:
 
 def report(results: list[dict], env: dict, sizes: Sizes) -> str:
     rounds = max(r["round"] for r in results) + 1
-    lines = [f"# Prefix caching ({env['model']}, {env['started']}, commit {env['git_commit']})", "",
-             f"Machine: {env['cpu']}, {env['cpu_count']} cores, shared with other work (1-minute load average "
-             f"{env['loadavg_at_start'][0]:.1f} at the start; each run's below). {rounds} round(s), the systems run "
-             "in turn within each; the first table gives each figure's best over the rounds.", "",
-             f"shared_prefix: {sizes.requests} requests, a {sizes.prefix}-token prefix, suffixes of "
-             f"{sizes.suffix[0]}-{sizes.suffix[1]} tokens, {sizes.output} output tokens, one after another.",
-             f"multi_turn: {sizes.conversations} conversations x {sizes.turns} turns, a {sizes.system}-token "
-             f"system prompt, messages of {sizes.message[0]}-{sizes.message[1]} tokens, {sizes.answer}-token "
-             "answers; conversations side by side, turns one after another.", "",
-             *([f"pdserve's stacks started with `{' '.join(env['stack_args'])}` besides the benchmark's own flags.",
-                ""] if env.get("stack_args") else []),
-             "| system | caching | shared_prefix TTFT p50 ms | hits / queries | multi_turn TTFT p50 ms | "
-             "multi_turn out tok/s | KV MB shipped / turn | KV shipped / KV added | local prefills | ok |",
-             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"# Prefix caching ({env['model']}, {env['started']}, commit {env['git_commit']})",
+        "",
+        f"Machine: {env['cpu']}, {env['cpu_count']} cores, shared with other work (1-minute load average "
+        f"{env['loadavg_at_start'][0]:.1f} at the start; each run's below). {rounds} round(s), the systems run "
+        "in turn within each; the first table gives each figure's best over the rounds.",
+        "",
+        f"shared_prefix: {sizes.requests} requests, a {sizes.prefix}-token prefix, suffixes of "
+        f"{sizes.suffix[0]}-{sizes.suffix[1]} tokens, {sizes.output} output tokens, one after another.",
+        f"multi_turn: {sizes.conversations} conversations x {sizes.turns} turns, a {sizes.system}-token "
+        f"system prompt, messages of {sizes.message[0]}-{sizes.message[1]} tokens, {sizes.answer}-token "
+        "answers; conversations side by side, turns one after another.",
+        "",
+        *(
+            [f"pdserve's stacks started with `{' '.join(env['stack_args'])}` besides the benchmark's own flags.", ""]
+            if env.get("stack_args")
+            else []
+        ),
+        "| system | caching | shared_prefix TTFT p50 ms | hits / queries | multi_turn TTFT p50 ms | "
+        "multi_turn out tok/s | KV MB shipped / turn | KV shipped / KV added | local prefills | ok |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for b in map(best_of, by_system(results)):
         kv = "-" if b["kv_ratio"] is None else f"{b['kv_ratio']:.2f}"
-        lines.append(f"| {b['mode']} | {b['caching']} | {_ms(b['shared_ttft_p50_s'])} | {b['hits'][0]:.0f} / "
-                     f"{b['hits'][1]:.0f} | {_ms(b['multi_ttft_p50_s'])} | {b['multi_tok_s']:.1f} | "
-                     f"{_mb(b['kv_mb_per_turn'])} | {kv} | {_count(b['local_prefills'])} | {b['ok']} |")
+        lines.append(
+            f"| {b['mode']} | {b['caching']} | {_ms(b['shared_ttft_p50_s'])} | {b['hits'][0]:.0f} / "
+            f"{b['hits'][1]:.0f} | {_ms(b['multi_ttft_p50_s'])} | {b['multi_tok_s']:.1f} | "
+            f"{_mb(b['kv_mb_per_turn'])} | {kv} | {_count(b['local_prefills'])} | {b['ok']} |"
+        )
     return "\n".join([*lines, "", *each_run(results), "", agreement(results)]) + "\n"
 
 
 def each_run(results: list[dict]) -> list[str]:
-    lines = ["Each run, in the order run:", "",
-             "| round | system | load avg before / after | shared_prefix TTFT p50 ms | multi_turn TTFT p50 ms | "
-             "first / later turns' TTFT p50 ms | multi_turn out tok/s | KV MB shipped / turn | KV shipped / KV added |",
-             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "Each run, in the order run:",
+        "",
+        "| round | system | load avg before / after | shared_prefix TTFT p50 ms | multi_turn TTFT p50 ms | "
+        "first / later turns' TTFT p50 ms | multi_turn out tok/s | KV MB shipped / turn | KV shipped / KV added |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         mt = r["multi_turn"]
-        lines.append(f"| {r['round'] + 1} | {r['label']} | {r['loadavg_before'][0]:.1f} / {r['loadavg_after'][0]:.1f} "
-                     f"| {_ms(r['shared_prefix']['ttft_p50_s'])} | {_ms(mt['ttft_p50_s'])} | "
-                     f"{_ms(mt.get('first_turn_ttft_p50_s'))} / {_ms(mt.get('later_turn_ttft_p50_s'))} | "
-                     f"{mt['output_tok_s']:.1f} | {_mb(kv_mb_per_turn(r))} | {kv_per_turn(r)} |")
-    notes = [f"{r['label']}'s prefix cache could not be emptied before round {r['round'] + 1} (no "
-             "`/reset_prefix_cache`): it may hold that round's prefixes from an earlier one"
-             for r in results if r.get("external") and not r["cache_emptied_first"] and r["round"]]  # fmt: skip
+        lines.append(
+            f"| {r['round'] + 1} | {r['label']} | {r['loadavg_before'][0]:.1f} / {r['loadavg_after'][0]:.1f} "
+            f"| {_ms(r['shared_prefix']['ttft_p50_s'])} | {_ms(mt['ttft_p50_s'])} | "
+            f"{_ms(mt.get('first_turn_ttft_p50_s'))} / {_ms(mt.get('later_turn_ttft_p50_s'))} | "
+            f"{mt['output_tok_s']:.1f} | {_mb(kv_mb_per_turn(r))} | {kv_per_turn(r)} |"
+        )
+    notes = [
+        f"{r['label']}'s prefix cache could not be emptied before round {r['round'] + 1} (no "
+        "`/reset_prefix_cache`): it may hold that round's prefixes from an earlier one"
+        for r in results
+        if r.get("external") and not r["cache_emptied_first"] and r["round"]
+    ]
     return lines + ([""] + [f"- {n}." for n in notes] if notes else [])
 
 
@@ -397,11 +456,12 @@ def plot(results: list[dict], env: dict, path: Path) -> None:
     best = [best_of(runs) for runs in by_system(results)]
     names = [b["label"].replace(" caching ", "\ncaching ") for b in best]
     disagg = [i for i, b in enumerate(best) if b["kv_mb_per_turn"] is not None]
-    panels = [("shared_prefix TTFT p50 (ms)", names, [1e3 * (b["shared_ttft_p50_s"] or 0) for b in best]),
-              ("multi_turn TTFT p50 (ms)", names, [1e3 * (b["multi_ttft_p50_s"] or 0) for b in best]),
-              ("multi_turn output tok/s", names, [b["multi_tok_s"] for b in best]),
-              ("multi_turn KV MB shipped per turn", [names[i] for i in disagg],
-               [best[i]["kv_mb_per_turn"] for i in disagg])]  # fmt: skip
+    panels = [
+        ("shared_prefix TTFT p50 (ms)", names, [1e3 * (b["shared_ttft_p50_s"] or 0) for b in best]),
+        ("multi_turn TTFT p50 (ms)", names, [1e3 * (b["multi_ttft_p50_s"] or 0) for b in best]),
+        ("multi_turn output tok/s", names, [b["multi_tok_s"] for b in best]),
+        ("multi_turn KV MB shipped per turn", [names[i] for i in disagg], [best[i]["kv_mb_per_turn"] for i in disagg]),
+    ]
     fig, axes = plt.subplots(1, len(panels), figsize=(3.9 * len(panels), 4.2))
     for ax, (title, labels, values) in zip(axes, panels, strict=True):
         bars = ax.bar(range(len(values)), values, color=[_color(n) for n in labels])
@@ -409,8 +469,11 @@ def plot(results: list[dict], env: dict, path: Path) -> None:
         ax.set_xticks(range(len(values)), labels, fontsize=7)
         ax.set_title(title, fontsize=10)
         ax.grid(axis="y", alpha=0.3)
-    fig.suptitle(f"Prefix caching, {env['model']}, commit {env['git_commit']}: {env['cpu']}, {env['cpu_count']} "
-                 "cores (best of each system's runs)", fontsize=9)  # fmt: skip
+    fig.suptitle(
+        f"Prefix caching, {env['model']}, commit {env['git_commit']}: {env['cpu']}, {env['cpu_count']} "
+        "cores (best of each system's runs)",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -431,19 +494,43 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kv-cache-gb", type=float, default=0.25)
     p.add_argument("--kv-transport", default="zmq", choices=["zmq", "shm"])
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--modes", nargs="*", default=["colocated", "disagg"], choices=["colocated", "disagg"],
-                   help="pdserve stacks to run, each with caching on and off (see --caching)")
-    p.add_argument("--caching", nargs="+", default=["on", "off"], choices=["on", "off"],
-                   help="the pdserve stacks' prefix caching: on, off or both")
-    p.add_argument("--external", action="append", default=[], metavar="NAME=URL",
-                   help="also drive an OpenAI-compatible server someone started, e.g. vllm=http://127.0.0.1:8001")
+    p.add_argument(
+        "--modes",
+        nargs="*",
+        default=["colocated", "disagg"],
+        choices=["colocated", "disagg"],
+        help="pdserve stacks to run, each with caching on and off (see --caching)",
+    )
+    p.add_argument(
+        "--caching",
+        nargs="+",
+        default=["on", "off"],
+        choices=["on", "off"],
+        help="the pdserve stacks' prefix caching: on, off or both",
+    )
+    p.add_argument(
+        "--external",
+        action="append",
+        default=[],
+        metavar="NAME=URL",
+        help="also drive an OpenAI-compatible server someone started, e.g. vllm=http://127.0.0.1:8001",
+    )
     p.add_argument("--rounds", type=int, default=1, help="run every system this many times, in turn; report the best")
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke test, not a measurement")
     p.add_argument("--no-plot", action="store_true", help="no PNG")
-    p.add_argument("--report", type=Path, default=None, metavar="RUN.json",
-                   help="only rewrite a run's .md and .png from its .json (same stem), running nothing")  # fmt: skip
-    p.add_argument("--stack-arg", action="append", default=[],
-                   help="a flag for every pdserve stack's `pdserve up` (repeat; as --stack-arg=--flag=value)")
+    p.add_argument(
+        "--report",
+        type=Path,
+        default=None,
+        metavar="RUN.json",
+        help="only rewrite a run's .md and .png from its .json (same stem), running nothing",
+    )
+    p.add_argument(
+        "--stack-arg",
+        action="append",
+        default=[],
+        help="a flag for every pdserve stack's `pdserve up` (repeat; as --stack-arg=--flag=value)",
+    )
     p.add_argument("--name", default="", help="a label added to the files' name (prefix-caching-NAME)")
     p.add_argument("--record", action="store_true", help="write to bench/results, named by date and commit")
     p.add_argument("--out-dir", type=Path, default=None, help="default: bench/runs (bench/results with --record)")

@@ -80,8 +80,9 @@ class RouterBench:
         """The load of the fronts that serve a real model (pdserve before a node of it, vLLM): the same client,
         prompts and output length, at the concurrencies and request counts a real model's speed allows."""
         per_stream = self.real_requests_per_stream or self.requests_per_stream
-        return dataclasses.replace(self, concurrency=self.real_concurrency or self.concurrency,
-                                   requests_per_stream=per_stream)  # fmt: skip
+        return dataclasses.replace(
+            self, concurrency=self.real_concurrency or self.concurrency, requests_per_stream=per_stream
+        )
 
 
 def parse_args(argv: list[str] | None = None) -> RouterBench:
@@ -93,31 +94,67 @@ def parse_args(argv: list[str] | None = None) -> RouterBench:
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=128, help="output tokens of each request")
     p.add_argument("--mock-step-s", default=MOCK_STEP_S, help="the mock nodes' step time A,B,C (see --engine mock)")
-    p.add_argument("--workers", type=int, nargs="*", default=[1, 2],
-                   help="router workers to measure on mock nodes (more than 1 only where pdserve up takes "
-                   "--router-workers; none: only the real-model fronts)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        nargs="*",
+        default=[1, 2],
+        help="router workers to measure on mock nodes (more than 1 only where pdserve up takes "
+        "--router-workers; none: only the real-model fronts)",
+    )
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
     p.add_argument("--vllm-url", default="", help="a running vLLM server (CPU build) to measure beside")
     p.add_argument("--vllm-pid", type=int, default=0, help="the PID of that server's API process")
-    p.add_argument("--pdserve-model", default="", help="also measure pdserve's router before a colocated node of "
-                   "this model (the like-for-like row beside vLLM)")  # fmt: skip
+    p.add_argument(
+        "--pdserve-model",
+        default="",
+        help="also measure pdserve's router before a colocated node of this model (the like-for-like row beside vLLM)",
+    )
     p.add_argument("--real-max-num-seqs", type=int, default=16, help="that node's batch (give vLLM's)")
     p.add_argument("--real-max-num-batched-tokens", type=int, default=512, help="that node's token budget (vLLM's)")
-    p.add_argument("--real-concurrency", type=int, nargs="*", default=[],
-                   help="the runs before a real model (pdserve's node, vLLM); default: --concurrency")
+    p.add_argument(
+        "--real-concurrency",
+        type=int,
+        nargs="*",
+        default=[],
+        help="the runs before a real model (pdserve's node, vLLM); default: --concurrency",
+    )
     p.add_argument("--real-requests-per-stream", type=int, default=0, help="default: --requests-per-stream")
-    p.add_argument("--stack-arg", action="append", default=[],
-                   help="a flag for the mock stack's `pdserve up` (repeat; as --stack-arg=--flag=value)")
-    p.add_argument("--keep-alive", action="store_true",
-                   help="the client keeps its connections open between requests, as the OpenAI SDK does (default: a "
-                   "connection per request)")  # fmt: skip
+    p.add_argument(
+        "--stack-arg",
+        action="append",
+        default=[],
+        help="a flag for the mock stack's `pdserve up` (repeat; as --stack-arg=--flag=value)",
+    )
+    p.add_argument(
+        "--keep-alive",
+        action="store_true",
+        help="the client keeps its connections open between requests, as the OpenAI SDK does (default: a "
+        "connection per request)",
+    )
     a = p.parse_args(argv)
     if min(a.concurrency) < 1 or a.prefill < 1 or a.decode < 1 or a.max_tokens < 2:
         p.error("concurrency, node counts must be at least 1 and --max-tokens at least 2")
-    return RouterBench(a.prefill, a.decode, tuple(sorted(a.concurrency)), a.requests_per_stream, a.prompt_tokens,
-                       a.max_tokens, a.mock_step_s, tuple(a.workers), a.out, a.vllm_url, a.vllm_pid, a.pdserve_model,
-                       a.real_max_num_seqs, a.real_max_num_batched_tokens, tuple(sorted(a.real_concurrency)),
-                       a.real_requests_per_stream, tuple(a.stack_arg), a.keep_alive)  # fmt: skip
+    return RouterBench(
+        a.prefill,
+        a.decode,
+        tuple(sorted(a.concurrency)),
+        a.requests_per_stream,
+        a.prompt_tokens,
+        a.max_tokens,
+        a.mock_step_s,
+        tuple(a.workers),
+        a.out,
+        a.vllm_url,
+        a.vllm_pid,
+        a.pdserve_model,
+        a.real_max_num_seqs,
+        a.real_max_num_batched_tokens,
+        tuple(sorted(a.real_concurrency)),
+        a.real_requests_per_stream,
+        tuple(a.stack_arg),
+        a.keep_alive,
+    )
 
 
 # ---- the stack and its router processes -------------------------------------------------------------
@@ -131,17 +168,44 @@ def takes_router_workers() -> bool:
 
 def stack_argv(cfg: RouterBench, workers: int, port: int) -> list[str]:
     biggest = max(cfg.concurrency)
-    argv = [sys.executable, "-m", "pdserve", "up", "--mode", "disagg", "--engine", "mock", "--model", "tiny",
-            "--num-prefill", str(cfg.prefill), "--num-decode", str(cfg.decode), "--port", str(port), "--no-pin",
-            "--mock-step-s", cfg.mock_step_s, "--max-num-seqs", str(biggest), "--max-queued-requests",
-            str(biggest * 4)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "pdserve",
+        "up",
+        "--mode",
+        "disagg",
+        "--engine",
+        "mock",
+        "--model",
+        "tiny",
+        "--num-prefill",
+        str(cfg.prefill),
+        "--num-decode",
+        str(cfg.decode),
+        "--port",
+        str(port),
+        "--no-pin",
+        "--mock-step-s",
+        cfg.mock_step_s,
+        "--max-num-seqs",
+        str(biggest),
+        "--max-queued-requests",
+        str(biggest * 4),
+    ]
     return argv + (["--router-workers", str(workers)] if workers > 1 else []) + list(cfg.stack_args)
 
 
 def real_stack_argv(cfg: RouterBench, port: int) -> list[str]:
     """One colocated node of a real model (`--pdserve-model`) behind one router, with vLLM's engine budget."""
-    opts = StackOptions(cfg.pdserve_model, cfg.real_max_num_seqs, cfg.real_max_num_batched_tokens, REAL_KV_CACHE_GB,
-                        "zmq", Path("unused"))  # fmt: skip
+    opts = StackOptions(
+        cfg.pdserve_model,
+        cfg.real_max_num_seqs,
+        cfg.real_max_num_batched_tokens,
+        REAL_KV_CACHE_GB,
+        "zmq",
+        Path("unused"),
+    )
     return systems_stack_argv(opts, "colocated", port)
 
 
@@ -203,12 +267,22 @@ def run_once(url: str, cfg: RouterBench, concurrency: int, pids: list[int], pdse
     router_s, client_s = cpu_of(pids) - router0, time.process_time() - client0
     s = summarize(records, t0, NO_SLO)
     messages = metrics.node_steps() - steps0 if metrics else None
-    return {"concurrency": concurrency, "node_messages": messages, "requests": len(records),
-            "failed": s["num_failed"], "errors": s["errors"],
-            "tokens": s["total_output_tokens"], "wall_s": s["wall_s"], "tok_per_s": s["output_throughput"],
-            "tpot_p50_ms": _ms(s["tpot_s"], "p50"), "tpot_p99_ms": _ms(s["tpot_s"], "p99"),
-            "router_cpu_s": router_s, "router_us_per_token": cpu_per_token_us(router_s, records),
-            "client_cpu_s": client_s, "client_us_per_token": cpu_per_token_us(client_s, records)}  # fmt: skip
+    return {
+        "concurrency": concurrency,
+        "node_messages": messages,
+        "requests": len(records),
+        "failed": s["num_failed"],
+        "errors": s["errors"],
+        "tokens": s["total_output_tokens"],
+        "wall_s": s["wall_s"],
+        "tok_per_s": s["output_throughput"],
+        "tpot_p50_ms": _ms(s["tpot_s"], "p50"),
+        "tpot_p99_ms": _ms(s["tpot_s"], "p99"),
+        "router_cpu_s": router_s,
+        "router_us_per_token": cpu_per_token_us(router_s, records),
+        "client_cpu_s": client_s,
+        "client_us_per_token": cpu_per_token_us(client_s, records),
+    }
 
 
 def _ms(dist: dict | None, key: str) -> float | None:
@@ -264,16 +338,22 @@ def measure_stack(stack: Stack, port: int, cfg: RouterBench, label: str) -> dict
         for c in cfg.concurrency:
             runs.append(net_of_idle(run_once(url, cfg, c, pids), idle))
             print(json.dumps({"system": label, **runs[-1]}), flush=True)
-        return {"router_processes": len(pids), "idle_cpu_per_s": idle, "runs": runs, "capacity": capacity(runs),
-                "fit": router_fit(runs)}  # fmt: skip
+        return {
+            "router_processes": len(pids),
+            "idle_cpu_per_s": idle,
+            "runs": runs,
+            "capacity": capacity(runs),
+            "fit": router_fit(runs),
+        }
     finally:
         stack.stop()
 
 
 def warm_up(url: str, cfg: RouterBench, pids: list[int], pdserve: bool = True) -> None:
     """A short run first, not counted: connections, the tokenizer's caches, a compiled graph's first shapes."""
-    run_once(url, dataclasses.replace(cfg, max_tokens=WARM_UP_TOKENS, requests_per_stream=1), WARM_UP_STREAMS, pids,
-             pdserve)  # fmt: skip
+    run_once(
+        url, dataclasses.replace(cfg, max_tokens=WARM_UP_TOKENS, requests_per_stream=1), WARM_UP_STREAMS, pids, pdserve
+    )
 
 
 def measure_vllm(cfg: RouterBench) -> dict:
@@ -289,8 +369,13 @@ def measure_vllm(cfg: RouterBench) -> dict:
     for c in cfg.concurrency:
         runs.append(net_of_idle(run_once(url, cfg, c, [cfg.vllm_pid], pdserve=False), idle))
         print(json.dumps({"system": "vllm", **runs[-1]}), flush=True)
-    return {"model": httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"], "idle_cpu_per_s": idle,
-            "runs": runs, "capacity": capacity(runs), "api_process": process_name(cfg.vllm_pid)}  # fmt: skip
+    return {
+        "model": httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"],
+        "idle_cpu_per_s": idle,
+        "runs": runs,
+        "capacity": capacity(runs),
+        "api_process": process_name(cfg.vllm_pid),
+    }
 
 
 def idle_cpu_per_s(pids: list[int]) -> float:
@@ -336,22 +421,30 @@ def cpu_model() -> str:
 
 
 def commit() -> str:
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False,
-                         cwd=Path(__file__).parent)  # fmt: skip
+    out = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False, cwd=Path(__file__).parent
+    )
     return out.stdout.strip() or "unknown"
 
 
 def machine() -> dict:
-    return {"cpu_model": cpu_model(), "cpu_count": os.cpu_count(), "platform": platform.platform(),
-            "python": platform.python_version(), "loadavg_at_start": os.getloadavg()}  # fmt: skip
+    return {
+        "cpu_model": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "loadavg_at_start": os.getloadavg(),
+    }
 
 
 def fronts(result: dict) -> list[tuple[str, dict]]:
     """(label, measurement) of every front process measured: the router on mock nodes per worker count, then
     (where run) the router before a real model's node and vLLM's API server."""
     cfg = result["config"]
-    out = [(f"router, {w['workers']} worker(s), mock {cfg['prefill']}P{cfg['decode']}D", w)
-           for w in result.get("workers", [])]  # fmt: skip
+    out = [
+        (f"router, {w['workers']} worker(s), mock {cfg['prefill']}P{cfg['decode']}D", w)
+        for w in result.get("workers", [])
+    ]
     real, vllm = result.get("pdserve_real", {}), result.get("vllm", {})
     out += [(f"router, colocated `{real['model']}` node", real)] if "runs" in real else []
     out += [(f"vLLM API server, `{vllm.get('model', '?')}`", vllm)] if "runs" in vllm else []
@@ -360,32 +453,54 @@ def fronts(result: dict) -> list[tuple[str, dict]]:
 
 def markdown(result: dict) -> str:
     cfg, m = result["config"], result["machine"]
-    lines = [f"# Router CPU per streamed token ({result['date']}, commit {result['commit']})", "",
-             f"Machine: {m['cpu_model']}, {m['cpu_count']} cores (load average {m['loadavg_at_start'][0]:.1f} at "
-             f"start{_end_load(m)}). Mock stack: {cfg['prefill']}P{cfg['decode']}D mock nodes (step "
-             f"{cfg['mock_step_s']} s). Load: {cfg['prompt_tokens']}-token prompts, {cfg['max_tokens']} output tokens "
-             "a request, closed, the same client for every front"
-             + (", connections kept open between requests" if cfg.get("keep_alive") else ", a connection a request")
-             + "." + (f" Stack flags: `{' '.join(cfg['stack_args'])}`." if cfg.get("stack_args") else ""), "",
-             "| front | streams | tok/s | TPOT p50 ms | TPOT p99 ms | front CPU µs/token | net of idle | client CPU "
-             "µs/token | failed |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"# Router CPU per streamed token ({result['date']}, commit {result['commit']})",
+        "",
+        f"Machine: {m['cpu_model']}, {m['cpu_count']} cores (load average {m['loadavg_at_start'][0]:.1f} at "
+        f"start{_end_load(m)}). Mock stack: {cfg['prefill']}P{cfg['decode']}D mock nodes (step "
+        f"{cfg['mock_step_s']} s). Load: {cfg['prompt_tokens']}-token prompts, {cfg['max_tokens']} output tokens "
+        "a request, closed, the same client for every front"
+        + (", connections kept open between requests" if cfg.get("keep_alive") else ", a connection a request")
+        + "."
+        + (f" Stack flags: `{' '.join(cfg['stack_args'])}`." if cfg.get("stack_args") else ""),
+        "",
+        "| front | streams | tok/s | TPOT p50 ms | TPOT p99 ms | front CPU µs/token | net of idle | client CPU "
+        "µs/token | failed |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for label, f in fronts(result):
         for r in f["runs"]:
-            lines.append(f"| {label} | {r['concurrency']} | {r['tok_per_s']:,.0f} | {_f(r['tpot_p50_ms'])} | "
-                         f"{_f(r['tpot_p99_ms'])} | {_f(r['router_us_per_token'])} | "
-                         f"{_f(r.get('router_us_per_token_net'))} | {_f(r['client_us_per_token'])} | "
-                         f"{r['failed']} |")  # fmt: skip
-    lines += ["", *side_by_side(result), "", "Capacity (the highest streamed rate before TPOT p99 doubles over the "
-              "lightest run's):", ""]  # fmt: skip
+            lines.append(
+                f"| {label} | {r['concurrency']} | {r['tok_per_s']:,.0f} | {_f(r['tpot_p50_ms'])} | "
+                f"{_f(r['tpot_p99_ms'])} | {_f(r['router_us_per_token'])} | "
+                f"{_f(r.get('router_us_per_token_net'))} | {_f(r['client_us_per_token'])} | "
+                f"{r['failed']} |"
+            )
+    lines += [
+        "",
+        *side_by_side(result),
+        "",
+        "Capacity (the highest streamed rate before TPOT p99 doubles over the lightest run's):",
+        "",
+    ]
     for label, f in fronts(result):
         c, fit = f["capacity"], f.get("fit")
         rate = "n/a" if c["tok_per_s"] is None else f"{c['tok_per_s']:,.0f} tok/s at {c['concurrency']} streams"
-        fitted = "" if not fit else (f"; router CPU fitted over the runs: {fit['us_per_message']:.0f} µs a node "
-                                     f"message + {fit['us_per_token']:.1f} µs a token")  # fmt: skip
+        fitted = (
+            ""
+            if not fit
+            else (
+                f"; router CPU fitted over the runs: {fit['us_per_message']:.0f} µs a node "
+                f"message + {fit['us_per_token']:.1f} µs a token"
+            )
+        )
         idle = "" if f.get("idle_cpu_per_s") is None else f"; idle: {f['idle_cpu_per_s'] * 1e3:.1f} ms of CPU a second"
         lines.append(f"- {label}: {rate}{fitted}{idle}")
-    skipped = [f"{name}: {result[key]['skipped']}." for key, name in (("pdserve_real", "Router before a real model"),
-               ("vllm", "vLLM API server")) if result.get(key, {}).get("skipped")]  # fmt: skip
+    skipped = [
+        f"{name}: {result[key]['skipped']}."
+        for key, name in (("pdserve_real", "Router before a real model"), ("vllm", "vLLM API server"))
+        if result.get(key, {}).get("skipped")
+    ]
     lines += ["", *skipped] if skipped else []
     lines += [f"Router workers: {result['workers_note']}"] if result.get("workers_note") else []
     return "\n".join(lines) + "\n"
@@ -397,8 +512,12 @@ def side_by_side(result: dict) -> list[str]:
     if len(cols) < 2:
         return []
     header = "| streams | " + " | ".join(label for label, _ in cols) + " |"
-    lines = ["Front CPU µs per streamed token (net of its idle CPU in brackets), side by side:", "", header,
-             "|---" * (len(cols) + 1) + "|"]  # fmt: skip
+    lines = [
+        "Front CPU µs per streamed token (net of its idle CPU in brackets), side by side:",
+        "",
+        header,
+        "|---" * (len(cols) + 1) + "|",
+    ]
     for c in sorted({r["concurrency"] for _, f in cols for r in f["runs"]}):
         cells = [next((_cell(r) for r in f["runs"] if r["concurrency"] == c), "-") for _, f in cols]
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
@@ -446,9 +565,13 @@ def main(argv: list[str] | None = None) -> int:
     workers = [w for w in cfg.workers if w == 1 or takes_router_workers()]
     skipped = sorted(set(cfg.workers) - set(workers))
     note = f"{skipped} skipped: this pdserve has no --router-workers" if skipped else ""
-    result = {"date": time.strftime("%Y-%m-%d"), "commit": commit(), "machine": machine(),
-              "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(cfg).items()},
-              "workers_note": note}  # fmt: skip
+    result = {
+        "date": time.strftime("%Y-%m-%d"),
+        "commit": commit(),
+        "machine": machine(),
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(cfg).items()},
+        "workers_note": note,
+    }
     cfg.out.mkdir(parents=True, exist_ok=True)
     stem = cfg.out / f"router-{result['date']}-{result['commit']}"
     with tempfile.TemporaryDirectory(prefix="bench-router-") as tmp:

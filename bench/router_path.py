@@ -53,8 +53,11 @@ class _NodeSock:
 
 
 def _core(token_path: str) -> RouterCore:
-    core = RouterCore(RouterConfig(model="tiny", prefill=("tcp://p0",), decode=("tcp://d0",), decode_kv=("tcp://k0",),
-                                   token_path=token_path))  # fmt: skip
+    core = RouterCore(
+        RouterConfig(
+            model="tiny", prefill=("tcp://p0",), decode=("tcp://d0",), decode_kv=("tcp://k0",), token_path=token_path
+        )
+    )
     for m in core.membership._members:
         core.nodes.append(NodeConn(m.role, m.addr, m.kv_addr, sock=_NodeSock(), up=True))
     return core
@@ -78,8 +81,12 @@ async def one_round(core: RouterCore, info, streams: int, steps: int, cold: list
         core._on_message(decode, [P.encode(P.TokenEvents.of([P.TokenEvent(flight.request_id, [])]))])
         core._on_message(prefill, [P.encode(P.TokenEvents.of([P.TokenEvent(flight.request_id, [300])]))])
         flights.append(flight)
-    messages = [P.encode(P.TokenEvents.of([P.TokenEvent(f.request_id, [256 + (k * 7 + i) % 250])
-                                           for i, f in enumerate(flights)])) for k in range(steps)]  # fmt: skip
+    messages = [
+        P.encode(
+            P.TokenEvents.of([P.TokenEvent(f.request_id, [256 + (k * 7 + i) % 250]) for i, f in enumerate(flights)])
+        )
+        for k in range(steps)
+    ]
     await asyncio.sleep(0)
     spent = 0.0
     for message in messages:
@@ -97,16 +104,23 @@ async def one_round(core: RouterCore, info, streams: int, steps: int, cold: list
     return spent / (streams * steps) * 1e6
 
 
-async def measure(streams: int, steps: int, rounds: int, cold_mb: int,
-                  token_path: str = RouterConfig.token_path) -> dict:  # fmt: skip
+async def measure(
+    streams: int, steps: int, rounds: int, cold_mb: int, token_path: str = RouterConfig.token_path
+) -> dict:
     info, core = load_model_info("tiny"), _core(token_path)
     cold = list(range(cold_mb * 1024 * 1024 // 8))  # 8 bytes a reference
     try:
         runs = [await one_round(core, info, streams, steps, cold) for _ in range(rounds)]
     finally:
         core.ctx.destroy(linger=0)
-    return {"streams": streams, "steps": steps, "cold_mb": cold_mb, "token_path": "c" if core.native else "python",
-            "us_per_token": min(runs), "rounds": runs}
+    return {
+        "streams": streams,
+        "steps": steps,
+        "cold_mb": cold_mb,
+        "token_path": "c" if core.native else "python",
+        "us_per_token": min(runs),
+        "rounds": runs,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,16 +129,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=1000, help="node messages a round")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--cold-mb", type=int, default=0, help="memory walked before each message (0: none)")
-    ap.add_argument("--token-path", choices=TOKEN_PATHS, default=RouterConfig.token_path,
-                    help="the router's --token-path")
+    ap.add_argument(
+        "--token-path", choices=TOKEN_PATHS, default=RouterConfig.token_path, help="the router's --token-path"
+    )
     a = ap.parse_args(argv)
     if not 1 <= a.steps <= MAX_STEPS or a.streams < 1 or a.rounds < 1:
-        ap.error(f"--streams and --rounds must be at least 1, --steps between 1 and {MAX_STEPS} (a request's tokens "
-                 "within tiny's context)")  # fmt: skip
+        ap.error(
+            f"--streams and --rounds must be at least 1, --steps between 1 and {MAX_STEPS} (a request's tokens "
+            "within tiny's context)"
+        )
     result = asyncio.run(measure(a.streams, a.steps, a.rounds, a.cold_mb, a.token_path))
     print(json.dumps(result))
-    print(f"{result['us_per_token']:.2f} µs of CPU a token (least of {a.rounds} rounds; {a.streams} streams, "
-          f"{a.cold_mb} MB walked before each message; the {result['token_path']} token path)")  # fmt: skip
+    print(
+        f"{result['us_per_token']:.2f} µs of CPU a token (least of {a.rounds} rounds; {a.streams} streams, "
+        f"{a.cold_mb} MB walked before each message; the {result['token_path']} token path)"
+    )
     return 0
 
 

@@ -43,10 +43,18 @@ LIFETIMES = 4  # arrivals span at least this many request lifetimes, so the node
 
 def node_costs(node_tok_s: float, batch: int, us_per_token: float, us_per_message: float) -> Costs:
     """A GPU-like deployment: decode steps of `batch` take batch / node_tok_s; prefill and KV are quick."""
-    return Costs(prefill_base_s=1e-3, prefill_per_token_s=1e-6, prefill_per_token_ctx_s=0.0,
-                 decode_base_s=batch / node_tok_s, decode_per_seq_s=0.0, decode_per_ctx_token_s=0.0,
-                 kv_bytes_per_token=114_688, link_bytes_per_s=25e9, router_s_per_token=us_per_token * 1e-6,
-                 router_s_per_message=us_per_message * 1e-6)  # fmt: skip
+    return Costs(
+        prefill_base_s=1e-3,
+        prefill_per_token_s=1e-6,
+        prefill_per_token_ctx_s=0.0,
+        decode_base_s=batch / node_tok_s,
+        decode_per_seq_s=0.0,
+        decode_per_ctx_token_s=0.0,
+        kv_bytes_per_token=114_688,
+        link_bytes_per_s=25e9,
+        router_s_per_token=us_per_token * 1e-6,
+        router_s_per_message=us_per_message * 1e-6,
+    )
 
 
 def workload(rate: float, n: int, prompt_tokens: int, max_tokens: int, seed: int = 0) -> Workload:
@@ -64,9 +72,17 @@ def run(a: argparse.Namespace, node_tok_s: float, decode: int, workers: int) -> 
     counters: dict = {}
     s = summarize(simulate(workload(rate, n, a.prompt_tokens, a.max_tokens), costs, topo, counters), 0.0, NO_SLO)
     busy = [b / s["wall_s"] for b in counters["router"]["worker_busy_s"]]
-    return {"node_tok_s": node_tok_s, "decode": decode, "workers": workers, "rate": rate, "requests": n,
-            "tok_per_s": s["output_throughput"], "tpot_p50_ms": s["tpot_s"]["p50"] * 1e3,
-            "tpot_p99_ms": s["tpot_s"]["p99"] * 1e3, "worker_busy": busy}  # fmt: skip
+    return {
+        "node_tok_s": node_tok_s,
+        "decode": decode,
+        "workers": workers,
+        "rate": rate,
+        "requests": n,
+        "tok_per_s": s["output_throughput"],
+        "tpot_p50_ms": s["tpot_s"]["p50"] * 1e3,
+        "tpot_p99_ms": s["tpot_s"]["p99"] * 1e3,
+        "worker_busy": busy,
+    }
 
 
 def served(r: dict, base: dict) -> bool:
@@ -86,8 +102,13 @@ def reach(a: argparse.Namespace, node_tok_s: float) -> dict:
         d = (good + bad) // 2
         tried[d] = run(a, node_tok_s, d, 1)
         good, bad = (d, bad) if served(tried[d], base) else (good, d)
-    return {"node_tok_s": node_tok_s, "max_decode_nodes": good, "capped": bad is None, "base": base,
-            "runs": [tried[d] for d in sorted(tried)]}  # fmt: skip
+    return {
+        "node_tok_s": node_tok_s,
+        "max_decode_nodes": good,
+        "capped": bad is None,
+        "base": base,
+        "runs": [tried[d] for d in sorted(tried)],
+    }
 
 
 def workers_needed(a: argparse.Namespace) -> dict:
@@ -102,25 +123,38 @@ def workers_needed(a: argparse.Namespace) -> dict:
 
 def markdown(study: dict) -> str:
     c = study["config"]
-    lines = [f"Simulated (bench/sim.py): router {c['router_us_per_token']:g} µs a token + "
-             f"{c['router_us_per_message']:g} µs a message (measured by bench.router); decode steps of {c['batch']} "
-             f"requests; Poisson load at {c['load']:.0%} of the decode nodes' capacity, {c['prompt_tokens']}-token "
-             f"prompts, {c['max_tokens']} output tokens.", "",
-             "| decode node tok/s | decode nodes one worker serves | their tok/s | worker busy there |",
-             "|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"Simulated (bench/sim.py): router {c['router_us_per_token']:g} µs a token + "
+        f"{c['router_us_per_message']:g} µs a message (measured by bench.router); decode steps of {c['batch']} "
+        f"requests; Poisson load at {c['load']:.0%} of the decode nodes' capacity, {c['prompt_tokens']}-token "
+        f"prompts, {c['max_tokens']} output tokens.",
+        "",
+        "| decode node tok/s | decode nodes one worker serves | their tok/s | worker busy there |",
+        "|---|---|---|---|",
+    ]
     for r in study["reach"]:
         at = next(x for x in r["runs"] if x["decode"] == r["max_decode_nodes"])
         most = f"{r['max_decode_nodes']}{'+' if r['capped'] else ''}"
         lines.append(f"| {r['node_tok_s']:,.0f} | {most} | {at['tok_per_s']:,.0f} | {at['worker_busy'][0]:.0%} |")
     w = study["workers"]
-    lines += ["", f"{c['decode_nodes']} decode nodes at {c['node_speed']:,.0f} tok/s each: "
-              + (f"**{w['workers']} worker(s)** keep TPOT p99 within {GROWTH:g}x one node's "
-                 f"({w['base']['tpot_p99_ms']:.1f} ms), each busy less than {SATURATED:.0%}." if w["workers"] else
-                 f"more than {c['max_workers']} workers."), "",
-              "| workers | tok/s | TPOT p50 ms | TPOT p99 ms | busiest worker |", "|---|---|---|---|---|"]  # fmt: skip
+    lines += [
+        "",
+        f"{c['decode_nodes']} decode nodes at {c['node_speed']:,.0f} tok/s each: "
+        + (
+            f"**{w['workers']} worker(s)** keep TPOT p99 within {GROWTH:g}x one node's "
+            f"({w['base']['tpot_p99_ms']:.1f} ms), each busy less than {SATURATED:.0%}."
+            if w["workers"]
+            else f"more than {c['max_workers']} workers."
+        ),
+        "",
+        "| workers | tok/s | TPOT p50 ms | TPOT p99 ms | busiest worker |",
+        "|---|---|---|---|---|",
+    ]
     for r in w["runs"]:
-        lines.append(f"| {r['workers']} | {r['tok_per_s']:,.0f} | {r['tpot_p50_ms']:.1f} | {r['tpot_p99_ms']:.1f} | "
-                     f"{max(r['worker_busy']):.0%} |")  # fmt: skip
+        lines.append(
+            f"| {r['workers']} | {r['tok_per_s']:,.0f} | {r['tpot_p50_ms']:.1f} | {r['tpot_p99_ms']:.1f} | "
+            f"{max(r['worker_busy']):.0%} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -140,8 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-requests", type=int, default=200)
     p.add_argument("--out", type=Path, default=Path("bench/results/router-reach"))
     a = p.parse_args(argv)
-    study = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
-             "reach": [reach(a, s) for s in a.node_tok_s], "workers": workers_needed(a)}  # fmt: skip
+    study = {
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
+        "reach": [reach(a, s) for s in a.node_tok_s],
+        "workers": workers_needed(a),
+    }
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.with_suffix(".json").write_text(json.dumps(study, indent=1) + "\n")
     a.out.with_suffix(".md").write_text(markdown(study))

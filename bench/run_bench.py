@@ -112,8 +112,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slo-ttft-s", type=float, default=2.0)
     p.add_argument("--slo-tpot-s", type=float, default=0.2)
     p.add_argument("--kv-transport", default="zmq", choices=["zmq", "shm", "cuda_ipc"], help="for disagg")
-    p.add_argument("--engine-arg", action="append", default=[], dest="engine_args", metavar="FLAG",
-                   help="an extra `pdserve up` flag, e.g. --engine-arg=--num-prefill --engine-arg=2")  # fmt: skip
+    p.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        dest="engine_args",
+        metavar="FLAG",
+        help="an extra `pdserve up` flag, e.g. --engine-arg=--num-prefill --engine-arg=2",
+    )
     p.add_argument("--threads", type=int, default=2, help="torch threads of the in-process systems")
     p.add_argument("--no-overhead", action="store_true", help="skip the engine-overhead floor")
     p.add_argument("--no-kv-bandwidth", action="store_true", help="skip the KV bandwidth run after disagg")
@@ -143,6 +149,7 @@ def recorded_name(label: str | None, commit: str, day: str) -> str:
 
 def git_commit() -> str:
     """The checkout's short commit, `-dirty` appended when tracked files differ from it; "" outside git."""
+
     def git(*args: str) -> str:
         out = subprocess.run(["git", *args], capture_output=True, text=True, cwd=Path(__file__).parent, check=False)
         return out.stdout.strip() if out.returncode == 0 else ""
@@ -164,7 +171,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         "engine_args": tuple(a.engine_args),
         "overhead": not a.no_overhead,
         "kv_bandwidth": not a.no_kv_bandwidth,
-        "name": recorded_name(a.name, git_commit(), time.strftime("%Y-%m-%d", time.gmtime())) if a.record
+        "name": recorded_name(a.name, git_commit(), time.strftime("%Y-%m-%d", time.gmtime()))
+        if a.record
         else a.name or (f"{a.model}-quick" if a.quick else a.model),
         "out_dir": a.out_dir or (RESULTS_DIR if a.record else RUNS_DIR),
         "progress": not a.no_progress,
@@ -436,8 +444,11 @@ def missing_bench_extra() -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     if missing := missing_bench_extra():
-        print(f"bench: error: the benchmarks need the bench extra, pip install -e '.[bench]' (missing: "
-              f"{', '.join(missing)})", file=sys.stderr)  # fmt: skip
+        print(
+            f"bench: error: the benchmarks need the bench extra, pip install -e '.[bench]' (missing: "
+            f"{', '.join(missing)})",
+            file=sys.stderr,
+        )
         return 2
     try:
         cfg = parse_args(argv)

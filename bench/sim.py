@@ -85,10 +85,13 @@ class Topology:
     router_workers: int = 1  # router processes (see 1. above)
 
     def __post_init__(self) -> None:
-        if min(self.num_prefill, self.num_decode, self.max_num_seqs, self.max_num_batched_tokens,
-               self.router_workers) < 1:  # fmt: skip
-            raise ValueError("node counts, router workers, --max-num-seqs and --max-num-batched-tokens must be at "
-                             "least 1")  # fmt: skip
+        if (
+            min(self.num_prefill, self.num_decode, self.max_num_seqs, self.max_num_batched_tokens, self.router_workers)
+            < 1
+        ):
+            raise ValueError(
+                "node counts, router workers, --max-num-seqs and --max-num-batched-tokens must be at least 1"
+            )
         if self.cores and len(self.cores) != self.num_prefill + self.num_decode:
             raise ValueError("give one core per node, prefill nodes first, or none")
         if self.core_sharing not in CORE_SHARING:
@@ -501,8 +504,11 @@ def simulate(workload: Workload, costs: Costs, topo: Topology, counters: dict | 
     clock.run()
     if counters is not None:
         for role, nodes in (("prefill", router.prefill), ("decode", router.decode)):
-            counters[role] = {"steps": sum(n.steps for n in nodes), "step_time_s": sum(n.step_time_s for n in nodes),
-                              "busy_time_s": sum(n.busy_time_s for n in nodes)}  # fmt: skip
+            counters[role] = {
+                "steps": sum(n.steps for n in nodes),
+                "step_time_s": sum(n.step_time_s for n in nodes),
+                "busy_time_s": sum(n.busy_time_s for n in nodes),
+            }
         counters["router"] = {"busy_s": router.busy_s, "worker_busy_s": [loop.busy_s for loop in router.loops]}
     return [RequestRecord(r.arrival, r.output_len, r.prompt_len, r.token_times) for r in reqs]
 
@@ -517,11 +523,19 @@ def predict(workload: Workload, costs: Costs, topo: Topology, slo: SLO) -> dict:
 
 # ---- validation against a bench run ----------------------------------------------------------------
 
-COMPARED = (("output tok/s", "output_throughput", None), ("TTFT p50", "ttft_s", "p50"), ("TTFT p99", "ttft_s", "p99"),
-            ("TPOT p50", "tpot_s", "p50"), ("TPOT p99", "tpot_s", "p99"), ("hand-off p50", "handoff_s", "p50"),
-            ("decode ITL p50", "decode_itl_s", "p50"), ("prefill mean step", "prefill_step", None),
-            ("decode mean step", "decode_step", None), ("prefill outside steps", "prefill_outside", None),
-            ("decode outside steps", "decode_outside", None))  # fmt: skip
+COMPARED = (
+    ("output tok/s", "output_throughput", None),
+    ("TTFT p50", "ttft_s", "p50"),
+    ("TTFT p99", "ttft_s", "p99"),
+    ("TPOT p50", "tpot_s", "p50"),
+    ("TPOT p99", "tpot_s", "p99"),
+    ("hand-off p50", "handoff_s", "p50"),
+    ("decode ITL p50", "decode_itl_s", "p50"),
+    ("prefill mean step", "prefill_step", None),
+    ("decode mean step", "decode_step", None),
+    ("prefill outside steps", "prefill_outside", None),
+    ("decode outside steps", "decode_outside", None),
+)
 
 
 CALIBRATION_ROUNDS = 3
@@ -572,17 +586,22 @@ def _stat(summary: dict, key: str, stat: str | None) -> float | None:
 
 def scaled(costs: Costs, prefill: float, decode: float) -> Costs:
     """`costs` with every prefill term times `prefill` and every decode term times `decode`."""
-    return replace(costs, prefill_base_s=costs.prefill_base_s * prefill,
-                   prefill_per_token_s=costs.prefill_per_token_s * prefill,
-                   prefill_per_token_ctx_s=costs.prefill_per_token_ctx_s * prefill,
-                   decode_base_s=costs.decode_base_s * decode, decode_per_seq_s=costs.decode_per_seq_s * decode,
-                   decode_per_ctx_token_s=costs.decode_per_ctx_token_s * decode)  # fmt: skip
+    return replace(
+        costs,
+        prefill_base_s=costs.prefill_base_s * prefill,
+        prefill_per_token_s=costs.prefill_per_token_s * prefill,
+        prefill_per_token_ctx_s=costs.prefill_per_token_ctx_s * prefill,
+        decode_base_s=costs.decode_base_s * decode,
+        decode_per_seq_s=costs.decode_per_seq_s * decode,
+        decode_per_ctx_token_s=costs.decode_per_ctx_token_s * decode,
+    )
 
 
 def _simulated(res: dict, costs: Costs, topo: Topology, slo: SLO) -> dict:
     """bench's summary of `res`'s very requests (send times, lengths) simulated, with mean steps per role."""
-    reqs = tuple(BenchRequest(tuple(range(r["prompt_len"])), r["expected_output_len"], r["send_s"])
-                 for r in res["records"])  # fmt: skip
+    reqs = tuple(
+        BenchRequest(tuple(range(r["prompt_len"])), r["expected_output_len"], r["send_s"]) for r in res["records"]
+    )
     counts: dict = {}
     records = simulate(Workload(res["workload"], reqs), costs, topo, counts)
     summary = {**summarize(records, 0.0, slo), **stages([r.token_times for r in records])}
@@ -600,8 +619,11 @@ def _fitted(res: dict, base: Costs, topo: Topology, slo: SLO, measured: dict, st
     it) scaled until `res` simulated gives the means `measured`: nodes beside each other slow each other, so the
     scales are refined CALIBRATION_ROUNDS times. The costs, and the scales."""
     # the scales start from the costs' own loop time, else the one measured
-    outside = {r: getattr(base, f"{r}_iteration_s") or measured[f"{r}_outside"] for r in ROLES
-               if measured[f"{r}_outside"] is not None}  # fmt: skip
+    outside = {
+        r: getattr(base, f"{r}_iteration_s") or measured[f"{r}_outside"]
+        for r in ROLES
+        if measured[f"{r}_outside"] is not None
+    }
     factor = {f"{r}_{what}": 1.0 for r in ROLES for what in ("step", "outside")}
 
     def costs() -> Costs:
@@ -610,8 +632,9 @@ def _fitted(res: dict, base: Costs, topo: Topology, slo: SLO, measured: dict, st
 
     for _ in range(CALIBRATION_ROUNDS):
         cal = _simulated(res, costs(), topo, slo)
-        factor = {k: f * _ratio(measured[k], cal[k]) if steps or k.endswith("outside") else f
-                  for k, f in factor.items()}  # fmt: skip
+        factor = {
+            k: f * _ratio(measured[k], cal[k]) if steps or k.endswith("outside") else f for k, f in factor.items()
+        }
     return costs(), factor
 
 
@@ -654,8 +677,11 @@ def _disagg_results(run: dict) -> list[dict]:
 def _run_topology(run: dict, on_cores: bool, core_sharing: str, sleeper_credit_s: float) -> Topology:
     """A run_bench JSON's deployment, its nodes on the host's cores unless not `on_cores` (then each on a device
     of its own), shared as `core_sharing` says."""
-    topo = replace(bench_topology(run["config"], run["environment"]["cpu_count"]), core_sharing=core_sharing,
-                   sleeper_credit_s=sleeper_credit_s)  # fmt: skip
+    topo = replace(
+        bench_topology(run["config"], run["environment"]["cpu_count"]),
+        core_sharing=core_sharing,
+        sleeper_credit_s=sleeper_credit_s,
+    )
     return topo if on_cores else replace(topo, cores=())
 
 
@@ -692,9 +718,19 @@ def validate(
             pred, meas, calib = _stat(sim, key, stat), _stat(measured, key, stat), _stat(cal, key, stat)
             if pred is None or not meas or calib is None:
                 continue
-            rows.append({"workload": res["label"], "metric": label, "predicted": pred, "measured": meas,
-                         "error": pred / meas - 1, "calibrated": calib, "calibrated_error": calib / meas - 1,
-                         "router_us_per_token": host["router_s_per_token"] * 1e6, "cost_factors": factor})  # fmt: skip
+            rows.append(
+                {
+                    "workload": res["label"],
+                    "metric": label,
+                    "predicted": pred,
+                    "measured": meas,
+                    "error": pred / meas - 1,
+                    "calibrated": calib,
+                    "calibrated_error": calib / meas - 1,
+                    "router_us_per_token": host["router_s_per_token"] * 1e6,
+                    "cost_factors": factor,
+                }
+            )
     return rows
 
 
@@ -708,8 +744,10 @@ def router_costs(runs: list[dict]) -> tuple[float, float, list[dict]]:
     if len(res) < 2 or not all(steps):
         raise ValueError("fitting the router's costs needs two or more disagg results with node counters")
     a, b = _least_squares([[m, t] for m, t in zip(steps, tokens, strict=True)], [r["router_cpu_s"] for r in res])
-    fits = [{"label": r["label"], "messages": m, "tokens": t, "cpu_s": r["router_cpu_s"], "fitted_s": a * m + b * t}
-            for r, m, t in zip(res, steps, tokens, strict=True)]  # fmt: skip
+    fits = [
+        {"label": r["label"], "messages": m, "tokens": t, "cpu_s": r["router_cpu_s"], "fitted_s": a * m + b * t}
+        for r, m, t in zip(res, steps, tokens, strict=True)
+    ]
     return a, b, fits
 
 
@@ -719,15 +757,19 @@ def _fmt(metric: str, value: float) -> str:
 
 def validation_markdown(runs: list[tuple[str, dict, list[dict]]]) -> str:
     """One table: per run (name, run_bench JSON, `validate` rows) and metric, predicted vs measured."""
-    lines = ["| run | load 1-min (start→end) | metric | predicted | measured | error | calibrated | error |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| run | load 1-min (start→end) | metric | predicted | measured | error | calibrated | error |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for name, run, rows in runs:
         env = run["environment"]
         load = f"{env['loadavg_at_start'][0]:.1f}→{env['loadavg_at_end'][0]:.1f}"
         for r in rows:
             m, err, cal_err = r["metric"], r["error"], r["calibrated_error"]
-            lines.append(f"| {name} | {load} | {m} | {_fmt(m, r['predicted'])} | {_fmt(m, r['measured'])} | "
-                         f"{err:+.0%} | {_fmt(m, r['calibrated'])} | {cal_err:+.0%} |")  # fmt: skip
+            lines.append(
+                f"| {name} | {load} | {m} | {_fmt(m, r['predicted'])} | {_fmt(m, r['measured'])} | "
+                f"{err:+.0%} | {_fmt(m, r['calibrated'])} | {cal_err:+.0%} |"
+            )
     return "\n".join(lines)
 
 
@@ -751,23 +793,56 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slo-tpot-s", type=float, default=0.2)
     p.add_argument("--validate", type=Path, nargs="*", default=[], help="run_bench JSONs: disagg runs vs simulation")
     p.add_argument("--json", action="store_true", help="with --validate: JSON rows instead of a Markdown table")
-    p.add_argument("--costs-beside", action="store_true", help="with --validate: each run X.json with the costs "
-                   "measured right before it, costs-X.json beside it")  # fmt: skip
-    p.add_argument("--own-devices", action="store_true", help="with --validate: ignore the host's cores (each node "
-                   "on a device of its own, as the model was before it had cores)")  # fmt: skip
-    p.add_argument("--calibration", type=Path, default=None, help="with --validate: a separate run_bench JSON "
-                   "(1P1D) that completes the costs: router and load generator CPU per token, the nodes' time "
-                   "outside their steps, and the step cost level in the stack")  # fmt: skip
-    p.add_argument("--no-step-calibration", action="store_true", help="with --calibration: keep the step costs as "
-                   "measured in-process")  # fmt: skip
-    p.add_argument("--core-sharing", default="fair", choices=CORE_SHARING, help="how nodes pinned to one core share "
-                   "it: fair (each 1/k) or wakeup (CFS: a node that waited runs first, within a credit)")  # fmt: skip
-    p.add_argument("--sleeper-credit-ms", type=float, default=CFS_SLEEPER_CREDIT_S * 1e3, help="with --core-sharing "
-                   "wakeup: the most head start a node that waited gets (CFS on 2 CPUs: 6)")  # fmt: skip
-    p.add_argument("--fit-router", type=Path, nargs="*", default=[], help="run_bench JSONs: fit the router's CPU "
-                   "per message and per token over their disagg results")  # fmt: skip
-    p.add_argument("--write-calibrated", type=Path, default=None, help="with --calibration: write --costs as that "
-                   "run completes them (a costs JSON for bench.sim_study) and stop")  # fmt: skip
+    p.add_argument(
+        "--costs-beside",
+        action="store_true",
+        help="with --validate: each run X.json with the costs measured right before it, costs-X.json beside it",
+    )
+    p.add_argument(
+        "--own-devices",
+        action="store_true",
+        help="with --validate: ignore the host's cores (each node "
+        "on a device of its own, as the model was before it had cores)",
+    )
+    p.add_argument(
+        "--calibration",
+        type=Path,
+        default=None,
+        help="with --validate: a separate run_bench JSON "
+        "(1P1D) that completes the costs: router and load generator CPU per token, the nodes' time "
+        "outside their steps, and the step cost level in the stack",
+    )
+    p.add_argument(
+        "--no-step-calibration",
+        action="store_true",
+        help="with --calibration: keep the step costs as measured in-process",
+    )
+    p.add_argument(
+        "--core-sharing",
+        default="fair",
+        choices=CORE_SHARING,
+        help="how nodes pinned to one core share "
+        "it: fair (each 1/k) or wakeup (CFS: a node that waited runs first, within a credit)",
+    )
+    p.add_argument(
+        "--sleeper-credit-ms",
+        type=float,
+        default=CFS_SLEEPER_CREDIT_S * 1e3,
+        help="with --core-sharing wakeup: the most head start a node that waited gets (CFS on 2 CPUs: 6)",
+    )
+    p.add_argument(
+        "--fit-router",
+        type=Path,
+        nargs="*",
+        default=[],
+        help="run_bench JSONs: fit the router's CPU per message and per token over their disagg results",
+    )
+    p.add_argument(
+        "--write-calibrated",
+        type=Path,
+        default=None,
+        help="with --calibration: write --costs as that run completes them (a costs JSON for bench.sim_study) and stop",
+    )
     a = p.parse_args(argv)
     if not a.sleeper_credit_ms >= 0:
         p.error("--sleeper-credit-ms must be at least 0")
@@ -779,8 +854,14 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:  # a run without what a fit needs (node counters, a disagg result), too few runs
             p.error(str(e))
     try:
-        topo = Topology(a.prefill, a.decode, a.max_num_seqs, a.max_num_batched_tokens,
-                        core_sharing=a.core_sharing, sleeper_credit_s=a.sleeper_credit_ms / 1e3)  # fmt: skip
+        topo = Topology(
+            a.prefill,
+            a.decode,
+            a.max_num_seqs,
+            a.max_num_batched_tokens,
+            core_sharing=a.core_sharing,
+            sleeper_credit_s=a.sleeper_credit_ms / 1e3,
+        )
         w = make_workload(a.workload, a.vocab_size, a.max_model_len, a.seed, a.rate, a.num_requests)
     except ValueError as e:
         print(f"bench.sim: error: {e}", file=sys.stderr)
@@ -795,13 +876,18 @@ def _offline(a: argparse.Namespace) -> int:
     cal_run = json.loads(a.calibration.read_text()) if a.calibration else None
     if a.write_calibrated:
         fitted = calibrated_costs(Costs.load(a.costs), cal_run, on_cores, steps, a.core_sharing, credit)
-        a.write_calibrated.write_text(json.dumps({"costs": asdict(fitted), "from": [str(a.costs), str(a.calibration)]},
-                                                 indent=1) + "\n")  # fmt: skip
+        a.write_calibrated.write_text(
+            json.dumps({"costs": asdict(fitted), "from": [str(a.costs), str(a.calibration)]}, indent=1) + "\n"
+        )
         return 0
     if a.fit_router:
         per_message, per_token, fits = router_costs([json.loads(f.read_text()) for f in a.fit_router])
-        print(json.dumps({"router_us_per_message": per_message * 1e6, "router_us_per_token": per_token * 1e6,
-                          "runs": fits}, indent=1))  # fmt: skip
+        print(
+            json.dumps(
+                {"router_us_per_message": per_message * 1e6, "router_us_per_token": per_token * 1e6, "runs": fits},
+                indent=1,
+            )
+        )
         return 0
     costs = {f: Costs.load(f.with_name(f"costs-{f.name}") if a.costs_beside else a.costs) for f in a.validate}
     distinct = set(costs.values()) if cal_run else set()  # one fit per costs file, not per run

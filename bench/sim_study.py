@@ -65,27 +65,44 @@ def router_scaling(costs: Costs, slo: SLO, best: dict, n: int, seed: int, max_k:
         counters: dict = {}
         s = summarize(simulate(w, costs, topo, counters), 0.0, slo)
         busy = counters["router"]["busy_s"] / s["wall_s"]
-        rows.append({"k": k, "nodes": topo.num_prefill + topo.num_decode, "rate": rate,
-                     "attainment": s["slo_attainment"], "output_tok_s": s["output_throughput"],
-                     "router_busy": busy})  # fmt: skip
+        rows.append(
+            {
+                "k": k,
+                "nodes": topo.num_prefill + topo.num_decode,
+                "rate": rate,
+                "attainment": s["slo_attainment"],
+                "output_tok_s": s["output_throughput"],
+                "router_busy": busy,
+            }
+        )
     return rows
 
 
 def markdown(study: dict) -> str:
     c = study["config"]
-    lines = [f"Simulated from CPU-measured costs ({c['costs']}); `sharegpt_like`, {c['num_requests']} requests, "
-             f"SLO TTFT <= {c['slo_ttft_s']} s and TPOT <= {c['slo_tpot_s'] * 1e3:.0f} ms, 90% attainment.", "",
-             "| P | D | nodes | goodput (req/s) | per node |", "|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"Simulated from CPU-measured costs ({c['costs']}); `sharegpt_like`, {c['num_requests']} requests, "
+        f"SLO TTFT <= {c['slo_ttft_s']} s and TPOT <= {c['slo_tpot_s'] * 1e3:.0f} ms, 90% attainment.",
+        "",
+        "| P | D | nodes | goodput (req/s) | per node |",
+        "|---|---|---|---|---|",
+    ]
     for r in study["splits"]:
         g = r["goodput_rps"] or 0.0
         lines.append(f"| {r['prefill']} | {r['decode']} | {r['nodes']} | {g:.2f} | {g / r['nodes']:.2f} |")
-    lines += ["", f"Router at {c['router_us_per_message']:.0f} µs CPU per message from a node and "
-              f"{c['router_us_per_token']:.0f} µs per streamed token, best split scaled k times:",
-              "", "| k | nodes | rate (req/s) | output tok/s | router busy | attainment |",
-              "|---|---|---|---|---|---|"]  # fmt: skip
+    lines += [
+        "",
+        f"Router at {c['router_us_per_message']:.0f} µs CPU per message from a node and "
+        f"{c['router_us_per_token']:.0f} µs per streamed token, best split scaled k times:",
+        "",
+        "| k | nodes | rate (req/s) | output tok/s | router busy | attainment |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in study["router"]:
-        lines.append(f"| {r['k']} | {r['nodes']} | {r['rate']:.1f} | {r['output_tok_s']:.0f} | "
-                     f"{r['router_busy']:.0%} | {r['attainment']:.0%} |")  # fmt: skip
+        lines.append(
+            f"| {r['k']} | {r['nodes']} | {r['rate']:.1f} | {r['output_tok_s']:.0f} | "
+            f"{r['router_busy']:.0%} | {r['attainment']:.0%} |"
+        )
     return "\n".join(lines)
 
 
@@ -93,8 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.sim_study", description=__doc__.split("\n\n")[0])
     p.add_argument("--costs", type=Path, default=Path(__file__).parent / "results" / "costs-small.json")
     p.add_argument("--router-us-per-token", type=float, default=0.0, help="the router's CPU per streamed token")
-    p.add_argument("--router-us-per-message", type=float, default=0.0, help="the router's CPU per message from "
-                   "a node (one a step; 0: all of it counted per token, as router_cpu_us_per_token)")  # fmt: skip
+    p.add_argument(
+        "--router-us-per-message",
+        type=float,
+        default=0.0,
+        help="the router's CPU per message from "
+        "a node (one a step; 0: all of it counted per token, as router_cpu_us_per_token)",
+    )
     p.add_argument("--slo-ttft-s", type=float, default=1.0)
     p.add_argument("--slo-tpot-s", type=float, default=0.025)
     p.add_argument("--max-nodes", type=int, default=6)
@@ -103,16 +125,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-k", type=int, default=64)
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "sim-study")
     a = p.parse_args(argv)
-    costs = replace(Costs.load(a.costs), router_s_per_token=a.router_us_per_token / 1e6,
-                    router_s_per_message=a.router_us_per_message / 1e6)  # fmt: skip
+    costs = replace(
+        Costs.load(a.costs),
+        router_s_per_token=a.router_us_per_token / 1e6,
+        router_s_per_message=a.router_us_per_message / 1e6,
+    )
     slo, base = SLO(a.slo_ttft_s, a.slo_tpot_s), Topology()
     no_router = replace(costs, router_s_per_token=0.0, router_s_per_message=0.0)
     splits = split_table(no_router, slo, a.max_nodes, a.num_requests, a.seed, base)
     best = max(splits, key=lambda r: ((r["goodput_rps"] or 0) / r["nodes"], -r["nodes"]))
     best = {**best, "max_num_seqs": base.max_num_seqs, "budget": base.max_num_batched_tokens}
-    study = {"config": {**{k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()}},
-             "splits": splits, "best_per_node": best,
-             "router": router_scaling(costs, slo, best, a.num_requests, a.seed, a.max_k)}  # fmt: skip
+    study = {
+        "config": {**{k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()}},
+        "splits": splits,
+        "best_per_node": best,
+        "router": router_scaling(costs, slo, best, a.num_requests, a.seed, a.max_k),
+    }
     a.out.parent.mkdir(parents=True, exist_ok=True)
     Path(f"{a.out}.json").write_text(json.dumps(study, indent=1))
     Path(f"{a.out}.md").write_text(markdown(study) + "\n")

@@ -86,9 +86,13 @@ def free_port() -> int:
 
 
 def stack_argv(opts: StackOptions, mode: str, port: int) -> list[str]:
-    engine = engine_flags(model=opts.model, max_num_seqs=opts.max_num_seqs, kv_cache_gb=opts.kv_cache_gb,
-                          max_num_batched_tokens=opts.max_num_batched_tokens,
-                          kv_transport=opts.kv_transport if mode == "disagg" else None)  # fmt: skip
+    engine = engine_flags(
+        model=opts.model,
+        max_num_seqs=opts.max_num_seqs,
+        kv_cache_gb=opts.kv_cache_gb,
+        max_num_batched_tokens=opts.max_num_batched_tokens,
+        kv_transport=opts.kv_transport if mode == "disagg" else None,
+    )
     return [sys.executable, "-m", "pdserve", "up", "--mode", mode, "--port", str(port), *engine, *opts.extra_args]
 
 

@@ -90,8 +90,10 @@ def make_keys(a: argparse.Namespace) -> None:
     if os.path.exists(a.dir) and os.listdir(a.dir):
         raise ValueError(f"{a.dir} exists and is not empty; give a new folder")
     make_keys(a.dir)
-    print(f"CurveZMQ keys written to {a.dir}; give every process of the stack --zmq-keys {a.dir} "
-          "(copy the folder to each host, and keep it private)")  # fmt: skip
+    print(
+        f"CurveZMQ keys written to {a.dir}; give every process of the stack --zmq-keys {a.dir} "
+        "(copy the folder to each host, and keep it private)"
+    )
 
 
 def log_format(verb: str) -> str:

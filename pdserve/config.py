@@ -51,8 +51,9 @@ def comma_floats(text: str) -> tuple[float, ...]:
 
 
 def _model() -> Any:
-    return option("tiny", f"checkpoint folder (config.json, weights, tokenizer files), or a built-in: "
-                          f"{', '.join(BUILTIN_MODELS)}")  # fmt: skip
+    return option(
+        "tiny", f"checkpoint folder (config.json, weights, tokenizer files), or a built-in: {', '.join(BUILTIN_MODELS)}"
+    )
 
 
 def _drain_timeout_s() -> Any:
@@ -109,8 +110,14 @@ def check_key_dir(path: str) -> None:
 DEVICE = re.compile(r"cpu|cuda(:\d+)?")  # what --device and the per-role devices may name
 
 
-MOCK_COSTS_KEYS = ("prefill_base_s", "prefill_per_token_s", "prefill_per_token_ctx_s", "decode_base_s",
-                   "decode_per_seq_s", "decode_per_ctx_token_s")
+MOCK_COSTS_KEYS = (
+    "prefill_base_s",
+    "prefill_per_token_s",
+    "prefill_per_token_ctx_s",
+    "decode_base_s",
+    "decode_per_seq_s",
+    "decode_per_ctx_token_s",
+)
 
 
 def read_mock_costs(path: str) -> dict[str, float]:
@@ -135,38 +142,64 @@ class EngineConfig:
     dtype: str = option("float32", "dtype of the weights and activations", choices=DTYPE_CHOICES)
     device: str = option("cpu", "cpu or cuda:N")
     max_num_seqs: int = option(16, "the most requests one engine step runs", type=int)
-    max_num_batched_tokens: int = option(512, "tokens one engine step runs (prompt chunks and decode tokens)",
-                                         type=int)  # fmt: skip
+    max_num_batched_tokens: int = option(512, "tokens one engine step runs (prompt chunks and decode tokens)", type=int)
     block_size: int = option(16, "tokens per KV block", type=int)
-    num_kv_blocks: int | None = option(None, "KV blocks in the pool (default: as many as --kv-cache-gb holds)",
-                                       type=int)  # fmt: skip
+    num_kv_blocks: int | None = option(
+        None, "KV blocks in the pool (default: as many as --kv-cache-gb holds)", type=int
+    )
     kv_cache_gb: float = option(0.25, "memory of the KV pool in GiB", type=float)
-    cpu_cores: tuple[int, ...] = option((), "pin the process to these cores, e.g. 0, 0-3 or 0,2 (default: no "
-                                        "pinning)", type=parse_cores, metavar="CORES")  # fmt: skip
-    cpu_kernels: str = option("auto", "pdserve's C kernels (paged decode attention, fused norms, silu*mul; CPU, "
-                                      "float32): on, off (torch's ops), auto (on where they apply and build)",
-                              choices=CPU_KERNELS)  # fmt: skip
-    attention_backend: str = option("auto", "auto: Triton kernels on CUDA, pdserve's C kernels on the CPU; triton: "
-                                            "paged kernels; torch: SDPA per request",
-                                    choices=ATTENTION_BACKENDS)  # fmt: skip
-    enforce_eager: bool = option(False, "no CUDA graphs: every step runs eagerly (docs/gpu-step.md)",
-                                 action="store_true")
-    async_scheduling: bool = option(False, "schedule and pack step N+1 while step N runs, its input tokens read on "
-                                           "the device (docs/async-scheduling.md; model engines, not prefill nodes)",
-                                    action="store_true")  # fmt: skip
-    prefix_caching: bool = option(True, "recompute every prompt from its first token: share no cached prefix KV "
-                                        "(docs/prefix-caching.md)", flag="--no-prefix-caching",
-                                  action="store_false")  # fmt: skip
-    engine: str = option("model", "mock: no model and no torch; the real scheduler, KV accounting and protocol, a "
-                                  "modelled step time and made-up tokens (router tests and benchmarks)",
-                         choices=ENGINES)  # fmt: skip
-    mock_step_s: tuple[float, ...] = option(MOCK_STEP_S, "mock: a step takes A + B*tokens + C*requests "
-                                            "(+ D*attended context) seconds; give A,B,C[,D]", type=comma_floats,
-                                            metavar="A,B,C[,D]")  # fmt: skip
-    mock_costs: str = option("", "mock: the step time of a bench.costs JSON file (its prefill or decode costs, by "
-                                 "the node's role) instead of --mock-step-s")  # fmt: skip
-    mock_kv: str = option("full", "mock: KV transfers carry the real number of bytes (full) or their headers only",
-                          choices=MOCK_KV_MODES)  # fmt: skip
+    cpu_cores: tuple[int, ...] = option(
+        (),
+        "pin the process to these cores, e.g. 0, 0-3 or 0,2 (default: no pinning)",
+        type=parse_cores,
+        metavar="CORES",
+    )
+    cpu_kernels: str = option(
+        "auto",
+        "pdserve's C kernels (paged decode attention, fused norms, silu*mul; CPU, "
+        "float32): on, off (torch's ops), auto (on where they apply and build)",
+        choices=CPU_KERNELS,
+    )
+    attention_backend: str = option(
+        "auto",
+        "auto: Triton kernels on CUDA, pdserve's C kernels on the CPU; triton: paged kernels; torch: SDPA per request",
+        choices=ATTENTION_BACKENDS,
+    )
+    enforce_eager: bool = option(
+        False, "no CUDA graphs: every step runs eagerly (docs/gpu-step.md)", action="store_true"
+    )
+    async_scheduling: bool = option(
+        False,
+        "schedule and pack step N+1 while step N runs, its input tokens read on "
+        "the device (docs/async-scheduling.md; model engines, not prefill nodes)",
+        action="store_true",
+    )
+    prefix_caching: bool = option(
+        True,
+        "recompute every prompt from its first token: share no cached prefix KV (docs/prefix-caching.md)",
+        flag="--no-prefix-caching",
+        action="store_false",
+    )
+    engine: str = option(
+        "model",
+        "mock: no model and no torch; the real scheduler, KV accounting and protocol, a "
+        "modelled step time and made-up tokens (router tests and benchmarks)",
+        choices=ENGINES,
+    )
+    mock_step_s: tuple[float, ...] = option(
+        MOCK_STEP_S,
+        "mock: a step takes A + B*tokens + C*requests (+ D*attended context) seconds; give A,B,C[,D]",
+        type=comma_floats,
+        metavar="A,B,C[,D]",
+    )
+    mock_costs: str = option(
+        "",
+        "mock: the step time of a bench.costs JSON file (its prefill or decode costs, by "
+        "the node's role) instead of --mock-step-s",
+    )
+    mock_kv: str = option(
+        "full", "mock: KV transfers carry the real number of bytes (full) or their headers only", choices=MOCK_KV_MODES
+    )
 
     def __post_init__(self) -> None:
         self._check_mock()
@@ -196,8 +229,10 @@ class EngineConfig:
         if self.engine not in ENGINES:
             raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, not {self.engine!r}")
         if len(self.mock_step_s) not in (3, 4) or not all(x >= 0 for x in self.mock_step_s):
-            raise ValueError("--mock-step-s takes 3 or 4 non-negative numbers: A,B,C[,D] (seconds a step, per token, "
-                             "per request[, per attended context token])")  # fmt: skip
+            raise ValueError(
+                "--mock-step-s takes 3 or 4 non-negative numbers: A,B,C[,D] (seconds a step, per token, "
+                "per request[, per attended context token])"
+            )
         if self.mock_kv not in MOCK_KV_MODES:
             raise ValueError(f"--mock-kv must be one of {', '.join(MOCK_KV_MODES)}")
         if self.mock_costs:
@@ -217,23 +252,34 @@ class NodeConfig:
     engine: EngineConfig
     listen: str = option("tcp://127.0.0.1:0", "router-facing address")
     kv_listen: str = option("tcp://127.0.0.1:0", "decode node: where prefill nodes ship KV")
-    kv_transport: KvTransport = option(KvTransport.ZMQ, "how KV moves from prefill to decode nodes",
-                                       type=KvTransport, choices=KV_TRANSPORTS)  # fmt: skip
-    kv_lease_s: float = option(30.0, "how long a decode node keeps KV it reserved for a prompt that has not arrived",
-                               type=float)  # fmt: skip
+    kv_transport: KvTransport = option(
+        KvTransport.ZMQ, "how KV moves from prefill to decode nodes", type=KvTransport, choices=KV_TRANSPORTS
+    )
+    kv_lease_s: float = option(
+        30.0, "how long a decode node keeps KV it reserved for a prompt that has not arrived", type=float
+    )
     ready_file: str = option("", "once serving, write the node's bound addresses (JSON) to this file")
     host_id: str = option("", "nodes with the same host id may share memory (default: hostname and boot id)")
     drain_timeout_s: float = _drain_timeout_s()
     zmq_keys: str = _zmq_keys()
-    kv_failure: str = option("recompute", "decode node, a prompt's KV lost or damaged on the way: recompute it "
-                                          "there, or fail it", choices=KV_FAILURE_POLICIES)  # fmt: skip
-    kv_fault_rate: float = option(0.0, "prefill node, for tests and drills: damage this share of KV transfers on "
-                                       "purpose", type=float)  # fmt: skip
-    kv_fault_kinds: tuple[str, ...] = option(KV_FAULT_KINDS, f"comma-separated, one picked at random each time: "
-                                             f"{', '.join(KV_FAULT_KINDS)} (with --kv-fault-rate)",
-                                             type=comma_list)  # fmt: skip
-    stats_interval_s: float = option(0.5, "seconds between a node's stats to its routers (its load, KV use and "
-                                          "counters; its heartbeat too)", type=float)  # fmt: skip
+    kv_failure: str = option(
+        "recompute",
+        "decode node, a prompt's KV lost or damaged on the way: recompute it there, or fail it",
+        choices=KV_FAILURE_POLICIES,
+    )
+    kv_fault_rate: float = option(
+        0.0, "prefill node, for tests and drills: damage this share of KV transfers on purpose", type=float
+    )
+    kv_fault_kinds: tuple[str, ...] = option(
+        KV_FAULT_KINDS,
+        f"comma-separated, one picked at random each time: {', '.join(KV_FAULT_KINDS)} (with --kv-fault-rate)",
+        type=comma_list,
+    )
+    stats_interval_s: float = option(
+        0.5,
+        "seconds between a node's stats to its routers (its load, KV use and counters; its heartbeat too)",
+        type=float,
+    )
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -242,8 +288,10 @@ class NodeConfig:
             raise ValueError(f"--kv-transport must be one of {', '.join(KV_TRANSPORTS)}")
         on_gpu = self.engine.device.startswith("cuda")
         if self.role in KV_ROLES and self.kv_transport == KvTransport.CUDA_IPC and not on_gpu:
-            raise ValueError(f"--kv-transport cuda_ipc moves KV between GPUs: this {self.role} node needs "
-                             f"--device cuda:N, not {self.engine.device!r}")  # fmt: skip
+            raise ValueError(
+                f"--kv-transport cuda_ipc moves KV between GPUs: this {self.role} node needs "
+                f"--device cuda:N, not {self.engine.device!r}"
+            )
         if self.kv_lease_s <= 0:
             raise ValueError("--kv-lease-s must be positive")
         if self.drain_timeout_s <= 0:
@@ -273,52 +321,79 @@ class RouterConfig:
     colocated: tuple[str, ...] = option((), "colocated nodes' addresses", nargs="*", metavar="ADDR")
     prefill: tuple[str, ...] = option((), "prefill nodes' addresses", nargs="*", metavar="ADDR")
     decode: tuple[str, ...] = option((), "decode nodes' router-facing addresses", nargs="*", metavar="ADDR")
-    decode_kv: tuple[str, ...] = option((), "decode nodes' KV addresses, in --decode's order", nargs="*",
-                                        metavar="ADDR")  # fmt: skip
-    skip_tokenizer: bool = option(False, "serve a checkpoint without tokenizer files: prompts as token ids only, "
-                                         "answers as token ids (return_token_ids), text fields empty",
-                                  action="store_true")  # fmt: skip
+    decode_kv: tuple[str, ...] = option(
+        (), "decode nodes' KV addresses, in --decode's order", nargs="*", metavar="ADDR"
+    )
+    skip_tokenizer: bool = option(
+        False,
+        "serve a checkpoint without tokenizer files: prompts as token ids only, "
+        "answers as token ids (return_token_ids), text fields empty",
+        action="store_true",
+    )
     served_model_name: str = option("", "the model id the API lists and answers to (default: --model)")
     node_timeout_s: float = option(10.0, "a node silent this long is taken as down", type=float)
-    connect_timeout_s: float = option(120.0, "at start, how long to wait for every node to answer once, then exit "
-                                             "with an error", type=float)  # fmt: skip
-    api_key: str = option("", "every route but /health needs 'Authorization: Bearer KEY' (default: "
-                              "$PDSERVE_API_KEY)", env="PDSERVE_API_KEY", repr=False)  # fmt: skip
+    connect_timeout_s: float = option(
+        120.0, "at start, how long to wait for every node to answer once, then exit with an error", type=float
+    )
+    api_key: str = option(
+        "",
+        "every route but /health needs 'Authorization: Bearer KEY' (default: $PDSERVE_API_KEY)",
+        env="PDSERVE_API_KEY",
+        repr=False,
+    )
     max_n: int = option(16, "the most choices (n) one request may ask for", type=int)
-    ray_address: str = option("", "learn the nodes from this Ray cluster's deployment", flag="--ray",
-                              metavar="ADDRESS")  # fmt: skip
+    ray_address: str = option("", "learn the nodes from this Ray cluster's deployment", flag="--ray", metavar="ADDRESS")
     ray_deployment: str = _deployment_name()
     membership_interval_s: float = 1.0  # how often the Ray deployment's node list is read
     max_request_bytes: int = option(4 * 2**20, "larger bodies get 413", type=int)
-    max_queued_requests: int = option(1024, "requests waiting for a first token; beyond, 429 with Retry-After",
-                                      type=int)  # fmt: skip
+    max_queued_requests: int = option(
+        1024, "requests waiting for a first token; beyond, 429 with Retry-After", type=int
+    )
     queue_timeout_s: float = option(300.0, "a request without a first token after this long gets 503", type=float)
     drain_timeout_s: float = _drain_timeout_s()
     zmq_keys: str = _zmq_keys()
-    access_log: bool = option(True, "log no line per request (without it: a line each, with method, path, status, "
-                                    "tokens, duration)",
-                              flag="--no-access-log", action="store_false")  # fmt: skip
-    instance_id: str = option("", "an id /health reports, by which a launcher knows it reached the router it "
-                                  "started")  # fmt: skip
-    router_workers: int = option(1, "router processes sharing the HTTP port (SO_REUSEPORT), each connected to every "
-                                    "node", type=int)  # fmt: skip
-    cache_balance_margin: int = option(4, "route to the node holding the longest cached prefix of the prompt unless "
-                                          "it holds more than this many requests above the least loaded node; -1: "
-                                          "least loaded only", type=int)  # fmt: skip
-    local_prefill_max_tokens: int | None = option(None, "disaggregated: a decode node whose prefix cache holds all "
-                                                  "but at most this many tokens of a prompt (its first block at "
-                                                  "least) gets it directly and computes those itself, skipping the "
-                                                  "prefill node and the KV transfer; 0: never (default: one chunk, "
-                                                  "the decode node's --max-num-batched-tokens)", type=int,
-                                                  metavar="TOKENS")  # fmt: skip
-    token_path: str = option("auto", "a streamed token's way through the router: auto (in C, built on first use with "
-                                     "the system's C compiler, where it builds; else Python) or python",
-                             choices=TOKEN_PATHS)  # fmt: skip
-    max_prefill_queue: int = option(0, "disaggregated: when every prefill node holds at least this many of the "
-                                       "router's requests (queued, being computed, or shipping their KV), the decode "
-                                       "node chosen computes a prompt itself, as long as fewer of its own prompts "
-                                       "wait for their first token; 0: never", type=int,
-                                    metavar="REQUESTS")  # fmt: skip
+    access_log: bool = option(
+        True,
+        "log no line per request (without it: a line each, with method, path, status, tokens, duration)",
+        flag="--no-access-log",
+        action="store_false",
+    )
+    instance_id: str = option("", "an id /health reports, by which a launcher knows it reached the router it started")
+    router_workers: int = option(
+        1, "router processes sharing the HTTP port (SO_REUSEPORT), each connected to every node", type=int
+    )
+    cache_balance_margin: int = option(
+        4,
+        "route to the node holding the longest cached prefix of the prompt unless "
+        "it holds more than this many requests above the least loaded node; -1: "
+        "least loaded only",
+        type=int,
+    )
+    local_prefill_max_tokens: int | None = option(
+        None,
+        "disaggregated: a decode node whose prefix cache holds all "
+        "but at most this many tokens of a prompt (its first block at "
+        "least) gets it directly and computes those itself, skipping the "
+        "prefill node and the KV transfer; 0: never (default: one chunk, "
+        "the decode node's --max-num-batched-tokens)",
+        type=int,
+        metavar="TOKENS",
+    )
+    token_path: str = option(
+        "auto",
+        "a streamed token's way through the router: auto (in C, built on first use with "
+        "the system's C compiler, where it builds; else Python) or python",
+        choices=TOKEN_PATHS,
+    )
+    max_prefill_queue: int = option(
+        0,
+        "disaggregated: when every prefill node holds at least this many of the "
+        "router's requests (queued, being computed, or shipping their KV), the decode "
+        "node chosen computes a prompt itself, as long as fewer of its own prompts "
+        "wait for their first token; 0: never",
+        type=int,
+        metavar="REQUESTS",
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -363,8 +438,9 @@ class RouterConfig:
 class LaunchConfig:
     """`pdserve up`'s own flags: which nodes it starts, where, and (with --ray) on which cluster."""
 
-    mode: str = option("disagg", "disagg: prefill and decode nodes; colocated: one node doing both",
-                       choices=LAUNCH_MODES)  # fmt: skip
+    mode: str = option(
+        "disagg", "disagg: prefill and decode nodes; colocated: one node doing both", choices=LAUNCH_MODES
+    )
     num_prefill: int = option(1, "prefill nodes to start", type=int)
     num_decode: int = option(1, "decode nodes to start", type=int)
     prefill_device: str | None = option(None, "the prefill nodes' device (default: --device)")
@@ -373,11 +449,17 @@ class LaunchConfig:
     prefill_cores: str | None = option(None, "cores of each prefill node (default: one core each)", metavar="CORES")
     decode_cores: str | None = option(None, "cores of each decode node (default: one core each)", metavar="CORES")
     no_pin: bool = option(False, "do not pin nodes to cores", action="store_true")
-    ray: str | None = option(None, "place the nodes on a Ray cluster: 'auto', HOST:PORT, or none to start a local "
-                                   "one", nargs="?", const="local", metavar="ADDRESS")  # fmt: skip
+    ray: str | None = option(
+        None,
+        "place the nodes on a Ray cluster: 'auto', HOST:PORT, or none to start a local one",
+        nargs="?",
+        const="local",
+        metavar="ADDRESS",
+    )
     name: str = _deployment_name()
-    placement: str = option("spread", "spread: nodes on as many hosts as can take them; pack: on as few",
-                            choices=PLACEMENTS)  # fmt: skip
+    placement: str = option(
+        "spread", "spread: nodes on as many hosts as can take them; pack: on as few", choices=PLACEMENTS
+    )
     ray_node_cpus: int = option(1, "CPUs each node holds on a CPU device", type=int)
     ray_bind_host: str = option("", "address nodes bind (default: their host's cluster IP)")
     max_restarts: int = option(3, "how often Ray restarts a node that died", type=int)

@@ -88,25 +88,41 @@ ENGINE_FLAGS = flags_of(EngineConfig, skip=("device", "cpu_cores")) + flags_of(
 SHARED_FLAGS = flags_of(NodeConfig, "drain_timeout_s", "zmq_keys")  # every process of a stack, router included
 ROUTER_LIMIT_FLAGS = flags_of(RouterConfig, "max_request_bytes", "max_queued_requests", "queue_timeout_s")
 ROUTER_API_FLAGS = flags_of(RouterConfig, "host", "port", "served_model_name", "skip_tokenizer", "api_key", "max_n")
-UP_ROUTER_FLAGS = (ROUTER_API_FLAGS + flags_of(RouterConfig, "node_timeout_s", "access_log", "cache_balance_margin",
-                                                "local_prefill_max_tokens", "max_prefill_queue",
-                                                "router_workers", "token_path")
-                   + ROUTER_LIMIT_FLAGS)  # fmt: skip
+UP_ROUTER_FLAGS = (
+    ROUTER_API_FLAGS
+    + flags_of(
+        RouterConfig,
+        "node_timeout_s",
+        "access_log",
+        "cache_balance_margin",
+        "local_prefill_max_tokens",
+        "max_prefill_queue",
+        "router_workers",
+        "token_path",
+    )
+    + ROUTER_LIMIT_FLAGS
+)
 RAY_UP_FLAGS = flags_of(LaunchConfig, "ray", "name", "placement", "ray_node_cpus", "ray_bind_host", "max_restarts")
 NODE_FLAGS = flags_of(EngineConfig, "device", "cpu_cores") + flags_of(NodeConfig, "listen", "ready_file", "host_id")
 
 Groups = tuple[tuple[str, tuple[Flag, ...]], ...]  # (title, flags) of each group of a verb's --help
 VERB_FLAGS: dict[str, Groups] = {
-    "up": (("engine", ENGINE_FLAGS + SHARED_FLAGS + flags_of(EngineConfig, "device")),
-           ("nodes", flags_of(LaunchConfig, skip=[f.dest for f in RAY_UP_FLAGS])),
-           ("router", UP_ROUTER_FLAGS),
-           ("Ray cluster (pip install pdserve[ray])", RAY_UP_FLAGS)),
-    **{role: (("engine", ENGINE_FLAGS + SHARED_FLAGS),
-              ("node", NODE_FLAGS + (flags_of(NodeConfig, "kv_listen") if role == Role.DECODE else ())))
-       for role in NODE_ROLES},
+    "up": (
+        ("engine", ENGINE_FLAGS + SHARED_FLAGS + flags_of(EngineConfig, "device")),
+        ("nodes", flags_of(LaunchConfig, skip=[f.dest for f in RAY_UP_FLAGS])),
+        ("router", UP_ROUTER_FLAGS),
+        ("Ray cluster (pip install pdserve[ray])", RAY_UP_FLAGS),
+    ),
+    **{
+        role: (
+            ("engine", ENGINE_FLAGS + SHARED_FLAGS),
+            ("node", NODE_FLAGS + (flags_of(NodeConfig, "kv_listen") if role == Role.DECODE else ())),
+        )
+        for role in NODE_ROLES
+    },
     Role.ROUTER: (("router", flags_of(RouterConfig)),),
     "scale": (("deployment", flags_of(ScaleConfig)),),
-}  # fmt: skip
+}
 GLOBAL_FLAGS = flags_of(LogConfig)  # before the verb
 
 
@@ -167,8 +183,16 @@ def router_options(a: argparse.Namespace) -> list[str]:
 def router_command(model: str, nodes: Iterable[dict], options: Iterable[str] = (), log_level: str = "") -> list[str]:
     """`pdserve router` over the nodes whose ready files say `nodes` (role, listen, and a decode node's kv_listen),
     with `options` (more flags of the router verb)."""
-    argv = [sys.executable, "-m", "pdserve", *(["--log-level", log_level] if log_level else []), Role.ROUTER,
-            "--model", model, *options]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "pdserve",
+        *(["--log-level", log_level] if log_level else []),
+        Role.ROUTER,
+        "--model",
+        model,
+        *options,
+    ]
     nodes = list(nodes)
     for role in NODE_ROLES:
         addrs = [n["listen"] for n in nodes if n["role"] == role]

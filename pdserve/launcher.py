@@ -56,8 +56,10 @@ def check_devices(a: argparse.Namespace, devices: dict[str, str]) -> None:
         return  # one process: no KV moves between nodes
     off_gpu = [f"{role} on {dev}" for role, dev in devices.items() if not dev.startswith("cuda")]
     if a.kv_transport == KvTransport.CUDA_IPC and off_gpu:
-        raise ValueError(f"--kv-transport cuda_ipc needs every node on a GPU, not {', '.join(off_gpu)}: give "
-                         "--prefill-device and --decode-device (or --device) as cuda:N")  # fmt: skip
+        raise ValueError(
+            f"--kv-transport cuda_ipc needs every node on a GPU, not {', '.join(off_gpu)}: give "
+            "--prefill-device and --decode-device (or --device) as cuda:N"
+        )
     on_gpu = [f"{role} on {dev}" for role, dev in devices.items() if dev != "cpu"]
     if a.kv_transport == KvTransport.SHM and on_gpu:
         raise ValueError(f"--kv-transport shm is for CPU nodes, not {', '.join(on_gpu)}; use cuda_ipc on GPUs")
@@ -73,8 +75,13 @@ def plan(a: argparse.Namespace, tmp: Path) -> list[tuple[str, list[str], Path]]:
     if a.mode == "colocated":
         all_cores = f"0-{(os.cpu_count() or 1) - 1}"
         cores = (a.cpu_cores if a.cpu_cores is not None else all_cores) if pin[Role.COLOCATED] else ""
-        nodes.append((Role.COLOCATED, [*base, Role.COLOCATED, *engine_argv(a), "--device", devices[Role.COLOCATED],
-                                       "--cpu-cores", cores], tmp / "colocated0.json"))  # fmt: skip
+        nodes.append(
+            (
+                Role.COLOCATED,
+                [*base, Role.COLOCATED, *engine_argv(a), "--device", devices[Role.COLOCATED], "--cpu-cores", cores],
+                tmp / "colocated0.json",
+            )
+        )
         return nodes
     for i in range(a.num_prefill):
         cores = _cores(a.prefill_cores, i, pin[Role.PREFILL])
@@ -212,8 +219,11 @@ def launch(a: argparse.Namespace) -> int:
             while all(p.poll() is None for p in procs):
                 time.sleep(0.5)
             gone = next(p for p in procs if p.poll() is not None)
-            print(f"pdserve: {roles[gone.pid]} (pid {gone.pid}) exited with code {gone.returncode}; stopping the "
-                  "stack", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"pdserve: {roles[gone.pid]} (pid {gone.pid}) exited with code {gone.returncode}; stopping the stack",
+                file=sys.stderr,
+                flush=True,
+            )
             return 1
         except KeyboardInterrupt:
             print("pdserve: stopping (the router first, then the nodes)", file=sys.stderr, flush=True)

@@ -113,8 +113,10 @@ class NodeBase:
         except zmq.ZMQBaseError as e:
             self.close()
             why = getattr(e, "strerror", None) or e
-            raise ValueError(f"{flag} {addr}: cannot listen there ({why}); give a free address of this host, "
-                             f"e.g. {flag} tcp://127.0.0.1:0") from None  # fmt: skip
+            raise ValueError(
+                f"{flag} {addr}: cannot listen there ({why}); give a free address of this host, "
+                f"e.g. {flag} tcp://127.0.0.1:0"
+            ) from None
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def run(self) -> None:
@@ -144,8 +146,12 @@ class NodeBase:
         if not self.holds_work():
             silent = self._silent_routers()
             if silent:
-                log.warning("%s node: %d router(s) did not answer within %gs (gone without a goodbye); not waiting "
-                            "longer", self.role, silent, ROUTER_ANSWER_S)  # fmt: skip
+                log.warning(
+                    "%s node: %d router(s) did not answer within %gs (gone without a goodbye); not waiting longer",
+                    self.role,
+                    silent,
+                    ROUTER_ANSWER_S,
+                )
             log.info("%s node drained; exiting", self.role)
             self._stop = True
         elif time.monotonic() > self.drain_deadline:
@@ -269,10 +275,13 @@ class NodeBase:
             self.routers.pop(identity, None)
             self.routers[identity] = None
             self._cache_reset = True  # every router gets the whole cache: the changes are taken once, for all
-        info = {"layout": self.engine.layout.to_dict(), "max_model_len": self.engine.max_model_len,
-                "kv_capacity_tokens": self.engine.kv_stats()[2],
-                "max_num_batched_tokens": self.cfg.engine.max_num_batched_tokens,
-                "prefix_caching": self.cfg.engine.prefix_caching}  # fmt: skip
+        info = {
+            "layout": self.engine.layout.to_dict(),
+            "max_model_len": self.engine.max_model_len,
+            "kv_capacity_tokens": self.engine.kv_stats()[2],
+            "max_num_batched_tokens": self.cfg.engine.max_num_batched_tokens,
+            "prefix_caching": self.cfg.engine.prefix_caching,
+        }
         transport.send(self.front, P.HelloAck(ok, self.role, info, reason), identity=identity)
         self.send_stats()
 
@@ -329,12 +338,17 @@ class NodeBase:
     def stats(self) -> P.Stats:
         """Load, counters, and the prefix cache's changes since the last Stats (the whole cache after a Hello)."""
         (running, waiting), (used, free, _) = self.engine.queue_lengths(), self.engine.kv_stats()
-        counters = {**self.counters, "preemptions": self.engine.num_preemptions(), **self.engine.cache_counters(),
-                    **self.engine.run_counters()}  # fmt: skip
+        counters = {
+            **self.counters,
+            "preemptions": self.engine.num_preemptions(),
+            **self.engine.cache_counters(),
+            **self.engine.run_counters(),
+        }
         stored, evicted = self.engine.cache_changes(whole=self._cache_reset)
         reset, self._cache_reset = self._cache_reset, False
-        return P.Stats(self.role, running, waiting, used, free, counters, self.draining, self.num_held(),
-                       stored, evicted, reset)  # fmt: skip
+        return P.Stats(
+            self.role, running, waiting, used, free, counters, self.draining, self.num_held(), stored, evicted, reset
+        )
 
     def num_held(self) -> int:
         """Entries in this node's request tables (the engine's, and its role's own)."""

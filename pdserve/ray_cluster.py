@@ -85,12 +85,30 @@ class NodeActor:
         addrs = ["--listen", f"tcp://{host}:0"] + (["--kv-listen", f"tcp://{host}:0"] if role == Role.DECODE else [])
         env = {**os.environ, **({"OMP_NUM_THREADS": str(spec["threads"])} if spec["threads"] else {})}
         ray_node_id = ray.get_runtime_context().get_node_id()  # one Ray node per host: it names the host
-        cmd = [sys.executable, "-m", "pdserve", "--log-level", spec["log_level"], role, *spec["argv"], *addrs,
-               "--ready-file", str(ready), "--host-id", f"ray:{ray_node_id}"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "pdserve",
+            "--log-level",
+            spec["log_level"],
+            role,
+            *spec["argv"],
+            *addrs,
+            "--ready-file",
+            str(ready),
+            "--host-id",
+            f"ray:{ray_node_id}",
+        ]
         self.proc = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent)
         node = _wait_ready(self.proc, ready)
-        self.entry = {"key": key, "role": role, "listen": node["listen"], "kv_listen": node.get("kv_listen", ""),
-                      "pid": node["pid"], "ray_node_id": ray_node_id}  # fmt: skip
+        self.entry = {
+            "key": key,
+            "role": role,
+            "listen": node["listen"],
+            "kv_listen": node.get("kv_listen", ""),
+            "pid": node["pid"],
+            "ray_node_id": ray_node_id,
+        }
         ray.get(self.controller.renew.remote(self.entry))  # listed before the caller learns we are ready
         self.leaving = False
         threading.Thread(target=self._keep_registered, daemon=True).start()
@@ -190,8 +208,12 @@ class Controller:
         strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)
         cpus, gpus = self.bundle.get("CPU", 0), self.bundle.get("GPU", 0)
         actor = RemoteNode.options(
-            num_cpus=cpus, num_gpus=gpus, max_restarts=self.max_restarts, scheduling_strategy=strategy,
-            name=f"{self.deployment}-{key}", namespace=RAY_NAMESPACE,
+            num_cpus=cpus,
+            num_gpus=gpus,
+            max_restarts=self.max_restarts,
+            scheduling_strategy=strategy,
+            name=f"{self.deployment}-{key}",
+            namespace=RAY_NAMESPACE,
         ).remote(key, role, {**self.node_spec, "threads": 0 if gpus else int(cpus)})
         with self.lock:
             self.actors[key] = (role, actor, pg)
@@ -276,8 +298,13 @@ def node_device(a: argparse.Namespace) -> str:
 
 def node_spec(a: argparse.Namespace) -> dict:
     """How every node starts (see NodeActor): the engine's flags, and the device Ray gives it (its GPU is cuda:0)."""
-    return {"argv": [*engine_argv(a), "--device", node_device(a)], "log_level": a.log_level,
-            "bind_host": a.ray_bind_host, "drain_timeout_s": a.drain_timeout_s, "deployment": a.name}  # fmt: skip
+    return {
+        "argv": [*engine_argv(a), "--device", node_device(a)],
+        "log_level": a.log_level,
+        "bind_host": a.ray_bind_host,
+        "drain_timeout_s": a.drain_timeout_s,
+        "deployment": a.name,
+    }
 
 
 def check_args(a: argparse.Namespace) -> None:
@@ -301,8 +328,9 @@ def connect(address: str) -> None:
 
 
 def start_controller(a: argparse.Namespace):
-    ctl = RemoteController.options(name=controller_name(a.name), namespace=RAY_NAMESPACE, max_concurrency=16,
-                                   num_cpus=0)  # fmt: skip
+    ctl = RemoteController.options(
+        name=controller_name(a.name), namespace=RAY_NAMESPACE, max_concurrency=16, num_cpus=0
+    )
     return ctl.remote(a.name, node_spec(a), node_bundle(a), a.placement, a.max_restarts)
 
 
@@ -355,8 +383,11 @@ def launch_on_ray(a: argparse.Namespace) -> int:
         procs.append(start_child(router_argv(a, ray.get_runtime_context().gcs_address, instance_id), router_env(a)))
         url = f"http://{a.host}:{a.port}"
         _wait_http(url, procs[0], instance_id)
-        print(f"pdserve is serving {a.model} at {url}/v1 with {counts['prefill']} prefill and {counts['decode']} "
-              f"decode nodes on the Ray cluster (deployment {a.name!r})", flush=True)  # fmt: skip
+        print(
+            f"pdserve is serving {a.model} at {url}/v1 with {counts['prefill']} prefill and {counts['decode']} "
+            f"decode nodes on the Ray cluster (deployment {a.name!r})",
+            flush=True,
+        )
         while procs[0].poll() is None:
             time.sleep(0.5)
         print(f"pdserve: the router exited with code {procs[0].returncode}; stopping the deployment", file=sys.stderr)

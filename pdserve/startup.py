@@ -31,8 +31,9 @@ def check_port_free(host: str, port: int) -> None:
             s.bind((host, port))
         except OSError as e:
             if e.errno == errno.EADDRINUSE:
-                raise ValueError(f"port {port} on {host} is already in use (another server?): stop it, or give "
-                                 f"--port another port") from None  # fmt: skip
+                raise ValueError(
+                    f"port {port} on {host} is already in use (another server?): stop it, or give --port another port"
+                ) from None
             raise ValueError(f"cannot listen on {host}:{port}: {e.strerror} (check --host and --port)") from None
 
 
@@ -61,12 +62,16 @@ def check_checkpoint(model: str, tokenizer: bool = True) -> None:
     kind = config.get("model_type")
     if kind not in SUPPORTED_MODEL_TYPES:
         archs = ", ".join(config.get("architectures") or []) or "no architectures listed"
-        raise ValueError(f"--model {model}: model type {kind!r} ({archs}) is not supported; pdserve serves "
-                         f"{', '.join(SUPPORTED_MODEL_TYPES)}")  # fmt: skip
+        raise ValueError(
+            f"--model {model}: model type {kind!r} ({archs}) is not supported; pdserve serves "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
     if tokenizer and not any((folder / f).is_file() for f in TOKENIZER_FILES):
-        raise ValueError(f"--model {model} has no tokenizer files ({', '.join(TOKENIZER_FILES)}): copy the "
-                         "tokenizer's files into that folder, or give --skip-tokenizer to serve token-id prompts "
-                         "only")  # fmt: skip
+        raise ValueError(
+            f"--model {model} has no tokenizer files ({', '.join(TOKENIZER_FILES)}): copy the "
+            "tokenizer's files into that folder, or give --skip-tokenizer to serve token-id prompts "
+            "only"
+        )
 
 
 def _read_config(folder: Path) -> dict:

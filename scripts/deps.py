@@ -101,8 +101,22 @@ def fetch(dest: Path, python_version: str, platforms: list[str], extras: list[st
     wanted = [r for r in requirements(extras) if normalize(split(r)[0]) not in skip]
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "requirements.txt").write_text("".join(f"{r}\n" for r in wanted))
-    argv = [sys.executable, "-m", "pip", "download", "-q", "--only-binary=:all:", "--python-version", python_version,
-            "--implementation", "cp", "-d", str(dest), "-r", str(dest / "requirements.txt")]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "-q",
+        "--only-binary=:all:",
+        "--python-version",
+        python_version,
+        "--implementation",
+        "cp",
+        "-d",
+        str(dest),
+        "-r",
+        str(dest / "requirements.txt"),
+    ]
     for p in platforms:
         argv += ["--platform", p]
     rc = subprocess.run(argv).returncode
@@ -122,15 +136,30 @@ def install(wheels: Path, target: Path) -> int:
     install: a second run unpacks only what changed), without an index or dependency resolution."""
     files = sorted(wheels.glob("*.whl"))
     if not files:
-        print(f"deps install: no wheels in {wheels} (run `python scripts/deps.py fetch` where PyPI is reachable)",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"deps install: no wheels in {wheels} (run `python scripts/deps.py fetch` where PyPI is reachable)",
+            file=sys.stderr,
+        )
         return 3
     lacking = [f for f in files if not _installed(wheel_name(f)) and not _in_target(f, target)]
     print(f"deps install: {len(lacking)} of {len(files)} wheels needed here")
     if not lacking:
         return 0
-    argv = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir",
-            "--upgrade", "--target", str(target), *map(str, lacking)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--no-index",
+        "--no-deps",
+        "--no-compile",
+        "--no-cache-dir",
+        "--upgrade",
+        "--target",
+        str(target),
+        *map(str, lacking),
+    ]
     return subprocess.run(argv).returncode
 
 
@@ -158,8 +187,12 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--python-version", default=f"{sys.version_info.major}.{sys.version_info.minor}")
     f.add_argument("--platform", nargs="*", default=list(DEFAULT_PLATFORMS))
     f.add_argument("--extras", nargs="*", default=["bench"])
-    f.add_argument("--have", nargs="*", default=["torch", "transformers", "triton"],
-                   help="distributions the target host already holds (not fetched)")
+    f.add_argument(
+        "--have",
+        nargs="*",
+        default=["torch", "transformers", "triton"],
+        help="distributions the target host already holds (not fetched)",
+    )
     i = sub.add_parser("install", help="install the wheels this host lacks (no index)")
     i.add_argument("--wheels", type=Path, default=ROOT / ".whl")
     i.add_argument("--target", type=Path, required=True)

@@ -101,10 +101,22 @@ def decode_device(device: str) -> str:
 
 def stack_argv(a: argparse.Namespace, plan: StackPlan, port: int) -> list[str]:
     disagg = plan.mode == "disagg"
-    engine = engine_flags(model=a.model, dtype=plan.dtype, kv_cache_gb=a.kv_cache_gb,
-                          kv_transport=plan.transport if disagg else None)  # fmt: skip
-    argv = [sys.executable, "-m", "pdserve", "up", "--mode", plan.mode, "--port", str(port), "--device", a.device,
-            *engine]  # fmt: skip
+    engine = engine_flags(
+        model=a.model, dtype=plan.dtype, kv_cache_gb=a.kv_cache_gb, kv_transport=plan.transport if disagg else None
+    )
+    argv = [
+        sys.executable,
+        "-m",
+        "pdserve",
+        "up",
+        "--mode",
+        plan.mode,
+        "--port",
+        str(port),
+        "--device",
+        a.device,
+        *engine,
+    ]
     if disagg:
         argv += ["--prefill-device", a.device, "--decode-device", decode_device(a.device)]
     return argv
@@ -128,8 +140,9 @@ async def complete_all(url: str, bodies: list[dict]) -> list[dict]:
 
         async def one(body: dict) -> dict:
             try:
-                r = await client.post("/v1/completions", json={"model": name, "ignore_eos": True,
-                                                               "return_token_ids": True, **body})  # fmt: skip
+                r = await client.post(
+                    "/v1/completions", json={"model": name, "ignore_eos": True, "return_token_ids": True, **body}
+                )
             except httpx.HTTPError as e:
                 return {"error": f"{type(e).__name__}: {e}"}
             if r.status_code != 200:
@@ -166,8 +179,15 @@ class Reference:
     def greedy(self, prompt: list[int], n: int) -> list[int]:
         model = self.model("float32")
         x = torch.tensor([prompt], device=self.device)
-        y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
-                           do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
+        y = model.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
         return y[0, len(prompt) :].tolist()
 
     @torch.inference_mode()
@@ -196,11 +216,17 @@ def check_exact(ref: Reference, prompts: list[list[int]], answers: list[dict], e
             if j < min(len(got), len(want)):
                 row = ref.logits("float32", p, want)[j]
                 gap = float(row[want[j]] - row[got[j]])
-            mismatches.append({"request": i, "position": j, "served": got[j : j + 4], "hf": want[j : j + 4],
-                               "hf_logit_gap": gap})  # fmt: skip
+            mismatches.append(
+                {"request": i, "position": j, "served": got[j : j + 4], "hf": want[j : j + 4], "hf_logit_gap": gap}
+            )
     exact = len(prompts) - len(errors) - len(mismatches)
-    return {"requests": len(prompts), "exact": exact, "errors": errors[:5], "mismatches": mismatches[:10],
-            "pass": exact == len(prompts)}  # fmt: skip
+    return {
+        "requests": len(prompts),
+        "exact": exact,
+        "errors": errors[:5],
+        "mismatches": mismatches[:10],
+        "pass": exact == len(prompts),
+    }
 
 
 def check_logit_tol(ref: Reference, prompts: list[list[int]], answers: list[dict], tol: float) -> dict:
@@ -213,8 +239,13 @@ def check_logit_tol(ref: Reference, prompts: list[list[int]], answers: list[dict
             served = logits.gather(1, torch.tensor(a["tokens"], device=logits.device)[:, None])[:, 0]
             gaps += (logits.max(-1).values - served).tolist()
     within = sum(g <= tol for g in gaps) / len(gaps) if gaps else 0.0
-    return {"requests": len(prompts), "errors": errors[:5], "max_logit_gap": max(gaps, default=None),
-            "tokens_within_tol": within, "pass": not errors and within == 1.0}  # fmt: skip
+    return {
+        "requests": len(prompts),
+        "errors": errors[:5],
+        "max_logit_gap": max(gaps, default=None),
+        "tokens_within_tol": within,
+        "pass": not errors and within == 1.0,
+    }
 
 
 def sampled_bodies(prompts: list[list[int]], n: int) -> list[dict]:
@@ -260,9 +291,17 @@ def check_sampling(ref: Reference, url: str, plan: StackPlan, bodies: list[dict]
     again = serve(url, [bodies[i] for i in seeded])
     differ = [i for i, a in zip(seeded, again, strict=True) if a.get("tokens") != answers[i].get("tokens")]
     health = httpx.get(url + "/health", timeout=10)
-    r = {"requests": len(bodies), "errors": errors[:5], "num_errors": len(errors), "wrong_length": short,
-         "tokens_outside_topk_topp": outside, "seeded": len(seeded), "seeded_differ": differ[:10],
-         "healthy_after": health.status_code == 200, "sent": len(bodies) + len(seeded)}  # fmt: skip
+    r = {
+        "requests": len(bodies),
+        "errors": errors[:5],
+        "num_errors": len(errors),
+        "wrong_length": short,
+        "tokens_outside_topk_topp": outside,
+        "seeded": len(seeded),
+        "seeded_differ": differ[:10],
+        "healthy_after": health.status_code == 200,
+        "sent": len(bodies) + len(seeded),
+    }
     r["seeds_judged"] = plan.seeds_judged
     r["pass"] = not errors and not short and not outside and r["healthy_after"] and not (differ and plan.seeds_judged)
     return r
@@ -287,8 +326,15 @@ def kv_report(url: str, requests: int, device: str) -> dict:
     copy = copy_gbps(device, decode_device(device), 64 * 2**20, 10)
     transfers = int(c.get("kv_transfers", 0))
     share = gbps / copy if gbps else None
-    return {"transfers": transfers, "local_prefills": local, "requests": requests, "GBps": gbps, "copy_GBps": copy,
-            "share_of_copy": share, "pass": transfers > 0 and transfers + local >= requests}  # fmt: skip
+    return {
+        "transfers": transfers,
+        "local_prefills": local,
+        "requests": requests,
+        "GBps": gbps,
+        "copy_GBps": copy,
+        "share_of_copy": share,
+        "pass": transfers > 0 and transfers + local >= requests,
+    }
 
 
 # ---- main ------------------------------------------------------------------------------------------
@@ -298,8 +344,12 @@ def run_stack(a, plan: StackPlan, ref: Reference, prompts, expected, sampled: li
     t0 = time.perf_counter()
     stack, url = start(a, plan)
     try:
-        r: dict = {"dtype": plan.dtype, "mode": plan.mode, "transport": plan.transport,
-                   "start_s": time.perf_counter() - t0}  # fmt: skip
+        r: dict = {
+            "dtype": plan.dtype,
+            "mode": plan.mode,
+            "transport": plan.transport,
+            "start_s": time.perf_counter() - t0,
+        }
         answers = serve(url, greedy_bodies(prompts, a.max_tokens))
         if plan.greedy_exact:
             r["greedy_exact"] = check_exact(ref, prompts, answers, expected)
@@ -360,8 +410,12 @@ def main(argv: list[str] | None = None) -> int:
     sampled = sampled_bodies(make_prompts(a.sampled, vocab, 1, 4, 256), a.sampled)
     ref = Reference(path, a.device)
     expected = [ref.greedy(p, a.max_tokens) for p in prompts]
-    report = {"device": torch.cuda.get_device_name(a.device) if a.device.startswith("cuda") else "cpu",
-              "gpus": torch.cuda.device_count(), "model": a.model, "stacks": {}}  # fmt: skip
+    report = {
+        "device": torch.cuda.get_device_name(a.device) if a.device.startswith("cuda") else "cpu",
+        "gpus": torch.cuda.device_count(),
+        "model": a.model,
+        "stacks": {},
+    }
     for plan in plans(a.device):
         if a.stacks is None or plan.name in a.stacks:
             report["stacks"][plan.name] = run_one(a, plan, ref, prompts, expected, sampled)

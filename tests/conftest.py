@@ -23,8 +23,12 @@ TINY_SPECS = {
 
 def pytest_addoption(parser) -> None:
     parser.addoption("--soak-requests", type=int, default=300, help="length of the slow soak test (tests/test_soak.py)")
-    parser.addoption("--router-workers", type=int, default=1,
-                     help="router processes of every test stack (tests/stack.py): 2 runs e.g. the API tests over two")
+    parser.addoption(
+        "--router-workers",
+        type=int,
+        default=1,
+        help="router processes of every test stack (tests/stack.py): 2 runs e.g. the API tests over two",
+    )
 
 
 def pytest_configure(config) -> None:

@@ -70,8 +70,15 @@ def _hf_model(path: str):
 def _hf_greedy_one(path: str, ids: tuple[int, ...], n: int) -> tuple[int, ...]:
     x = torch.tensor([ids])
     with torch.inference_mode():
-        y = _hf_model(path).generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
-                                     do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
+        y = _hf_model(path).generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
     return tuple(y[0, len(ids) :].tolist())
 
 
@@ -84,8 +91,9 @@ def mixed_workload(n: int, vocab: int, seed: int = 0, max_prompt: int = 300, max
     return prompts, outs
 
 
-def probe_answers(addrs: list[str], curve: tuple[bytes, bytes, bytes] | None, messages: list[list[bytes]],
-                  wait_ms: int) -> list[str]:  # fmt: skip
+def probe_answers(
+    addrs: list[str], curve: tuple[bytes, bytes, bytes] | None, messages: list[list[bytes]], wait_ms: int
+) -> list[str]:
     """Connect a stranger DEALER (CURVE keys (public, secret, server's public), or none) to each address, send
     `messages`, and return the addresses that answered within `wait_ms` (a negative result needs some wait)."""
     ctx = zmq.Context()
@@ -123,8 +131,13 @@ def import_tokens(pool, block_ids: list[int], kv) -> None:
 
 def tiny_greedy(max_tokens: int, prompt: list[int] | None = None) -> dict:
     """A greedy completion body for `tiny` that runs `max_tokens` tokens (EOS ignored)."""
-    return {"model": "tiny", "prompt": prompt or [3, 4, 5], "max_tokens": max_tokens, "ignore_eos": True,
-            "temperature": 0}  # fmt: skip
+    return {
+        "model": "tiny",
+        "prompt": prompt or [3, 4, 5],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
 
 
 class Stream(threading.Thread):
@@ -153,8 +166,9 @@ class Stream(threading.Thread):
 
     def run(self) -> None:
         try:
-            with httpx.stream("POST", self.url + "/v1/completions", json=self.body, headers=self.headers,
-                              timeout=120) as r:
+            with httpx.stream(
+                "POST", self.url + "/v1/completions", json=self.body, headers=self.headers, timeout=120
+            ) as r:
                 self.status = r.status_code
                 if r.status_code != 200:
                     self.error = f"HTTP {r.status_code}: {r.read().decode(errors='replace')[:500]}"

@@ -29,10 +29,21 @@ REPORTS = "pdserve:stats_reports_total"  # Stats received from each node: a read
 
 
 class Stack:
-    def __init__(self, tmp: Path, model: str, mode: str = "colocated", transport: str = "zmq",
-                 num_prefill: int = 1, num_decode: int = 1, engine_args: tuple[str, ...] = (),
-                 decode_args: tuple[str, ...] = (), router_args: tuple[str, ...] = (),
-                 api_key: str = "", router_log: bool = False, node_logs: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        tmp: Path,
+        model: str,
+        mode: str = "colocated",
+        transport: str = "zmq",
+        num_prefill: int = 1,
+        num_decode: int = 1,
+        engine_args: tuple[str, ...] = (),
+        decode_args: tuple[str, ...] = (),
+        router_args: tuple[str, ...] = (),
+        api_key: str = "",
+        router_log: bool = False,
+        node_logs: bool = False,
+    ) -> None:
         self.tmp, self.model, self.mode, self.transport = tmp, model, mode, transport
         self.num_prefill, self.num_decode = num_prefill, num_decode
         self.engine_args, self.decode_args = list(engine_args), list(decode_args)
@@ -53,9 +64,24 @@ class Stack:
     def spawn_node(self, name: str, role: str, extra: list[str] = ()) -> None:
         ready = self.tmp / f"{name}.json"
         ready.unlink(missing_ok=True)
-        argv = [sys.executable, "-m", "pdserve", "--log-level", "WARNING", role, "--model", self.model,
-                "--kv-transport", self.transport, "--ready-file", str(ready), "--stats-interval-s",
-                str(STATS_INTERVAL_S), *self.engine_args, *extra]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "pdserve",
+            "--log-level",
+            "WARNING",
+            role,
+            "--model",
+            self.model,
+            "--kv-transport",
+            self.transport,
+            "--ready-file",
+            str(ready),
+            "--stats-interval-s",
+            str(STATS_INTERVAL_S),
+            *self.engine_args,
+            *extra,
+        ]
         self.procs[name] = _spawn(argv, os.environ.copy(), self.tmp / f"{name}.log" if self.node_logs else None)
 
     def wait_ready(self, name: str) -> dict:
@@ -103,8 +129,16 @@ class Stack:
     def start_router(self, extra: tuple[str, ...] = ()) -> Stack:
         """(Re)start the router on a new port, over the running nodes."""
         port = free_port()
-        options = ["--port", str(port), "--node-timeout-s", str(NODE_TIMEOUT_S),
-                   "--router-workers", str(ROUTER_WORKERS), *self.router_args, *extra]  # fmt: skip
+        options = [
+            "--port",
+            str(port),
+            "--node-timeout-s",
+            str(NODE_TIMEOUT_S),
+            "--router-workers",
+            str(ROUTER_WORKERS),
+            *self.router_args,
+            *extra,
+        ]
         argv = router_command(self.model, self.infos.values(), options, log_level="WARNING")
         env = {**os.environ, "PDSERVE_API_KEY": self.api_key}
         self.procs["router"] = _spawn(argv, env, self.router_log)
@@ -115,8 +149,9 @@ class Stack:
     def with_router(self, extra: tuple[str, ...] = (), api_key: str = "") -> Stack:
         """A router of its own over this stack's nodes (several routers may share nodes), started with more options or
         an API key: a test of router flags needs no nodes of its own. Its close() stops only that router."""
-        other = Stack(self.tmp, self.model, self.mode, self.transport, router_args=(*self.router_args, *extra),
-                      api_key=api_key)  # fmt: skip
+        other = Stack(
+            self.tmp, self.model, self.mode, self.transport, router_args=(*self.router_args, *extra), api_key=api_key
+        )
         other.infos = dict(self.infos)
         try:
             return other.start_router()
@@ -183,8 +218,14 @@ class Stack:
     def node_series(self, *names: str) -> list[dict[str, int]]:
         """Per-node series of one /metrics reading (node gauges, `pdserve:stats_reports_total`): {node: value} each."""
         lines = httpx.get(self.url + "/metrics", headers=self.headers, timeout=30).text.splitlines()
-        return [{line.split('node="')[1].split('"')[0]: int(float(line.rsplit(" ", 1)[1]))
-                 for line in lines if line.startswith(name + "{")} for name in names]  # fmt: skip
+        return [
+            {
+                line.split('node="')[1].split('"')[0]: int(float(line.rsplit(" ", 1)[1]))
+                for line in lines
+                if line.startswith(name + "{")
+            }
+            for name in names
+        ]
 
     def wait_kv_free(self, timeout: float = 60.0, dead: tuple[str, ...] = ()) -> dict[str, int]:
         """Wait until every node but the `dead` addresses (killed: their last report stays) reports zero KV blocks
@@ -199,8 +240,10 @@ class Stack:
             if fresh and used.keys() == reports.keys() and not any(used.values()):
                 return used
             time.sleep(0.1)
-        raise AssertionError(f"the nodes' KV pools were not seen empty within {timeout} s: last kv_blocks_used "
-                             f"{used}, stats reports {reports} (at the start {since})")
+        raise AssertionError(
+            f"the nodes' KV pools were not seen empty within {timeout} s: last kv_blocks_used "
+            f"{used}, stats reports {reports} (at the start {since})"
+        )
 
 
 class Stacks:

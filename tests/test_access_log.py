@@ -30,14 +30,21 @@ async def _stream(request):
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
-APP = AccessLog(Starlette(routes=[Route("/v1/completions", _complete, methods=["POST"]),
-                                  Route("/v1/stream", _stream, methods=["POST"])]))  # fmt: skip
+APP = AccessLog(
+    Starlette(
+        routes=[Route("/v1/completions", _complete, methods=["POST"]), Route("/v1/stream", _stream, methods=["POST"])]
+    )
+)
 
 
 async def _requests() -> list[int]:
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=APP), base_url="http://test") as client:
-        answers = [await client.post("/v1/completions", json={}), await client.post("/v1/stream", json={}),
-                   await client.get("/nowhere"), await client.get("/health")]  # fmt: skip
+        answers = [
+            await client.post("/v1/completions", json={}),
+            await client.post("/v1/stream", json={}),
+            await client.get("/nowhere"),
+            await client.get("/health"),
+        ]
     return [r.status_code for r in answers]
 
 

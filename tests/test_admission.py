@@ -24,8 +24,9 @@ async def _burst(url: str, n: int) -> list[httpx.Response | Exception]:
     limits = httpx.Limits(max_connections=n, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
         body = {"model": "tiny", "prompt": "burst", "max_tokens": 4, "temperature": 0}
-        return await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(n)),
-                                    return_exceptions=True)  # fmt: skip
+        return await asyncio.gather(
+            *(client.post("/v1/completions", json=body) for _ in range(n)), return_exceptions=True
+        )
 
 
 @pytest.mark.parametrize("mode", ["colocated", "disagg"])
@@ -64,8 +65,9 @@ def test_a_request_waiting_past_the_queue_timeout_gets_503(nodes):
     try:
         node.send_signal(signal.SIGSTOP)
         try:
-            r = httpx.post(stack.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2},
-                           timeout=60)  # fmt: skip
+            r = httpx.post(
+                stack.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}, timeout=60
+            )
         finally:
             node.send_signal(signal.SIGCONT)
         assert r.status_code == 503 and "queue-timeout-s" in r.json()["error"]["message"], r.text

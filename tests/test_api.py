@@ -47,8 +47,9 @@ def test_streamed_completion_and_chat_match_unstreamed(client):
     assert "".join(p.choices[0].text for p in parts if p.choices) == whole
     msgs = [{"role": "user", "content": "xyz"}]
     whole = client.chat.completions.create(messages=msgs, **kw).choices[0].message.content
-    chunks = list(client.chat.completions.create(messages=msgs, stream=True,
-                                                 stream_options={"include_usage": True}, **kw))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(messages=msgs, stream=True, stream_options={"include_usage": True}, **kw)
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole
     assert chunks[-1].usage.completion_tokens == 6 and chunks[-1].choices == []
 
@@ -91,8 +92,9 @@ PROMPT = [17, 250, 3, 99, 41, 7, 300, 12]
 
 
 def test_completion_logprobs_equal_transformers(client, hf_tiny):
-    c = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, temperature=0, logprobs=3,
-                                  extra_body={"return_token_ids": True})  # fmt: skip
+    c = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=5, temperature=0, logprobs=3, extra_body={"return_token_ids": True}
+    )
     choice = c.choices[0]
     ids, lp = choice.token_ids, choice.logprobs
     ref = hf_tiny(PROMPT + ids)[len(PROMPT) - 1 : -1]  # [5, V]: the rows that predicted each token
@@ -132,11 +134,14 @@ def test_echo_gives_the_prompt_and_its_teacher_forced_logprobs(client, hf_tiny):
     assert all(len(t) == 1 for t in lp2.top_logprobs[1:])  # logprobs=0: only the token itself
 
 
-@pytest.mark.parametrize("sampling", [
-    {"temperature": 1.0, "seed": 7},  # the client's sampler, which the hidden token must not use
-    {"temperature": 1.0, "seed": 7, "logit_bias": {"EOS": 100}},  # a draw that can only be EOS
-    {"temperature": 0, "stop_token_ids": ["GREEDY"]},  # the greedy token made a stop token
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        {"temperature": 1.0, "seed": 7},  # the client's sampler, which the hidden token must not use
+        {"temperature": 1.0, "seed": 7, "logit_bias": {"EOS": 100}},  # a draw that can only be EOS
+        {"temperature": 0, "stop_token_ids": ["GREEDY"]},  # the greedy token made a stop token
+    ],
+)
 def test_echo_without_tokens_ends_by_length_whatever_the_sampling(client, stack, hf_tiny, sampling):
     """max_tokens 0 with echo: the token the nodes compute is nobody's business; EOS, a stop token or a bias in
     the client's parameters must not turn the answer's finish_reason into "stop"."""
@@ -150,11 +155,13 @@ def test_echo_without_tokens_ends_by_length_whatever_the_sampling(client, stack,
     if "stop_token_ids" in body:
         body["stop_token_ids"] = [greedy]
     want = _prompt_logprobs(hf_tiny)
-    c = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=0, echo=True, logprobs=1,
-                                  extra_body=body)  # fmt: skip
+    c = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=0, echo=True, logprobs=1, extra_body=body)
     _assert_echo_only(c, want)
-    streamed = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=0, echo=True, logprobs=1,
-                                              stream=True, extra_body=body))  # fmt: skip
+    streamed = list(
+        client.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=0, echo=True, logprobs=1, stream=True, extra_body=body
+        )
+    )
     assert "".join(p.choices[0].text for p in streamed if p.choices) == c.choices[0].text
     assert [p.choices[0].finish_reason for p in streamed if p.choices][-1] == "length"
     stack.wait_kv_free()
@@ -174,19 +181,29 @@ def test_streamed_logprobs_match_unstreamed(client):
     assert len(content) == 5 and all(len(c.top_logprobs) == 4 for c in content)
     assert all(c.logprob == pytest.approx(c.top_logprobs[0].logprob, abs=1e-6) for c in content)  # greedy
     assert all(bytes(c.bytes).decode("utf-8", "replace") == c.token for c in content)
-    streamed = [c for ch in client.chat.completions.create(stream=True, **ckw) if ch.choices and ch.choices[0].logprobs
-                for c in ch.choices[0].logprobs.content]  # fmt: skip
+    streamed = [
+        c
+        for ch in client.chat.completions.create(stream=True, **ckw)
+        if ch.choices and ch.choices[0].logprobs
+        for c in ch.choices[0].logprobs.content
+    ]
     assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
 
 
-@pytest.mark.parametrize("path,body,param", [
-    ("completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
-    ("completions", {"prompt": "x", "logprobs": -1}, "logprobs"),
-    ("completions", {"prompt": "x", "max_tokens": 0, "logprobs": 1}, "max_tokens"),
-    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
-    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
-     "logprobs"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
+        ("completions", {"prompt": "x", "logprobs": -1}, "logprobs"),
+        ("completions", {"prompt": "x", "max_tokens": 0, "logprobs": 1}, "max_tokens"),
+        ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+        (
+            "chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+            "logprobs",
+        ),
+    ],
+)
 def test_bad_logprobs_are_400s(stack, path, body, param):
     r = httpx.post(f"{stack.url}/v1/{path}", json={"model": "tiny", **body}, timeout=30)
     assert r.status_code == 400 and param in r.json()["error"]["message"], r.text
@@ -198,8 +215,16 @@ def test_bad_logprobs_are_400s(stack, path, body, param):
 def test_penalties_change_greedy_as_defined(client, hf_tiny):
     """frequency f and presence p subtract f * count + p * (count > 0) from each generated token's logit: a
     reference loop over transformers' logits (log-softmax differs from them by a per-row constant)."""
-    c = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, frequency_penalty=1.5,
-                                  presence_penalty=0.5, logprobs=0, extra_body={"return_token_ids": True})  # fmt: skip
+    c = client.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=6,
+        temperature=0,
+        frequency_penalty=1.5,
+        presence_penalty=0.5,
+        logprobs=0,
+        extra_body={"return_token_ids": True},
+    )
     out: list[int] = []
     for _ in range(6):
         row = hf_tiny(PROMPT + out)[-1].clone()
@@ -214,15 +239,17 @@ def test_penalties_change_greedy_as_defined(client, hf_tiny):
 
 def test_logit_bias_min_tokens_and_stop_strings(client):
     kw = dict(model="tiny", prompt=PROMPT, temperature=0)
-    forced = client.completions.create(max_tokens=4, logit_bias={"65": 100}, extra_body={"return_token_ids": True},
-                                       **kw)  # fmt: skip
+    forced = client.completions.create(
+        max_tokens=4, logit_bias={"65": 100}, extra_body={"return_token_ids": True}, **kw
+    )
     assert forced.choices[0].token_ids == [65] * 4
     free = client.completions.create(max_tokens=4, extra_body={"return_token_ids": True}, **kw).choices[0]
     first = free.token_ids[0]
     stopped = client.completions.create(max_tokens=4, extra_body={"stop_token_ids": [first]}, **kw)
     assert stopped.usage.completion_tokens == 1
-    held = client.completions.create(max_tokens=4, extra_body={"stop_token_ids": [first], "min_tokens": 3,
-                                                                "return_token_ids": True}, **kw)  # fmt: skip
+    held = client.completions.create(
+        max_tokens=4, extra_body={"stop_token_ids": [first], "min_tokens": 3, "return_token_ids": True}, **kw
+    )
     assert first not in held.choices[0].token_ids[:3] and held.usage.completion_tokens >= 3
     stop = free.text[1:3]
     if not stop.strip("\ufffd"):
@@ -231,14 +258,21 @@ def test_logit_bias_min_tokens_and_stop_strings(client):
     assert cut.choices[0].text == free.text[: free.text.index(stop) + len(stop)]
 
 
-@pytest.mark.parametrize("body,param", [({"logit_bias": {"abc": 1}}, "logit_bias"),
-                                        ({"logit_bias": {"5": 101}}, "logit_bias"),
-                                        ({"presence_penalty": 2.5}, "presence_penalty"),
-                                        ({"repetition_penalty": 0}, "repetition_penalty"),
-                                        ({"min_p": -0.1}, "min_p"), ({"min_tokens": 99}, "min_tokens")])  # fmt: skip
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"min_tokens": 99}, "min_tokens"),
+    ],
+)
 def test_bad_processor_values_are_400s(stack, body, param):
-    r = httpx.post(f"{stack.url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 4, **body},
-                   timeout=30)  # fmt: skip
+    r = httpx.post(
+        f"{stack.url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 4, **body}, timeout=30
+    )
     assert r.status_code == 400 and param in r.json()["error"]["message"], r.text
 
 
@@ -281,13 +315,12 @@ ONE_FIELD = [
     ("completions", {"prompt": "x", "frequency_penalty": 3}, "frequency_penalty"),
     ("completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
     ("completions", {"prompt": "x", "echo": True, "logprobs": 21, "max_tokens": 0}, "logprobs"),
-    ("completions", {"prompt": "x", "response_format": {"type": "json_object"}, "ignore_eos": True},
-     "response_format"),
+    ("completions", {"prompt": "x", "response_format": {"type": "json_object"}, "ignore_eos": True}, "response_format"),
     ("chat/completions", {**CHAT, "max_completion_tokens": -1}, "max_completion_tokens"),
     ("chat/completions", {**CHAT, "max_tokens": -1}, "max_tokens"),
     ("chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("chat/completions", {**CHAT, "temperature": -0.5}, "temperature"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("path,body,param", ONE_FIELD, ids=[f"{p}-{pa}-{i}" for i, (p, _, pa) in enumerate(ONE_FIELD)])
@@ -305,8 +338,11 @@ def test_error_codes_are_strings_and_the_router_logs_each_error(stack):
     assert r.status_code == 404 and r.json()["error"]["code"] is None
     r = httpx.post(stack.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "top_p": 7}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_p"
-    lines = ("POST /v1/completions -> 404 code=model_not_found param=model: model 'nope' does not exist",
-             "GET /no/such/route -> 404: Not Found", "POST /v1/completions -> 400 param=top_p: top_p must be in (0, 1]")
+    lines = (
+        "POST /v1/completions -> 404 code=model_not_found param=model: model 'nope' does not exist",
+        "GET /no/such/route -> 404: Not Found",
+        "POST /v1/completions -> 400 param=top_p: top_p must be in (0, 1]",
+    )
     logged = lambda: stack.router_log.read_text(errors="replace")  # noqa: E731
     assert wait_until(lambda: all(line in logged() for line in lines), 10), logged()[-3000:]
 
@@ -332,8 +368,9 @@ def test_request_larger_than_the_kv_pool_is_a_400(tmp_path):
 
 
 def test_malformed_json_and_bad_chat_then_still_serving(stack):
-    r = httpx.post(stack.url + "/v1/completions", content=b"{not json", timeout=30,
-                   headers={"content-type": "application/json"})  # fmt: skip
+    r = httpx.post(
+        stack.url + "/v1/completions", content=b"{not json", timeout=30, headers={"content-type": "application/json"}
+    )
     assert r.status_code == 400 and "error" in r.json()
     r = httpx.post(stack.url + "/v1/chat/completions", json={"model": "tiny", "messages": []}, timeout=30)
     assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
@@ -353,8 +390,12 @@ def test_health_and_metrics(stack):
     prompt_len = c.json()["usage"]["prompt_tokens"]
     assert grew["pdserve:prompt_tokens_total"] == prompt_len and grew["pdserve:generation_tokens_total"] == 4
     assert grew['pdserve:request_success_total{finished_reason="length"}'] == 1
-    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_decode_time_seconds",
-                 "request_time_per_output_token_seconds"):
+    for name in (
+        "time_to_first_token_seconds",
+        "e2e_request_latency_seconds",
+        "request_decode_time_seconds",
+        "request_time_per_output_token_seconds",
+    ):
         assert grew[f"pdserve:{name}_count"] == 1 and grew[f'pdserve:{name}_bucket{{le="+Inf"}}'] == 1, name
     assert grew["pdserve:inter_token_latency_seconds_count"] == 3
     assert grew["pdserve:request_handoff_time_seconds_count"] == (stack.mode == "disagg")
@@ -383,8 +424,11 @@ def node_counter(samples: dict[str, float], key: str) -> dict[str, float]:
 def scrape(stack) -> dict[str, float]:
     """Every sample of /metrics, by its name and labels."""
     text = httpx.get(stack.url + "/metrics", timeout=10).text
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-            if line and not line.startswith("#")}  # fmt: skip
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
 
 
 @pytest.mark.parametrize(
@@ -399,8 +443,9 @@ def scrape(stack) -> dict[str, float]:
 )
 def test_numbers_a_node_cannot_take_are_refused(stack, body, words):
     payload = json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 2, **body}, allow_nan=True)
-    r = httpx.post(stack.url + "/v1/completions", content=payload, headers={"content-type": "application/json"},
-                   timeout=30)  # fmt: skip
+    r = httpx.post(
+        stack.url + "/v1/completions", content=payload, headers={"content-type": "application/json"}, timeout=30
+    )
     assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
     assert httpx.get(stack.url + "/health", timeout=10).status_code == 200
 
@@ -458,8 +503,16 @@ def test_streams_one_after_another_on_one_kept_open_connection(stack):
 
     async def three(conns: Connections) -> list:
         try:
-            return [await send(stack.url + "/v1/completions", "tiny", BenchRequest((5, 6, 7), n),
-                               HttpTarget(stack.url), conns=conns) for n in (3, 40, 7)]  # fmt: skip
+            return [
+                await send(
+                    stack.url + "/v1/completions",
+                    "tiny",
+                    BenchRequest((5, 6, 7), n),
+                    HttpTarget(stack.url),
+                    conns=conns,
+                )
+                for n in (3, 40, 7)
+            ]
         finally:
             conns.close()
 
@@ -470,11 +523,18 @@ def test_streams_one_after_another_on_one_kept_open_connection(stack):
 
 
 REFUSED = [
-    ("best_of", 3), ("suffix", "tail"), ("top_logprobs", 2), ("prompt_logprobs", 1), ("use_beam_search", True),
-    ("response_format", {"type": "grammar"}), ("tools", [{"type": "function"}]),
-    ("tool_choice", "auto"), ("audio", {"voice": "x"}), ("guided_json", {"type": "object"}),
+    ("best_of", 3),
+    ("suffix", "tail"),
+    ("top_logprobs", 2),
+    ("prompt_logprobs", 1),
+    ("use_beam_search", True),
+    ("response_format", {"type": "grammar"}),
+    ("tools", [{"type": "function"}]),
+    ("tool_choice", "auto"),
+    ("audio", {"voice": "x"}),
+    ("guided_json", {"type": "object"}),
     ("stream_options", {"include_usage": True, "continuous_usage_stats": True}),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("name,value", REFUSED, ids=[r[0] for r in REFUSED])
@@ -486,17 +546,37 @@ def test_unsupported_field_is_a_400_naming_it(stack, name, value):
 
 
 def test_harmless_and_neutral_fields_are_accepted(client):
-    extra = {"user": "u1", "metadata": {"k": "v"}, "service_tier": "auto", "store": False, "best_of": 1,
-             "echo": False, "logprobs": None, "presence_penalty": 0, "tool_choice": "none", "unknown_but_null": None,
-             "ignore_eos": True}
+    extra = {
+        "user": "u1",
+        "metadata": {"k": "v"},
+        "service_tier": "auto",
+        "store": False,
+        "best_of": 1,
+        "echo": False,
+        "logprobs": None,
+        "presence_penalty": 0,
+        "tool_choice": "none",
+        "unknown_but_null": None,
+        "ignore_eos": True,
+    }
     c = client.completions.create(model="tiny", prompt="abc", max_tokens=2, extra_body=extra)
     assert c.usage.completion_tokens == 2
-    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
-                                          temperature=0, user="u1", store=False, logprobs=False,
-                                          tool_choice="none")  # fmt: skip
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=2,
+        temperature=0,
+        user="u1",
+        store=False,
+        logprobs=False,
+        tool_choice="none",
+    )
     assert chat.usage.completion_tokens == 2
-    r = httpx.post(stack_url(client) + "/chat/completions", timeout=30,
-                   json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "echo": True})
+    r = httpx.post(
+        stack_url(client) + "/chat/completions",
+        timeout=30,
+        json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "echo": True},
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
 
 
@@ -512,8 +592,11 @@ def test_tokenize_detokenize_version(stack):
     back = httpx.post(stack.url + "/detokenize", json={"model": "tiny", "tokens": body["tokens"]}).json()
     assert back == {"prompt": "Hello"}
     chat = httpx.post(stack.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
-    c = httpx.post(stack.url + "/v1/chat/completions", timeout=30,
-                   json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).json()
+    c = httpx.post(
+        stack.url + "/v1/chat/completions",
+        timeout=30,
+        json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+    ).json()
     assert chat["count"] == c["usage"]["prompt_tokens"]  # the same template as the chat endpoint
     assert httpx.post(stack.url + "/detokenize", json={"tokens": [10**9]}).status_code == 400
     assert httpx.post(stack.url + "/tokenize", json={"model": "nope", "prompt": "x"}).status_code == 404
@@ -524,11 +607,19 @@ def test_api_key_guards_every_route_but_health(stack):
     """A router of its own with PDSERVE_API_KEY set, over the module's nodes."""
     keyed = stack.with_router(api_key="s3cret")
     try:
-        routes = [("GET", "/v1/models", None), ("GET", "/metrics", None), ("GET", "/version", None),
-                  ("POST", "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 1}),
-                  ("POST", "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
-                                                    "max_tokens": 1}),
-                  ("POST", "/tokenize", {"prompt": "x"}), ("POST", "/detokenize", {"tokens": [1]})]  # fmt: skip
+        routes = [
+            ("GET", "/v1/models", None),
+            ("GET", "/metrics", None),
+            ("GET", "/version", None),
+            ("POST", "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 1}),
+            (
+                "POST",
+                "/v1/chat/completions",
+                {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1},
+            ),
+            ("POST", "/tokenize", {"prompt": "x"}),
+            ("POST", "/detokenize", {"tokens": [1]}),
+        ]
         for method, path, body in routes:
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
                 r = httpx.request(method, keyed.url + path, json=body, headers=headers, timeout=30)
@@ -552,8 +643,9 @@ def test_n_with_a_seed_gives_different_reproducible_choices(client):
     assert [c.text for c in client.completions.create(n=4, **kw).choices] == texts
     assert client.completions.create(**kw).choices[0].text == texts[0]  # n=1 is sample 0
     assert four.usage.completion_tokens == 32 and four.usage.prompt_tokens == len("seed me")
-    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=3,
-                                          max_tokens=6, seed=3)  # fmt: skip
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "x"}], n=3, max_tokens=6, seed=3
+    )
     assert [c.index for c in chat.choices] == [0, 1, 2] and len({c.message.content for c in chat.choices}) == 3
 
 
@@ -586,10 +678,16 @@ def test_streamed_batch_and_n_reassemble_by_index(client):
     assert chunks[-1].usage.completion_tokens == 24 and len({c.id for c in chunks}) == 1
 
 
-PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "colors"],
-          "properties": {"name": {"type": "string", "maxLength": 6}, "age": {"type": "integer", "minimum": 0,
-                         "maximum": 99}, "colors": {"type": "array", "maxItems": 2,
-                                                    "items": {"enum": ["red", "green"]}}}}  # fmt: skip
+PERSON = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name", "age", "colors"],
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 99},
+        "colors": {"type": "array", "maxItems": 2, "items": {"enum": ["red", "green"]}},
+    },
+}
 
 
 JSON_SEED = 3  # the random tiny model, sampled with this seed, closes its JSON object within max_tokens
@@ -613,13 +711,23 @@ def test_response_format_json_schema_and_json_object(client):
     assert greedy.choices[0].finish_reason == "stop"
     for text in [a.message.content for a in answers] + list(texts.values()):
         jsonschema.validate(json.loads(text), PERSON)
-    obj = client.chat.completions.create(response_format={"type": "json_object"}, temperature=1.0, seed=JSON_SEED,
-                                         **kw)  # fmt: skip
+    obj = client.chat.completions.create(response_format={"type": "json_object"}, temperature=1.0, seed=JSON_SEED, **kw)
     assert obj.choices[0].finish_reason == "stop" and isinstance(json.loads(obj.choices[0].message.content), dict)
-    done = client.completions.create(model="tiny", prompt="[", max_tokens=60, temperature=0,
-                                     extra_body={"response_format": {"type": "json_schema", "json_schema": {
-                                         "name": "list", "schema": {"type": "array", "items": {"type": "boolean"},
-                                                                    "maxItems": 3}}}})  # fmt: skip
+    done = client.completions.create(
+        model="tiny",
+        prompt="[",
+        max_tokens=60,
+        temperature=0,
+        extra_body={
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "list",
+                    "schema": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
+                },
+            }
+        },
+    )
     assert all(type(x) is bool for x in json.loads(done.choices[0].text))
 
 

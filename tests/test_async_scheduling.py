@@ -91,12 +91,14 @@ def test_stops_sampling_and_logprobs_match_the_synchronous_engine(tiny_models):
     (greedy,) = hf_greedy(model, prompts[:1], [12])
 
     def requests() -> list[Request]:
-        params = [SamplingParams(max_tokens=12, temperature=0, stop_token_ids=(greedy[4],), ignore_eos=True),
-                  SamplingParams(max_tokens=10, temperature=0.9, seed=5, ignore_eos=True, logprobs=3),
-                  SamplingParams(max_tokens=10, temperature=0.7, top_k=20, seed=11, ignore_eos=True),
-                  SamplingParams(max_tokens=6, temperature=0, logprobs=2, prompt_logprobs=2, ignore_eos=True),
-                  SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
-                  SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)]  # fmt: skip
+        params = [
+            SamplingParams(max_tokens=12, temperature=0, stop_token_ids=(greedy[4],), ignore_eos=True),
+            SamplingParams(max_tokens=10, temperature=0.9, seed=5, ignore_eos=True, logprobs=3),
+            SamplingParams(max_tokens=10, temperature=0.7, top_k=20, seed=11, ignore_eos=True),
+            SamplingParams(max_tokens=6, temperature=0, logprobs=2, prompt_logprobs=2, ignore_eos=True),
+            SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+            SamplingParams(max_tokens=1, temperature=0, ignore_eos=True),
+        ]
         return [Request(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
 
     ahead = ahead_engine(model)
@@ -109,8 +111,9 @@ def test_stops_sampling_and_logprobs_match_the_synchronous_engine(tiny_models):
     while sync.has_work():
         for o in sync.step():
             want[o.request.request_id].append(o)
-    assert {k: [(o.token_id, o.finish_reason) for o in v] for k, v in got.items()} == \
-        {k: [(o.token_id, o.finish_reason) for o in v] for k, v in want.items()}  # fmt: skip
+    assert {k: [(o.token_id, o.finish_reason) for o in v] for k, v in got.items()} == {
+        k: [(o.token_id, o.finish_reason) for o in v] for k, v in want.items()
+    }
     for rid in ("r1", "r3"):  # the same values (a batch of another size may round a last bit differently)
         for a, b in zip(got[rid], want[rid], strict=True):
             assert a.logprob.top_ids == b.logprob.top_ids
@@ -143,8 +146,10 @@ def test_guided_requests_wait_for_their_token_and_match_the_synchronous_engine(t
     from test_grammar import SCHEMAS, guided
 
     def requests() -> list[Request]:
-        reqs = [guided("g0", [40, 41, 42], SCHEMAS[1], temperature=0),
-                guided("s2", list(range(100, 120)), SCHEMAS[2], temperature=1.0, seed=9)]  # fmt: skip
+        reqs = [
+            guided("g0", [40, 41, 42], SCHEMAS[1], temperature=0),
+            guided("s2", list(range(100, 120)), SCHEMAS[2], temperature=1.0, seed=9),
+        ]
         return reqs + [Request("u", [1, 2, 3, 4] * 3, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))]
 
     model = tiny_models["qwen3"]

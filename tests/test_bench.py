@@ -74,8 +74,10 @@ def test_weights_read_per_step_skip_the_embedding_table_but_not_the_head(tied):
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 def test_router_pid_and_its_cpu_time_come_from_proc():
     child_argv = "[sys.executable, '-c', 'import sys; sys.stdin.read()', 'pdserve', 'router']"
-    code = (f"import subprocess, sys; p = subprocess.Popen({child_argv}, stdin=subprocess.PIPE); "
-            "print(p.pid, flush=True); sys.stdin.read(); p.kill(); p.wait()")  # fmt: skip
+    code = (
+        f"import subprocess, sys; p = subprocess.Popen({child_argv}, stdin=subprocess.PIPE); "
+        "print(p.pid, flush=True); sys.stdin.read(); p.kill(); p.wait()"
+    )
     parent = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         child = int(parent.stdout.readline())
@@ -205,16 +207,24 @@ def test_prefix_workloads_share_their_prefixes_and_repeat():
 def test_an_external_servers_prefix_cache_counters_and_best_of_rounds():
     from bench.prefix_bench import best_of, by_system, parse_external_counters
 
-    text = ('# HELP vllm:prefix_cache_queries_total Prefix cache queries\nvllm:prefix_cache_queries_total{engine="0",'
-            'model_name="small"} 900.0\nvllm:prefix_cache_hits_total{engine="0",model_name="small"} 800.0\n'
-            'vllm:external_prefix_cache_hits_total{engine="0"} 5.0\n')  # fmt: skip
+    text = (
+        '# HELP vllm:prefix_cache_queries_total Prefix cache queries\nvllm:prefix_cache_queries_total{engine="0",'
+        'model_name="small"} 900.0\nvllm:prefix_cache_hits_total{engine="0",model_name="small"} 800.0\n'
+        'vllm:external_prefix_cache_hits_total{engine="0"} 5.0\n'
+    )
     assert parse_external_counters(text) == {"server": {"prefix_cache_queries": 900.0, "prefix_cache_hits": 800.0}}
     assert parse_external_counters("pdserve:nodes_up 1\n") == {}
 
     def run(label: str, round_: int, ttft: float, tok_s: float) -> dict:
         part = {"ttft_p50_s": ttft, "ok": 1, "requests": 1, "counters": {}}
-        return {"label": label, "mode": label, "prefix_caching": True, "round": round_, "shared_prefix": part,
-                "multi_turn": {**part, "output_tok_s": tok_s, "tokens_added": 10}}  # fmt: skip
+        return {
+            "label": label,
+            "mode": label,
+            "prefix_caching": True,
+            "round": round_,
+            "shared_prefix": part,
+            "multi_turn": {**part, "output_tok_s": tok_s, "tokens_added": 10},
+        }
 
     groups = by_system([run("a", 0, 0.3, 10.0), run("b", 0, 0.1, 5.0), run("a", 1, 0.2, 8.0)])
     assert [[r["round"] for r in g] for g in groups] == [[0, 1], [0]]
@@ -226,10 +236,22 @@ def test_each_prefix_run_gives_first_and_later_turns_ttft_apart():
     from bench.prefix_bench import each_run
 
     part = {"ttft_p50_s": 0.05, "ok": 1, "requests": 1, "counters": {}}
-    run = {"label": "disagg caching on", "mode": "disagg", "prefix_caching": True, "round": 0,
-           "loadavg_before": [0.5], "loadavg_after": [0.6], "shared_prefix": part,
-           "multi_turn": {**part, "output_tok_s": 100.0, "tokens_added": 10, "first_turn_ttft_p50_s": 0.2812,
-                          "later_turn_ttft_p50_s": 0.0631}}  # fmt: skip
+    run = {
+        "label": "disagg caching on",
+        "mode": "disagg",
+        "prefix_caching": True,
+        "round": 0,
+        "loadavg_before": [0.5],
+        "loadavg_after": [0.6],
+        "shared_prefix": part,
+        "multi_turn": {
+            **part,
+            "output_tok_s": 100.0,
+            "tokens_added": 10,
+            "first_turn_ttft_p50_s": 0.2812,
+            "later_turn_ttft_p50_s": 0.0631,
+        },
+    }
     old = {**run, "multi_turn": {**part, "output_tok_s": 90.0, "tokens_added": 10}}  # a run recorded before them
     rows = [line for line in each_run([run, old]) if line.startswith("| 1 |")]
     assert "| 281.2 / 63.1 | 100.0 |" in rows[0] and "| - / - | 90.0 |" in rows[1]

@@ -40,12 +40,22 @@ def test_steady_state_windows_open_and_close_with_the_running_count():
 
 def test_the_large_run_goes_to_the_pdserve_systems_both_lists_name():
     config = hf_config(BUILTIN_MODELS["tiny"])
-    cfg = gpu.GpuBenchConfig(model="tiny", device="cpu", dtype="float32", requests=8, concurrency=4,
-                             systems=("colocated", "static"), large_requests=16, large_concurrency=8,
-                             out_dir=Path("/nonexistent"))  # fmt: skip
+    cfg = gpu.GpuBenchConfig(
+        model="tiny",
+        device="cpu",
+        dtype="float32",
+        requests=8,
+        concurrency=4,
+        systems=("colocated", "static"),
+        large_requests=16,
+        large_concurrency=8,
+        out_dir=Path("/nonexistent"),
+    )
     runs = gpu.plan_runs(cfg, config)
-    assert [(c.requests, c.concurrency, c.systems) for c, _ in runs] == [(8, 4, ("colocated", "static")),
-                                                                          (16, 8, ("colocated",))]  # fmt: skip
+    assert [(c.requests, c.concurrency, c.systems) for c, _ in runs] == [
+        (8, 4, ("colocated", "static")),
+        (16, 8, ("colocated",)),
+    ]
     assert [w.label for _, w in runs] == ["sharegpt_like 8/4", "sharegpt_like 16/8"]
     assert len(runs[1][1].requests) == 16
     none = gpu.plan_runs(gpu.GpuBenchConfig(device="cpu", large_requests=0), config)
@@ -63,27 +73,79 @@ def test_parse_args_reads_the_large_run():
 
 def test_the_report_shows_the_steady_state_kernels_and_the_graph_share(tmp_path):
     st = {"threshold": 4, "window_s": 4.0, "share_of_run": 0.2, "tokens": 16, "output_throughput": 4.0}
-    summary = {"output_throughput": 1.5, "request_throughput": 0.2, "tpot_s": {"p50": 0.01, "p99": 0.02},
-               "ttft_s": {"p50": 0.1, "p99": 0.2}, "e2e_s": {"mean": 1.0}, "slo_attainment": 1.0,
-               "num_failed": 0}  # fmt: skip
-    result = {"system": "colocated", "label": "sharegpt_like 8/4", "ok": True, "summary": summary,
-              "concurrency": 4, "steady_state": st, "decode_step": None, "triton_compilations": 0,
-              "triton_compiled_at_start": 7}  # fmt: skip
-    counts = {"colocated": {"graph_steps": 90, "eager_steps": 10, "graph_tokens": 950, "eager_tokens": 50,
-                            "graph_decode_tokens": 400, "eager_decode_tokens": 0, "graph_captures": 0}}  # fmt: skip
+    summary = {
+        "output_throughput": 1.5,
+        "request_throughput": 0.2,
+        "tpot_s": {"p50": 0.01, "p99": 0.02},
+        "ttft_s": {"p50": 0.1, "p99": 0.2},
+        "e2e_s": {"mean": 1.0},
+        "slo_attainment": 1.0,
+        "num_failed": 0,
+    }
+    result = {
+        "system": "colocated",
+        "label": "sharegpt_like 8/4",
+        "ok": True,
+        "summary": summary,
+        "concurrency": 4,
+        "steady_state": st,
+        "decode_step": None,
+        "triton_compilations": 0,
+        "triton_compiled_at_start": 7,
+    }
+    counts = {
+        "colocated": {
+            "graph_steps": 90,
+            "eager_steps": 10,
+            "graph_tokens": 950,
+            "eager_tokens": 50,
+            "graph_decode_tokens": 400,
+            "eager_decode_tokens": 0,
+            "graph_captures": 0,
+        }
+    }
     result["graphs"] = [gpu.graph_share(counts, "colocated", {"colocated": {"graph_captures": 12}})]
     assert gpu.graph_share(counts, "decode", {}) is None  # a role without steps
-    kernels = {"counted": True, "layers": 28, "limit": 300,
-               "steps": [{"kind": "decode", "total": 265, "per_layer": 9.0, "fixed": 13, "ops": {}}]}  # fmt: skip
-    run = {"config": {"name": "t", "model": "tiny", "dtype": "float32", "concurrency": 4, "max_num_batched_tokens": 64,
-                      "kv_cache_gb": 0.25, "budget_s": 60.0},
-           "hardware": {"device": "cpu", "gpus": 0, "prefill_device": "cpu", "decode_device": "cpu",
-                        "copy_GBps": 1.0, "memory_GBps": 2.0, "kv_copy_GBps": 1.0},
-           "workload": {"requests": 8, "prompt_tokens": 100, "output_tokens": 50},
-           "model_figures": {"weight_bytes_per_step": 1e6, "kv_bytes_per_token": 1024},
-           "runs": [{}, {"label": "sharegpt_like 16/8", "concurrency": 8, "systems": ["colocated"],
-                         "workload": {"requests": 16, "prompt_tokens": 200, "output_tokens": 90}}],
-           "kernels": kernels, "checkpoint_s": 0.1, "results": [result]}  # fmt: skip
+    kernels = {
+        "counted": True,
+        "layers": 28,
+        "limit": 300,
+        "steps": [{"kind": "decode", "total": 265, "per_layer": 9.0, "fixed": 13, "ops": {}}],
+    }
+    run = {
+        "config": {
+            "name": "t",
+            "model": "tiny",
+            "dtype": "float32",
+            "concurrency": 4,
+            "max_num_batched_tokens": 64,
+            "kv_cache_gb": 0.25,
+            "budget_s": 60.0,
+        },
+        "hardware": {
+            "device": "cpu",
+            "gpus": 0,
+            "prefill_device": "cpu",
+            "decode_device": "cpu",
+            "copy_GBps": 1.0,
+            "memory_GBps": 2.0,
+            "kv_copy_GBps": 1.0,
+        },
+        "workload": {"requests": 8, "prompt_tokens": 100, "output_tokens": 50},
+        "model_figures": {"weight_bytes_per_step": 1e6, "kv_bytes_per_token": 1024},
+        "runs": [
+            {},
+            {
+                "label": "sharegpt_like 16/8",
+                "concurrency": 8,
+                "systems": ["colocated"],
+                "workload": {"requests": 16, "prompt_tokens": 200, "output_tokens": 90},
+            },
+        ],
+        "kernels": kernels,
+        "checkpoint_s": 0.1,
+        "results": [result],
+    }
     md = gpu.markdown(run)
     assert "| sharegpt_like 8/4 | colocated | 4 | 4.0 | 20% | 4 | 2 | 0 (7) |" in md
     assert "| decode | 265 | 9.0 | 13 |" in md and "limit for a decode step 300" in md

@@ -14,8 +14,15 @@ from pdserve.router import native
 
 
 def _run(c: int, tok_s: float, p99: float, messages: float = 0.0, tokens: int = 0, cpu: float = 0.0) -> dict:
-    return {"concurrency": c, "tok_per_s": tok_s, "tpot_p99_ms": p99, "failed": 0, "node_messages": messages,
-            "tokens": tokens, "router_cpu_s": cpu}  # fmt: skip
+    return {
+        "concurrency": c,
+        "tok_per_s": tok_s,
+        "tpot_p99_ms": p99,
+        "failed": 0,
+        "node_messages": messages,
+        "tokens": tokens,
+        "router_cpu_s": cpu,
+    }
 
 
 def test_capacity_is_the_fastest_run_before_tpot_p99_doubles_over_the_lightest():
@@ -41,16 +48,30 @@ def test_the_report_sets_vllms_api_server_beside_the_router_per_concurrency():
     from bench.router import markdown
 
     def runs(us: float) -> list[dict]:
-        return [{**_run(c, 1000.0 * c, 5.0), "tpot_p50_ms": 4.0, "router_us_per_token": us * c,
-                 "client_us_per_token": 9.0} for c in (16, 64)]  # fmt: skip
+        return [
+            {**_run(c, 1000.0 * c, 5.0), "tpot_p50_ms": 4.0, "router_us_per_token": us * c, "client_us_per_token": 9.0}
+            for c in (16, 64)
+        ]
 
     def front(us: float) -> dict:
         return {"runs": runs(us), "capacity": capacity(runs(us)), "fit": None}
 
-    result = {"date": "d", "commit": "c", "machine": {"cpu_model": "cpu", "cpu_count": 2, "loadavg_at_start": [1.0]},
-              "config": {"prefill": 1, "decode": 4, "mock_step_s": "s", "prompt_tokens": 64, "max_tokens": 128,
-                         "concurrency": [16, 64]}, "workers": [{"workers": 1, **front(1.0)}],
-              "pdserve_real": {"model": "small", **front(2.0)}, "vllm": {"model": "small", **front(3.0)}}  # fmt: skip
+    result = {
+        "date": "d",
+        "commit": "c",
+        "machine": {"cpu_model": "cpu", "cpu_count": 2, "loadavg_at_start": [1.0]},
+        "config": {
+            "prefill": 1,
+            "decode": 4,
+            "mock_step_s": "s",
+            "prompt_tokens": 64,
+            "max_tokens": 128,
+            "concurrency": [16, 64],
+        },
+        "workers": [{"workers": 1, **front(1.0)}],
+        "pdserve_real": {"model": "small", **front(2.0)},
+        "vllm": {"model": "small", **front(3.0)},
+    }
     text = markdown(result)
     header = "| streams | router, 1 worker(s), mock 1P4D | router, colocated `small` node | vLLM API server, `small` |"
     assert header in text
@@ -77,8 +98,10 @@ def test_stack_args_reach_the_mock_stacks_pdserve_up_after_its_own_flags():
 def test_the_in_process_path_runs_every_stream_to_a_chunk_a_token(capsys):
     """Small and once (no timing asserted): each round checks that the streams wrote a chunk for every token."""
     for path in ("auto", "python"):
-        assert router_path(["--streams", "3", "--steps", "20", "--rounds", "2", "--cold-mb", "1", "--token-path",
-                            path]) == 0  # fmt: skip
+        assert (
+            router_path(["--streams", "3", "--steps", "20", "--rounds", "2", "--cold-mb", "1", "--token-path", path])
+            == 0
+        )
         result = json.loads(capsys.readouterr().out.splitlines()[0])
         assert result["streams"] == 3 and len(result["rounds"]) == 2 and result["us_per_token"] > 0
         assert result["token_path"] == ("python" if path == "python" or native._cannot_build() else "c")

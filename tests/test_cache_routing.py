@@ -92,8 +92,14 @@ def test_margin_minus_one_routes_by_load_only():
 
 
 def test_disagg_picks_the_prefill_and_the_decode_node_by_their_caches():
-    c = RouterCore(RouterConfig(model="tiny", prefill=("tcp://p0", "tcp://p1"), decode=("tcp://d0", "tcp://d1"),
-                                decode_kv=("tcp://k0", "tcp://k1")))  # fmt: skip
+    c = RouterCore(
+        RouterConfig(
+            model="tiny",
+            prefill=("tcp://p0", "tcp://p1"),
+            decode=("tcp://d0", "tcp://d1"),
+            decode_kv=("tcp://k0", "tcp://k1"),
+        )
+    )
     try:
         for m in c.membership._members:
             c.nodes.append(NodeConn(m.role, m.addr, m.kv_addr, sock=FakeNodeSock(), up=True, info={"layout": LAYOUT}))
@@ -212,9 +218,14 @@ def test_a_decode_node_takes_prompts_while_every_prefill_node_holds_the_queue_li
         c.ctx.destroy(linger=0)
 
 
-@pytest.mark.parametrize("limit, prefill, want", [(0, ("tcp://p0",), ["tcp://p0", "tcp://d0"]),
-                                                  (2, ("tcp://p0",), ["tcp://p0", "tcp://d0"]),
-                                                  (1, ("tcp://p0", "tcp://p1"), ["tcp://p1", "tcp://d0"])])
+@pytest.mark.parametrize(
+    "limit, prefill, want",
+    [
+        (0, ("tcp://p0",), ["tcp://p0", "tcp://d0"]),
+        (2, ("tcp://p0",), ["tcp://p0", "tcp://d0"]),
+        (1, ("tcp://p0", "tcp://p1"), ["tcp://p1", "tcp://d0"]),
+    ],
+)
 def test_a_prefill_queue_below_the_limit_keeps_the_prompt_on_the_prefill_nodes(limit, prefill, want):
     """Off (0, the default), a limit not yet reached, or a second prefill node with room: the second request goes
     through a prefill node like the first."""

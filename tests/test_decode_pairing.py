@@ -180,8 +180,9 @@ def test_the_ack_waits_for_the_block_copy(node, monkeypatch):
 
 @pytest.fixture
 def auto_node(tiny_models):
-    cfg = NodeConfig("decode", EngineConfig(model=str(tiny_models["qwen3"]), num_kv_blocks=32), kv_transport="auto",
-                     host_id="host-a")  # fmt: skip
+    cfg = NodeConfig(
+        "decode", EngineConfig(model=str(tiny_models["qwen3"]), num_kv_blocks=32), kv_transport="auto", host_id="host-a"
+    )
     n = DecodeNode(cfg)
     yield n
     n.close()
@@ -192,8 +193,9 @@ def test_auto_shares_the_pool_on_one_host_and_ships_over_zmq_across_hosts(auto_n
     owner = _shm_pool(auto_node)
     try:
         peer = Peer(auto_node, b"prefill-0")
-        hello = P.KvHello(P.PROTOCOL_VERSION, auto_node.engine.layout.to_dict(), "auto", owner.handle(), host_id,
-                          ["shm", "zmq"])  # fmt: skip
+        hello = P.KvHello(
+            P.PROTOCOL_VERSION, auto_node.engine.layout.to_dict(), "auto", owner.handle(), host_id, ["shm", "zmq"]
+        )
         peer.send(hello)
         ack = peer.recv()
         assert ack.ok and ack.info == {"transport": chosen}, ack

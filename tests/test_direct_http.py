@@ -21,8 +21,9 @@ LIMIT = 1000  # --max-request-bytes of the heads parsed here
 BODY = b'{"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2}'
 
 
-def request(path: str = "/v1/completions", body: bytes = BODY, *extra: str, length: bool = True,
-            version: str = "HTTP/1.1") -> bytes:  # fmt: skip
+def request(
+    path: str = "/v1/completions", body: bytes = BODY, *extra: str, length: bool = True, version: str = "HTTP/1.1"
+) -> bytes:
     lines = [f"POST {path} {version}", "Host: 127.0.0.1", "Content-Type: application/json", *extra]
     lines += [f"Content-Length: {len(body)}"] if length else []
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
@@ -63,8 +64,24 @@ def test_a_completion_or_chat_request_of_the_common_shape_is_taken():
         request().replace(b"\r\nContent-Type", b"\nContent-Type"),  # a bare LF
         request("/v1/completions", BODY, "X-A: " + "a" * MAX_HEADER_BYTES),  # RequestLimits answers it 431
     ],
-    ids=["query", "route", "method", "http1.0", "chunked", "expect", "upgrade", "too-large", "no-length",
-         "two-lengths", "space-before-colon", "folded", "nul", "no-host", "bare-lf", "huge-head"],  # fmt: skip
+    ids=[
+        "query",
+        "route",
+        "method",
+        "http1.0",
+        "chunked",
+        "expect",
+        "upgrade",
+        "too-large",
+        "no-length",
+        "two-lengths",
+        "space-before-colon",
+        "folded",
+        "nul",
+        "no-host",
+        "bare-lf",
+        "huge-head",
+    ],
 )
 def test_a_request_of_any_other_shape_is_left_to_h11(raw):
     assert parse_head(head_of(raw), LIMIT) is None
@@ -120,8 +137,9 @@ class Harness:
         self.asgi: list[tuple[str, str, bytes]] = []  # method, path, body
         self.stream_parts, self.release = stream_parts, asyncio.Event()
         config = uvicorn.Config(self.app, log_level="warning", interface="asgi3")
-        self.proto = RouterHttp(config=config, server_state=uvicorn.server.ServerState(), app_state={},
-                                direct=self.handle, body_limit=LIMIT)  # fmt: skip
+        self.proto = RouterHttp(
+            config=config, server_state=uvicorn.server.ServerState(), app_state={}, direct=self.handle, body_limit=LIMIT
+        )
         self.transport = Transport()
         self.proto.connection_made(self.transport)
 
@@ -186,8 +204,11 @@ def test_a_body_that_comes_in_many_reads_is_taken_whole_once_its_last_byte_is_in
     run(main())
 
 
-@pytest.mark.parametrize("raw", [request("/v1/completions?x=1"), request(version="HTTP/1.0"),
-                                 request(body=b"x" * (LIMIT + 1))], ids=["query", "http1.0", "too-large"])  # fmt: skip
+@pytest.mark.parametrize(
+    "raw",
+    [request("/v1/completions?x=1"), request(version="HTTP/1.0"), request(body=b"x" * (LIMIT + 1))],
+    ids=["query", "http1.0", "too-large"],
+)
 def test_a_request_the_direct_path_leaves_reaches_the_app_through_h11_as_it_came(raw):
     async def main():
         h = Harness()
@@ -319,9 +340,14 @@ def test_a_shutdown_lets_a_stream_end_then_closes_its_connection():
 def stack(tmp_path_factory):
     resolve_model("tiny")
     # one router process whatever --router-workers says: its counter of direct requests is then read fresh
-    s = Stack(tmp_path_factory.mktemp("direct"), "tiny", mode="disagg", api_key="k",
-              engine_args=("--engine", "mock", "--mock-step-s", "0.001,0,0"),
-              router_args=("--router-workers", "1")).start()  # fmt: skip
+    s = Stack(
+        tmp_path_factory.mktemp("direct"),
+        "tiny",
+        mode="disagg",
+        api_key="k",
+        engine_args=("--engine", "mock", "--mock-step-s", "0.001,0,0"),
+        router_args=("--router-workers", "1"),
+    ).start()
     yield s
     s.close()
 
@@ -357,8 +383,11 @@ def normalized(answer: bytes) -> bytes:
 
 def direct_requests(stack: Stack) -> float:
     text = httpx.get(stack.url + "/metrics", headers=stack.headers, timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("pdserve:router_direct_http_requests_total"))  # fmt: skip
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("pdserve:router_direct_http_requests_total")
+    )
 
 
 def dechunked(body: bytes) -> bytes:
@@ -376,11 +405,17 @@ def dechunked(body: bytes) -> bytes:
 AUTH = "Authorization: Bearer k"
 CASES = {
     "stream": ("/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 4, "stream": True}, AUTH),
-    "stream-usage": ("/v1/completions", {"prompt": [5, 6], "max_tokens": 3, "stream": True,
-                                         "stream_options": {"include_usage": True}}, AUTH),  # fmt: skip
+    "stream-usage": (
+        "/v1/completions",
+        {"prompt": [5, 6], "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}},
+        AUTH,
+    ),
     "whole": ("/v1/completions", {"prompt": [[5, 6], [7, 8]], "max_tokens": 3, "n": 1}, AUTH),
-    "chat-stream": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
-                                             "stream": True}, AUTH),  # fmt: skip
+    "chat-stream": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True},
+        AUTH,
+    ),
     "bad-field": ("/v1/completions", {"prompt": [5], "max_tokens": -1}, AUTH),
     "unknown-model": ("/v1/completions", {"prompt": [5], "max_tokens": 1, "model": "other"}, AUTH),
     "unsupported": ("/v1/completions", {"prompt": [5], "max_tokens": 1, "suffix": "x"}, AUTH),

@@ -79,9 +79,15 @@ def tok(model_dir):
 @pytest.fixture(scope="module", params=["zmq", "shm"])
 def stack(request, tmp_path_factory, model_dir):
     tmp = tmp_path_factory.mktemp(f"edges-{request.param}")
-    s = Stack(tmp, str(model_dir), mode="disagg", transport=request.param, num_decode=2,
-              decode_args=("--num-kv-blocks", str(DECODE_BLOCKS), "--kv-lease-s", "120"),
-              router_args=("--node-timeout-s", "30", *NO_LOCAL_PREFILL)).start()  # fmt: skip  (starved is not dead)
+    s = Stack(
+        tmp,
+        str(model_dir),
+        mode="disagg",
+        transport=request.param,
+        num_decode=2,
+        decode_args=("--num-kv-blocks", str(DECODE_BLOCKS), "--kv-lease-s", "120"),
+        router_args=("--node-timeout-s", "30", *NO_LOCAL_PREFILL),
+    ).start()  # (starved is not dead)
     yield s
     s.close()
 
@@ -118,10 +124,13 @@ def _read(stack: Stack) -> dict:
     text = httpx.get(stack.url + "/metrics", timeout=10).text
     up = {n["addr"]: n["role"] for n in httpx.get(stack.url + "/health", timeout=10).json()["nodes"] if n["up"]}
     blocks, held = _gauge(text, "pdserve:kv_blocks_used"), _gauge(text, "pdserve:node_requests_held")
-    return {"counters": node_counters(text), "preemptions": _gauge(text, "pdserve:num_preemptions_total"),
-            "waiting": _gauge(text, "pdserve:num_requests_waiting"),
-            "redispatched": _value(text, "pdserve:requests_redispatched_total"),
-            "nodes": {a: (r, blocks.get(a), held.get(a)) for a, r in up.items()}}  # fmt: skip
+    return {
+        "counters": node_counters(text),
+        "preemptions": _gauge(text, "pdserve:num_preemptions_total"),
+        "waiting": _gauge(text, "pdserve:num_requests_waiting"),
+        "redispatched": _value(text, "pdserve:requests_redispatched_total"),
+        "nodes": {a: (r, blocks.get(a), held.get(a)) for a, r in up.items()},
+    }
 
 
 def _value(text: str, name: str) -> float:
@@ -151,8 +160,11 @@ def wait_pools_empty(stack: Stack, least: dict[str, dict[str, float]]) -> dict:
 
     def empty(seen):
         offers = {role: seen["counters"].get(role, {}).get("kv_offers", 0) for role in ("prefill", "decode")}
-        return (counted(seen, least) and offers["decode"] >= offers["prefill"]
-                and all(b == 0 and h == 0 for _, b, h in seen["nodes"].values()))  # fmt: skip
+        return (
+            counted(seen, least)
+            and offers["decode"] >= offers["prefill"]
+            and all(b == 0 and h == 0 for _, b, h in seen["nodes"].values())
+        )
 
     return wait_for(stack, empty, f"every pool empty once the nodes count {least}")
 
@@ -246,8 +258,16 @@ def test_decode_node_preempts_received_requests_and_recomputes_them_exactly(stac
     log-probabilities, the prompt's (echo) included."""
     prompts = preempting_prompts(299)
     before = _read(stack)
-    body = {"model": str(model_dir), "prompt": prompts, "max_tokens": PREEMPT_OUT, "ignore_eos": True,
-            "temperature": 0, "logprobs": 1, "echo": True, "return_token_ids": True}  # fmt: skip
+    body = {
+        "model": str(model_dir),
+        "prompt": prompts,
+        "max_tokens": PREEMPT_OUT,
+        "ignore_eos": True,
+        "temperature": 0,
+        "logprobs": 1,
+        "echo": True,
+        "return_token_ids": True,
+    }
     r = httpx.post(stack.url + "/v1/completions", json=body, timeout=300)
     assert r.status_code == 200, r.text
     choices = sorted(r.json()["choices"], key=lambda c: c["index"])
@@ -270,8 +290,13 @@ def test_decode_node_preempts_guided_requests_and_recomputes_them_exactly(stack,
     the same request sent alone afterwards, which no decode node preempts."""
     fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "string", "minLength": 2000}}}
     prompts = preempting_prompts(324)
-    body = {"model": str(model_dir), "max_tokens": PREEMPT_OUT, "temperature": 0, "response_format": fmt,
-            "return_token_ids": True}  # fmt: skip
+    body = {
+        "model": str(model_dir),
+        "max_tokens": PREEMPT_OUT,
+        "temperature": 0,
+        "response_format": fmt,
+        "return_token_ids": True,
+    }
     before = _read(stack)
     r = httpx.post(stack.url + "/v1/completions", json={**body, "prompt": prompts}, timeout=300)
     assert r.status_code == 200, r.text
@@ -292,19 +317,33 @@ def test_decode_node_preempts_guided_requests_and_recomputes_them_exactly(stack,
 
 
 def test_a_chat_template_with_list_of_parts_content(stack, model_dir, hf, tok):
-    messages = [{"role": "system", "content": "Be brief."},
-                {"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "world"}]},
-                {"role": "assistant", "content": "Hi."},
-                {"role": "user", "content": "Again?"}]  # fmt: skip
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "world"}]},
+        {"role": "assistant", "content": "Hi."},
+        {"role": "user", "content": "Again?"},
+    ]
     rendered = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert "<|im_start|>user\nHello world<|im_end|>" in rendered and rendered.endswith("<|im_start|>assistant\n")
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    want = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                       max_new_tokens=12, min_new_tokens=12, do_sample=False, eos_token_id=None,
-                       pad_token_id=0)[0, len(ids) :].tolist()  # fmt: skip
-    body = {"model": str(model_dir), "messages": messages, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True}  # fmt: skip
+    want = hf.generate(
+        torch.tensor([ids]),
+        attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        max_new_tokens=12,
+        min_new_tokens=12,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )[0, len(ids) :].tolist()
+    body = {
+        "model": str(model_dir),
+        "messages": messages,
+        "max_tokens": 12,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     r = httpx.post(stack.url + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     c = r.json()["choices"][0]
@@ -340,9 +379,11 @@ def test_streams_resume_exactly_when_a_decode_node_dies(stack, model_dir, hf):
     they streamed and must end as their twins that decode1 served throughout."""
     fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "string", "minLength": 2000}}}
     common = {"model": str(model_dir), "prompt": [9, 8, 7, 6], "max_tokens": 120}
-    kinds = [{**common, "temperature": 0, "ignore_eos": True},
-             {**common, "temperature": 1.0, "top_p": 0.9, "seed": 1234, "ignore_eos": True},
-             {**common, "temperature": 0, "response_format": fmt}]  # fmt: skip
+    kinds = [
+        {**common, "temperature": 0, "ignore_eos": True},
+        {**common, "temperature": 1.0, "top_p": 0.9, "seed": 1234, "ignore_eos": True},
+        {**common, "temperature": 0, "response_format": fmt},
+    ]
     before = _read(stack)
     streams = []
     for body in [kinds[0], kinds[0], kinds[1], kinds[1], kinds[2], kinds[2]]:
@@ -384,15 +425,25 @@ def test_hanging_up_while_kv_is_in_flight_frees_both_pools(stack, model_dir):
     for name in ("decode0", "prefill0"):
         if stack.procs[name].poll() is None:
             stack.kill(name)
-    stack.restart_node("prefill0", "prefill", ("--kv-fault-rate", "1", "--kv-fault-kinds", "drop",
-                                               "--kv-lease-s", "300"))  # fmt: skip
+    stack.restart_node(
+        "prefill0", "prefill", ("--kv-fault-rate", "1", "--kv-fault-kinds", "drop", "--kv-lease-s", "300")
+    )
     prefill = stack.infos["prefill0"]["listen"]
-    fresh = wait_for(stack, lambda r: prefill in r["nodes"] and r["counters"].get("prefill", {}).get("requests") == 0,
-                     "the new prefill node up")  # (its counters start from zero)
+    fresh = wait_for(
+        stack,
+        lambda r: prefill in r["nodes"] and r["counters"].get("prefill", {}).get("requests") == 0,
+        "the new prefill node up",
+    )  # (its counters start from zero)
     before = fresh
     decode = next(a for a, (role, _, _) in before["nodes"].items() if role == "decode")
-    body = {"model": str(model_dir), "prompt": [list(range(1, 351)), list(range(7, 107))],
-            "max_tokens": 8, "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+    body = {
+        "model": str(model_dir),
+        "prompt": [list(range(1, 351)), list(range(7, 107))],
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.stream("POST", stack.url + "/v1/completions", json=body, timeout=120) as r:
         firsts = set()
         lines = r.iter_lines()
@@ -403,8 +454,11 @@ def test_hanging_up_while_kv_is_in_flight_frees_both_pools(stack, model_dir):
 
         def in_flight(seen):
             _, blocks, _ = seen["nodes"][decode]
-            return (counted(seen, plus(before, {"prefill": {"kv_faults_injected": 1}, "decode": {"kv_offers": 2}}))
-                    and blocks == 22 and seen["waiting"].get(decode) == 1)  # fmt: skip
+            return (
+                counted(seen, plus(before, {"prefill": {"kv_faults_injected": 1}, "decode": {"kv_offers": 2}}))
+                and blocks == 22
+                and seen["waiting"].get(decode) == 1
+            )
 
         wait_for(stack, in_flight, "one request receiving its KV, one waiting for blocks")
     after = wait_pools_empty(stack, plus(before, {"prefill": {"requests": 2}}))

@@ -155,7 +155,7 @@ def default_problems(table: str, flags: dict[str, argparse.Action]) -> list[str]
 
 def test_the_readme_flags_table_shows_the_real_defaults():
     readme = (ROOT / "README.md").read_text()
-    table = readme[readme.index("| flag | meaning | default |"):].split("\n\n")[0]
+    table = readme[readme.index("| flag | meaning | default |") :].split("\n\n")[0]
     assert len(re.findall(r"^\| `--", table, re.M)) >= 10
     assert not default_problems(table, _up_flags())
 
@@ -163,15 +163,20 @@ def test_the_readme_flags_table_shows_the_real_defaults():
 def test_the_defaults_check_notices_a_wrong_default():
     flags = _up_flags()
     assert default_problems("| `--max-num-seqs` | m | 17 |\n| `--api-key` | k | secret |", flags) == [
-        "--max-num-seqs: '17', but the default is 16", "--api-key: 'secret', but the default is ''"]
+        "--max-num-seqs: '17', but the default is 16",
+        "--api-key: 'secret', but the default is ''",
+    ]
     assert not default_problems("| `--num-prefill N --num-decode M` | n | 1, 1 |", flags)
 
 
-@pytest.mark.parametrize(("page", "text"), [
-    ("docs/mock-nodes.md", f"(default `{','.join(map(str, MOCK_STEP_S))}`)"),
-    ("docs/prefix-caching.md", f"(default {RouterConfig.cache_balance_margin})"),
-    ("docs/prefix-caching.md", f"a stats period ({NodeConfig.stats_interval_s} s)"),
-    ("docs/prefix-caching.md", f"`--max-num-batched-tokens` ({EngineConfig.max_num_batched_tokens} by default)"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("page", "text"),
+    [
+        ("docs/mock-nodes.md", f"(default `{','.join(map(str, MOCK_STEP_S))}`)"),
+        ("docs/prefix-caching.md", f"(default {RouterConfig.cache_balance_margin})"),
+        ("docs/prefix-caching.md", f"a stats period ({NodeConfig.stats_interval_s} s)"),
+        ("docs/prefix-caching.md", f"`--max-num-batched-tokens` ({EngineConfig.max_num_batched_tokens} by default)"),
+    ],
+)
 def test_a_default_a_page_names_is_the_real_one(page, text):
     assert text in " ".join((ROOT / page).read_text().split())

@@ -81,6 +81,7 @@ def _stopped(proc: subprocess.Popen):
 
 def _wait_draining(stack: Stack, role: str) -> None:
     """Until the router has heard that the node of `role` drains (its stats say so within 0.5 s)."""
+
     def draining() -> bool:
         nodes = httpx.get(stack.url + "/health", timeout=10).json()["nodes"]
         return any(n["draining"] for n in nodes if n["role"] == role)
@@ -127,8 +128,23 @@ def _children(pid: int) -> list[int]:
 
 def test_pdserve_up_forwards_sigterm_and_every_child_exits(tmp_path):
     port = free_port()
-    argv = [sys.executable, "-m", "pdserve", "--log-level", "WARNING", "up", "--model", "tiny", "--mode",
-            "colocated", "--port", str(port), "--no-pin", "--drain-timeout-s", str(HANG_S)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "pdserve",
+        "--log-level",
+        "WARNING",
+        "up",
+        "--model",
+        "tiny",
+        "--mode",
+        "colocated",
+        "--port",
+        str(port),
+        "--no-pin",
+        "--drain-timeout-s",
+        str(HANG_S),
+    ]
     up = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=os.environ.copy())
     try:
         assert "is serving" in up.stdout.readline()

@@ -35,8 +35,10 @@ def backend_args(kernels: str) -> dict:
 
 
 def greedy_requests(prompts, outs) -> list[Request]:
-    return [Request(str(i), p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
-            for i, (p, n) in enumerate(zip(prompts, outs, strict=True))]  # fmt: skip
+    return [
+        Request(str(i), p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+        for i, (p, n) in enumerate(zip(prompts, outs, strict=True))
+    ]
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2"])
@@ -54,8 +56,9 @@ def test_greedy_equals_transformers(tiny_models, arch, budget, num_blocks, kerne
 def check_equals_transformers(model, prompts, outs, budget: int, num_blocks: int | None, kernels: str) -> Engine:
     """The engine's greedy tokens are transformers', every block comes back, and a small pool did preempt."""
     ref = hf_greedy(model, prompts, outs)
-    cfg = EngineConfig(model=str(model), max_num_batched_tokens=budget, num_kv_blocks=num_blocks,
-                       **backend_args(kernels))  # fmt: skip
+    cfg = EngineConfig(
+        model=str(model), max_num_batched_tokens=budget, num_kv_blocks=num_blocks, **backend_args(kernels)
+    )
     engine = Engine(cfg)
     reqs = greedy_requests(prompts, outs)
     got = run_engine(engine, reqs)

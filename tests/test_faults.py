@@ -15,8 +15,15 @@ from stack import NO_LOCAL_PREFILL, Stack, Stacks
 def _stream_some(url: str, n_chunks: int, max_tokens: int = 1500, n: int = 1) -> tuple[int, int]:
     """Start a long streamed completion (of `n` choices), read `n_chunks` token chunks, then hang up: (its HTTP
     status, the chunks read)."""
-    body = {"model": "tiny", "prompt": list(range(1, 200)), "max_tokens": max_tokens, "ignore_eos": True,
-            "temperature": 0, "stream": True, "n": n}  # fmt: skip
+    body = {
+        "model": "tiny",
+        "prompt": list(range(1, 200)),
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+        "n": n,
+    }
     seen = 0
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
         for line in r.iter_lines():
@@ -51,8 +58,9 @@ def test_client_disconnect_frees_kv_everywhere(stacks, mode, transport, n):
 def test_mismatched_pairing_is_refused(tmp_path):
     stack = Stack(tmp_path, "tiny", mode="disagg", decode_args=("--block-size", "32")).start()
     try:
-        r = httpx.post(stack.url + "/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 4},
-                       timeout=30)  # fmt: skip
+        r = httpx.post(
+            stack.url + "/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 4}, timeout=30
+        )
         assert r.status_code >= 500
         msg = r.json()["error"]["message"]
         assert "refused to pair" in msg and "block_size" in msg
@@ -70,8 +78,7 @@ def test_dead_decode_node_fails_fast_and_recovers(stacks):
     stack = stacks.get(mode="disagg", transport="zmq")
     body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2000, "ignore_eos": True, "temperature": 0}
     with ThreadPoolExecutor(3) as pool:
-        futures = [pool.submit(httpx.post, stack.url + "/v1/completions", json=body, timeout=HANG_S)
-                   for _ in range(3)]  # fmt: skip
+        futures = [pool.submit(httpx.post, stack.url + "/v1/completions", json=body, timeout=HANG_S) for _ in range(3)]
         beside = Stream(stack.url, tiny_greedy(2000))  # its tokens say when the decode node generates
         beside.start()
         assert wait_until(lambda: len(beside.times) >= 2 and _decode_nodes(stack)[0]["in_flight"] == 4, 60, 0.01)
@@ -106,8 +113,14 @@ def test_offers_wait_for_a_full_decode_node_beyond_the_lease(tmp_path):
     histogram shows (how long it must be depends on the host's speed, so it is not assumed): every one must
     still complete."""
     lease_s = 2.0
-    stack = Stack(tmp_path, "tiny", mode="disagg", engine_args=("--kv-lease-s", str(lease_s)),
-                  decode_args=("--num-kv-blocks", "4"), router_args=NO_LOCAL_PREFILL).start()  # fmt: skip
+    stack = Stack(
+        tmp_path,
+        "tiny",
+        mode="disagg",
+        engine_args=("--kv-lease-s", str(lease_s)),
+        decode_args=("--num-kv-blocks", "4"),
+        router_args=NO_LOCAL_PREFILL,
+    ).start()
     body = {"model": "tiny", "prompt": list(range(1, 21)), "max_tokens": 44, "ignore_eos": True}  # 64: the pool
 
     async def requests(n: int) -> list[httpx.Response]:
@@ -121,8 +134,10 @@ def test_offers_wait_for_a_full_decode_node_beyond_the_lease(tmp_path):
             assert [r.status_code for r in responses] == [200] * n, [r.text for r in responses if r.status_code != 200]
             assert all(r.json()["usage"]["completion_tokens"] == 44 for r in responses)
             handoffs = _metrics(stack)
-            beyond = handoffs["pdserve:request_handoff_time_seconds_count"] - handoffs[
-                'pdserve:request_handoff_time_seconds_bucket{le="2.5"}']  # hand-offs longer than 2.5 s > the lease
+            beyond = (
+                handoffs["pdserve:request_handoff_time_seconds_count"]
+                - handoffs['pdserve:request_handoff_time_seconds_bucket{le="2.5"}']
+            )  # hand-offs longer than 2.5 s > the lease
             n *= 2
         assert beyond > 0, "no offer outlived the lease: the test proves nothing"
         stack.wait_kv_free()
@@ -132,5 +147,8 @@ def test_offers_wait_for_a_full_decode_node_beyond_the_lease(tmp_path):
 
 def _metrics(stack: Stack) -> dict[str, float]:
     text = httpx.get(stack.url + "/metrics", timeout=30).text
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-            if line and not line.startswith("#")}  # fmt: skip
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }

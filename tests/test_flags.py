@@ -75,8 +75,9 @@ def test_the_api_key_default_is_read_from_the_environment_when_the_parser_is_bui
 
 def test_a_switchs_help_says_what_giving_it_does_and_no_default(parser):
     """A switch is off unless given: "(default: True)" on a --no-... switch would read as the opposite."""
-    switches = [a for p in _subparsers(parser).values() for a in _flag_actions(p) if a.nargs == 0 and a.const in
-                (True, False)]  # fmt: skip
+    switches = [
+        a for p in _subparsers(parser).values() for a in _flag_actions(p) if a.nargs == 0 and a.const in (True, False)
+    ]
     assert {"--no-prefix-caching", "--no-access-log", "--enforce-eager"} <= {a.option_strings[0] for a in switches}
     for a in switches:
         assert "(default: True)" not in a.help and "(default: False)" not in a.help, a.option_strings
@@ -102,13 +103,33 @@ def test_parsed_defaults_build_the_default_configs(parser):
 def test_up_passes_its_router_flags_on(tmp_path, parser):
     from pdserve.flags import router_command, router_options
 
-    up = parser.parse_args(["up", "--served-model-name", "my-model", "--port", "9", "--max-n", "2",
-                            "--node-timeout-s", "3", "--queue-timeout-s", "5", "--api-key", "secret"])  # fmt: skip
+    up = parser.parse_args(
+        [
+            "up",
+            "--served-model-name",
+            "my-model",
+            "--port",
+            "9",
+            "--max-n",
+            "2",
+            "--node-timeout-s",
+            "3",
+            "--queue-timeout-s",
+            "5",
+            "--api-key",
+            "secret",
+        ]
+    )
     argv = router_command("tiny", [{"role": "colocated", "listen": "tcp://c"}], router_options(up))
     assert "secret" not in argv, "the API key travels in the router's environment, not its argv"
     router = from_args(RouterConfig, parser.parse_args(argv[3:]))
     assert (router.served_model_name, router.port, router.max_n, router.node_timeout_s, router.queue_timeout_s) == (
-        "my-model", 9, 2, 3.0, 5.0)  # fmt: skip
+        "my-model",
+        9,
+        2,
+        3.0,
+        5.0,
+    )
 
 
 def test_no_access_log_reaches_the_router_of_up(parser):

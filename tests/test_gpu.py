@@ -102,6 +102,19 @@ def test_gpu_check_passes_on_the_cpu(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_check_script_passes(tmp_path):
     out = tmp_path / "gpu.json"
-    r = subprocess.run([sys.executable, str(SCRIPT), "--model", "tiny", "--requests", "8", "--out", str(out),
-                        "--log-dir", str(tmp_path)], timeout=900)  # fmt: skip
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--model",
+            "tiny",
+            "--requests",
+            "8",
+            "--out",
+            str(out),
+            "--log-dir",
+            str(tmp_path),
+        ],
+        timeout=900,
+    )
     assert r.returncode == 0, out.read_text() if out.exists() else "no report"

@@ -72,8 +72,20 @@ def box(tmp_path_factory) -> tuple[Path, Path]:
     """(the box-like venv's bin folder, the wheels fetched for this machine's Python)."""
     root = tmp_path_factory.mktemp("box")
     wheels = root / "wheels"
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "deps.py"), "fetch", "--dest", str(wheels),
-                        "--platform", *_platforms()], capture_output=True, text=True, timeout=600)  # fmt: skip
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "deps.py"),
+            "fetch",
+            "--dest",
+            str(wheels),
+            "--platform",
+            *_platforms(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if r.returncode != 0:
         pytest.skip(f"the wheels could not be fetched (is PyPI reachable?): {r.stderr[-500:]}")
     return box_like_venv(root / "venv"), wheels
@@ -88,8 +100,13 @@ def _platforms() -> list[str]:
 
 def _env(bin_dir: Path, tmp: Path, wheels: Path, site: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env.update(PATH=f"{bin_dir}:{env['PATH']}", WHEELS=str(wheels), OUT=str(tmp / "out"),
-               GPU_RUN_WORK=str(tmp / "work"), GPU_RUN_SITE=str(site))  # fmt: skip
+    env.update(
+        PATH=f"{bin_dir}:{env['PATH']}",
+        WHEELS=str(wheels),
+        OUT=str(tmp / "out"),
+        GPU_RUN_WORK=str(tmp / "work"),
+        GPU_RUN_SITE=str(site),
+    )
     return env
 
 
@@ -105,8 +122,15 @@ def site(box, tmp_path_factory) -> tuple[Path, Path]:
     for w in wheels.glob("*.whl"):
         if not w.name.lower().startswith("prometheus_client"):
             (partial / w.name).symlink_to(w)
-    argv = [str(bin_dir / "python3"), str(ROOT / "scripts" / "deps.py"), "install", "--wheels", str(partial),
-            "--target", str(root / "site")]  # fmt: skip
+    argv = [
+        str(bin_dir / "python3"),
+        str(ROOT / "scripts" / "deps.py"),
+        "install",
+        "--wheels",
+        str(partial),
+        "--target",
+        str(root / "site"),
+    ]
     r = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, env=_env(bin_dir, root, partial, root / "site"))
     assert r.returncode == 0, r.stdout + r.stderr
     return root / "site", partial
@@ -115,8 +139,13 @@ def site(box, tmp_path_factory) -> tuple[Path, Path]:
 def test_the_box_venv_lacks_the_serving_dependencies(box):
     bin_dir, _ = box
     nowhere = Path("/nonexistent")
-    r = subprocess.run([str(bin_dir / "python3"), str(ROOT / "scripts" / "deps.py"), "check"], capture_output=True,
-                       text=True, cwd=ROOT, env=_env(bin_dir, nowhere, nowhere, nowhere))  # fmt: skip
+    r = subprocess.run(
+        [str(bin_dir / "python3"), str(ROOT / "scripts" / "deps.py"), "check"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=_env(bin_dir, nowhere, nowhere, nowhere),
+    )
     assert r.returncode == 1
     assert "pyzmq is not installed" in r.stderr and "fastapi is not installed" in r.stderr
     assert "torch" not in r.stderr and "transformers" not in r.stderr  # those the box has
@@ -125,8 +154,14 @@ def test_the_box_venv_lacks_the_serving_dependencies(box):
 def test_a_missing_dependency_stops_gpu_run_before_anything_starts(box, site, tmp_path):
     bin_dir, _ = box
     folder, partial = site
-    r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_run.sh"), "--cpu"], capture_output=True, text=True,
-                       cwd=ROOT, env=_env(bin_dir, tmp_path, partial, folder), timeout=300)  # fmt: skip
+    r = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_run.sh"), "--cpu"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=_env(bin_dir, tmp_path, partial, folder),
+        timeout=300,
+    )
     assert r.returncode == 3, r.stdout[-2000:]
     assert re.search(r"deps install: 0 of \d+ wheels needed here", r.stdout), r.stdout[-2000:]  # the site holds them
     assert "prometheus_client is not installed" in r.stdout
@@ -139,8 +174,14 @@ def test_gpu_run_cpu_mode_passes_in_the_box_venv(box, site, tmp_path):
     folder.mkdir()
     for entry in site[0].iterdir():
         (folder / entry.name).symlink_to(entry)
-    r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_run.sh"), "--cpu"], capture_output=True, text=True,
-                       cwd=ROOT, env=_env(bin_dir, tmp_path, wheels, folder), timeout=1500)  # fmt: skip
+    r = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_run.sh"), "--cpu"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=_env(bin_dir, tmp_path, wheels, folder),
+        timeout=1500,
+    )
     log = r.stdout
     assert r.returncode == 0, log[-4000:]
     assert re.search(r"deps install: 1 of \d+ wheels needed here", log), log[-4000:]  # prometheus_client, not the rest

@@ -41,8 +41,12 @@ def _reference(q, pool, q_start, reqs, tables, bs):
 
 @pytest.mark.parametrize(
     "nh,nkv,d,bs,dtype",
-    [(4, 4, 16, 16, torch.float32), (8, 2, 64, 16, torch.float32), (4, 1, 32, 32, torch.float32),
-     (16, 8, 128, 16, torch.float16)],  # fmt: skip
+    [
+        (4, 4, 16, 16, torch.float32),
+        (8, 2, 64, 16, torch.float32),
+        (4, 1, 32, 32, torch.float32),
+        (16, 8, 128, 16, torch.float16),
+    ],
 )
 def test_paged_attention_matches_torch(triton, nh, nkv, d, bs, dtype):
     """Decodes and prompt chunks (first chunks and chunks after a cached past), scattered blocks, GQA: one launch
@@ -67,8 +71,12 @@ def test_paged_attention_matches_torch(triton, nh, nkv, d, bs, dtype):
     tile = max(TILE_M, nh // nkv)
     work = [(r, m) for r, (_, n) in enumerate(reqs) for m in range(cdiv(n * nh // nkv, tile))]
     work = torch.tensor(work[::-1] + [(0, -1), (3, -1)], **i32)  # any order; padding items last
-    args = (torch.tensor(q_start, **i32), torch.tensor([n for _, n in reqs], **i32),
-            torch.tensor([p + n for p, n in reqs], **i32), bt)  # fmt: skip
+    args = (
+        torch.tensor(q_start, **i32),
+        torch.tensor([n for _, n in reqs], **i32),
+        torch.tensor([p + n for p, n in reqs], **i32),
+        bt,
+    )
     ta.paged_attention(q, out, pool, *args, work, bs, 1 / math.sqrt(d), tile)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     for r, ref in _reference(q, pool, q_start, reqs, tables, bs).items():
@@ -112,8 +120,16 @@ def test_rows_with_no_context_get_zeros(triton):
 
 
 def test_token_counts_pad_little():
-    assert token_counts(2048, 128) == [1, 2, 4, 8, *range(16, 257, 16), *range(288, 513, 32), *range(576, 1025, 64),
-                                       *range(1152, 2049, 128)]  # fmt: skip
+    assert token_counts(2048, 128) == [
+        1,
+        2,
+        4,
+        8,
+        *range(16, 257, 16),
+        *range(288, 513, 32),
+        *range(576, 1025, 64),
+        *range(1152, 2049, 128),
+    ]
     assert token_counts(20, 6) == [1, 2, 4, 6, 8, 16, 20] and token_counts(1, 16) == [1]
     sizes = token_counts(3000, 200)
     assert sizes[-1] == 3000 and 200 in sizes
@@ -186,10 +202,14 @@ def test_seeded_draws_do_not_depend_on_the_batch():
     sampler = Sampler()
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 300, generator=g)
-    params = [SamplingParams(temperature=0.8, seed=11), SamplingParams(temperature=1.3, top_k=20, seed=5),
-              SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_p=0.7, seed=99),
-              SamplingParams(temperature=0.5, top_k=30, top_p=0.9, seed=3),
-              SamplingParams(temperature=1.0)]  # fmt: skip
+    params = [
+        SamplingParams(temperature=0.8, seed=11),
+        SamplingParams(temperature=1.3, top_k=20, seed=5),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, top_p=0.7, seed=99),
+        SamplingParams(temperature=0.5, top_k=30, top_p=0.9, seed=3),
+        SamplingParams(temperature=1.0),
+    ]
     reqs = [_req(str(i), p, outputs=i) for i, p in enumerate(params)]
     together = sampler(logits, reqs).tokens
     alone = [sampler(logits[i : i + 1], [r]).tokens[0] for i, r in enumerate(reqs)]

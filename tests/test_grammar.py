@@ -21,16 +21,35 @@ jsonschema = optional("jsonschema")
 optional("llguidance")
 
 SCHEMAS = [
-    {"type": "object", "additionalProperties": False, "required": ["name", "age", "ok"],
-     "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0,
-                    "maximum": 120}, "ok": {"type": "boolean"}}},
+    {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["name", "age", "ok"],
+        "properties": {
+            "name": {"type": "string", "maxLength": 8},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "ok": {"type": "boolean"},
+        },
+    },
     {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 4},
-    {"type": "object", "additionalProperties": False, "required": ["point", "tag"],
-     "properties": {"point": {"type": "object", "required": ["x", "y"], "additionalProperties": False,
-                              "properties": {"x": {"type": "integer", "minimum": -50, "maximum": 50},
-                                            "y": {"anyOf": [{"type": "null"}, {"type": "integer", "maximum": 9}]}}},
-                    "tag": {"type": "string", "pattern": "^[a-z]{1,5}$"}}},
-]  # fmt: skip
+    {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["point", "tag"],
+        "properties": {
+            "point": {
+                "type": "object",
+                "required": ["x", "y"],
+                "additionalProperties": False,
+                "properties": {
+                    "x": {"type": "integer", "minimum": -50, "maximum": 50},
+                    "y": {"anyOf": [{"type": "null"}, {"type": "integer", "maximum": 9}]},
+                },
+            },
+            "tag": {"type": "string", "pattern": "^[a-z]{1,5}$"},
+        },
+    },
+]
 EOS = 511  # the tiny checkpoints' config.eos_token_id
 
 
@@ -65,8 +84,10 @@ def workload() -> list[Request]:
     prompts = [[5, 6, 7, 8, 9] * 6, [40, 41, 42], list(range(100, 137))]
     reqs = [guided(f"g{i}", prompts[i], s, temperature=0) for i, s in enumerate(SCHEMAS)]
     reqs += [guided(f"s{i}", prompts[i], s, temperature=1.0, seed=7 + i) for i, s in enumerate(SCHEMAS)]
-    free = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
-            SamplingParams(max_tokens=20, temperature=0.8, seed=3, ignore_eos=True)]  # fmt: skip
+    free = [
+        SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0.8, seed=3, ignore_eos=True),
+    ]
     return reqs + [Request(f"u{i}", [1, 2, 3, 4] * (i + 3), p) for i, p in enumerate(free)]
 
 
@@ -97,8 +118,9 @@ def test_a_request_resumed_elsewhere_replays_its_tokens(tiny_models, tokenizer):
     (rest,) = run(Engine(EngineConfig(model=path)), [first]).values()
     assert rest == whole  # greedy: the same tokens as if the engine had drawn the first itself
     k = 6
-    params = SamplingParams(max_tokens=80, eos_token_ids=(EOS,), grammar=compile_schema(schema), temperature=1.0,
-                            seed=5, grammar_prefix=k)  # fmt: skip
+    params = SamplingParams(
+        max_tokens=80, eos_token_ids=(EOS,), grammar=compile_schema(schema), temperature=1.0, seed=5, grammar_prefix=k
+    )
     (tail,) = run(Engine(EngineConfig(model=path)), [Request("c", [3, 4, 5] + whole[:k], params)]).values()
     instance(tokenizer, whole[:k] + tail, schema)
 
@@ -113,13 +135,18 @@ def test_tokens_the_grammar_refuses_are_a_grammar_error(tiny_models, tokenizer):
     assert not engine.has_work()
 
 
-@pytest.mark.parametrize("response_format,words", [
-    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}, "nonsense"),
-    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "format": "no-such"}}},
-     "no-such"),
-    ({"type": "json_schema", "json_schema": "not a map"}, "json_schema"),
-    ({"type": "xml"}, "json_object"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "response_format,words",
+    [
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}, "nonsense"),
+        (
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "format": "no-such"}}},
+            "no-such",
+        ),
+        ({"type": "json_schema", "json_schema": "not a map"}, "json_schema"),
+        ({"type": "xml"}, "json_object"),
+    ],
+)
 def test_bad_response_formats_are_400s(response_format, words):
     with pytest.raises(ApiError) as e:
         grammar_for(response_format)

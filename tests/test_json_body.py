@@ -10,9 +10,24 @@ import pytest
 
 from pdserve.router.api import _json_text
 
-BODIES = [b'{"a":1}', b'{\x00"\x00', b"{\x00", b"{", b"", b"\xef\xbb\xbf{}", b"[1]", b'{"\xed\xa0\x80":1}',
-          b'{"\xff":1}', '{"é":1}'.encode("utf-16-le"), '{"é":1}'.encode("utf-16-be"), '{"é":1}'.encode("utf-32-le"),
-          '{"é":1}'.encode("utf-16"), b"{\x00}", b' {"a":1}', '{"ü": "✓"}'.encode()]  # fmt: skip
+BODIES = [
+    b'{"a":1}',
+    b'{\x00"\x00',
+    b"{\x00",
+    b"{",
+    b"",
+    b"\xef\xbb\xbf{}",
+    b"[1]",
+    b'{"\xed\xa0\x80":1}',
+    b'{"\xff":1}',
+    '{"é":1}'.encode("utf-16-le"),
+    '{"é":1}'.encode("utf-16-be"),
+    '{"é":1}'.encode("utf-32-le"),
+    '{"é":1}'.encode("utf-16"),
+    b"{\x00}",
+    b' {"a":1}',
+    '{"ü": "✓"}'.encode(),
+]
 
 
 def _outcome(body: bytes, ours: bool):

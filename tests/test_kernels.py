@@ -128,8 +128,15 @@ def test_decode_attention_refuses_what_it_would_read_out_of_bounds(kernel):
     with pytest.raises(ValueError):
         kernel.decode_attention(q, kv[:1].contiguous(), tables, lens, 16, 1.0)  # no V half
     with pytest.raises(ValueError):
-        kernel.rope_store(q, q[:, :4], q[:, :4], torch.ones(2, 16), torch.ones(2, 16), kv[:1].contiguous(),
-                          torch.zeros(2, dtype=torch.long))  # fmt: skip
+        kernel.rope_store(
+            q,
+            q[:, :4],
+            q[:, :4],
+            torch.ones(2, 16),
+            torch.ones(2, 16),
+            kv[:1].contiguous(),
+            torch.zeros(2, dtype=torch.long),
+        )
 
 
 def test_silu_mul_survives_large_negative_gates_and_the_process_keeps_denormals(kernel):

@@ -28,8 +28,10 @@ def workload():
     """NUM_REQUESTS requests cycling through 50 distinct prompts (the reference is computed once per prompt)."""
     prompts, outs = mixed_workload(50, 512, seed=9, max_prompt=120, max_out=6)
     ref = hf_greedy(resolve_model("tiny"), prompts, outs)
-    bodies = [{"model": "tiny", "prompt": p, "max_tokens": n, "temperature": 0, "ignore_eos": True,
-               "return_token_ids": True} for p, n in zip(prompts, outs, strict=True)]  # fmt: skip
+    bodies = [
+        {"model": "tiny", "prompt": p, "max_tokens": n, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        for p, n in zip(prompts, outs, strict=True)
+    ]
     return [bodies[i % 50] for i in range(NUM_REQUESTS)], [ref[i % 50] for i in range(NUM_REQUESTS)]
 
 
@@ -75,8 +77,9 @@ def _healthy_and_whole(stack: Stack) -> None:
 @pytest.mark.parametrize("transport", ["zmq", "shm"])
 def test_damaged_transfers_are_recomputed_exactly_or_failed_by_policy(tmp_path, transport, workload):
     bodies, ref = workload
-    stack = Stack(tmp_path, "tiny", mode="disagg", transport=transport, engine_args=FAULTS,
-                  router_args=NO_LOCAL_PREFILL).start()  # fmt: skip
+    stack = Stack(
+        tmp_path, "tiny", mode="disagg", transport=transport, engine_args=FAULTS, router_args=NO_LOCAL_PREFILL
+    ).start()
     try:
         responses = asyncio.run(_post_all(stack.url, bodies))
         assert [r.status_code for r in responses] == [200] * NUM_REQUESTS, [r.text for r in responses][:3]

@@ -29,8 +29,19 @@ def _child_config(argv: list[str]):
 
 def test_cuda_ipc_with_each_role_on_its_own_gpu(tmp_path):
     """--device stays at cpu: the devices the prefill and decode nodes get are what counts."""
-    nodes = _plan(tmp_path, "--mode", "disagg", "--kv-transport", "cuda_ipc", "--dtype", "float16",
-                  "--prefill-device", "cuda:0", "--decode-device", "cuda:1")  # fmt: skip
+    nodes = _plan(
+        tmp_path,
+        "--mode",
+        "disagg",
+        "--kv-transport",
+        "cuda_ipc",
+        "--dtype",
+        "float16",
+        "--prefill-device",
+        "cuda:0",
+        "--decode-device",
+        "cuda:1",
+    )
     assert [role for role, _ in nodes] == ["prefill", "decode"]
     for (role, argv), dev in zip(nodes, ["cuda:0", "cuda:1"], strict=True):
         assert argv[5] == role and _flag(argv, "--device") == dev and _flag(argv, "--kv-transport") == "cuda_ipc"
@@ -42,8 +53,10 @@ def test_cuda_ipc_with_each_role_on_its_own_gpu(tmp_path):
 def test_cuda_ipc_with_device_for_both_roles(tmp_path):
     nodes = _plan(tmp_path, "--kv-transport", "cuda_ipc", "--device", "cuda:0", "--num-decode", "2")
     assert [(role, _flag(argv, "--device")) for role, argv in nodes] == [
-        ("prefill", "cuda:0"), ("decode", "cuda:0"), ("decode", "cuda:0")
-    ]  # fmt: skip
+        ("prefill", "cuda:0"),
+        ("decode", "cuda:0"),
+        ("decode", "cuda:0"),
+    ]
 
 
 @pytest.mark.parametrize(
@@ -91,10 +104,34 @@ def test_unknown_device_is_refused(tmp_path):
 
 def test_every_engine_flag_of_up_reaches_the_nodes(tmp_path):
     """The engine flags are defined once (pdserve/flags.py): what `up` parses, each node parses back unchanged."""
-    given = ["--model", "small", "--dtype", "bfloat16", "--max-num-seqs", "3", "--max-num-batched-tokens", "64",
-             "--block-size", "8", "--num-kv-blocks", "40", "--kv-cache-gb", "0.5", "--kv-transport", "shm",
-             "--kv-lease-s", "7.5", "--cpu-kernels", "off", "--attention-backend", "torch", "--enforce-eager",
-             "--drain-timeout-s", "4.0", "--no-pin"]  # fmt: skip
+    given = [
+        "--model",
+        "small",
+        "--dtype",
+        "bfloat16",
+        "--max-num-seqs",
+        "3",
+        "--max-num-batched-tokens",
+        "64",
+        "--block-size",
+        "8",
+        "--num-kv-blocks",
+        "40",
+        "--kv-cache-gb",
+        "0.5",
+        "--kv-transport",
+        "shm",
+        "--kv-lease-s",
+        "7.5",
+        "--cpu-kernels",
+        "off",
+        "--attention-backend",
+        "torch",
+        "--enforce-eager",
+        "--drain-timeout-s",
+        "4.0",
+        "--no-pin",
+    ]
     up = build_parser().parse_args(["up", *given])
     for role, argv in _plan(tmp_path, *given):
         node = build_parser().parse_args(argv[3:])
@@ -106,8 +143,14 @@ def test_router_command_lists_each_role_and_the_decode_kv_addresses():
     nodes = [{"role": "prefill", "listen": "tcp://p"}, {"role": "decode", "listen": "tcp://d", "kv_listen": "tcp://k"}]
     argv = router_command("tiny", nodes, ["--port", "9"])
     a = build_parser().parse_args(argv[3:])
-    assert (a.verb, a.model, a.port, a.prefill, a.decode, a.decode_kv) == ("router", "tiny", 9, ["tcp://p"],
-                                                                           ["tcp://d"], ["tcp://k"])  # fmt: skip
+    assert (a.verb, a.model, a.port, a.prefill, a.decode, a.decode_kv) == (
+        "router",
+        "tiny",
+        9,
+        ["tcp://p"],
+        ["tcp://d"],
+        ["tcp://k"],
+    )
 
 
 @pytest.mark.parametrize("device", ["cuda:x", "cuda:", "cudafoo"])
@@ -120,9 +163,11 @@ def test_a_malformed_cuda_device_is_refused_in_one_line(tmp_path, device):
 
 def test_preflight_of_mock_nodes_on_cuda_imports_no_torch():
     """A mock node uses no device: `up --engine mock --device cuda` is checked without torch (none is needed)."""
-    code = ("import sys; from pdserve.cli import build_parser; from pdserve.launcher import preflight; "
-            "preflight(build_parser().parse_args(['up', '--engine', 'mock', '--device', 'cuda:0', '--port', '0'])); "
-            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers'}))")  # fmt: skip
+    code = (
+        "import sys; from pdserve.cli import build_parser; from pdserve.launcher import preflight; "
+        "preflight(build_parser().parse_args(['up', '--engine', 'mock', '--device', 'cuda:0', '--port', '0'])); "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers'}))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"

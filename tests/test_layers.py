@@ -16,21 +16,37 @@ from pdserve.engine.checkpoint import resolve_model
 
 def test_the_router_loads_its_model_facts_without_torch():
     resolve_model("tiny")  # written (with torch) by this process first, as `pdserve up` does before its router
-    code = ("import sys; import pdserve.router.api, pdserve.router.core; from pdserve.router.text import "
-            "load_model_info; info = load_model_info('tiny'); assert info.vocab_size == 512, info; "
-            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ.copy(),
-                         timeout=120)  # fmt: skip
+    code = (
+        "import sys; import pdserve.router.api, pdserve.router.core; from pdserve.router.text import "
+        "load_model_info; info = load_model_info('tiny'); assert info.vocab_size == 512, info; "
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=os.environ.copy(), timeout=120
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]", "the router imported torch"
 
 
 PACKAGE = Path(__file__).resolve().parents[1] / "pdserve"
-ROLE_ALLOWED = ("pdserve.node", "pdserve.engine.engine", "pdserve.engine.request", "pdserve.kv", "pdserve.wire",
-                "pdserve.config", "pdserve.cli")  # fmt: skip
+ROLE_ALLOWED = (
+    "pdserve.node",
+    "pdserve.engine.engine",
+    "pdserve.engine.request",
+    "pdserve.kv",
+    "pdserve.wire",
+    "pdserve.config",
+    "pdserve.cli",
+)
 ALLOWED = {  # package -> the pdserve modules (or packages) its modules may import, beside its own
-    "router": ("pdserve.wire.protocol", "pdserve.wire.transport", "pdserve.config", "pdserve.engine.checkpoint",
-               "pdserve.cbuild", "pdserve.process"),
+    "router": (
+        "pdserve.wire.protocol",
+        "pdserve.wire.transport",
+        "pdserve.config",
+        "pdserve.engine.checkpoint",
+        "pdserve.cbuild",
+        "pdserve.process",
+    ),
     "engine": ("pdserve.kv", "pdserve.wire.protocol", "pdserve.config", "pdserve.cbuild"),
     "kv": ("pdserve.wire.protocol",),
     "wire": (),
@@ -66,8 +82,16 @@ def test_each_package_imports_only_what_its_layer_allows(package):
 
 
 # what runs without torch: the router (above), the wire, and what the engine and a mock node take from kv/
-TORCH_FREE = ("wire/*.py", "kv/__init__.py", "kv/backend.py", "kv/block_allocator.py", "kv/layout.py", "kv/peers.py",
-              "kv/faults.py", "kv/mock.py")  # fmt: skip
+TORCH_FREE = (
+    "wire/*.py",
+    "kv/__init__.py",
+    "kv/backend.py",
+    "kv/block_allocator.py",
+    "kv/layout.py",
+    "kv/peers.py",
+    "kv/faults.py",
+    "kv/mock.py",
+)
 
 
 def _third_party(path: Path) -> set[str]:

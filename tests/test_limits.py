@@ -35,13 +35,15 @@ def _chunks_while_streams_run(streams: list[Stream], total: int, seen: list[bool
 def test_huge_bodies_get_413_while_streams_run(stack):
     streams = start_streams(stack.url, [tiny_greedy(STREAM_TOKENS)] * 16)  # every stream is receiving tokens
     rss_before = stack.rss_bytes("router")
-    r = httpx.post(stack.url + "/v1/completions", content=b"x" * HUGE, timeout=HANG_S,
-                   headers={"content-type": "application/json"})  # fmt: skip
+    r = httpx.post(
+        stack.url + "/v1/completions", content=b"x" * HUGE, timeout=HANG_S, headers={"content-type": "application/json"}
+    )
     assert r.status_code == 413 and "max-request-bytes" in r.json()["error"]["message"], r.text
     # no Content-Length: the body is counted as it streams in, while the streams go on
     seen: list[bool] = []
-    r = httpx.post(stack.url + "/v1/completions", content=_chunks_while_streams_run(streams, HUGE, seen),
-                   timeout=HANG_S)  # fmt: skip
+    r = httpx.post(
+        stack.url + "/v1/completions", content=_chunks_while_streams_run(streams, HUGE, seen), timeout=HANG_S
+    )
     assert r.status_code == 413, r.text
     assert seen == [True], "no stream got a token while the router read a refused body"
     assert stack.rss_bytes("router") - rss_before < 48 * 2**20, "the router buffered a refused body"
@@ -56,8 +58,9 @@ def test_huge_bodies_get_413_while_streams_run(stack):
 def test_a_body_just_under_the_limit_is_parsed(stack):
     # padded with "user", a field accepted and ignored (an unknown one would be refused)
     body = json.dumps({"model": "tiny", "max_tokens": 2, "prompt": "a" * 1000, "user": "y" * (3 * 2**20)}).encode()
-    r = httpx.post(stack.url + "/v1/completions", content=body, headers={"content-type": "application/json"},
-                   timeout=60)  # fmt: skip
+    r = httpx.post(
+        stack.url + "/v1/completions", content=body, headers={"content-type": "application/json"}, timeout=60
+    )
     assert r.status_code == 200, r.text
 
 

@@ -35,11 +35,18 @@ def test_logprobs_equal_transformers_log_softmax(tiny_models, budget, num_blocks
     preemptions in the second case): each asked-for value is transformers' log_softmax at its position."""
     path = tiny_models["qwen3"]
     prompts, _ = mixed_workload(6, 512, seed=3, max_prompt=40)
-    kinds = [dict(temperature=0, logprobs=5), dict(temperature=0.9, seed=1, logprobs=0),
-             dict(temperature=0, logprobs=3, prompt_logprobs=2), dict(temperature=0),
-             dict(temperature=1.2, seed=4, logprobs=20, prompt_logprobs=0), dict(temperature=0, prompt_logprobs=4)]
-    reqs = [Request(str(i), p, SamplingParams(max_tokens=8, ignore_eos=True, **k))
-            for i, (p, k) in enumerate(zip(prompts, kinds, strict=True))]  # fmt: skip
+    kinds = [
+        dict(temperature=0, logprobs=5),
+        dict(temperature=0.9, seed=1, logprobs=0),
+        dict(temperature=0, logprobs=3, prompt_logprobs=2),
+        dict(temperature=0),
+        dict(temperature=1.2, seed=4, logprobs=20, prompt_logprobs=0),
+        dict(temperature=0, prompt_logprobs=4),
+    ]
+    reqs = [
+        Request(str(i), p, SamplingParams(max_tokens=8, ignore_eos=True, **k))
+        for i, (p, k) in enumerate(zip(prompts, kinds, strict=True))
+    ]
     engine = Engine(EngineConfig(model=str(path), max_num_batched_tokens=budget, num_kv_blocks=num_blocks))
     got = run_outputs(engine, reqs)
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -89,6 +96,11 @@ def test_no_logprobs_no_extra_host_copy(tiny_models, monkeypatch):
         return real(self)
 
     monkeypatch.setattr(torch.Tensor, "tolist", counting)
-    run_outputs(engine, [Request("a", [1, 2, 3], SamplingParams(max_tokens=3, temperature=0)),
-                         Request("b", [4, 5], SamplingParams(max_tokens=3, temperature=0.7, seed=1))])  # fmt: skip
+    run_outputs(
+        engine,
+        [
+            Request("a", [1, 2, 3], SamplingParams(max_tokens=3, temperature=0)),
+            Request("b", [4, 5], SamplingParams(max_tokens=3, temperature=0.7, seed=1)),
+        ],
+    )
     assert calls == [(2,)] * 3

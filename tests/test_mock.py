@@ -27,9 +27,11 @@ from pdserve.wire.protocol import SamplingParams
 
 MOCK = ("--engine", "mock", "--mock-step-s", "0.002,0,0")
 # a node started so that, when it exits, it says whether torch or transformers was ever imported in it
-REPORTING_NODE = ("import atexit, sys; atexit.register(lambda: print('HEAVY', sorted({m.split('.')[0] for m in "
-                  "sys.modules} & {'torch', 'transformers'}), flush=True)); from pdserve.cli import main; "
-                  "main(sys.argv[1:])")  # fmt: skip
+REPORTING_NODE = (
+    "import atexit, sys; atexit.register(lambda: print('HEAVY', sorted({m.split('.')[0] for m in "
+    "sys.modules} & {'torch', 'transformers'}), flush=True)); from pdserve.cli import main; "
+    "main(sys.argv[1:])"
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -108,8 +110,22 @@ def test_guided_decoding_is_refused_by_a_mock_engine():
 
 def _reporting_node(tmp_path, role: str, extra: list[str]) -> tuple[subprocess.Popen, dict]:
     ready = tmp_path / f"{role}.json"
-    argv = [sys.executable, "-c", REPORTING_NODE, "--log-level", "WARNING", role, "--model", "tiny", *MOCK,
-            "--ready-file", str(ready), "--listen", _address(), *extra]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-c",
+        REPORTING_NODE,
+        "--log-level",
+        "WARNING",
+        role,
+        "--model",
+        "tiny",
+        *MOCK,
+        "--ready-file",
+        str(ready),
+        "--listen",
+        _address(),
+        *extra,
+    ]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=os.environ.copy())
     deadline = time.monotonic() + 60
     while not ready.exists():
@@ -120,8 +136,11 @@ def _reporting_node(tmp_path, role: str, extra: list[str]) -> tuple[subprocess.P
 
 @pytest.mark.parametrize("mode", ["colocated", "disagg-header", "disagg-full"])
 def test_mock_nodes_serve_the_mock_tokens_through_the_router_without_torch_or_transformers(tmp_path, mode):
-    roles = [("colocated", [])] if mode == "colocated" else \
-        [("decode", ["--kv-listen", _address()]), ("prefill", ["--mock-kv", mode.split("-")[1]])]  # fmt: skip
+    roles = (
+        [("colocated", [])]
+        if mode == "colocated"
+        else [("decode", ["--kv-listen", _address()]), ("prefill", ["--mock-kv", mode.split("-")[1]])]
+    )
     stack = Stack(tmp_path, "tiny")
     try:
         for role, extra in roles:

@@ -27,8 +27,15 @@ def exact(s: Stream) -> bool:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     resolve_model("tiny")  # the router's tokenizer, written with torch here so that the router needs none
-    s = Stack(tmp_path_factory.mktemp("mock32"), "tiny", mode="disagg", num_prefill=NUM_PREFILL, num_decode=NUM_DECODE,
-              engine_args=MOCK, decode_args=DECODE_STEP).start()  # fmt: skip
+    s = Stack(
+        tmp_path_factory.mktemp("mock32"),
+        "tiny",
+        mode="disagg",
+        num_prefill=NUM_PREFILL,
+        num_decode=NUM_DECODE,
+        engine_args=MOCK,
+        decode_args=DECODE_STEP,
+    ).start()
     yield s
     s.close()
 

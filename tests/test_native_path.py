@@ -73,8 +73,13 @@ def _fragments(info) -> list[int]:
     return found
 
 
-def _serve(in_c: bool, steps: list[list[tuple[int, list[int], object]]], fields: list[dict], monkeypatch,
-           prepare=lambda info: None) -> dict:  # fmt: skip
+def _serve(
+    in_c: bool,
+    steps: list[list[tuple[int, list[int], object]]],
+    fields: list[dict],
+    monkeypatch,
+    prepare=lambda info: None,
+) -> dict:
     """Streams of `fields` on a colocated router with a model of its own (its byte table learns as it goes; `prepare`
     sees it first) and a clock that moves 3 ms a reading; `steps`: per node message, (stream, tokens, finish
     reason)."""
@@ -97,10 +102,17 @@ async def _served(in_c: bool, info, steps: list[list[tuple[int, list[int], objec
             await asyncio.sleep(0)  # the outbox's flush
         flights = [s.flights[0] for s in streams]
         m = core.metrics
-        return {"writes": writes, "outputs": [f.output for f in flights], "tokens": [s.tokens for s in streams],
-                "usage": [s.state.usage for s in streams], "generated": m.generation_tokens.value,
-                "itl": list(m.itl.counts), "itl_sum": m.itl.sum, "ended": [s.done.done() for s in streams],
-                "plain_in_c": [type(f.inbox.push_tokens).__name__ == "Plain" for f in flights]}  # fmt: skip
+        return {
+            "writes": writes,
+            "outputs": [f.output for f in flights],
+            "tokens": [s.tokens for s in streams],
+            "usage": [s.state.usage for s in streams],
+            "generated": m.generation_tokens.value,
+            "itl": list(m.itl.counts),
+            "itl_sum": m.itl.sum,
+            "ended": [s.done.done() for s in streams],
+            "plain_in_c": [type(f.inbox.push_tokens).__name__ == "Plain" for f in flights],
+        }
     finally:
         core.ctx.destroy(linger=0)
 
@@ -111,15 +123,22 @@ def _steps(info, n_streams: int, length: int, seed: int) -> list[list[tuple[int,
     for j in range(length):
         events = []
         for k in range(n_streams):
-            ids = [rng.choice(frags) if rng.random() < 0.4 else rng.randrange(info.vocab_size)
-                   for _ in range(rng.choice((1, 1, 1, 2, 3)))]  # fmt: skip
+            ids = [
+                rng.choice(frags) if rng.random() < 0.4 else rng.randrange(info.vocab_size)
+                for _ in range(rng.choice((1, 1, 1, 2, 3)))
+            ]
             events.append((k, ids, LENGTH if j == length - 1 else None))
         steps.append(events)
     return steps
 
 
-FIELDS = [{}, {"return_token_ids": True}, {"stream_options": {"include_usage": True}}, {"stop": ["zz"]},
-          {"skip_special_tokens": False}]  # fmt: skip
+FIELDS = [
+    {},
+    {"return_token_ids": True},
+    {"stream_options": {"include_usage": True}},
+    {"stop": ["zz"]},
+    {"skip_special_tokens": False},
+]
 
 
 def test_c_and_python_leave_the_same_bytes_outputs_and_metrics(tokenpath, info, monkeypatch):
@@ -145,6 +164,7 @@ def test_the_c_path_is_what_runs(tokenpath, info, monkeypatch):
 
 def test_a_tokens_fault_ends_its_stream_alike(tokenpath, monkeypatch, caplog):
     """A chunk that cannot be made (a token's bytes fail to load) ends the stream with the same error event."""
+
     def failing(info) -> None:
         """Token 7's bytes fail to load in this run's own table."""
         table, learn = info.byte_table, info.byte_table.learn

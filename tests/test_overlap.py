@@ -161,8 +161,11 @@ def test_node_io_between_launch_and_finish(tiny_models, overlapped):
                 router.send(P.Abort(victim))
                 node.loop_once()  # its launch runs the victim's step, its drain handles the abort
                 step = next(s for what, s in reversed(trace) if what == "launch")
-                aborted_in_flight.append(step is not None and node.engine.requests.get(victim) is None
-                                         and any(r.request_id == victim for r in step.members))  # fmt: skip
+                aborted_in_flight.append(
+                    step is not None
+                    and node.engine.requests.get(victim) is None
+                    and any(r.request_id == victim for r in step.members)
+                )
                 router.collect(published(trace))
             if all(router.finished(str(i)) for i in range(1, 5)) and not node.held:
                 break
@@ -204,8 +207,9 @@ def test_launch_never_waits_for_the_device(tiny_models):
     engine = Engine(EngineConfig(model=str(tiny_models["qwen3"]), device="cuda:0", max_num_seqs=8))
     prompts, outs = mixed_workload(8, 512, seed=12, max_prompt=60, max_out=12)
     reqs = greedy_requests(prompts, outs)
-    reqs[5].params = dataclasses.replace(reqs[5].params, temperature=0.8, top_k=20, top_p=0.9, seed=3,
-                                         repetition_penalty=1.1, logprobs=2)  # fmt: skip
+    reqs[5].params = dataclasses.replace(
+        reqs[5].params, temperature=0.8, top_k=20, top_p=0.9, seed=3, repetition_penalty=1.1, logprobs=2
+    )
     reqs[6].params = dataclasses.replace(reqs[6].params, prompt_logprobs=1)
     for r in reqs[:4]:
         engine.add(r)

@@ -28,9 +28,18 @@ def workload():
 
 async def _complete(url: str, prompts, outs) -> list[httpx.Response]:
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-        bodies = [{"model": "tiny", "prompt": p, "max_tokens": n, "temperature": 0, "ignore_eos": True,
-                   "return_token_ids": True, "n": 2 if i % 4 == 0 else 1}
-                  for i, (p, n) in enumerate(zip(prompts, outs, strict=True))]  # every 4th: two choices, two requests
+        bodies = [
+            {
+                "model": "tiny",
+                "prompt": p,
+                "max_tokens": n,
+                "temperature": 0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+                "n": 2 if i % 4 == 0 else 1,
+            }
+            for i, (p, n) in enumerate(zip(prompts, outs, strict=True))
+        ]  # every 4th: two choices, two requests
 
         return await asyncio.gather(*(client.post("/v1/completions", json=b) for b in bodies))
 
@@ -63,8 +72,15 @@ def _token_ids(responses: list[httpx.Response]) -> list[list[int]]:
 @pytest.mark.parametrize("transport", ["zmq", "shm"])
 def test_prefill_node_loss(tmp_path, transport, workload):
     prompts, outs, ref = workload
-    stack = Stack(tmp_path, "tiny", mode="disagg", transport=transport, num_prefill=2, engine_args=ENGINE_ARGS,
-                  router_args=NO_LOCAL_PREFILL).start()  # fmt: skip
+    stack = Stack(
+        tmp_path,
+        "tiny",
+        mode="disagg",
+        transport=transport,
+        num_prefill=2,
+        engine_args=ENGINE_ARGS,
+        router_args=NO_LOCAL_PREFILL,
+    ).start()
     try:
         _requests_move_to_the_other_prefill_node(stack, prompts, outs, ref)
         _a_restarted_prefill_node_rejoins(stack, prompts[:6], ref[:6])
@@ -81,8 +97,9 @@ def _requests_move_to_the_other_prefill_node(stack: Stack, prompts, outs, ref) -
     stack.wait_kv_free(dead=(victim,))
 
 
-async def _kill_while_running(stack: Stack, victims: list[str], prompts, outs, held: int,
-                              stopped: subprocess.Popen | None = None) -> list[httpx.Response]:  # fmt: skip
+async def _kill_while_running(
+    stack: Stack, victims: list[str], prompts, outs, held: int, stopped: subprocess.Popen | None = None
+) -> list[httpx.Response]:
     """Send the requests; once the first victim holds `held` of them, SIGKILL every victim, then let the `stopped`
     process (SIGSTOP) run again."""
     task = asyncio.create_task(_complete(stack.url, prompts, outs))
@@ -111,8 +128,10 @@ def _stop_holding(stack: Stack, victims: list[str], held: int) -> None:
 def _a_restarted_prefill_node_rejoins(stack: Stack, prompts, ref) -> None:
     victim = stack.infos["prefill0"]["listen"]
     stack.restart_node("prefill0", "prefill")
-    _wait_for(lambda: all(n["up"] for n in httpx.get(stack.url + "/health", timeout=10).json()["nodes"]),
-              "the restarted prefill node is up")  # fmt: skip
+    _wait_for(
+        lambda: all(n["up"] for n in httpx.get(stack.url + "/health", timeout=10).json()["nodes"]),
+        "the restarted prefill node is up",
+    )
     assert _token_ids(asyncio.run(_complete(stack.url, prompts, [len(r) for r in ref]))) == ref
     # node counters reach the router with the node's stats, every 0.5 s: wait for them
     _wait_for(lambda: _node_requests(stack, victim) > 0, "the restarted prefill node took a request")

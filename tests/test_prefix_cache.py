@@ -231,8 +231,14 @@ def test_preemption_and_abort_storms_leave_the_pool_whole(seed):
     written: dict[int, int] = {}  # slot -> the token whose KV it holds
     s = sched(blocks=24, budget=16)
     system = list(range(1000, 1020))
-    reqs = [req(str(i), system[: rng.randint(0, 20)] + [rng.randrange(500) for _ in range(rng.randint(1, 20))],
-                max_tokens=rng.randint(1, 30)) for i in range(40)]  # fmt: skip
+    reqs = [
+        req(
+            str(i),
+            system[: rng.randint(0, 20)] + [rng.randrange(500) for _ in range(rng.randint(1, 20))],
+            max_tokens=rng.randint(1, 30),
+        )
+        for i in range(40)
+    ]
     pending = list(reqs)
     for _ in range(5000):
         while pending and rng.random() < 0.3:
@@ -273,8 +279,10 @@ def write_kv(written: dict[int, int], r: Request, start: int, n: int, block_size
 def shared_prefix_prompts(n: int, prefix_len: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     prefix = [rng.randrange(500) for _ in range(prefix_len)]
-    return [prefix[: rng.randint(prefix_len // 2, prefix_len)] + [rng.randrange(500) for _ in range(rng.randint(1, 40))]
-            for _ in range(n)]  # fmt: skip
+    return [
+        prefix[: rng.randint(prefix_len // 2, prefix_len)] + [rng.randrange(500) for _ in range(rng.randint(1, 40))]
+        for _ in range(n)
+    ]
 
 
 def greedy(rid: str, prompt: list[int], n: int) -> Request:
@@ -290,8 +298,9 @@ def test_greedy_with_cache_hits_equals_transformers(tiny_models, kernels, num_bl
     prompts = shared_prefix_prompts(9, 200, seed=3)
     outs = [12, 1, 20, 7, 16, 3, 24, 9, 14]
     ref = hf_greedy(model, prompts, outs)
-    engine = Engine(EngineConfig(model=str(model), max_num_batched_tokens=64, num_kv_blocks=num_blocks,
-                                 cpu_kernels=kernels))  # fmt: skip
+    engine = Engine(
+        EngineConfig(model=str(model), max_num_batched_tokens=64, num_kv_blocks=num_blocks, cpu_kernels=kernels)
+    )
     got = {}
     for rid, prompt, n in [("0", prompts[0], outs[0])]:  # the first alone: it fills the cache
         engine.add(greedy(rid, prompt, n))

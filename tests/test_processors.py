@@ -16,8 +16,15 @@ def _req(prompt, output, **kw) -> Request:
 
 def test_penalties_and_bias_by_hand():
     logits = torch.tensor([[2.0, -1.0, 0.5, 0.0, 1.0]])
-    req = _req([0, 1], [2, 2, 4], repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25,
-               logit_bias=((3, 5.0),), temperature=0)
+    req = _req(
+        [0, 1],
+        [2, 2, 4],
+        repetition_penalty=2.0,
+        frequency_penalty=0.5,
+        presence_penalty=0.25,
+        logit_bias=((3, 5.0),),
+        temperature=0,
+    )
     # repetition: seen {0, 1, 2, 4}: 2 -> 1, -1 -> -2, 0.5 -> 0.25, 1 -> 0.5; bias: token 3 +5;
     # frequency (counts 2: x2, 4: x1) and presence: token 2 -= 1.0 + 0.25, token 4 -= 0.5 + 0.25
     want = [1.0, -2.0, -1.0, 5.0, -0.25]
@@ -52,10 +59,16 @@ def test_min_p_keeps_only_tokens_near_the_top():
     assert drawn == {0, 1}  # 0.15 and 0.05 are below 0.5 * 0.5
 
 
-@pytest.mark.parametrize("kw,words", [({"presence_penalty": 2.5}, "presence_penalty"),
-                                      ({"repetition_penalty": 0.0}, "repetition_penalty"),
-                                      ({"min_p": 1.5}, "min_p"), ({"logit_bias": ((3, 101.0),)}, "logit_bias"),
-                                      ({"min_tokens": 9}, "min_tokens")])  # fmt: skip
+@pytest.mark.parametrize(
+    "kw,words",
+    [
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"logit_bias": ((3, 101.0),)}, "logit_bias"),
+        ({"min_tokens": 9}, "min_tokens"),
+    ],
+)
 def test_bad_values_are_value_errors(kw, words):
     with pytest.raises(ValueError, match=words):
         SamplingParams(max_tokens=8, **kw)

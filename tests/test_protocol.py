@@ -13,8 +13,9 @@ def test_round_trip_of_every_message():
     msgs = [
         P.Hello(P.PROTOCOL_VERSION, "router", {"a": 1}),
         P.Generate("r1", [1, 2, 3], params, "tcp://127.0.0.1:5"),
-        P.TokenEvents([P.TokenEvent("r1", [7], None),
-                       P.TokenEvent("r2", [], "error", "boom", error_code=P.ErrorCode.INTERNAL)]),  # fmt: skip
+        P.TokenEvents(
+            [P.TokenEvent("r1", [7], None), P.TokenEvent("r2", [], "error", "boom", error_code=P.ErrorCode.INTERNAL)]
+        ),
         P.KvOffer("r1", [1, 2], 9, params, 2),
         P.KvData("r1", "float32", [16, 2, 4, 64], 3, [5, 6]),
         P.KvAck("r1", False, "full", P.ErrorCode.INVALID_REQUEST),
@@ -51,7 +52,7 @@ def _raw(body: dict) -> bytes:
                 }
             ),
             "unknown fields",
-        ),  # fmt: skip
+        ),
     ],
 )
 def test_refuses_bad_messages(data, words):
@@ -85,10 +86,14 @@ def test_only_registered_types_encode():
         ({"t": "KvData", "request_id": "r", "dtype": "f", "shape": "1234"}, "shape must be a list"),
         ({"t": "KvAck", "request_id": "r", "ok": 1}, "ok must be true or false"),
         ({"t": "KvAck", "request_id": "r", "ok": False, "error_code": "oops"}, "error_code must be one of"),
-        ({"t": "TokenEvents", "events": [{"request_id": "r", "token_ids": [], "finish_reason": "error"}]},
-         "error code"),  # fmt: skip
-        ({"t": "TokenEvents", "events": [{"request_id": "r", "token_ids": [], "error_code": "internal"}]},
-         "error code"),  # fmt: skip
+        (
+            {"t": "TokenEvents", "events": [{"request_id": "r", "token_ids": [], "finish_reason": "error"}]},
+            "error code",
+        ),
+        (
+            {"t": "TokenEvents", "events": [{"request_id": "r", "token_ids": [], "error_code": "internal"}]},
+            "error code",
+        ),
         ({"t": "TokenEvents", "events": [], "tokens": ["r"]}, "request ids and token id lists"),
         ({"t": "TokenEvents", "events": [], "tokens": ["r", [1], 5, [2]]}, "request ids and token id lists"),
         ({"t": "TokenEvents", "events": [], "tokens": ["r", 7]}, "request ids and token id lists"),
@@ -96,8 +101,18 @@ def test_only_registered_types_encode():
         ({"t": "TokenEvents", "events": [], "tokens": ["r", [1.5]]}, "non-negative"),
         ({"t": "TokenEvents", "tokens": []}, "expected events"),
         ({"t": "TokenEvents", "events": [], "tokens": [], "extra": 1}, "expected events"),
-        ({"t": "Stats", "role": "decode", "num_running": 1, "num_waiting": 0, "kv_blocks_used": 0, "kv_blocks_free": 0,
-          "counters": [1]}, "counters must be a map"),  # fmt: skip
+        (
+            {
+                "t": "Stats",
+                "role": "decode",
+                "num_running": 1,
+                "num_waiting": 0,
+                "kv_blocks_used": 0,
+                "kv_blocks_free": 0,
+                "counters": [1],
+            },
+            "counters must be a map",
+        ),
     ],
 )
 def test_refuses_fields_of_the_wrong_type(body, words):
@@ -106,8 +121,12 @@ def test_refuses_fields_of_the_wrong_type(body, words):
 
 
 def test_numbers_and_tuples_arrive_as_declared():
-    body = {"t": "Generate", "request_id": "x", "prompt_token_ids": [1],
-            "params": {"temperature": 1, "stop_token_ids": [3, 4], "seed": None}}  # fmt: skip
+    body = {
+        "t": "Generate",
+        "request_id": "x",
+        "prompt_token_ids": [1],
+        "params": {"temperature": 1, "stop_token_ids": [3, 4], "seed": None},
+    }
     msg = P.decode(_raw(body))
     assert msg.params.temperature == 1.0 and type(msg.params.temperature) is float
     assert msg.params.stop_token_ids == (3, 4) and msg.params.seed is None

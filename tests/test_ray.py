@@ -79,9 +79,29 @@ def deployment(cluster, keys):
 def _up_ray(cluster, name: str, *extra: str):
     """`pdserve up --ray --name NAME` (1P1D, spread) until the block ends; stopped by PID (SIGTERM)."""
     port = free_port()
-    argv = [sys.executable, "-m", "pdserve", "--log-level", "WARNING", "up", "--ray", cluster.address,
-            "--name", name, "--model", "tiny", "--port", str(port), "--placement", "spread",
-            "--ray-bind-host", "127.0.0.1", "--num-kv-blocks", "256", *extra]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "pdserve",
+        "--log-level",
+        "WARNING",
+        "up",
+        "--ray",
+        cluster.address,
+        "--name",
+        name,
+        "--model",
+        "tiny",
+        "--port",
+        str(port),
+        "--placement",
+        "spread",
+        "--ray-bind-host",
+        "127.0.0.1",
+        "--num-kv-blocks",
+        "256",
+        *extra,
+    ]
     proc = subprocess.Popen(argv, env=os.environ.copy())
     url = f"http://127.0.0.1:{port}"
     try:
@@ -127,8 +147,14 @@ def _nodes(url: str, role: str) -> list[dict]:
 
 def _complete_batch(url: str, prompts: list[list[int]], n: int) -> tuple[int, list[list[int]]]:
     """One completion request of every prompt (the router dispatches them together); each choice's tokens."""
-    body = {"model": "tiny", "prompt": prompts, "max_tokens": n, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True}  # fmt: skip
+    body = {
+        "model": "tiny",
+        "prompt": prompts,
+        "max_tokens": n,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     r = httpx.post(url + "/v1/completions", json=body, timeout=180)
     if r.status_code != 200:
         return r.status_code, []
@@ -153,8 +179,26 @@ def _host_of() -> dict[str, str]:
 
 def test_a_placement_the_cluster_cannot_hold_is_refused_in_one_line(cluster):
     """Three nodes of 2 CPUs on two hosts of 2 CPUs: said at once (what was asked, what the cluster has), exit 2."""
-    argv = [sys.executable, "-m", "pdserve", "up", "--ray", cluster.address, "--name", "too-big", "--model", "tiny",
-            "--num-prefill", "2", "--num-decode", "1", "--ray-node-cpus", "2", "--port", str(free_port())]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "pdserve",
+        "up",
+        "--ray",
+        cluster.address,
+        "--name",
+        "too-big",
+        "--model",
+        "tiny",
+        "--num-prefill",
+        "2",
+        "--num-decode",
+        "1",
+        "--ray-node-cpus",
+        "2",
+        "--port",
+        str(free_port()),
+    ]
     out = subprocess.run(argv, capture_output=True, text=True, env=os.environ.copy(), timeout=START_TIMEOUT_S)
     assert out.returncode == 2 and "Traceback" not in out.stderr and "serving" not in out.stdout, out.stderr
     [line] = out.stderr.strip().splitlines()
@@ -167,9 +211,25 @@ def test_a_placement_the_cluster_cannot_hold_is_refused_in_one_line(cluster):
 
 def test_pack_places_a_prefill_and_a_decode_node_on_one_host(cluster):
     """A controller of its own (the deployment below comes after it): both nodes on one simulated host."""
-    a = build_parser().parse_args(["up", "--ray", cluster.address, "--name", "packed", "--model", "tiny",
-                                   "--placement", "pack", "--ray-bind-host", "127.0.0.1", "--num-kv-blocks", "64",
-                                   "--drain-timeout-s", "5"])  # fmt: skip
+    a = build_parser().parse_args(
+        [
+            "up",
+            "--ray",
+            cluster.address,
+            "--name",
+            "packed",
+            "--model",
+            "tiny",
+            "--placement",
+            "pack",
+            "--ray-bind-host",
+            "127.0.0.1",
+            "--num-kv-blocks",
+            "64",
+            "--drain-timeout-s",
+            "5",
+        ]
+    )
     controller = start_controller(a)
     try:
         assert ray.get(controller.scale.remote(1, 1), timeout=START_TIMEOUT_S) == {"prefill": 1, "decode": 1}
@@ -223,9 +283,25 @@ def test_scaling_decode_up_while_serving_loses_nothing(cluster, deployment, work
     with ThreadPoolExecutor(2 * len(prompts)) as pool:  # the late requests run beside the long ones
         futures = [pool.submit(_complete, deployment, p, n) for p, n in zip(prompts, long_out, strict=True)]
         _wait(lambda: sum(n["in_flight"] for n in _nodes(deployment, "decode")) > 0, 60, 0.01)
-        scale = subprocess.run([sys.executable, "-m", "pdserve", "--log-level", "WARNING", "scale", "--ray",
-                                cluster.address, "--name", DEPLOYMENT, "--decode", "2"], capture_output=True,
-                               text=True, timeout=START_TIMEOUT_S)  # fmt: skip
+        scale = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pdserve",
+                "--log-level",
+                "WARNING",
+                "scale",
+                "--ray",
+                cluster.address,
+                "--name",
+                DEPLOYMENT,
+                "--decode",
+                "2",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=START_TIMEOUT_S,
+        )
         assert scale.returncode == 0, scale.stderr
         assert "1 prefill and 2 decode nodes" in scale.stdout
         _wait(lambda: sum(n["up"] for n in _nodes(deployment, "decode")) == 2, 60)
@@ -243,8 +319,10 @@ def test_scaling_decode_up_while_serving_loses_nothing(cluster, deployment, work
     members = ray.get(_controller().members.remote())
     [prefill] = [m["ray_node_id"] for m in members if m["role"] == "prefill"]
     same_host = sum(m["ray_node_id"] == prefill for m in members if m["role"] == "decode")
-    pairings = lambda: {t: sum(_node_counter(deployment, f"kv_pairings_{t}", "prefill").values())  # noqa: E731
-                        for t in ("shm", "zmq")}  # fmt: skip
+
+    def pairings():
+        return {t: sum(_node_counter(deployment, f"kv_pairings_{t}", "prefill").values()) for t in ("shm", "zmq")}
+
     _wait(lambda: sum(pairings().values()) == 2, 10)
     assert pairings() == {"shm": same_host, "zmq": 2 - same_host}, (pairings(), members)
     # each node's busy time (whole loop iterations with work) holds its step time, both from one stats message
@@ -274,8 +352,10 @@ def test_a_killed_decode_actors_requests_move_on_and_it_rejoins(deployment):
         futures = [pool.submit(_complete, deployment, FOUR[0], LONG) for _ in range(4)]
         _wait(lambda: sum(n["in_flight"] for n in _nodes(deployment, "decode")) == len(futures), 60, 0.02)
         in_flight = {n["addr"]: n["in_flight"] for n in _nodes(deployment, "decode")}
-        victim = max((m for m in ray.get(_controller().members.remote()) if m["role"] == "decode"),
-                     key=lambda m: in_flight[m["listen"]])  # fmt: skip
+        victim = max(
+            (m for m in ray.get(_controller().members.remote()) if m["role"] == "decode"),
+            key=lambda m: in_flight[m["listen"]],
+        )
         ray.kill(ray.get_actor(f"{DEPLOYMENT}-{victim['key']}", namespace=RAY_NAMESPACE), no_restart=False)
         results = [f.result(timeout=180) for f in futures]  # a thread's exception is raised here
     assert in_flight[victim["listen"]] > 0, "the victim held no request: the test proves nothing"
@@ -390,8 +470,13 @@ def test_two_router_workers_follow_the_ray_registry(cluster, deployment):
             results = [f.result(timeout=180) for f in futures]
         failed = [code for code, _ in results if code != 200]
         assert failed and set(failed) == {503}, [code for code, _ in results]  # the node died under them
-        _wait(lambda: all(up(h, "decode") and decode["listen"] not in up(h, "decode")
-                          for h in each_worker_health(url, 60).values()), START_TIMEOUT_S)  # fmt: skip
+        _wait(
+            lambda: all(
+                up(h, "decode") and decode["listen"] not in up(h, "decode")
+                for h in each_worker_health(url, 60).values()
+            ),
+            START_TIMEOUT_S,
+        )
         with ThreadPoolExecutor(8) as pool:
             again = list(pool.map(lambda i: _complete(url, FOUR[i % 4], LONG), range(8)))
         assert again == [(200, want[i % 4]) for i in range(8)]

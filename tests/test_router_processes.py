@@ -25,8 +25,11 @@ def disagg(tmp_path_factory):
     stack = Stack(tmp_path_factory.mktemp("routers"), "tiny", mode="disagg")
     try:
         for name, role in (("prefill0", "prefill"), ("decode0", "decode")):
-            stack.start_node(name, role, ["--listen", "tcp://127.0.0.1:0"] + (
-                ["--kv-listen", "tcp://127.0.0.1:0"] if role == "decode" else []))  # fmt: skip
+            stack.start_node(
+                name,
+                role,
+                ["--listen", "tcp://127.0.0.1:0"] + (["--kv-listen", "tcp://127.0.0.1:0"] if role == "decode" else []),
+            )
         yield stack
     finally:
         stack.close()
@@ -34,8 +37,15 @@ def disagg(tmp_path_factory):
 
 def _router(stack: Stack) -> RouterCore:
     p, d = stack.infos["prefill0"], stack.infos["decode0"]
-    return RouterCore(RouterConfig(model="tiny", prefill=(p["listen"],), decode=(d["listen"],),
-                                   decode_kv=(d["kv_listen"],), connect_timeout_s=60))  # fmt: skip
+    return RouterCore(
+        RouterConfig(
+            model="tiny",
+            prefill=(p["listen"],),
+            decode=(d["listen"],),
+            decode_kv=(d["kv_listen"],),
+            connect_timeout_s=60,
+        )
+    )
 
 
 async def _stream(core: RouterCore, prompt: list[int], n: int) -> tuple[str, list[int]]:

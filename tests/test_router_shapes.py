@@ -35,13 +35,23 @@ def test_each_error_is_logged_as_one_line(caplog):
     ]
 
 
-@pytest.mark.parametrize("kw,field", [
-    ({"max_tokens": 0}, "max_tokens"), ({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"),
-    ({"top_k": 0}, "top_k"), ({"logprobs": 21}, "logprobs"), ({"prompt_logprobs": -1}, "prompt_logprobs"),
-    ({"presence_penalty": 3.0}, "presence_penalty"), ({"repetition_penalty": 0.0}, "repetition_penalty"),
-    ({"min_p": 2.0}, "min_p"), ({"logit_bias": ((1, 200.0),)}, "logit_bias"), ({"min_tokens": 9}, "min_tokens"),
-    ({"grammar": "{}", "ignore_eos": True}, "grammar"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "kw,field",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"presence_penalty": 3.0}, "presence_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"min_p": 2.0}, "min_p"),
+        ({"logit_bias": ((1, 200.0),)}, "logit_bias"),
+        ({"min_tokens": 9}, "min_tokens"),
+        ({"grammar": "{}", "ignore_eos": True}, "grammar"),
+    ],
+)
 def test_sampling_params_name_the_field_out_of_range(kw, field):
     with pytest.raises(P.InvalidField) as e:
         P.SamplingParams(**{"max_tokens": 4, **kw})

@@ -25,9 +25,17 @@ STREAMS = 8  # each on a new connection, so on both workers
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     resolve_model("tiny")  # the router's tokenizer, written with torch here so that the router needs none
-    s = Stack(tmp_path_factory.mktemp("workers"), "tiny", mode="disagg", num_prefill=1, num_decode=3, engine_args=MOCK,
-              decode_args=DECODE_STEP, router_args=("--router-workers", "2", "--max-request-bytes", "4096"),
-              api_key=KEY).start()  # fmt: skip
+    s = Stack(
+        tmp_path_factory.mktemp("workers"),
+        "tiny",
+        mode="disagg",
+        num_prefill=1,
+        num_decode=3,
+        engine_args=MOCK,
+        decode_args=DECODE_STEP,
+        router_args=("--router-workers", "2", "--max-request-bytes", "4096"),
+        api_key=KEY,
+    ).start()
     yield s
     s.close()
 
@@ -46,9 +54,14 @@ def _start(stack: Stack, first: int, max_tokens: int) -> list[Stream]:
     (the least loaded by its own count), so with three decode nodes one has streams of both."""
     streams: list[Stream] = []
     while len(streams) < 4 * STREAMS and not all(h["in_flight"] >= 2 for h in _workers(stack).values()):
-        batch = [Stream(stack.url, {"model": "tiny", "prompt": [first + len(streams) + i, 11, 13 + i] * 4,
-                                   "max_tokens": max_tokens}, stack.headers)
-                 for i in range(STREAMS)]  # fmt: skip
+        batch = [
+            Stream(
+                stack.url,
+                {"model": "tiny", "prompt": [first + len(streams) + i, 11, 13 + i] * 4, "max_tokens": max_tokens},
+                stack.headers,
+            )
+            for i in range(STREAMS)
+        ]
         for s in batch:
             s.start()
         for s in batch:
@@ -60,8 +73,11 @@ def _start(stack: Stack, first: int, max_tokens: int) -> list[Stream]:
 def _busiest_decode_node(stack: Stack) -> tuple[str, dict[int, int]]:
     """The decode node with streams of both workers on it, the most of them: its name, and each worker's count."""
     workers = _workers(stack)
-    counts = {info["listen"]: _on_node(workers, info["listen"]) for name, info in stack.infos.items()
-              if name.startswith("decode")}  # fmt: skip
+    counts = {
+        info["listen"]: _on_node(workers, info["listen"])
+        for name, info in stack.infos.items()
+        if name.startswith("decode")
+    }
     addr = max((a for a, c in counts.items() if all(c.values())), key=lambda a: sum(counts[a].values()))
     return next(n for n, info in stack.infos.items() if info["listen"] == addr), counts[addr]
 
@@ -89,8 +105,12 @@ def _refusals(url: str) -> tuple[int, list[int]]:
         worker = json.loads(_response(f)[1])["worker"]
         statuses = []
         for auth, length in ((heads[0], len(body)), (heads[1], len(body)), (heads[1], 100_000)):
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + auth
-                         + f"Content-Length: {length}\r\n\r\n".encode() + (body if length == len(body) else b""))
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + auth
+                + f"Content-Length: {length}\r\n\r\n".encode()
+                + (body if length == len(body) else b"")
+            )
             statuses.append(_response(f)[0])
     return worker, statuses
 

@@ -117,8 +117,13 @@ def test_requests_get_consecutive_blocks_while_the_pool_allows():
 
 def remote(rid: str, prompt_len: int, max_tokens: int = 8) -> Request:
     """A request whose prompt a prefill node computed: its first token is out, its KV on the way."""
-    return Request(rid, list(range(prompt_len)), SamplingParams(max_tokens=max_tokens, temperature=0),
-                   output_token_ids=[7], status=Status.WAITING_FOR_KV)  # fmt: skip
+    return Request(
+        rid,
+        list(range(prompt_len)),
+        SamplingParams(max_tokens=max_tokens, temperature=0),
+        output_token_ids=[7],
+        status=Status.WAITING_FOR_KV,
+    )
 
 
 def test_remote_requests_get_blocks_fcfs_and_run_once_their_kv_lands():

@@ -72,8 +72,11 @@ def test_strangers_without_the_key_get_nothing_through(tmp_path, keys):
         # counters come with the nodes' periodic stats: wait for the first request's
         assert wait_until(lambda: _node_counter(stack, "requests", "prefill") >= 1, 60), "no request was counted"
         requests_before = _node_counter(stack, "requests", "prefill")
-        for curve in (None, (stranger_public, stranger_secret, server_public),
-                      (client_public, client_secret, wrong_server)):  # fmt: skip
+        for curve in (
+            None,
+            (stranger_public, stranger_secret, server_public),
+            (client_public, client_secret, wrong_server),
+        ):
             assert _probes(addrs, curve, messages) == [], "a stranger got an answer"
         # the probe itself works: with the stack's own client key, the decode node answers a KvHello
         kv_addr = stack.infos["decode0"]["kv_listen"]

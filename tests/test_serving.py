@@ -45,8 +45,14 @@ async def _complete_all(url: str, prompts, outs) -> list[list[int]]:
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
 
         async def one(p, n):
-            body = {"model": "tiny", "prompt": p, "max_tokens": n, "temperature": 0, "ignore_eos": True,
-                    "return_token_ids": True}  # fmt: skip
+            body = {
+                "model": "tiny",
+                "prompt": p,
+                "max_tokens": n,
+                "temperature": 0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            }
             r = await client.post("/v1/completions", json=body)
             assert r.status_code == 200, r.text
             choice = r.json()["choices"][0]
@@ -66,8 +72,16 @@ def test_concurrent_mixed_requests_equal_transformers(stack, workload):
 
 def test_streamed_tokens_equal_the_whole_answer(stack, workload):
     prompts, outs, ref = workload
-    body = {"model": "tiny", "prompt": prompts[0], "max_tokens": outs[0], "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "model": "tiny",
+        "prompt": prompts[0],
+        "max_tokens": outs[0],
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     ids, usage = [], None
     with httpx.stream("POST", stack.url + "/v1/completions", json=body, timeout=60) as r:
         for line in r.iter_lines():
@@ -77,8 +91,11 @@ def test_streamed_tokens_equal_the_whole_answer(stack, workload):
                     ids += c.get("token_ids", [])
                 usage = chunk.get("usage") or usage
     assert ids == ref[0]
-    assert usage == {"prompt_tokens": len(prompts[0]), "completion_tokens": outs[0],
-                     "total_tokens": len(prompts[0]) + outs[0]}  # fmt: skip
+    assert usage == {
+        "prompt_tokens": len(prompts[0]),
+        "completion_tokens": outs[0],
+        "total_tokens": len(prompts[0]) + outs[0],
+    }
 
 
 # ---- prefix caching, forced hits --------------------------------------------------------------------------

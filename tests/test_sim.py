@@ -99,12 +99,20 @@ def test_the_simulation_is_deterministic() -> None:
 
 
 def test_fit_recovers_the_coefficients_of_exact_samples() -> None:
-    prefill = [{"tokens": n, "past": p, "s": 1e-3 + 5e-4 * n + 2e-7 * n * (p + n / 2)}
-               for n, p in [(16, 0), (128, 0), (512, 0), (512, 512), (256, 1024)]]  # fmt: skip
+    prefill = [
+        {"tokens": n, "past": p, "s": 1e-3 + 5e-4 * n + 2e-7 * n * (p + n / 2)}
+        for n, p in [(16, 0), (128, 0), (512, 0), (512, 512), (256, 1024)]
+    ]
     decode = [{"batch": b, "context": c, "s": 8e-3 + 6e-4 * b + 1e-6 * c} for b, c in [(1, 64), (4, 900), (16, 300)]]
     c = fit(prefill, decode, 16384, 1e9)
-    got = [c.prefill_base_s, c.prefill_per_token_s, c.prefill_per_token_ctx_s, c.decode_base_s, c.decode_per_seq_s,
-           c.decode_per_ctx_token_s]  # fmt: skip
+    got = [
+        c.prefill_base_s,
+        c.prefill_per_token_s,
+        c.prefill_per_token_ctx_s,
+        c.decode_base_s,
+        c.decode_per_seq_s,
+        c.decode_per_ctx_token_s,
+    ]
     assert got == pytest.approx([1e-3, 5e-4, 2e-7, 8e-3, 6e-4, 1e-6], rel=1e-6)
 
 
@@ -174,16 +182,19 @@ def test_topology_refuses_an_unknown_core_sharing_or_a_negative_credit() -> None
 def test_steps_keep_their_cost_when_the_cores_around_them_change_pace() -> None:
     """Every decode step lasts at least its cost, however often the prefill steps beside it start and end."""
     w = make_workload("sharegpt_like", 1000, 2048, seed=4, num_requests=32)
-    costs = Costs(1e-3, 5e-4, 4e-7, 8e-3, 6e-4, 1.3e-6, 16384, 2.5e9, corun_slowdown_prefill=1.6,
-                  corun_slowdown_decode=1.6)  # fmt: skip
+    costs = Costs(
+        1e-3, 5e-4, 4e-7, 8e-3, 6e-4, 1.3e-6, 16384, 2.5e9, corun_slowdown_prefill=1.6, corun_slowdown_decode=1.6
+    )
     counts: dict = {}
     recs = simulate(w, costs, Topology(cores=(0, 1)), counts)
     itl = [(r.token_times[-1] - r.token_times[1]) / (len(r.token_times) - 2) for r in recs if len(r.token_times) > 2]
     assert min(itl) >= costs.decode_step_s(1, 0)
     alone: dict = {}
     simulate(w, replace(costs, corun_slowdown_prefill=1.0, corun_slowdown_decode=1.0), Topology(cores=(0, 1)), alone)
-    assert counts["decode"]["step_time_s"] / counts["decode"]["steps"] > alone["decode"]["step_time_s"] / alone[
-        "decode"]["steps"]  # fmt: skip
+    assert (
+        counts["decode"]["step_time_s"] / counts["decode"]["steps"]
+        > alone["decode"]["step_time_s"] / alone["decode"]["steps"]
+    )
 
 
 def test_the_decode_loop_outside_its_steps_delays_the_next_step() -> None:
@@ -224,20 +235,46 @@ def simulated_run(w: Workload, costs: Costs, topo: Topology = RUN_TOPOLOGY) -> d
 
     counts: dict = {}
     recs = simulate(w, costs, topo, counts)
-    records = [{"send_s": r.send_time, "token_s": r.token_times, "expected_output_len": r.expected_output_len,
-                "prompt_len": r.num_prompt_tokens} for r in recs]  # fmt: skip
-    result = {"system": "disagg", "ok": True, "workload": w.name, "label": w.label, "records": records,
-              "summary": summarize(recs, 0.0, SLO(2.0, 0.2)), "node_counters": counts,
-              "router_cpu_us_per_token": costs.router_s_per_token * 1e6,
-              "client_cpu_us_per_token": costs.client_s_per_token * 1e6}  # fmt: skip
+    records = [
+        {
+            "send_s": r.send_time,
+            "token_s": r.token_times,
+            "expected_output_len": r.expected_output_len,
+            "prompt_len": r.num_prompt_tokens,
+        }
+        for r in recs
+    ]
+    result = {
+        "system": "disagg",
+        "ok": True,
+        "workload": w.name,
+        "label": w.label,
+        "records": records,
+        "summary": summarize(recs, 0.0, SLO(2.0, 0.2)),
+        "node_counters": counts,
+        "router_cpu_us_per_token": costs.router_s_per_token * 1e6,
+        "client_cpu_us_per_token": costs.client_s_per_token * 1e6,
+    }
     args = ["--num-prefill", str(topo.num_prefill), "--num-decode", str(topo.num_decode)]
-    config = {"engine_args": args + ([] if topo.cores else ["--no-pin"]), "max_batch": 16,
-              "max_num_batched_tokens": 512, "slo_ttft_s": 2.0, "slo_tpot_s": 0.2}  # fmt: skip
+    config = {
+        "engine_args": args + ([] if topo.cores else ["--no-pin"]),
+        "max_batch": 16,
+        "max_num_batched_tokens": 512,
+        "slo_ttft_s": 2.0,
+        "slo_tpot_s": 0.2,
+    }
     return {"config": config, "environment": {"cpu_count": 2}, "results": [result]}
 
 
-RUN_COSTS = replace(COSTS, corun_slowdown_prefill=1.5, corun_slowdown_decode=1.3, decode_iteration_s=2e-3,
-                    prefill_iteration_s=3e-3, router_s_per_token=1e-4, client_s_per_token=5e-5)  # fmt: skip
+RUN_COSTS = replace(
+    COSTS,
+    corun_slowdown_prefill=1.5,
+    corun_slowdown_decode=1.3,
+    decode_iteration_s=2e-3,
+    prefill_iteration_s=3e-3,
+    router_s_per_token=1e-4,
+    client_s_per_token=5e-5,
+)
 
 
 def test_validate_sets_hand_computed_predictions_beside_a_measured_run() -> None:
@@ -251,23 +288,42 @@ def test_validate_sets_hand_computed_predictions_beside_a_measured_run() -> None
 
     times = [0.125, 1.125 + 0.125, 1.125 + 0.125 + 0.02]  # measured: TTFT, + hand-off, + one decode interval
     rec = RequestRecord(0.0, 3, 100, times)
-    result = {"system": "disagg", "ok": True, "workload": "hand", "label": "hand",
-              "summary": summarize([rec], 0.0, SLO(2.0, 0.2)),
-              "records": [{"send_s": 0.0, "token_s": times, "expected_output_len": 3, "prompt_len": 100}],
-              "node_counters": {"prefill": {"steps": 1, "step_time_s": 0.125, "busy_time_s": 0.125},
-                                "decode": {"steps": 2, "step_time_s": 0.03, "busy_time_s": 0.03}}}  # fmt: skip
-    config = {"engine_args": ["--num-prefill", "1", "--num-decode", "1", "--no-pin"], "max_batch": 16,
-              "max_num_batched_tokens": 512, "slo_ttft_s": 2.0, "slo_tpot_s": 0.2}  # fmt: skip
-    rows = {r["metric"]: r for r in validate({"config": config, "environment": {"cpu_count": 2}, "results": [result]},
-                                             COSTS)}  # fmt: skip
-    want = {"TTFT p50": (0.1, 0.125, 0.125), "hand-off p50": (1.01, 1.125, 1.015),
-            "decode ITL p50": (0.01, 0.02, 0.015), "prefill mean step": (0.1, 0.125, 0.125),
-            "decode mean step": (0.01, 0.015, 0.015)}  # (predicted, measured, calibrated)  # fmt: skip
+    result = {
+        "system": "disagg",
+        "ok": True,
+        "workload": "hand",
+        "label": "hand",
+        "summary": summarize([rec], 0.0, SLO(2.0, 0.2)),
+        "records": [{"send_s": 0.0, "token_s": times, "expected_output_len": 3, "prompt_len": 100}],
+        "node_counters": {
+            "prefill": {"steps": 1, "step_time_s": 0.125, "busy_time_s": 0.125},
+            "decode": {"steps": 2, "step_time_s": 0.03, "busy_time_s": 0.03},
+        },
+    }
+    config = {
+        "engine_args": ["--num-prefill", "1", "--num-decode", "1", "--no-pin"],
+        "max_batch": 16,
+        "max_num_batched_tokens": 512,
+        "slo_ttft_s": 2.0,
+        "slo_tpot_s": 0.2,
+    }
+    rows = {
+        r["metric"]: r
+        for r in validate({"config": config, "environment": {"cpu_count": 2}, "results": [result]}, COSTS)
+    }
+    want = {
+        "TTFT p50": (0.1, 0.125, 0.125),
+        "hand-off p50": (1.01, 1.125, 1.015),
+        "decode ITL p50": (0.01, 0.02, 0.015),
+        "prefill mean step": (0.1, 0.125, 0.125),
+        "decode mean step": (0.01, 0.015, 0.015),
+    }  # (predicted, measured, calibrated)
     for metric, (pred, meas, calib) in want.items():
         row = rows[metric]
         assert (row["predicted"], row["measured"], row["calibrated"]) == pytest.approx((pred, meas, calib)), metric
         assert row["error"] == pytest.approx(pred / meas - 1) and row["calibrated_error"] == pytest.approx(
-            calib / meas - 1), metric
+            calib / meas - 1
+        ), metric
 
 
 def test_a_run_the_simulator_made_is_predicted_exactly() -> None:
@@ -288,10 +344,16 @@ def test_a_calibration_run_supplies_what_the_costs_cannot_see() -> None:
 
     run = simulated_run(make_workload("sharegpt_like", 1000, 2048, seed=2, rate=3.0, num_requests=24), RUN_COSTS)
     # a calibration run: 1P1D, each node on a core of its own, the router and load generator beside them
-    other = simulated_run(make_workload("sharegpt_like", 1000, 2048, seed=5, num_requests=8), RUN_COSTS,
-                          Topology(cores=(0, 1)))  # fmt: skip
-    in_process = replace(scaled(RUN_COSTS, 1 / 1.25, 1 / 1.1), decode_iteration_s=0.0, prefill_iteration_s=0.0,
-                         router_s_per_token=0.0, client_s_per_token=0.0)  # fmt: skip
+    other = simulated_run(
+        make_workload("sharegpt_like", 1000, 2048, seed=5, num_requests=8), RUN_COSTS, Topology(cores=(0, 1))
+    )
+    in_process = replace(
+        scaled(RUN_COSTS, 1 / 1.25, 1 / 1.1),
+        decode_iteration_s=0.0,
+        prefill_iteration_s=0.0,
+        router_s_per_token=0.0,
+        client_s_per_token=0.0,
+    )
     fitted = calibrated_costs(in_process, other)
     assert asdict(fitted) == pytest.approx(asdict(RUN_COSTS), rel=1e-3)  # CALIBRATION_ROUNDS of refinement
     assert all(abs(r["error"]) < 1e-2 for r in validate(run, in_process, predict_with=fitted))
@@ -333,8 +395,14 @@ def test_the_routers_cpu_splits_into_a_cost_per_message_and_one_per_token() -> N
     def run(prefill_steps: int, decode_steps: int, tokens: int) -> dict:
         cpu = 300e-6 * (prefill_steps + decode_steps) + 50e-6 * tokens
         counters = {"prefill": {"steps": prefill_steps}, "decode": {"steps": decode_steps}}
-        result = {"system": "disagg", "ok": True, "label": "w", "router_cpu_s": cpu, "node_counters": counters,
-                  "summary": {"total_output_tokens": tokens}}  # fmt: skip
+        result = {
+            "system": "disagg",
+            "ok": True,
+            "label": "w",
+            "router_cpu_s": cpu,
+            "node_counters": counters,
+            "summary": {"total_output_tokens": tokens},
+        }
         return {"results": [result]}
 
     per_message, per_token, fits = router_costs([run(7, 300, 2400), run(40, 2000, 3700), run(10, 800, 2400)])
@@ -357,9 +425,11 @@ def test_the_command_line_refuses_runs_a_fit_cannot_use(tmp_path, capsys) -> Non
     costs = tmp_path / "costs.json"
     costs.write_text(json.dumps({"costs": asdict(RUN_COSTS)}))
     out = tmp_path / "out.json"
-    for argv, why in ((["--fit-router", str(one)], "two or more"),
-                      (["--costs", str(costs), "--validate", str(one), "--calibration", str(bare)], "busy_time_s"),
-                      (["--costs", str(costs), "--write-calibrated", str(out)], "needs")):  # fmt: skip
+    for argv, why in (
+        (["--fit-router", str(one)], "two or more"),
+        (["--costs", str(costs), "--validate", str(one), "--calibration", str(bare)], "busy_time_s"),
+        (["--costs", str(costs), "--write-calibrated", str(out)], "needs"),
+    ):
         with pytest.raises(SystemExit) as exit_:
             main(argv)
         assert exit_.value.code == 2 and why in capsys.readouterr().err

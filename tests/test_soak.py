@@ -17,9 +17,13 @@ from stack import Stack
 
 WARMUP = 100
 EMPTY_GAUGES = (
-    "pdserve:num_requests_running{", "pdserve:num_requests_waiting{", "pdserve:node_requests_held{",
-    "pdserve:kv_blocks_used{", "pdserve:num_requests_in_flight ", "pdserve:router_requests_waiting ",
-)  # fmt: skip
+    "pdserve:num_requests_running{",
+    "pdserve:num_requests_waiting{",
+    "pdserve:node_requests_held{",
+    "pdserve:kv_blocks_used{",
+    "pdserve:num_requests_in_flight ",
+    "pdserve:router_requests_waiting ",
+)
 
 
 async def _wave(url: str, n: int, start: int, concurrency: int = 16) -> list[int]:

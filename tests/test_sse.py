@@ -14,8 +14,12 @@ TEXTS = ["", "plain", 'quo"te \\ back', "tab\tnew\nline", "héllo ✓ 😀", "\x
 
 def _reference(envelope: dict, index: int, chat: bool, text: str, ids: list[int], reason, with_ids: bool) -> dict:
     if chat:
-        choice = {"index": index, "delta": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": reason}  # fmt: skip
+        choice = {
+            "index": index,
+            "delta": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": reason,
+        }
     else:
         choice = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
     if with_ids:
@@ -26,8 +30,12 @@ def _reference(envelope: dict, index: int, chat: bool, text: str, ids: list[int]
 @pytest.mark.parametrize("chat", [False, True])
 @pytest.mark.parametrize("with_ids", [False, True])
 def test_template_chunks_are_the_dicts_json(chat: bool, with_ids: bool):
-    envelope = {"id": "cmpl-ab\\\"c", "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": 1700000000, "model": "tiny ✓"}  # fmt: skip
+    envelope = {
+        "id": 'cmpl-ab\\"c',
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": 1700000000,
+        "model": "tiny ✓",
+    }
     fmt = ChunkFormat(envelope, 3, chat, with_ids)
     for text in TEXTS:
         for ids, reason in (([], None), ([7], None), ([1, 22, 333], FinishReason.LENGTH), ([5], FinishReason.STOP)):

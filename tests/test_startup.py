@@ -63,24 +63,30 @@ def test_router_refuses_a_port_in_use(taken_port):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
-@pytest.mark.parametrize("args", [["up", "--device", "cuda"], ["up", "--decode-device", "cuda:1"],
-                                  ["prefill", "--device", "cuda:0"]])  # fmt: skip
+@pytest.mark.parametrize(
+    "args", [["up", "--device", "cuda"], ["up", "--decode-device", "cuda:1"], ["prefill", "--device", "cuda:0"]]
+)
 def test_cuda_device_without_cuda_is_refused(args):
     _refused(_pdserve(*args), "use --device cpu")
 
 
-@pytest.mark.parametrize(("args", "says"), [
-    (["--kv-cache-gb", "-1"], "--kv-cache-gb must be positive"),  # a node's config
-    (["--max-n", "0"], "--max-n must be at least 1"),  # the router's
-    (["--kv-transport", "cuda_ipc"], "cuda_ipc needs every node on a GPU"),  # the stack's
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--kv-cache-gb", "-1"], "--kv-cache-gb must be positive"),  # a node's config
+        (["--max-n", "0"], "--max-n must be at least 1"),  # the router's
+        (["--kv-transport", "cuda_ipc"], "cuda_ipc needs every node on a GPU"),  # the stack's
+    ],
+)
 def test_up_refuses_a_config_its_children_would_refuse(args, says):
     """Once, in the launcher, before any child starts: not once per child, then "a node exited"."""
     _refused(_pdserve("up", *args, "--port", str(free_port())), says)
 
 
-@pytest.mark.parametrize(("verb", "flag"), [("colocated", "--listen"), ("prefill", "--listen"),
-                                            ("decode", "--listen"), ("decode", "--kv-listen")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("verb", "flag"),
+    [("colocated", "--listen"), ("prefill", "--listen"), ("decode", "--listen"), ("decode", "--kv-listen")],
+)
 def test_a_node_refuses_a_taken_address(taken_port, verb, flag):
     taken = f"tcp://127.0.0.1:{taken_port}"
     argv = ["--listen", taken if flag == "--listen" else "tcp://127.0.0.1:0"]
@@ -130,14 +136,36 @@ def test_skip_tokenizer_serves_token_id_prompts_exactly_and_refuses_text(tmp_pat
     """With --skip-tokenizer the same folder serves: token ids in, token ids out (those of HF greedy); text gets 400."""
     folder = _checkpoint_copy(tmp_path / "no-tokenizer", ["model.safetensors"])
     port = free_port()
-    argv = [sys.executable, "-m", "pdserve", "--log-level", "WARNING", "up", "--model", str(folder),
-            "--skip-tokenizer", "--mode", "colocated", "--port", str(port), "--no-pin", "--num-kv-blocks", "64"]
-    up = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=os.environ.copy())  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "pdserve",
+        "--log-level",
+        "WARNING",
+        "up",
+        "--model",
+        str(folder),
+        "--skip-tokenizer",
+        "--mode",
+        "colocated",
+        "--port",
+        str(port),
+        "--no-pin",
+        "--num-kv-blocks",
+        "64",
+    ]
+    up = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=os.environ.copy())
     url, model = f"http://127.0.0.1:{port}/v1", str(folder)
     try:
         assert "is serving" in up.stdout.readline()
-        body = {"model": model, "prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0, "ignore_eos": True,
-                "return_token_ids": True}  # fmt: skip
+        body = {
+            "model": model,
+            "prompt": [5, 6, 7],
+            "max_tokens": 6,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
         r = httpx.post(f"{url}/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["token_ids"] == hf_greedy(folder, [[5, 6, 7]], [6])[0]
@@ -213,8 +241,21 @@ def test_up_says_each_stage_serves_logs_requests_and_stops_cleanly_on_ctrl_c(tmp
     """A line per stage per node with seconds, the ready line in words, an access line per request, and on
     Ctrl-C "stopping" and nothing that reads like a failure."""
     port = free_port()
-    argv = [sys.executable, "-m", "pdserve", "up", "--model", "tiny", "--mode", "colocated", "--port", str(port),
-            "--no-pin", "--num-kv-blocks", "64"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "pdserve",
+        "up",
+        "--model",
+        "tiny",
+        "--mode",
+        "colocated",
+        "--port",
+        str(port),
+        "--no-pin",
+        "--num-kv-blocks",
+        "64",
+    ]
     with open(tmp_path / "stderr", "w") as err:
         up = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, env=os.environ.copy())
     try:
@@ -228,10 +269,14 @@ def test_up_says_each_stage_serves_logs_requests_and_stops_cleanly_on_ctrl_c(tmp
             up.kill()
             up.wait()
     log = (tmp_path / "stderr").read_text()
-    for stage in (r"colocated \d+: starting: tiny", r"colocated \d+: loaded the weights of tiny .* in [\d.]+ s",
-                  r"colocated \d+: built the kernels and warmed up in [\d.]+ s",
-                  r"colocated \d+: colocated node ready in [\d.]+ s: takes requests from the router at tcp://",
-                  r"router: POST /v1/completions 200 3\+4 tokens [\d.]+ s", r"pdserve: stopping"):  # fmt: skip
+    for stage in (
+        r"colocated \d+: starting: tiny",
+        r"colocated \d+: loaded the weights of tiny .* in [\d.]+ s",
+        r"colocated \d+: built the kernels and warmed up in [\d.]+ s",
+        r"colocated \d+: colocated node ready in [\d.]+ s: takes requests from the router at tcp://",
+        r"router: POST /v1/completions 200 3\+4 tokens [\d.]+ s",
+        r"pdserve: stopping",
+    ):
         assert len(re.findall(stage, log)) == 1, (stage, log)
     for failure in ("Traceback", "is down", "exited with code", "{'role'", "Loading weights"):
         assert failure not in log, log
@@ -251,8 +296,23 @@ def _gone(pid: int) -> bool:
 @pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux's")
 def test_the_children_of_a_killed_launcher_stop(tmp_path):
     """SIGKILL leaves the launcher no chance to stop its children (in sessions of their own): they stop anyway."""
-    argv = [sys.executable, "-m", "pdserve", "--log-level", "WARNING", "up", "--model", "tiny", "--mode",
-            "colocated", "--port", str(free_port()), "--no-pin", "--num-kv-blocks", "64"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "pdserve",
+        "--log-level",
+        "WARNING",
+        "up",
+        "--model",
+        "tiny",
+        "--mode",
+        "colocated",
+        "--port",
+        str(free_port()),
+        "--no-pin",
+        "--num-kv-blocks",
+        "64",
+    ]
     up = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=os.environ.copy())
     try:
         assert "is serving" in up.stdout.readline()
@@ -267,8 +327,20 @@ def test_the_children_of_a_killed_launcher_stop(tmp_path):
 def test_a_router_started_on_its_own_says_where_it_serves_and_its_nodes(tmp_path):
     ready = tmp_path / "node.json"
     pdserve = [sys.executable, "-m", "pdserve"]
-    node = subprocess.Popen([*pdserve, "--log-level", "WARNING", "colocated", "--engine", "mock", "--listen",
-                             "tcp://127.0.0.1:0", "--ready-file", str(ready)])  # fmt: skip
+    node = subprocess.Popen(
+        [
+            *pdserve,
+            "--log-level",
+            "WARNING",
+            "colocated",
+            "--engine",
+            "mock",
+            "--listen",
+            "tcp://127.0.0.1:0",
+            "--ready-file",
+            str(ready),
+        ]
+    )
     router = None
     try:
         assert wait_until(ready.exists, timeout=START_TIMEOUT_S), "the node wrote no ready file"
@@ -291,16 +363,26 @@ def test_a_router_started_on_its_own_says_where_it_serves_and_its_nodes(tmp_path
 
 def test_a_router_whose_nodes_never_answer_says_so_in_one_line():
     nowhere = f"tcp://127.0.0.1:{free_port()}"  # nothing listens there
-    out = _pdserve("--log-level", "WARNING", "router", "--port", str(free_port()), "--colocated", nowhere,
-                   "--connect-timeout-s", "1")  # fmt: skip
+    out = _pdserve(
+        "--log-level",
+        "WARNING",
+        "router",
+        "--port",
+        str(free_port()),
+        "--colocated",
+        nowhere,
+        "--connect-timeout-s",
+        "1",
+    )
     _refused(out, f"nodes did not answer within 1 s: colocated@{nowhere}")
 
 
 def test_a_router_stopped_while_it_waits_for_its_nodes_exits_at_once_and_cleanly(tmp_path):
     nowhere, log = f"tcp://127.0.0.1:{free_port()}", tmp_path / "router.log"
     with open(log, "w") as err:
-        router = subprocess.Popen([sys.executable, "-m", "pdserve", "router", "--port", str(free_port()),
-                                   "--colocated", nowhere], stderr=err)  # fmt: skip
+        router = subprocess.Popen(
+            [sys.executable, "-m", "pdserve", "router", "--port", str(free_port()), "--colocated", nowhere], stderr=err
+        )
     try:
         waiting = wait_until(lambda: "for the nodes to answer" in log.read_text(), timeout=START_TIMEOUT_S)
         assert waiting, log.read_text()

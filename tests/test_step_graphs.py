@@ -26,8 +26,14 @@ def graphed_engine(model, device: str = "cpu", **kw) -> Engine:
     the same fixed buffers on the CPU."""
     from pdserve.engine.cuda_graphs import StepGraphs, eager_recorder
 
-    cfg = EngineConfig(model=str(model), attention_backend="triton", device=device, max_num_batched_tokens=BUDGET,
-                       max_num_seqs=MAX_SEQS, **kw)  # fmt: skip
+    cfg = EngineConfig(
+        model=str(model),
+        attention_backend="triton",
+        device=device,
+        max_num_batched_tokens=BUDGET,
+        max_num_seqs=MAX_SEQS,
+        **kw,
+    )
     engine = Engine(cfg)
     if engine.runner.graphs is None:  # on the CPU no graph is captured: record the same path eagerly
         engine.runner.graphs = StepGraphs.planned(engine.runner, BUDGET, MAX_SEQS)

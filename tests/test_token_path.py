@@ -30,8 +30,9 @@ def _core(token_path: str, **addrs) -> RouterCore:
 
 @pytest.fixture(params=TOKEN_PATHS)  # the C path where it builds, and its Python twin
 def disagg(request):
-    core = _core(request.param, prefill=("tcp://p0",), decode=("tcp://d0", "tcp://d1"),
-                 decode_kv=("tcp://k0", "tcp://k1"))  # fmt: skip
+    core = _core(
+        request.param, prefill=("tcp://p0",), decode=("tcp://d0", "tcp://d1"), decode_kv=("tcp://k0", "tcp://k1")
+    )
     yield core
     core.ctx.destroy(linger=0)
 

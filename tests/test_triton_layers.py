@@ -16,8 +16,11 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 def _tol(dtype: torch.dtype) -> dict:
     """One unit in the last place of the dtype (float32: the reduction order's few ulps)."""
-    return {torch.bfloat16: dict(atol=1e-2, rtol=8e-3), torch.float16: dict(atol=1e-3, rtol=1e-3),
-            torch.float32: dict(atol=1e-5, rtol=1e-5)}[dtype]  # fmt: skip
+    return {
+        torch.bfloat16: dict(atol=1e-2, rtol=8e-3),
+        torch.float16: dict(atol=1e-3, rtol=1e-3),
+        torch.float32: dict(atol=1e-5, rtol=1e-5),
+    }[dtype]
 
 
 def _norm(hidden: int, dtype: torch.dtype, gen: torch.Generator):
@@ -71,8 +74,9 @@ def test_qk_norm_rope_store_matches_the_modules(dtype, with_norm):
 
     pool = torch.zeros(2, nkv, S, d, dtype=dtype)
     got_qkv = qkv.clone()
-    got_q = tk.qk_norm_rope_store(got_qkv, nh, nkv, d, qn.weight if qn else None, kn.weight if kn else None, 1e-6,
-                                  cos, sin, pool, slots)  # fmt: skip
+    got_q = tk.qk_norm_rope_store(
+        got_qkv, nh, nkv, d, qn.weight if qn else None, kn.weight if kn else None, 1e-6, cos, sin, pool, slots
+    )
     assert got_q.data_ptr() == got_qkv.data_ptr() and got_q.shape == (T, nh, d)  # rotated in place
     torch.testing.assert_close(got_q, want_q, **_tol(dtype))
     real = slots >= 0

@@ -52,10 +52,17 @@ def test_serving_after_warm_up_needs_no_new_variant(tiny_models):
 
     warm, served = TritonVariants(), TritonVariants()
     with warm.recording():
-        engine = Engine(EngineConfig(model=str(tiny_models["qwen3"]), attention_backend="triton", max_num_seqs=5,
-                                     max_num_batched_tokens=37))  # fmt: skip
-    assert {k[0] for k in warm.keys} >= {"_add_rms_norm_kernel", "_qk_norm_rope_store_kernel", "_silu_mul_kernel",
-                                         "_paged_attention_kernel"}  # fmt: skip
+        engine = Engine(
+            EngineConfig(
+                model=str(tiny_models["qwen3"]), attention_backend="triton", max_num_seqs=5, max_num_batched_tokens=37
+            )
+        )
+    assert {k[0] for k in warm.keys} >= {
+        "_add_rms_norm_kernel",
+        "_qk_norm_rope_store_kernel",
+        "_silu_mul_kernel",
+        "_paged_attention_kernel",
+    }
     prompts, outs = mixed_workload(7, 512, seed=5, max_prompt=45, max_out=6)
     prompts.append([11])  # a one-token prompt
     outs.append(3)

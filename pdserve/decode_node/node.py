@@ -66,8 +66,9 @@ class DecodeNode(NodeBase):
         self.peers: dict[bytes, PrefillPeer] = {}  # the paired prefill nodes, by routing id
         self.incoming: dict[str, Incoming] = {}  # offered, KV not landed yet (the engine holds the request)
         self.aborted: OrderedDict[str, None] = OrderedDict()
-        self.counters.update(kv_offers=0, kv_received=0, kv_refused=0, kv_bad=0, kv_recomputed=0,
-                             local_prefill_requests=0)  # fmt: skip
+        self.counters.update(
+            kv_offers=0, kv_received=0, kv_refused=0, kv_bad=0, kv_recomputed=0, local_prefill_requests=0
+        )
         self._next_notice = 0.0
 
     def ready_info(self) -> dict:
@@ -162,8 +163,13 @@ class DecodeNode(NodeBase):
         if rid in self.aborted or why:
             self._refuse(peer.link, rid, why, code)
             return
-        req = Request(rid, list(offer.prompt_token_ids), offer.params, output_token_ids=[offer.first_token_id],
-                      status=Status.WAITING_FOR_KV)  # fmt: skip
+        req = Request(
+            rid,
+            list(offer.prompt_token_ids),
+            offer.params,
+            output_token_ids=[offer.first_token_id],
+            status=Status.WAITING_FOR_KV,
+        )
         try:
             self.engine.add(req)
         except ValueError as e:  # a grammar this node cannot use
@@ -212,8 +218,9 @@ class DecodeNode(NodeBase):
         self.engine.kv_lost(inc.request)
         self._let_prefill_go(inc, P.KvAck(rid, True, f"recomputed on the decode node: {why}"))
 
-    def _refuse(self, identity: bytes, request_id: str, why: str,
-                code: P.ErrorCode = P.ErrorCode.KV_TRANSFER_FAILED) -> None:  # fmt: skip
+    def _refuse(
+        self, identity: bytes, request_id: str, why: str, code: P.ErrorCode = P.ErrorCode.KV_TRANSFER_FAILED
+    ) -> None:
         self.counters["kv_refused"] += 1
         transport.send(self.kv_sock, P.KvAck(request_id, False, why, code), identity=identity)
 

@@ -93,8 +93,9 @@ class TorchBackend:
         self.pool, self.scale, self.apply_rope, self.device = pool, scale, apply_rope, device
 
     # ---- inputs ---------------------------------------------------------------------------------
-    def inputs(self, ids: list[int], positions: list[int], slots: list[int], sample: list[int],
-               chunks: list[Chunk]) -> ForwardInputs:  # fmt: skip
+    def inputs(
+        self, ids: list[int], positions: list[int], slots: list[int], sample: list[int], chunks: list[Chunk]
+    ) -> ForwardInputs:
         dev = self.device
         return ForwardInputs(
             input_ids=to_device(ids, dev, torch.long),
@@ -125,8 +126,9 @@ class TorchBackend:
         return mlp.act_fn(gate) * up
 
     # ---- attention ------------------------------------------------------------------------------
-    def attention(self, attn: nn.Module, qkv: torch.Tensor, splits: list[int], rope, kv_pool: torch.Tensor,
-                  inp: ForwardInputs) -> torch.Tensor:  # fmt: skip
+    def attention(
+        self, attn: nn.Module, qkv: torch.Tensor, splits: list[int], rope, kv_pool: torch.Tensor, inp: ForwardInputs
+    ) -> torch.Tensor:
         """From the QKV projection [T, (nh + 2 nkv) * d] (split as `splits`): q/k norms where the model has them,
         then `attend`: [T, nh, d]."""
         T, d = qkv.shape[0], self.pool.layout.head_dim
@@ -186,8 +188,9 @@ class DecodeGroup:
 class CpuKernelBackend(TorchBackend):
     name = "cpu"
 
-    def __init__(self, pool: KVPool, scale: float, apply_rope, device: torch.device, ops: kernels.CpuKernels,
-                 silu_gated: bool) -> None:  # fmt: skip
+    def __init__(
+        self, pool: KVPool, scale: float, apply_rope, device: torch.device, ops: kernels.CpuKernels, silu_gated: bool
+    ) -> None:
         super().__init__(pool, scale, apply_rope, device)
         self.k, self.silu_gated = ops, silu_gated
 
@@ -226,8 +229,9 @@ class CpuKernelBackend(TorchBackend):
         out = self.attend_spans(q, kv_pool, inp.attn.spans)
         dec = inp.attn.decode
         if dec is not None:
-            out[dec.rows] = self.k.decode_attention(q[dec.rows], kv_pool, dec.block_tables, dec.lens,
-                                                    self.pool.block_size, self.scale)  # fmt: skip
+            out[dec.rows] = self.k.decode_attention(
+                q[dec.rows], kv_pool, dec.block_tables, dec.lens, self.pool.block_size, self.scale
+            )
         return out
 
 
@@ -264,9 +268,17 @@ class PackLayout:
 
     def segments(self) -> list[tuple[str, tuple[int, ...]]]:
         T, R = self.rows, self.requests
-        return [("ids", (T,)), ("positions", (T,)), ("slots", (T,)), ("sample", (self.samples,)),
-                ("q_start", (R,)), ("q_len", (R,)), ("ctx_len", (R,)), ("work", (self.tiles, 2)),
-                ("block_tables", (self.width, R))]  # fmt: skip
+        return [
+            ("ids", (T,)),
+            ("positions", (T,)),
+            ("slots", (T,)),
+            ("sample", (self.samples,)),
+            ("q_start", (R,)),
+            ("q_len", (R,)),
+            ("ctx_len", (R,)),
+            ("work", (self.tiles, 2)),
+            ("block_tables", (self.width, R)),
+        ]
 
     @functools.cached_property
     def offsets(self) -> dict[str, int]:
@@ -288,8 +300,9 @@ class PackLayout:
 class TritonBackend(TorchBackend):
     name = "triton"
 
-    def __init__(self, pool: KVPool, scale: float, apply_rope, device: torch.device, num_heads: int,
-                 silu_gated: bool) -> None:  # fmt: skip
+    def __init__(
+        self, pool: KVPool, scale: float, apply_rope, device: torch.device, num_heads: int, silu_gated: bool
+    ) -> None:
         super().__init__(pool, scale, apply_rope, device)
         from pdserve.engine import triton_attention, triton_layers
 
@@ -344,8 +357,11 @@ class TritonBackend(TorchBackend):
         """Per request: its first row, rows and context length; the padding rows past the step's T (up to `rows`) as
         one more request, with no context. Returns the requests with rows."""
         n = len(chunks)
-        for name, values in (("q_start", [c.start for c in chunks]), ("q_len", [c.length for c in chunks]),
-                             ("ctx_len", [c.past + c.length for c in chunks])):  # fmt: skip
+        for name, values in (
+            ("q_start", [c.start for c in chunks]),
+            ("q_len", [c.length for c in chunks]),
+            ("ctx_len", [c.past + c.length for c in chunks]),
+        ):
             seg[name][:n], seg[name][n:] = values, 0
         if rows > T:
             seg["q_start"][n], seg["q_len"][n] = T, rows - T
@@ -380,8 +396,7 @@ class TritonBackend(TorchBackend):
         buf = self._staging[self._turn]
         if buf.numel() < size:
             pin = self.device.type == "cuda"
-            buf = self._staging[self._turn] = torch.empty(max(size, 2 * buf.numel()), dtype=torch.int32,
-                                                          pin_memory=pin)  # fmt: skip
+            buf = self._staging[self._turn] = torch.empty(max(size, 2 * buf.numel()), dtype=torch.int32, pin_memory=pin)
         return buf
 
     def views(self, dev: torch.Tensor, lay: PackLayout) -> ForwardInputs:
@@ -410,23 +425,44 @@ class TritonBackend(TorchBackend):
         return self.tl.silu_mul(gate_up) if self.silu_gated else super().act(mlp, gate_up)
 
     # ---- attention ------------------------------------------------------------------------------
-    def attention(self, attn: nn.Module, qkv: torch.Tensor, splits: list[int], rope, kv_pool: torch.Tensor,
-                  inp: ForwardInputs) -> torch.Tensor:  # fmt: skip
+    def attention(
+        self, attn: nn.Module, qkv: torch.Tensor, splits: list[int], rope, kv_pool: torch.Tensor, inp: ForwardInputs
+    ) -> torch.Tensor:
         """One kernel for the q/k norms, rotary and the KV store (q rotated in place in qkv), then attention."""
         d = self.pool.layout.head_dim
         qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         eps = qn.variance_epsilon if qn is not None else 0.0
-        q = self.tl.qk_norm_rope_store(qkv, self.num_heads, self.pool.layout.num_kv_heads, d,
-                                       None if qn is None else qn.weight, None if kn is None else kn.weight, eps,
-                                       *rope, kv_pool, inp.slot_mapping)  # fmt: skip
+        q = self.tl.qk_norm_rope_store(
+            qkv,
+            self.num_heads,
+            self.pool.layout.num_kv_heads,
+            d,
+            None if qn is None else qn.weight,
+            None if kn is None else kn.weight,
+            eps,
+            *rope,
+            kv_pool,
+            inp.slot_mapping,
+        )
         return self.attend_paged(q, kv_pool, inp)
 
     def attend_paged(self, q: torch.Tensor, kv_pool: torch.Tensor, inp: ForwardInputs) -> torch.Tensor:
         """Paged attention of q [T, nh, d] (any strides) over the pool, its new keys already stored: [T, nh, d]."""
         m = inp.attn
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        self.ta.paged_attention(q, out, kv_pool, m.q_start, m.q_len, m.ctx_len, m.block_tables, m.work,
-                                self.pool.block_size, self.scale, self.tile)  # fmt: skip
+        self.ta.paged_attention(
+            q,
+            out,
+            kv_pool,
+            m.q_start,
+            m.q_len,
+            m.ctx_len,
+            m.block_tables,
+            m.work,
+            self.pool.block_size,
+            self.scale,
+            self.tile,
+        )
         return out
 
 
@@ -453,7 +489,6 @@ def _silu_gated(model_config) -> bool:
     return getattr(model_config, "hidden_act", None) == "silu"
 
 
-
 def triton_available(device: torch.device) -> bool:
     """Triton kernels run on CUDA devices, and on the CPU only under its interpreter (the tests)."""
     if importlib.util.find_spec("triton") is None:
@@ -461,16 +496,18 @@ def triton_available(device: torch.device) -> bool:
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def make_backend(setting: str, cpu_kernels: str, pool: KVPool, model_config, scale: float, apply_rope,
-                 device: torch.device) -> TorchBackend:  # fmt: skip
+def make_backend(
+    setting: str, cpu_kernels: str, pool: KVPool, model_config, scale: float, apply_rope, device: torch.device
+) -> TorchBackend:
     """The backend `--attention-backend` asks for: auto picks Triton on CUDA, the C kernels on the CPU
     (as `--cpu-kernels` allows), else torch."""
     dtype = pool.data.dtype
     if setting == "triton" or (setting == "auto" and device.type == "cuda" and triton_available(device)):
         if not triton_available(device):
             raise RuntimeError("--attention-backend triton: Triton is not installed, or not usable on this device")
-        return TritonBackend(pool, scale, apply_rope, device, model_config.num_attention_heads,
-                             _silu_gated(model_config))
+        return TritonBackend(
+            pool, scale, apply_rope, device, model_config.num_attention_heads, _silu_gated(model_config)
+        )
     if setting == "auto" and cpu_kernels != "off" and device.type == "cpu" and dtype == torch.float32:
         ops = kernels.load()
         if ops is None and cpu_kernels == "on":

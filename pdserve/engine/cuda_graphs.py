@@ -144,8 +144,12 @@ class StepGraphs:
             self.captures += 1
         if self.buffer.is_cuda:
             torch.cuda.synchronize(self.buffer.device)
-        log.info("recorded %d step graphs, up to %d tokens: %s", len(self.buckets), self.buckets[-1].tokens,
-                 [b.tokens for b in self.buckets])  # fmt: skip
+        log.info(
+            "recorded %d step graphs, up to %d tokens: %s",
+            len(self.buckets),
+            self.buckets[-1].tokens,
+            [b.tokens for b in self.buckets],
+        )
 
     def run(self, ids, positions, slots, sample, chunks: list[Chunk], feed=None) -> torch.Tensor | None:
         """Logits [len(sample), V] of a step by replay, or None when no bucket holds it. `feed` (a model.DeviceFeed):

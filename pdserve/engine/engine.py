@@ -177,8 +177,11 @@ class Engine:
     def cache_counters(self) -> dict[str, int]:
         """The prefix cache since start: tokens looked up and tokens found (vLLM's names), blocks evicted."""
         s = self.scheduler
-        return {"prefix_cache_queries": s.prefix_cache_queries, "prefix_cache_hits": s.prefix_cache_hits,
-                "prefix_cache_evictions": self.pool.allocator.num_evicted}  # fmt: skip
+        return {
+            "prefix_cache_queries": s.prefix_cache_queries,
+            "prefix_cache_hits": s.prefix_cache_hits,
+            "prefix_cache_evictions": self.pool.allocator.num_evicted,
+        }
 
     def follow_cache(self) -> None:
         """Record the prefix cache's changes from now on, for `cache_changes` (the router's view of the cache)."""

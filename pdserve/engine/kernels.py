@@ -45,18 +45,29 @@ class CpuKernels:
     """`torch`-facing wrappers of the C functions; every input is checked here, the C side trusts them."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._attention = _bind(lib.pd_decode_attention, [_PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64,
-                                                          _I64, _I64, _F32, _PTR, _INT], ctypes.c_int)  # fmt: skip
+        self._attention = _bind(
+            lib.pd_decode_attention,
+            [_PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _PTR, _INT],
+            ctypes.c_int,
+        )
         self._rms_norm = _bind(lib.pd_rms_norm, [_PTR, _PTR, _PTR, _I64, _I64, _F32, _INT])
         self._add_rms_norm = _bind(lib.pd_add_rms_norm, [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT])
         self._silu_mul = _bind(lib.pd_silu_mul, [_PTR, _PTR, _I64, _I64, _INT])
-        self._rope_store = _bind(lib.pd_rope_store, [_PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR,
-                                                     _I64, _PTR, _I64, _I64, _I64, _I64, _INT])  # fmt: skip
+        self._rope_store = _bind(
+            lib.pd_rope_store,
+            [_PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _INT],
+        )
 
     def rope_store(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-        kv: torch.Tensor, slots: torch.Tensor,
-    ) -> torch.Tensor:  # fmt: skip
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
         """Rotate q [T, H, d] and k [T, Hkv, d] (cos, sin [T, d]); write k and v into one layer of the pool
         kv [2, Hkv, S, d] at `slots` [T]; return the rotated q, contiguous."""
         _check_pool_layer(kv)
@@ -77,9 +88,25 @@ class CpuKernels:
             raise ValueError("a slot is outside the pool")
         slots = slots.contiguous()
         q_out = torch.empty(T, H, d)
-        self._rope_store(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
-                         cos.data_ptr(), sin.data_ptr(), q_out.data_ptr(), kv.data_ptr(), kv.shape[2],
-                         slots.data_ptr(), T, H, k.shape[1], d, torch.get_num_threads())  # fmt: skip
+        self._rope_store(
+            q.data_ptr(),
+            q.stride(0),
+            k.data_ptr(),
+            k.stride(0),
+            v.data_ptr(),
+            v.stride(0),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            q_out.data_ptr(),
+            kv.data_ptr(),
+            kv.shape[2],
+            slots.data_ptr(),
+            T,
+            H,
+            k.shape[1],
+            d,
+            torch.get_num_threads(),
+        )
         return q_out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -87,8 +114,15 @@ class CpuKernels:
         x = _f32(x)
         _check_weight(x, weight)
         out = torch.empty_like(x)
-        self._rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps,
-                       torch.get_num_threads())  # fmt: skip
+        self._rms_norm(
+            x.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            x.numel() // x.shape[-1],
+            x.shape[-1],
+            eps,
+            torch.get_num_threads(),
+        )
         return out
 
     def add_rms_norm(self, h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -98,8 +132,16 @@ class CpuKernels:
             raise ValueError("add_rms_norm adds a float32 tensor into a contiguous one of the same shape")
         _check_weight(h, weight)
         out = torch.empty_like(h)
-        self._add_rms_norm(h.data_ptr(), x.data_ptr(), weight.data_ptr(), out.data_ptr(), h.numel() // h.shape[-1],
-                           h.shape[-1], eps, torch.get_num_threads())  # fmt: skip
+        self._add_rms_norm(
+            h.data_ptr(),
+            x.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            h.numel() // h.shape[-1],
+            h.shape[-1],
+            eps,
+            torch.get_num_threads(),
+        )
         return out
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -113,18 +155,36 @@ class CpuKernels:
         return out
 
     def decode_attention(
-        self, q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, lens: torch.Tensor, block_size: int,
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        block_tables: torch.Tensor,
+        lens: torch.Tensor,
+        block_size: int,
         scale: float,
-    ) -> torch.Tensor:  # fmt: skip
+    ) -> torch.Tensor:
         """q [B, H, d] float32; kv one layer [2, Hkv, S, d]; block_tables [B, max_blocks] int32; lens [B]
         int32 (context length, the new token included) -> [B, H, d]."""
         q = _f32(q)
         _check_decode(q, kv, block_tables, lens, block_size)
         B, H, d = q.shape
         out = torch.empty_like(q)
-        rc = self._attention(q.data_ptr(), kv.data_ptr(), kv.shape[2], block_tables.data_ptr(), block_tables.shape[1],
-                      lens.data_ptr(), B, H, kv.shape[1], d, block_size, scale, out.data_ptr(),
-                      torch.get_num_threads())  # fmt: skip
+        rc = self._attention(
+            q.data_ptr(),
+            kv.data_ptr(),
+            kv.shape[2],
+            block_tables.data_ptr(),
+            block_tables.shape[1],
+            lens.data_ptr(),
+            B,
+            H,
+            kv.shape[1],
+            d,
+            block_size,
+            scale,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
         if rc != 0:
             raise MemoryError("decode attention could not allocate its scratch buffer")
         return out
@@ -142,8 +202,12 @@ def _f32(x: torch.Tensor) -> torch.Tensor:
 
 
 def _check_weight(x: torch.Tensor, weight: torch.Tensor) -> None:
-    if (weight.dtype != torch.float32 or weight.device.type != "cpu" or not weight.is_contiguous()
-            or weight.shape != x.shape[-1:]):  # fmt: skip
+    if (
+        weight.dtype != torch.float32
+        or weight.device.type != "cpu"
+        or not weight.is_contiguous()
+        or weight.shape != x.shape[-1:]
+    ):
         raise ValueError(f"a norm weight of shape {tuple(weight.shape)} does not fit {tuple(x.shape)}")
 
 

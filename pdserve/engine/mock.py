@@ -88,9 +88,13 @@ def model_facts(model: str) -> SimpleNamespace:
     """The config of a built-in model (from its spec: nothing is written) or of a checkpoint folder."""
     spec = BUILTIN_MODELS.get(model)
     if spec is not None:
-        return SimpleNamespace(vocab_size=spec.vocab_size, num_hidden_layers=spec.num_layers,
-                               num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-                               max_position_embeddings=spec.max_position_embeddings)  # fmt: skip
+        return SimpleNamespace(
+            vocab_size=spec.vocab_size,
+            num_hidden_layers=spec.num_layers,
+            num_key_value_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            max_position_embeddings=spec.max_position_embeddings,
+        )
     config = SimpleNamespace(**json.loads((resolve_model(model) / "config.json").read_text()))
     if getattr(config, "head_dim", None) is None:
         config.head_dim = config.hidden_size // config.num_attention_heads
@@ -101,20 +105,28 @@ def mock_layout(cfg: EngineConfig, config: SimpleNamespace) -> KVLayout:
     """The model's KV layout; its fingerprint marks it as a mock's, so a mock never pairs with a model node."""
     facts = [config.vocab_size, config.num_hidden_layers, config.num_key_value_heads, config.head_dim]
     fingerprint = "mock-" + hashlib.sha256(json.dumps([cfg.model, *facts]).encode()).hexdigest()[:11]
-    return KVLayout(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, cfg.block_size, cfg.dtype,
-                    fingerprint)  # fmt: skip
+    return KVLayout(
+        config.num_hidden_layers, config.num_key_value_heads, config.head_dim, cfg.block_size, cfg.dtype, fingerprint
+    )
 
 
 def mock_parts(cfg: EngineConfig, prefill_only: bool) -> EngineParts:
     config = model_facts(cfg.model)
     if config.vocab_size < MOCK_TOKENS.stop:
-        raise ValueError(f"--engine mock draws token ids up to {MOCK_TOKENS.stop - 1}: the model's vocabulary of "
-                         f"{config.vocab_size} is too small")  # fmt: skip
+        raise ValueError(
+            f"--engine mock draws token ids up to {MOCK_TOKENS.stop - 1}: the model's vocabulary of "
+            f"{config.vocab_size} is too small"
+        )
     layout = mock_layout(cfg, config)
     pool = MockPool(layout, cfg.num_blocks_for(layout.bytes_per_token()))
     runner = MockRunner(step_cost(cfg, prefill_only))
-    log.info("mock engine: %s's KV layout, %d blocks of %d tokens, a step of %s", cfg.model, pool.num_blocks,
-             cfg.block_size, runner.cost)  # fmt: skip
+    log.info(
+        "mock engine: %s's KV layout, %d blocks of %d tokens, a step of %s",
+        cfg.model,
+        pool.num_blocks,
+        cfg.block_size,
+        runner.cost,
+    )
     return EngineParts(MockGuides(), layout, pool, runner, MockSampler(), max_model_len(config), overlapped=True)
 
 

@@ -134,16 +134,28 @@ class LayerWeights:
         """The layer's projections, taken over: the HF modules' own copies are released (set to None, so
         that calling them fails loudly), and every weight is held once."""
         attn, mlp = layer.self_attn, layer.mlp
-        weights = cls(Linear(attn.q_proj, attn.k_proj, attn.v_proj), Linear(attn.o_proj),
-                      Linear(mlp.gate_proj, mlp.up_proj), Linear(mlp.down_proj))  # fmt: skip
+        weights = cls(
+            Linear(attn.q_proj, attn.k_proj, attn.v_proj),
+            Linear(attn.o_proj),
+            Linear(mlp.gate_proj, mlp.up_proj),
+            Linear(mlp.down_proj),
+        )
         for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
             m.weight, m.bias = None, None
         return weights
 
 
 class ModelRunner:
-    def __init__(self, model, pool: KVPool, attention_backend: str = "auto", cpu_kernels: str = "auto",
-                 graphs: bool = False, max_seqs: int = 0, max_tokens: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model,
+        pool: KVPool,
+        attention_backend: str = "auto",
+        cpu_kernels: str = "auto",
+        graphs: bool = False,
+        max_seqs: int = 0,
+        max_tokens: int = 0,
+    ) -> None:
         self.model = model
         self.pool = pool
         self.device = next(model.parameters()).device
@@ -158,8 +170,9 @@ class ModelRunner:
         self.weights = [LayerWeights.of(layer) for layer in self.layers]
         attn = self.layers[0].self_attn
         apply_rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
-        self.backend = make_backend(attention_backend, cpu_kernels, pool, model.config, attn.scaling, apply_rope,
-                                    self.device)  # fmt: skip
+        self.backend = make_backend(
+            attention_backend, cpu_kernels, pool, model.config, attn.scaling, apply_rope, self.device
+        )
         self.head_dim = pool.layout.head_dim
         self.graphs = None  # a cuda_graphs.StepGraphs: on a GPU, unless --enforce-eager
         if graphs and self.device.type == "cuda" and self.backend.name == "triton":
@@ -191,7 +204,6 @@ class ModelRunner:
                 lin(torch.zeros(rows, lin.in_features))  # [rows, K]
         if self.backend.name == "triton":
             self.forward(self.backend.inputs(*warm_up_step(self.pool.block_size)))
-
 
     # ---- inputs ----------------------------------------------------------------------------------
     @staticmethod
@@ -259,8 +271,9 @@ class ModelRunner:
         logits = self.lm_head(b.norm(self.norm, h))  # [S, V]
         return logits.float() if out is None else out.copy_(logits)
 
-    def _attention(self, attn, w: LayerWeights, x: torch.Tensor, rope, layer_idx: int,
-                   inp: ForwardInputs) -> torch.Tensor:  # fmt: skip
+    def _attention(
+        self, attn, w: LayerWeights, x: torch.Tensor, rope, layer_idx: int, inp: ForwardInputs
+    ) -> torch.Tensor:
         out = self.backend.attention(attn, w.qkv(x), w.qkv.splits, rope, self.pool.data[layer_idx], inp)  # [T, nh, d]
         return w.o(out.view(x.shape[0], -1))  # [T, H]
 

@@ -53,19 +53,32 @@ def model_parts(cfg: EngineConfig, prefill_only: bool, pool_storage=None) -> Eng
     started = time.perf_counter()
     checkpoint = resolve_model(cfg.model)
     model = load_model(checkpoint, cfg.dtype, cfg.device)
-    log.info("loaded the weights of %s (%s on %s) in %.1f s", cfg.model, cfg.dtype, cfg.device,
-             time.perf_counter() - started)  # fmt: skip
+    log.info(
+        "loaded the weights of %s (%s on %s) in %.1f s", cfg.model, cfg.dtype, cfg.device, time.perf_counter() - started
+    )
     guides = Guides(checkpoint, model.config.vocab_size, eos_token_ids(model.config))
     layout = kv_layout(model, cfg.block_size, cfg.dtype)
     num_blocks = cfg.num_blocks_for(layout.bytes_per_token())
     storage = pool_storage(layout, num_blocks, cfg.device) if pool_storage else None
     pool = KVPool(layout, num_blocks, cfg.device, data=storage)
     started = time.perf_counter()
-    runner = ModelRunner(model, pool, cfg.attention_backend, cfg.cpu_kernels, graphs=not (cfg.enforce_eager or
-                         prefill_only), max_seqs=cfg.max_num_seqs, max_tokens=cfg.max_num_batched_tokens)  # fmt: skip
+    runner = ModelRunner(
+        model,
+        pool,
+        cfg.attention_backend,
+        cfg.cpu_kernels,
+        graphs=not (cfg.enforce_eager or prefill_only),
+        max_seqs=cfg.max_num_seqs,
+        max_tokens=cfg.max_num_batched_tokens,
+    )
     runner.warm_up(cfg.max_num_batched_tokens, cfg.max_num_seqs)
-    log.info("built the kernels%s and warmed up in %.1f s (attention: %s; KV pool: %d blocks of %d tokens)",
-             " and CUDA graphs" if runner.graphs else "", time.perf_counter() - started, runner.backend.name,
-             num_blocks, cfg.block_size)  # fmt: skip
+    log.info(
+        "built the kernels%s and warmed up in %.1f s (attention: %s; KV pool: %d blocks of %d tokens)",
+        " and CUDA graphs" if runner.graphs else "",
+        time.perf_counter() - started,
+        runner.backend.name,
+        num_blocks,
+        cfg.block_size,
+    )
     overlapped = runner.device.type == "cuda"
     return EngineParts(guides, layout, pool, runner, Sampler(), max_model_len(model.config), overlapped, feeds=True)

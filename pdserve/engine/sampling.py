@@ -72,13 +72,15 @@ class Sampler:
         self._salt = random.SystemRandom().getrandbits(64)
         self._vocab_hash: dict[tuple[int, torch.device], torch.Tensor] = {}
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request],
-                 prompt_rows: list[tuple[Request, int]] = ()) -> Drawn:  # fmt: skip
+    def __call__(
+        self, logits: torch.Tensor, requests: list[Request], prompt_rows: list[tuple[Request, int]] = ()
+    ) -> Drawn:
         """`launch`, then wait for its result."""
         return self.launch(logits, requests, prompt_rows).wait()
 
-    def launch(self, logits: torch.Tensor, requests: list[Request],
-               prompt_rows: list[tuple[Request, int]] = ()) -> PendingDraw:  # fmt: skip
+    def launch(
+        self, logits: torch.Tensor, requests: list[Request], prompt_rows: list[tuple[Request, int]] = ()
+    ) -> PendingDraw:
         """logits: [S + P, V], the S sampling requests' rows then P prompt rows, each given as (request, the prompt
         token its logits score) -> one token id per request, and the log-probabilities asked for, queued on the
         logits' device with their one copy to the host."""
@@ -117,8 +119,11 @@ class Sampler:
         """logits [R, V], one (temperature, top_k, top_p, key[, min_p]) per row -> token ids [R] (on the device)."""
         R, V = logits.shape
         params = [(*row, 0.0)[:5] for row in params]
-        packed = to_device([[_f32_bits(t), k if k > 0 else V, _f32_bits(p), key, _f32_bits(m)]
-                            for t, k, p, key, m in params], logits.device, torch.int64)  # [R, 5]: one copy
+        packed = to_device(
+            [[_f32_bits(t), k if k > 0 else V, _f32_bits(p), key, _f32_bits(m)] for t, k, p, key, m in params],
+            logits.device,
+            torch.int64,
+        )  # [R, 5]: one copy
         as_f32 = packed.to(torch.int32).view(torch.float32)  # temperature, top_p, min_p travelled as their bits
         temperature, top_p, min_p = as_f32[:, 0], as_f32[:, 2], as_f32[:, 4]
         top_k, keys = packed[:, 1], packed[:, 3]
@@ -166,8 +171,12 @@ def apply_processors(logits: torch.Tensor, requests: list[Request]) -> torch.Ten
     included)."""
     R, V = logits.shape
     dev, params = logits.device, [r.params for r in requests]
-    bans = [(r, t) for r, req in enumerate(requests) if len(req.output_token_ids) < req.params.min_tokens
-            for t in (*req.params.stop_token_ids, *(() if req.params.ignore_eos else req.params.eos_token_ids))]
+    bans = [
+        (r, t)
+        for r, req in enumerate(requests)
+        if len(req.output_token_ids) < req.params.min_tokens
+        for t in (*req.params.stop_token_ids, *(() if req.params.ignore_eos else req.params.eos_token_ids))
+    ]
     bias = [(r, t, b) for r, p in enumerate(params) for t, b in p.logit_bias if t < V]
     if bans:
         logits[tuple(to_device(bans, dev, torch.long).T)] = float("-inf")
@@ -175,8 +184,9 @@ def apply_processors(logits: torch.Tensor, requests: list[Request]) -> torch.Ten
         at = to_device([(r, t) for r, t, _ in bias], dev, torch.long).T
         logits.index_put_(tuple(at), to_device([b for *_, b in bias], dev, torch.float32), accumulate=True)
     counts = _token_counts([_generated(r) for r in requests], V, dev)  # [R, V]
-    scale = to_device([[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in params], dev,
-                      torch.float32)  # [R, 3]
+    scale = to_device(
+        [[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in params], dev, torch.float32
+    )  # [R, 3]
     if any(p.repetition_penalty != 1.0 for p in params):
         seen = (counts + _token_counts([r.prompt_token_ids for r in requests], V, dev)) > 0  # [R, V]
         rep = scale[:, :1]  # [R, 1]
@@ -214,8 +224,10 @@ def _unpack_scores(host: list[float], ks: list[int]) -> list[TokenLogprob]:
     """The host copy of `_pack_scores` after the tokens -> one TokenLogprob per row, with its own k alternatives."""
     R, k = len(ks), max(ks)
     ids, lps = host[R : R + R * k], host[R + R * k :]
-    return [TokenLogprob(host[r], [int(t) for t in ids[r * k : r * k + kr]], lps[r * k : r * k + kr])
-            for r, kr in enumerate(ks)]  # fmt: skip
+    return [
+        TokenLogprob(host[r], [int(t) for t in ids[r * k : r * k + kr]], lps[r * k : r * k + kr])
+        for r, kr in enumerate(ks)
+    ]
 
 
 def draw_key(base: int, step: int) -> int:

@@ -78,8 +78,9 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int,
-                 cache_seed: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int, cache_seed: int | None = None
+    ) -> None:
         self.allocator = allocator
         self.cache_seed = cache_seed  # the block hash chain's seed (protocol.chain_seed); None: no prefix caching
         self.max_num_seqs = max_num_seqs

@@ -26,12 +26,32 @@ import triton.language as tl
 
 @triton.jit(do_not_specialize=["stride_tr", "stride_tc"])  # they follow the batch size: one compile for all
 def _paged_attention_kernel(
-    q_ptr, o_ptr, pool_ptr, q_start_ptr, q_len_ptr, ctx_len_ptr, tables_ptr, work_ptr,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_pool_kv, stride_pool_h, stride_pool_s, stride_tr, stride_tc,
+    q_ptr,
+    o_ptr,
+    pool_ptr,
+    q_start_ptr,
+    q_len_ptr,
+    ctx_len_ptr,
+    tables_ptr,
+    work_ptr,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_pool_kv,
+    stride_pool_h,
+    stride_pool_s,
+    stride_tr,
+    stride_tc,
     scale,
-    G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr,
-):  # fmt: skip
+    G: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     """Program (work item w, KV head h). work[w] = (request r, query tile m); m = -1: padding, no work.
 
     Rows of the tile: i = m * BLOCK_M + arange(BLOCK_M); token t = i // G, query head h * G + i % G.
@@ -93,10 +113,18 @@ def _paged_attention_kernel(
 
 
 def paged_attention(
-    q: torch.Tensor, out: torch.Tensor, pool_layer: torch.Tensor, q_start: torch.Tensor, q_len: torch.Tensor,
-    ctx_len: torch.Tensor, block_tables: torch.Tensor, work: torch.Tensor, block_size: int, scale: float,
+    q: torch.Tensor,
+    out: torch.Tensor,
+    pool_layer: torch.Tensor,
+    q_start: torch.Tensor,
+    q_len: torch.Tensor,
+    ctx_len: torch.Tensor,
+    block_tables: torch.Tensor,
+    work: torch.Tensor,
+    block_size: int,
+    scale: float,
     block_m: int,
-) -> None:  # fmt: skip
+) -> None:
     """Attention of the new tokens q [T, nh, d] into out [T, nh, d], for the work items `work`.
 
     Per request r: its rows are q[q_start[r] : q_start[r] + q_len[r]], its context (those rows' own
@@ -109,10 +137,28 @@ def paged_attention(
     nh, d = q.shape[1], q.shape[2]
     nkv = pool_layer.shape[1]
     _paged_attention_kernel[(n, nkv)](
-        q, out, pool_layer, q_start, q_len, ctx_len, block_tables, work,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        pool_layer.stride(0), pool_layer.stride(1), pool_layer.stride(2), *block_tables.stride(), scale,
-        G=nh // nkv, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
-        BLOCK_M=block_m, BLOCK_N=32 if d > 64 and q.dtype == torch.float32 else 64, BLOCK_SIZE=block_size,
+        q,
+        out,
+        pool_layer,
+        q_start,
+        q_len,
+        ctx_len,
+        block_tables,
+        work,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        pool_layer.stride(0),
+        pool_layer.stride(1),
+        pool_layer.stride(2),
+        *block_tables.stride(),
+        scale,
+        G=nh // nkv,
+        D=d,
+        BLOCK_D=max(16, triton.next_power_of_2(d)),
+        BLOCK_M=block_m,
+        BLOCK_N=32 if d > 64 and q.dtype == torch.float32 else 64,
+        BLOCK_SIZE=block_size,
         IEEE=q.dtype == torch.float32,
-    )  # fmt: skip
+    )

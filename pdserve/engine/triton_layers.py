@@ -24,9 +24,18 @@ SILU_BLOCK = 1024  # columns of one silu*mul program
 
 @triton.jit
 def _add_rms_norm_kernel(
-    h_ptr, x_ptr, w_ptr, out_ptr, stride_h, stride_x, stride_o, N, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    h_ptr,
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    stride_h,
+    stride_x,
+    stride_o,
+    N,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """Program (row t): [h[t] += x[t]], out[t] = w * rmsnorm(h[t])."""
     t = tl.program_id(0).to(tl.int64)
     dtype = h_ptr.dtype.element_ty
@@ -81,7 +90,8 @@ def _load_heads(base, heads, half, mask, D: tl.constexpr):
     """Rows of [heads, D] at base (head stride D) as two float32 halves [heads, HALF]."""
     off = heads[:, None] * D + half[None, :]
     return tl.load(base + off, mask=mask, other=0.0).to(tl.float32), tl.load(
-        base + off + D // 2, mask=mask, other=0.0).to(tl.float32)  # fmt: skip
+        base + off + D // 2, mask=mask, other=0.0
+    ).to(tl.float32)
 
 
 @triton.jit
@@ -93,11 +103,28 @@ def _store_heads(base, heads, half, mask, x1, x2, D: tl.constexpr):
 
 @triton.jit
 def _qk_norm_rope_store_kernel(
-    qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pool_ptr, slots_ptr,
-    stride_t, stride_cos, stride_sin, stride_pool_kv, stride_pool_h, stride_pool_s, eps,
-    NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr,
-    BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr,
-):  # fmt: skip
+    qkv_ptr,
+    qw_ptr,
+    kw_ptr,
+    cos_ptr,
+    sin_ptr,
+    pool_ptr,
+    slots_ptr,
+    stride_t,
+    stride_cos,
+    stride_sin,
+    stride_pool_kv,
+    stride_pool_h,
+    stride_pool_s,
+    eps,
+    NH: tl.constexpr,
+    NKV: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_QH: tl.constexpr,
+    BLOCK_KH: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):
     """Program (token t) over its row of qkv [T, (NH + 2 NKV) * D]: q heads normed and rotated in place; k heads
     normed, rotated and stored at pool[0, :, slot]; v heads stored at pool[1, :, slot] (a negative slot: not
     stored, a padding row)."""
@@ -160,15 +187,34 @@ def add_rms_norm(h: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, 
     has_res = x is not None
     xx = x if has_res else h
     _add_rms_norm_kernel[(T,)](
-        h, xx, weight, out, h.stride(0), xx.stride(0), out.stride(0), N, eps,
-        HAS_RESIDUAL=has_res, BLOCK=triton.next_power_of_2(N),
-    )  # fmt: skip
+        h,
+        xx,
+        weight,
+        out,
+        h.stride(0),
+        xx.stride(0),
+        out.stride(0),
+        N,
+        eps,
+        HAS_RESIDUAL=has_res,
+        BLOCK=triton.next_power_of_2(N),
+    )
     return out
 
 
-def qk_norm_rope_store(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
-                       q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float, cos: torch.Tensor,
-                       sin: torch.Tensor, pool_layer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:  # fmt: skip
+def qk_norm_rope_store(
+    qkv: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    pool_layer: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
     """qkv [T, (nh + 2 nkv) * d] (rows contiguous), cos/sin [T, d], pool_layer [2, nkv, S, d], slots [T] (negative:
     not stored): q and k normed (when the norms are given) and rotated, k and v stored. Returns the rotated q,
     a view of qkv: [T, nh, d]."""
@@ -178,12 +224,28 @@ def qk_norm_rope_store(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, hea
     has_norm = q_norm is not None
     if T:
         _qk_norm_rope_store_kernel[(T,)](
-            qkv, q_norm if has_norm else qkv, k_norm if has_norm else qkv, cos, sin, pool_layer, slots,
-            qkv.stride(0), cos.stride(0), sin.stride(0), pool_layer.stride(0), pool_layer.stride(1),
-            pool_layer.stride(2), eps, NH=num_heads, NKV=num_kv_heads, D=head_dim,
-            BLOCK_QH=triton.next_power_of_2(num_heads), BLOCK_KH=triton.next_power_of_2(num_kv_heads),
-            BLOCK_HALF=triton.next_power_of_2(head_dim // 2), HAS_NORM=has_norm,
-        )  # fmt: skip
+            qkv,
+            q_norm if has_norm else qkv,
+            k_norm if has_norm else qkv,
+            cos,
+            sin,
+            pool_layer,
+            slots,
+            qkv.stride(0),
+            cos.stride(0),
+            sin.stride(0),
+            pool_layer.stride(0),
+            pool_layer.stride(1),
+            pool_layer.stride(2),
+            eps,
+            NH=num_heads,
+            NKV=num_kv_heads,
+            D=head_dim,
+            BLOCK_QH=triton.next_power_of_2(num_heads),
+            BLOCK_KH=triton.next_power_of_2(num_kv_heads),
+            BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+            HAS_NORM=has_norm,
+        )
     return qkv[:, : num_heads * head_dim].view(T, num_heads, head_dim)
 
 
@@ -194,6 +256,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(T, inter, dtype=gate_up.dtype, device=gate_up.device)
     if T:
         block = min(SILU_BLOCK, triton.next_power_of_2(inter))
-        _silu_mul_kernel[(T, triton.cdiv(inter, block))](gate_up, out, gate_up.stride(0), out.stride(0), inter,
-                                                         BLOCK=block)  # fmt: skip
+        _silu_mul_kernel[(T, triton.cdiv(inter, block))](
+            gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block
+        )
     return out

@@ -52,8 +52,9 @@ class KvBackend(Protocol):
     def pack(self, pool: KVPool, request_id: str, block_ids: list[int], num_tokens: int) -> Iterator[Message]:
         """The messages that carry the KV of `num_tokens` tokens held by `block_ids`."""
 
-    def unpack(self, pool: KVPool, dst_blocks: list[int], num_tokens: int, header: P.KvData, frames: list,
-               source: Any | None) -> int:  # fmt: skip
+    def unpack(
+        self, pool: KVPool, dst_blocks: list[int], num_tokens: int, header: P.KvData, frames: list, source: Any | None
+    ) -> int:
         """Land one message in `dst_blocks` (from `source`, what attach() mapped); return how many layers it carried.
         TransferError when the message does not fit the request."""
 
@@ -104,8 +105,9 @@ class InProcessBackend(NoSharedPool):
             self.sent.append(header)
             yield header, [kv]
 
-    def unpack(self, pool: KVPool, dst_blocks: list[int], num_tokens: int, header: P.KvData, frames: list,
-               source: Any | None) -> int:  # fmt: skip
+    def unpack(
+        self, pool: KVPool, dst_blocks: list[int], num_tokens: int, header: P.KvData, frames: list, source: Any | None
+    ) -> int:
         lay = pool.layout
         n_blocks = blocks_for(num_tokens, pool.block_size)
         expected = [2, lay.num_kv_heads, n_blocks * pool.block_size, lay.head_dim]

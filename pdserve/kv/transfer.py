@@ -45,8 +45,9 @@ class ZmqBackend(NoSharedPool):
             kv = pool.export_blocks(layer, blocks).cpu()  # [2, nkv, n_blocks * bs, d]
             yield P.KvData(request_id, pool.layout.dtype, list(kv.shape), layer), [kv.view(torch.uint8).numpy()]
 
-    def unpack(self, pool: KVPool, dst_blocks: list[int], num_tokens: int, header: P.KvData, frames: list,
-               source: None) -> int:  # fmt: skip
+    def unpack(
+        self, pool: KVPool, dst_blocks: list[int], num_tokens: int, header: P.KvData, frames: list, source: None
+    ) -> int:
         """Land one layer; return how many layers it carried."""
         lay = pool.layout
         n_blocks = blocks_for(num_tokens, pool.block_size)
@@ -92,8 +93,15 @@ class _SharedPoolBackend:
     def sync(self, pool: KVPool) -> None:
         """Make the pool's KV visible to another process before naming its blocks."""
 
-    def unpack(self, pool: KVPool, dst_blocks: list[int], num_tokens: int, header: P.KvData, frames: list,
-               source: torch.Tensor | None) -> int:  # fmt: skip
+    def unpack(
+        self,
+        pool: KVPool,
+        dst_blocks: list[int],
+        num_tokens: int,
+        header: P.KvData,
+        frames: list,
+        source: torch.Tensor | None,
+    ) -> int:
         """Copy every layer's blocks out of the mapped prefill pool; return the layers landed."""
         src_blocks = list(header.src_blocks)
         n_blocks = blocks_for(num_tokens, pool.block_size)
@@ -170,9 +178,19 @@ class CudaIpcBackend(_SharedPoolBackend):
         """The pool's IPC handle, its GPU by UUID (indices depend on CUDA_VISIBLE_DEVICES) and its owner."""
         storage = self._pool.untyped_storage()
         _, h, size, offset, ref_h, ref_off, ev_h, ev_sync = storage._share_cuda_()
-        return {"device_uuid": device_uuid(self._pool.device.index), "handle": h, "size": size, "offset": offset,
-                "ref_handle": ref_h, "ref_offset": ref_off, "event_handle": ev_h, "event_sync": ev_sync,
-                "num_blocks": self._num_blocks, "pool_id": self._pool_id, "owner": process_owner()}  # fmt: skip
+        return {
+            "device_uuid": device_uuid(self._pool.device.index),
+            "handle": h,
+            "size": size,
+            "offset": offset,
+            "ref_handle": ref_h,
+            "ref_offset": ref_off,
+            "event_handle": ev_h,
+            "event_sync": ev_sync,
+            "num_blocks": self._num_blocks,
+            "pool_id": self._pool_id,
+            "owner": process_owner(),
+        }
 
     def sync(self, pool: KVPool) -> None:
         torch.cuda.synchronize(pool.data.device)  # the pool's device, whichever device is current
@@ -180,9 +198,15 @@ class CudaIpcBackend(_SharedPoolBackend):
     def attach(self, handle: dict, layout: KVLayout, device: str) -> torch.Tensor:
         index = local_device_index(str(handle["device_uuid"]), visible_device_uuids())
         storage = torch.UntypedStorage._new_shared_cuda(
-            index, handle["handle"], handle["size"], handle["offset"], handle["ref_handle"],
-            handle["ref_offset"], handle["event_handle"], handle["event_sync"],
-        )  # fmt: skip
+            index,
+            handle["handle"],
+            handle["size"],
+            handle["offset"],
+            handle["ref_handle"],
+            handle["ref_offset"],
+            handle["event_handle"],
+            handle["event_sync"],
+        )
         shape = KVPool.shape_for(layout, int(handle["num_blocks"]))
         t = torch.empty(0, dtype=DTYPES[layout.dtype], device=f"cuda:{index}")
         return t.set_(storage, 0, shape, _contiguous_strides(shape))
@@ -221,8 +245,10 @@ def local_device_index(uuid_: str, local_uuids: list[str]) -> int:
         if _plain_uuid(u) == want:
             return index
     seen = ", ".join(local_uuids) or "none"
-    raise TransferError(f"the prefill pool is on GPU {uuid_}, which this process does not see (it sees: {seen}); "
-                        "give the decode node a CUDA_VISIBLE_DEVICES that includes it")  # fmt: skip
+    raise TransferError(
+        f"the prefill pool is on GPU {uuid_}, which this process does not see (it sees: {seen}); "
+        "give the decode node a CUDA_VISIBLE_DEVICES that includes it"
+    )
 
 
 def _plain_uuid(u: str) -> str:
@@ -270,7 +296,6 @@ BACKENDS = {KvTransport.ZMQ: ZmqBackend, KvTransport.SHM: ShmBackend, KvTranspor
 
 def make_backend(name: KvTransport) -> KvBackend:
     return BACKENDS[name]()
-
 
 
 def _contiguous_strides(shape) -> tuple[int, ...]:

@@ -62,8 +62,15 @@ class PrefillNode(NodeBase):
         self.peers: dict[str, DecodePeer] = {}
         self.transfers: dict[str, Transfer] = {}
         self.decode_addr: dict[str, str] = {}
-        self.counters.update(kv_offers=0, kv_transfers=0, kv_transfer_bytes=0, kv_skipped_bytes=0,
-                             kv_transfer_time_s=0.0, kv_transfer_failures=0, kv_faults_injected=0)  # fmt: skip
+        self.counters.update(
+            kv_offers=0,
+            kv_transfers=0,
+            kv_transfer_bytes=0,
+            kv_skipped_bytes=0,
+            kv_transfer_time_s=0.0,
+            kv_transfer_failures=0,
+            kv_faults_injected=0,
+        )
         self.faults = FaultInjector(cfg.kv_fault_rate, cfg.kv_fault_kinds)
         self.delayed: list[tuple[float, str, list]] = []  # (when, request id, messages): transfers delayed on purpose
         self.counters.update({f"kv_pairings_{name}": 0 for name in self.backends})
@@ -132,8 +139,9 @@ class PrefillNode(NodeBase):
         t.started = time.monotonic()  # the lease runs from the offer
         self.counters["kv_offers"] += 1
         req = t.request
-        offer = P.KvOffer(req.request_id, req.prompt_token_ids, req.output_token_ids[0], req.params,
-                          len(req.prompt_token_ids))  # fmt: skip
+        offer = P.KvOffer(
+            req.request_id, req.prompt_token_ids, req.output_token_ids[0], req.params, len(req.prompt_token_ids)
+        )
         transport.send(t.peer.link.sock, offer)
 
     def _queued(self, peer: DecodePeer) -> list[Transfer]:
@@ -179,8 +187,11 @@ class PrefillNode(NodeBase):
             return
         req, first = t.request, pull.first_block
         if self.engine.prompt_kv(req, first)[1] <= 0:  # nothing of the prompt left to ship
-            self._end_transfer(t, ok=False, why=f"the decode node pulled KV from block {first} of a "
-                                                f"{len(req.prompt_token_ids)}-token prompt")  # fmt: skip
+            self._end_transfer(
+                t,
+                ok=False,
+                why=f"the decode node pulled KV from block {first} of a {len(req.prompt_token_ids)}-token prompt",
+            )
             return
         t.pulled(first)
         t.started = t.pulled_at  # the lease runs on from the pull
@@ -218,8 +229,9 @@ class PrefillNode(NodeBase):
             for header, frames in messages if t is not None else ():
                 transport.send(t.peer.link.sock, header, frames)
 
-    def _end_transfer(self, t: Transfer, ok: bool, why: str,
-                      code: P.ErrorCode = P.ErrorCode.KV_TRANSFER_FAILED) -> None:  # fmt: skip
+    def _end_transfer(
+        self, t: Transfer, ok: bool, why: str, code: P.ErrorCode = P.ErrorCode.KV_TRANSFER_FAILED
+    ) -> None:
         """The transfer is over: our copy of the KV is freed; if it failed for a reason (`why`), the router is told."""
         rid = t.request.request_id
         self.transfers.pop(rid, None)
@@ -267,8 +279,14 @@ class PrefillNode(NodeBase):
 
     def _on_peer_event(self, peer: DecodePeer, event: int) -> None:
         if event == zmq.EVENT_CONNECTED:
-            hello = P.KvHello(P.PROTOCOL_VERSION, self.engine.layout.to_dict(), self.cfg.kv_transport,
-                              self.backend.handle(), self.host_id, list(self.backends))  # fmt: skip
+            hello = P.KvHello(
+                P.PROTOCOL_VERSION,
+                self.engine.layout.to_dict(),
+                self.cfg.kv_transport,
+                self.backend.handle(),
+                self.host_id,
+                list(self.backends),
+            )
             transport.send(peer.link.sock, hello)
         elif event & transport.HANDSHAKE_FAILED:
             log.error("decode node %s: the CurveZMQ handshake failed; check --zmq-keys on both sides", peer.name)
@@ -276,5 +294,6 @@ class PrefillNode(NodeBase):
             peer.paired = False
             for t in [t for t in self.transfers.values() if t.peer is peer]:
                 if t.state is not TransferState.QUEUED:
-                    self._end_transfer(t, ok=False, why=f"decode node {peer.name} disconnected",
-                                       code=P.ErrorCode.NODE_FAILED)  # the router dispatches it again
+                    self._end_transfer(
+                        t, ok=False, why=f"decode node {peer.name} disconnected", code=P.ErrorCode.NODE_FAILED
+                    )  # the router dispatches it again

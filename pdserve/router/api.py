@@ -153,20 +153,25 @@ def _one_prompt(prompt: str | list[int], info: ModelInfo) -> str | list[int]:
 def _check_chars(n: int, info: ModelInfo, param: str) -> None:
     """Refuse, before tokenizing, text too long to fit the context whatever its tokens."""
     if n > info.max_prompt_chars:
-        raise ApiError(400, f"the {param} has {n} characters, more than this model's context of "
-                       f"{info.max_model_len} tokens can hold (at most {info.max_prompt_chars})", param)  # fmt: skip
+        raise ApiError(
+            400,
+            f"the {param} has {n} characters, more than this model's context of "
+            f"{info.max_model_len} tokens can hold (at most {info.max_prompt_chars})",
+            param,
+        )
 
 
 def _check_prompt_len(n: int, info: ModelInfo) -> None:
     if n >= info.max_model_len:
-        raise ApiError(400, f"the prompt has {n} tokens; this model's context is {info.max_model_len} tokens",
-                       "prompt")  # fmt: skip
+        raise ApiError(400, f"the prompt has {n} tokens; this model's context is {info.max_model_len} tokens", "prompt")
 
 
 async def _prompt_ids(body: CompletionBody, info: ModelInfo, offload: Offload) -> list[list[int]]:
     """The token ids of each prompt; long strings are tokenized off the event loop."""
-    return [p if isinstance(p, list) else await offload.run(len(p), _encode, info.tokenizer, p)
-            for p in _prompts(body, info)]  # fmt: skip
+    return [
+        p if isinstance(p, list) else await offload.run(len(p), _encode, info.tokenizer, p)
+        for p in _prompts(body, info)
+    ]
 
 
 def _encode(tokenizer, text: str) -> list[int]:
@@ -267,35 +272,65 @@ def make_job(
         )
     _check_prompt_len(len(prompt_ids), info)
     if max_tokens >= 1 and len(prompt_ids) + max_tokens > info.max_model_len:
-        raise ApiError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
-                       f"model's context of {info.max_model_len} tokens", "max_tokens")  # fmt: skip
+        raise ApiError(
+            400,
+            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
+            f"model's context of {info.max_model_len} tokens",
+            "max_tokens",
+        )
     try:
         params = P.SamplingParams(
-            max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-            seed=body.seed, stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
-            eos_token_ids=info.eos_token_ids, logprobs=top, prompt_logprobs=top if echo else None,
-            presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
+            max_tokens=max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            seed=body.seed,
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=body.ignore_eos,
+            eos_token_ids=info.eos_token_ids,
+            logprobs=top,
+            prompt_logprobs=top if echo else None,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-            min_p=body.min_p or 0.0, logit_bias=_logit_bias(body, info.vocab_size), min_tokens=body.min_tokens or 0,
+            min_p=body.min_p or 0.0,
+            logit_bias=_logit_bias(body, info.vocab_size),
+            min_tokens=body.min_tokens or 0,
             grammar=grammar,
-        )  # fmt: skip
+        )
     except P.InvalidField as e:
         raise _field_error(e, body, chat_default) from None
     if not show_tokens:
         params = _hidden_token(params)
     opts = _stream_options(body.stream_options)
-    return Job(prompt_ids, params, [s for s in stops if s], body.stream, bool(opts.get("include_usage")),
-               body.return_token_ids, body.model, chat=chat_default, logprobs=top, echo=echo,
-               show_tokens=show_tokens, include_stop=bool(body.include_stop_str_in_output),
-               skip_special=body.skip_special_tokens is not False)  # fmt: skip
+    return Job(
+        prompt_ids,
+        params,
+        [s for s in stops if s],
+        body.stream,
+        bool(opts.get("include_usage")),
+        body.return_token_ids,
+        body.model,
+        chat=chat_default,
+        logprobs=top,
+        echo=echo,
+        show_tokens=show_tokens,
+        include_stop=bool(body.include_stop_str_in_output),
+        skip_special=body.skip_special_tokens is not False,
+    )
 
 
 def _hidden_token(params: P.SamplingParams) -> P.SamplingParams:
     """Echo with max_tokens 0: the nodes still compute one token, which the client never sees. It is drawn
     greedily with EOS and stop tokens ignored, so that the request ends by length whatever the client's sampling
     parameters (which were checked all the same); the prompt's log-probabilities are those of the raw model."""
-    return P.SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, eos_token_ids=params.eos_token_ids,
-                            prompt_logprobs=params.prompt_logprobs)  # fmt: skip
+    return P.SamplingParams(
+        max_tokens=1,
+        temperature=0.0,
+        ignore_eos=True,
+        eos_token_ids=params.eos_token_ids,
+        prompt_logprobs=params.prompt_logprobs,
+    )
 
 
 # ---- running a job -------------------------------------------------------------------------------
@@ -306,9 +341,18 @@ def expand(jobs: list[Job], n: int) -> list[Job]:
     if n == 1 and len(jobs) == 1:
         return jobs  # choice 0, sample 0, its own seed and id already
     first = jobs[0]
-    return [replace(job, id=first.id, created=first.created, index=i * n + j, sample=j,
-                    params=replace(job.params, seed=derive_seed(job.params.seed, j)))
-            for i, job in enumerate(jobs) for j in range(n)]  # fmt: skip
+    return [
+        replace(
+            job,
+            id=first.id,
+            created=first.created,
+            index=i * n + j,
+            sample=j,
+            params=replace(job.params, seed=derive_seed(job.params.seed, j)),
+        )
+        for i, job in enumerate(jobs)
+        for j in range(n)
+    ]
 
 
 def check_capacity(core: RouterCore, job: Job) -> None:
@@ -317,9 +361,13 @@ def check_capacity(core: RouterCore, job: Job) -> None:
         tokens = P.kv_tokens_needed(role, len(job.prompt_ids), job.params.max_tokens)
         capacity = core.kv_capacity_tokens(role)
         if capacity is not None and tokens > capacity:
-            raise ApiError(400, f"prompt ({len(job.prompt_ids)} tokens) + max_tokens ({job.params.max_tokens}) "
-                           f"needs {tokens} tokens of KV on a {role} node, whose pool holds {capacity} "
-                           "(--num-kv-blocks, --kv-cache-gb)", "max_tokens")  # fmt: skip
+            raise ApiError(
+                400,
+                f"prompt ({len(job.prompt_ids)} tokens) + max_tokens ({job.params.max_tokens}) "
+                f"needs {tokens} tokens of KV on a {role} node, whose pool holds {capacity} "
+                "(--num-kv-blocks, --kv-cache-gb)",
+                "max_tokens",
+            )
 
 
 def submit(core: RouterCore, job: Job):
@@ -376,8 +424,10 @@ async def _complete(core, info, jobs: list[Job], chat: bool, call: Call) -> dict
     await asyncio.gather(task, return_exceptions=True)
     results = task.result()
     body = envelope(jobs[0], chat, stream=False)
-    body["choices"] = [choice(job, chat, text, ids, reason, stream=False, logprobs=lps)
-                       for job, (text, ids, reason, lps) in zip(jobs, results, strict=True)]  # fmt: skip
+    body["choices"] = [
+        choice(job, chat, text, ids, reason, stream=False, logprobs=lps)
+        for job, (text, ids, reason, lps) in zip(jobs, results, strict=True)
+    ]
     body["usage"] = call.state.usage = usage(jobs, sum(len(ids) for _, ids, _, _ in results))
     return body
 
@@ -446,8 +496,18 @@ async def answer(st, call: Call, raw: bytes, chat: bool) -> dict | SseStream:
         check_fields(body.model_extra, body.model_dump())
     caps = [c for c in (st.core.kv_capacity_tokens(r) for r in (P.Role.COLOCATED, P.Role.DECODE)) if c]
     grammar = await st.offload.run(schema_size(body.response_format), grammar_for, body.response_format)
-    jobs = [make_job(body, ids, st.info, chat_default=chat, kv_capacity=min(caps, default=None),
-                     max_n=st.cfg.max_n, grammar=grammar) for ids in prompts]  # fmt: skip
+    jobs = [
+        make_job(
+            body,
+            ids,
+            st.info,
+            chat_default=chat,
+            kv_capacity=min(caps, default=None),
+            max_n=st.cfg.max_n,
+            grammar=grammar,
+        )
+        for ids in prompts
+    ]
     for job in jobs:
         check_capacity(st.core, job)
     jobs = expand(jobs, body.n)
@@ -594,15 +654,26 @@ def create_app(cfg: RouterConfig, worker: int | None = None, metrics_dir: str = 
     @app.get("/v1/models")
     async def models(request: Request):
         name = cfg.served_model_name or cfg.model
-        card = {"id": name, "object": "model", "created": 0, "owned_by": "pdserve",
-                "max_model_len": request.app.state.info.max_model_len}  # fmt: skip
+        card = {
+            "id": name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "pdserve",
+            "max_model_len": request.app.state.info.max_model_len,
+        }
         return {"object": "list", "data": [card]}
 
     @app.get("/health")
     async def health(request: Request):
         core = request.app.state.core
-        h = {**core.health(), "instance": cfg.instance_id, "router_workers": cfg.router_workers,
-             "worker": worker or 0, "pid": os.getpid(), "in_flight": len(core.flights)}  # fmt: skip
+        h = {
+            **core.health(),
+            "instance": cfg.instance_id,
+            "router_workers": cfg.router_workers,
+            "worker": worker or 0,
+            "pid": os.getpid(),
+            "in_flight": len(core.flights),
+        }
         return JSONResponse(h, status_code=200 if h["status"] == "ok" else 503)
 
     @app.get("/metrics")

@@ -139,8 +139,9 @@ class Inbox:
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_result(None)
 
-    def attach(self, push: Callable[[P.TokenEvent], None],
-               push_tokens: Callable[[list[int]], None] | None = None) -> None:  # fmt: skip
+    def attach(
+        self, push: Callable[[P.TokenEvent], None], push_tokens: Callable[[list[int]], None] | None = None
+    ) -> None:
         """From now on hand every event to `push` (which must not raise), those that came already first; a plain
         event's tokens to `push_tokens`, where given."""
         self.push, self.push_tokens = push, push_tokens
@@ -264,12 +265,16 @@ class RouterCore:
     async def _await_nodes(self) -> None:
         """Wait until every node has answered once; a StartupError past --connect-timeout-s, or once the start is
         cancelled (a SIGTERM before the nodes answered)."""
-        log.info("waiting up to %g s for the nodes to answer: %s", self.cfg.connect_timeout_s,
-                 ", ".join(n.name for n in self.nodes))  # fmt: skip
+        log.info(
+            "waiting up to %g s for the nodes to answer: %s",
+            self.cfg.connect_timeout_s,
+            ", ".join(n.name for n in self.nodes),
+        )
         answered = asyncio.ensure_future(asyncio.gather(*(n.ever_up.wait() for n in self.nodes)))
         cancelled = asyncio.ensure_future(self.start_cancelled.wait())
-        await asyncio.wait({answered, cancelled}, timeout=self.cfg.connect_timeout_s,
-                           return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        await asyncio.wait(
+            {answered, cancelled}, timeout=self.cfg.connect_timeout_s, return_when=asyncio.FIRST_COMPLETED
+        )
         all_answered = answered.done()
         for waiter in (answered, cancelled):
             waiter.cancel()
@@ -278,8 +283,10 @@ class RouterCore:
             raise StartupError("stopped before the nodes answered")
         if not all_answered:
             down = ", ".join(n.name for n in self.nodes if not n.up)
-            raise StartupError(f"nodes did not answer within {self.cfg.connect_timeout_s:g} s: {down} "
-                               "(are they running, at these addresses?)")  # fmt: skip
+            raise StartupError(
+                f"nodes did not answer within {self.cfg.connect_timeout_s:g} s: {down} "
+                "(are they running, at these addresses?)"
+            )
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -310,8 +317,9 @@ class RouterCore:
         while self.flights and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for flight in list(self.flights.values()):
-            self._fail(flight, f"the router is shutting down and its drain period of {grace_s}s ran out",
-                       P.ErrorCode.DRAINING)  # fmt: skip
+            self._fail(
+                flight, f"the router is shutting down and its drain period of {grace_s}s ran out", P.ErrorCode.DRAINING
+            )
 
     def _check_pairing(self) -> None:
         """Every node must serve the same model layout, or outputs would be garbage."""
@@ -478,8 +486,11 @@ class RouterCore:
         now = time.perf_counter()
         for flight in [f for f in self.waiting if now - f.start > limit]:
             self.metrics.timed_out.inc()
-            self._fail(flight, f"no first token within {limit}s (--queue-timeout-s): the server is overloaded",
-                       P.ErrorCode.CAPACITY)  # fmt: skip
+            self._fail(
+                flight,
+                f"no first token within {limit}s (--queue-timeout-s): the server is overloaded",
+                P.ErrorCode.CAPACITY,
+            )
 
     def _node_down(self, node: NodeConn, why: str) -> None:
         if node.up:
@@ -498,8 +509,10 @@ class RouterCore:
             raise NoNodeAvailable("the router is shutting down")
         if len(self.waiting) >= self.cfg.max_queued_requests:
             self.metrics.rejected.inc()
-            raise Overloaded(f"{len(self.waiting)} requests are already waiting (--max-queued-requests); "
-                             "retry later", max(1, min(60, math.ceil(self._ttft_recent))))  # fmt: skip
+            raise Overloaded(
+                f"{len(self.waiting)} requests are already waiting (--max-queued-requests); retry later",
+                max(1, min(60, math.ceil(self._ttft_recent))),
+            )
 
     def submit(self, prompt_token_ids: list[int], params: P.SamplingParams) -> Flight:
         self.check_admission()
@@ -521,8 +534,10 @@ class RouterCore:
         names = names if margin >= 0 else []
         least = min(len(n.requests) for n in live)
         near = [n for n in live if len(n.requests) <= least + margin] if names else live
-        return min(near, key=lambda n: (-cached_prefix(n.cached, names), len(n.requests),
-                                        n.stats.kv_blocks_used if n.stats else 0))  # fmt: skip
+        return min(
+            near,
+            key=lambda n: (-cached_prefix(n.cached, names), len(n.requests), n.stats.kv_blocks_used if n.stats else 0),
+        )
 
     def _layout(self) -> dict | None:
         """The nodes' KV layout (block size, model fingerprint), as their HelloAck gave it."""
@@ -548,8 +563,9 @@ class RouterCore:
         limit = self.cfg.local_prefill_max_tokens
         return int(decode.info.get("max_num_batched_tokens", 0)) if limit is None else limit
 
-    def _prefills_locally(self, decode: NodeConn, prompt: list[int], names: list[int],
-                          params: P.SamplingParams) -> bool:  # fmt: skip
+    def _prefills_locally(
+        self, decode: NodeConn, prompt: list[int], names: list[int], params: P.SamplingParams
+    ) -> bool:
         """Conditional disaggregation: whether `decode` holds (as its Stats tell) the prompt's first block and all but
         at most its limit of tokens, so that it computes the rest itself. A request scored at every prompt position
         (echo with logprobs) shares no cached block: never."""
@@ -605,10 +621,14 @@ class RouterCore:
         done, params = len(flight.output), flight.params
         if not done:
             return params
-        return dataclasses.replace(params, max_tokens=params.max_tokens - done,
-                                   min_tokens=max(0, params.min_tokens - done), prompt_logprobs=None,
-                                   resumed=done,
-                                   grammar_prefix=done if params.grammar else 0)  # fmt: skip
+        return dataclasses.replace(
+            params,
+            max_tokens=params.max_tokens - done,
+            min_tokens=max(0, params.min_tokens - done),
+            prompt_logprobs=None,
+            resumed=done,
+            grammar_prefix=done if params.grammar else 0,
+        )
 
     def _lost(self, flight: Flight, why: str, code: P.ErrorCode) -> None:
         """A node the request depends on is gone: dispatch it again, from where its stream stands. `code`: the
@@ -773,8 +793,10 @@ class RouterCore:
 
     # ---- views --------------------------------------------------------------------------------
     def health(self) -> dict:
-        nodes = [{"role": n.role, "addr": n.addr, "up": n.up, "draining": n.draining, "in_flight": len(n.requests)}
-                 for n in self.nodes]  # fmt: skip
+        nodes = [
+            {"role": n.role, "addr": n.addr, "up": n.up, "draining": n.draining, "in_flight": len(n.requests)}
+            for n in self.nodes
+        ]
         status = "draining" if self.draining else "ok" if self._serving() else "degraded"
         return {"status": status, "mode": self.cfg.mode, "waiting": len(self.waiting), "nodes": nodes}
 

@@ -178,8 +178,9 @@ class RouterHttp(H11Protocol):
     """uvicorn's h11 protocol, with the direct path for completion requests (`direct`: the handler, None for none)
     and RawChunks offered to each HTTP/1.1 request of the h11 path."""
 
-    def __init__(self, *args, direct: Callable[[Exchange], Awaitable[None]] | None = None, body_limit: int = 0,
-                 **kwargs) -> None:  # fmt: skip
+    def __init__(
+        self, *args, direct: Callable[[Exchange], Awaitable[None]] | None = None, body_limit: int = 0, **kwargs
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.asgi_app = self.app
         self.app = self.with_raw_chunks
@@ -212,8 +213,12 @@ class RouterHttp(H11Protocol):
     def _h11_idle(self) -> bool:
         """No request of h11's is under way or waiting in its buffer."""
         c = self.conn
-        return ((self.cycle is None or self.cycle.response_complete) and c.our_state is h11.IDLE
-                and c.their_state is h11.IDLE and not c.trailing_data[0])  # fmt: skip
+        return (
+            (self.cycle is None or self.cycle.response_complete)
+            and c.our_state is h11.IDLE
+            and c.their_state is h11.IDLE
+            and not c.trailing_data[0]
+        )
 
     def _take(self) -> None:
         """Answer the pending request on the direct path once it is whole; hand it to h11 once it cannot be direct.

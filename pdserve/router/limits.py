@@ -32,8 +32,11 @@ def _send_json(status: int, body: dict) -> Callable:
     data = json.dumps(body).encode()
 
     async def reply(send) -> None:
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
-                   (b"connection", b"close")]  # fmt: skip
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(data)).encode()),
+            (b"connection", b"close"),
+        ]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": data})
 

@@ -54,9 +54,12 @@ class LogprobFormatter:
         for tok in tokens:
             offsets.append(self.offset)
             self.offset += len(tok)
-        return {"tokens": tokens, "token_logprobs": [None if lp is None else _finite(lp) for _, lp, _ in items],
-                "top_logprobs": [self._top_map(t, lp, top) for t, lp, top in items],
-                "text_offset": offsets}  # fmt: skip
+        return {
+            "tokens": tokens,
+            "token_logprobs": [None if lp is None else _finite(lp) for _, lp, _ in items],
+            "top_logprobs": [self._top_map(t, lp, top) for t, lp, top in items],
+            "text_offset": offsets,
+        }
 
     def _top_map(self, token_id: int, lp: float | None, top: list[tuple[int, float]] | None) -> dict | None:
         if lp is None or top is None:
@@ -69,13 +72,16 @@ class LogprobFormatter:
         return best
 
     def _chat(self, items: list[Entry]) -> dict:
-        return {"content": [{**self._chat_token(t, lp), "top_logprobs": [self._chat_token(i, v) for i, v in top or ()]}
-                            for t, lp, top in items]}  # fmt: skip
+        return {
+            "content": [
+                {**self._chat_token(t, lp), "top_logprobs": [self._chat_token(i, v) for i, v in top or ()]}
+                for t, lp, top in items
+            ]
+        }
 
     def _chat_token(self, token_id: int, lp: float | None) -> dict:
         text = self.text(token_id)
-        return {"token": text, "logprob": _finite(lp if lp is not None else FLOOR),
-                "bytes": list(text.encode("utf-8"))}
+        return {"token": text, "logprob": _finite(lp if lp is not None else FLOOR), "bytes": list(text.encode("utf-8"))}
 
 
 def merge_pieces(pieces: list[dict]) -> dict | None:

@@ -23,13 +23,58 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
-FAST = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0,
-        40.0, 80.0)  # fmt: skip
-SLOW = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
-        960.0)  # fmt: skip
-NODE_GAUGES = {"num_running": "pdserve:num_requests_running", "num_waiting": "pdserve:num_requests_waiting",
-               "kv_blocks_used": "pdserve:kv_blocks_used", "kv_blocks_free": "pdserve:kv_blocks_free",
-               "num_held": "pdserve:node_requests_held"}  # fmt: skip
+FAST = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+SLOW = (
+    0.1,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+)
+NODE_GAUGES = {
+    "num_running": "pdserve:num_requests_running",
+    "num_waiting": "pdserve:num_requests_waiting",
+    "kv_blocks_used": "pdserve:kv_blocks_used",
+    "kv_blocks_free": "pdserve:kv_blocks_free",
+    "num_held": "pdserve:node_requests_held",
+}
 
 
 class RouterMetrics:
@@ -39,38 +84,59 @@ class RouterMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram("pdserve:time_to_first_token_seconds", "Time to first token.", registry=r, buckets=FAST)
-        self.itl = LoopHistogram("pdserve:inter_token_latency_seconds", "Time between two token events of a request.",
-                                 buckets=FAST, registry=r)  # fmt: skip
-        self.tpot = Histogram("pdserve:request_time_per_output_token_seconds",
-                              "A request's mean time per output token after the first.", registry=r, buckets=FAST)
-        self.e2e = Histogram("pdserve:e2e_request_latency_seconds", "Dispatch to last token.", registry=r,
-                             buckets=SLOW)  # fmt: skip
-        self.decode = Histogram("pdserve:request_decode_time_seconds", "First token to last token.", registry=r,
-                                buckets=SLOW)  # fmt: skip
-        self.handoff = Histogram("pdserve:request_handoff_time_seconds",
-                                 "Disaggregated: the prefill node's first token to the decode node's first token "
-                                 "(KV transfer, admission, one decode step).", registry=r, buckets=FAST)  # fmt: skip
+        self.itl = LoopHistogram(
+            "pdserve:inter_token_latency_seconds",
+            "Time between two token events of a request.",
+            buckets=FAST,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "pdserve:request_time_per_output_token_seconds",
+            "A request's mean time per output token after the first.",
+            registry=r,
+            buckets=FAST,
+        )
+        self.e2e = Histogram("pdserve:e2e_request_latency_seconds", "Dispatch to last token.", registry=r, buckets=SLOW)
+        self.decode = Histogram(
+            "pdserve:request_decode_time_seconds", "First token to last token.", registry=r, buckets=SLOW
+        )
+        self.handoff = Histogram(
+            "pdserve:request_handoff_time_seconds",
+            "Disaggregated: the prefill node's first token to the decode node's first token "
+            "(KV transfer, admission, one decode step).",
+            registry=r,
+            buckets=FAST,
+        )
         self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens dispatched.", registry=r)
         self.generation_tokens = LoopCounter("pdserve:generation_tokens", "Tokens generated.", registry=r)
-        self.success = Counter("pdserve:request_success", "Finished requests by finish reason.", ["finished_reason"],
-                               registry=r)  # fmt: skip
+        self.success = Counter(
+            "pdserve:request_success", "Finished requests by finish reason.", ["finished_reason"], registry=r
+        )
         self.requests = Counter("pdserve:requests", "Requests dispatched to the nodes.", registry=r)
         self.in_flight = Gauge("pdserve:num_requests_in_flight", "Requests the router has in flight.", registry=r)
-        self.direct_http = LoopCounter("pdserve:router_direct_http_requests", "Completion requests answered on the "
-                                       "router's direct HTTP path (the others went through the ASGI app).",
-                                       registry=r)  # fmt: skip
+        self.direct_http = LoopCounter(
+            "pdserve:router_direct_http_requests",
+            "Completion requests answered on the router's direct HTTP path (the others went through the ASGI app).",
+            registry=r,
+        )
         self._admission(r)
 
     def _admission(self, r: CollectorRegistry) -> None:
         """Admission control and node loss, as the router sees them."""
-        self.waiting = Gauge("pdserve:router_requests_waiting", "Requests admitted that have no first token yet.",
-                             registry=r)  # fmt: skip
-        self.rejected = Counter("pdserve:requests_rejected", "Requests refused (429) while too many waited.",
-                                registry=r)  # fmt: skip
-        self.timed_out = Counter("pdserve:requests_timed_out", "Requests failed (503) for no first token within "
-                                 "--queue-timeout-s.", registry=r)  # fmt: skip
-        self.redispatched = Counter("pdserve:requests_redispatched", "Requests dispatched again after losing a node.",
-                                    registry=r)  # fmt: skip
+        self.waiting = Gauge(
+            "pdserve:router_requests_waiting", "Requests admitted that have no first token yet.", registry=r
+        )
+        self.rejected = Counter(
+            "pdserve:requests_rejected", "Requests refused (429) while too many waited.", registry=r
+        )
+        self.timed_out = Counter(
+            "pdserve:requests_timed_out",
+            "Requests failed (503) for no first token within --queue-timeout-s.",
+            registry=r,
+        )
+        self.redispatched = Counter(
+            "pdserve:requests_redispatched", "Requests dispatched again after losing a node.", registry=r
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -150,8 +216,9 @@ class NodeCollector:
 
 def _reports(nodes: list) -> Metric:
     """How many Stats each node sent the router: a reading taken after it grew is fresh."""
-    c = CounterMetricFamily("pdserve:stats_reports", "Stats reports (heartbeats) received from each node.",
-                            labels=["role", "node"])  # fmt: skip
+    c = CounterMetricFamily(
+        "pdserve:stats_reports", "Stats reports (heartbeats) received from each node.", labels=["role", "node"]
+    )
     for n in nodes:
         c.add_metric([n.role, n.addr], n.reports)
     return c
@@ -181,6 +248,9 @@ def merge_expositions(own: str, others: list[str]) -> str:
                 values[key] = min(values.get(key, math.inf), float(value))
             else:
                 values[key] = values.get(key, 0.0) + float(value)
-    out = [line for family in samples for line in (*heads.get(family, ()),
-                                                    *(f"{k} {v!r}" for k, v in samples[family].items()))]  # fmt: skip
+    out = [
+        line
+        for family in samples
+        for line in (*heads.get(family, ()), *(f"{k} {v!r}" for k, v in samples[family].items()))
+    ]
     return "\n".join(out) + "\n"

@@ -33,8 +33,9 @@ def grammar_for(response_format: dict | None) -> str:
 def _schema(response_format: dict) -> dict:
     spec = response_format.get("json_schema")
     if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-        raise ApiError(400, "response_format json_schema needs \"json_schema\": {\"name\": ..., \"schema\": {...}}",
-                       "response_format")  # fmt: skip
+        raise ApiError(
+            400, 'response_format json_schema needs "json_schema": {"name": ..., "schema": {...}}', "response_format"
+        )
     return spec.get("schema", {})
 
 
@@ -43,8 +44,12 @@ def compile_schema(schema: dict) -> str:
     try:
         import llguidance
     except ImportError:
-        raise ApiError(400, "response_format json_object / json_schema needs llguidance, a dependency of "
-                       "pdserve, on the router: pip install llguidance", "response_format") from None  # fmt: skip
+        raise ApiError(
+            400,
+            "response_format json_object / json_schema needs llguidance, a dependency of "
+            "pdserve, on the router: pip install llguidance",
+            "response_format",
+        ) from None
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
         error = llguidance.LLMatcher.validate_grammar(grammar)

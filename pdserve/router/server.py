@@ -28,8 +28,9 @@ log = logging.getLogger("pdserve.router")
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, app: FastAPI, drain_s: float,
-                 ready: Callable[[str], str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, config: uvicorn.Config, app: FastAPI, drain_s: float, ready: Callable[[str], str] | None = None
+    ) -> None:
         super().__init__(config)
         self.app, self.drain_s, self.ready = app, drain_s, ready
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -83,15 +84,22 @@ def ready_line(cfg: RouterConfig, url: str) -> str:
     return f"ready: serving {model} at {url}, over the nodes {nodes}"
 
 
-def serve(cfg: RouterConfig, sock: socket.socket | None = None, worker: int | None = None,
-          metrics_dir: str = "") -> None:  # fmt: skip
+def serve(
+    cfg: RouterConfig, sock: socket.socket | None = None, worker: int | None = None, metrics_dir: str = ""
+) -> None:
     """Serve on cfg.host:cfg.port, or on `sock` (a worker of several, router/workers.py, numbered `worker`, sharing
     metrics through `metrics_dir`)."""
     app = create_app(cfg, worker, metrics_dir)
     http = partial(RouterHttp, direct=app.state.direct, body_limit=cfg.max_request_bytes)
-    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", http=http,
-                            h11_max_incomplete_event_size=MAX_HEADER_BYTES,
-                            timeout_graceful_shutdown=cfg.drain_timeout_s + 5)  # fmt: skip
+    config = uvicorn.Config(
+        app,
+        host=cfg.host,
+        port=cfg.port,
+        log_level="warning",
+        http=http,
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+        timeout_graceful_shutdown=cfg.drain_timeout_s + 5,
+    )
     server = DrainingServer(config, app, cfg.drain_timeout_s, partial(ready_line, cfg))
     server.run(sockets=[sock] if sock is not None else None)
     error = getattr(app.state, "start_error", None)

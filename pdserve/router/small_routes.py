@@ -38,8 +38,9 @@ def check_model(request: Request, model: str | None) -> None:
 
 def check_served(served: set[str], model: str | None) -> None:
     if model is not None and model not in served:
-        raise ApiError(404, f"model {model!r} does not exist; this server serves {sorted(served)[0]!r}", "model",
-                       "model_not_found")  # fmt: skip
+        raise ApiError(
+            404, f"model {model!r} does not exist; this server serves {sorted(served)[0]!r}", "model", "model_not_found"
+        )
 
 
 def _tokenize(info, body: TokenizeBody) -> list[int]:

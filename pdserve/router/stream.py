@@ -99,16 +99,24 @@ class ChoiceView:
 
 def usage(jobs: list[Job], completion_tokens: int) -> dict:
     prompt_tokens = sum(len(j.prompt_ids) for j in jobs if j.sample == 0)  # a prompt counts once, whatever n
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
-def choice(job: Job, chat: bool, text: str, token_ids: list[int] | None, reason, stream: bool,
-           logprobs: dict | None = None) -> dict:  # fmt: skip
+def choice(
+    job: Job, chat: bool, text: str, token_ids: list[int] | None, reason, stream: bool, logprobs: dict | None = None
+) -> dict:
     if chat:
         key = "delta" if stream else "message"
-        out = {"index": job.index, key: {"role": "assistant", "content": text}, "logprobs": logprobs,
-               "finish_reason": reason}  # fmt: skip
+        out = {
+            "index": job.index,
+            key: {"role": "assistant", "content": text},
+            "logprobs": logprobs,
+            "finish_reason": reason,
+        }
     else:
         out = {"index": job.index, "text": text, "logprobs": logprobs, "finish_reason": reason}
     if job.return_token_ids and token_ids is not None:
@@ -118,8 +126,12 @@ def choice(job: Job, chat: bool, text: str, token_ids: list[int] | None, reason,
 
 def envelope(job: Job, chat: bool, stream: bool) -> dict:
     obj = ("chat.completion" if chat else "text_completion") + (".chunk" if stream and chat else "")
-    return {"id": ("chatcmpl-" if chat else "cmpl-") + job.id, "object": obj, "created": job.created,
-            "model": job.model}  # fmt: skip
+    return {
+        "id": ("chatcmpl-" if chat else "cmpl-") + job.id,
+        "object": obj,
+        "created": job.created,
+        "model": job.model,
+    }
 
 
 def chunk(job: Job, chat: bool, fmt: ChunkFormat, d: Delta) -> str:
@@ -156,8 +168,17 @@ class Outbox:
 class SseStream:
     """The choices of one streamed response, written as SSE events as their events come (the module's doc)."""
 
-    def __init__(self, core: RouterCore, info: ModelInfo, jobs: list[Job], chat: bool, flights: list[Flight],
-                 state, where: str, outbox: Outbox) -> None:  # fmt: skip
+    def __init__(
+        self,
+        core: RouterCore,
+        info: ModelInfo,
+        jobs: list[Job],
+        chat: bool,
+        flights: list[Flight],
+        state,
+        where: str,
+        outbox: Outbox,
+    ) -> None:
         self.core, self.jobs, self.chat, self.flights, self.outbox = core, jobs, chat, flights, outbox
         self.parts: list[bytes] = []  # written, held in the outbox
         self.state, self.where = state, where  # the request's state (its usage goes there); "stream of POST ..."

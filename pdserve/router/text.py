@@ -33,8 +33,10 @@ class NoTokenizer:
         raise NoTokenizerError(self.WHY)
 
     def apply_chat_template(self, *_, **__) -> list[int]:
-        raise ValueError("this server has no tokenizer (--skip-tokenizer), hence no chat template: use "
-                         "/v1/completions with token ids")  # fmt: skip
+        raise ValueError(
+            "this server has no tokenizer (--skip-tokenizer), hence no chat template: use "
+            "/v1/completions with token ids"
+        )
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return ""
@@ -93,8 +95,14 @@ class Detokenizer:
     held back until the next tokens settle it.
     """
 
-    def __init__(self, tokenizer, stops: list[str], include_stop: bool = False, skip_special: bool = True,
-                 table: ByteTable | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        tokenizer,
+        stops: list[str],
+        include_stop: bool = False,
+        skip_special: bool = True,
+        table: ByteTable | None = None,
+    ) -> None:
         self.source = ByteText(table, skip_special) if table is not None else WindowText(tokenizer, skip_special)
         self.stops = stops
         self.include_stop = include_stop  # the text ends with the stop string rather than before it
@@ -182,8 +190,9 @@ class ByteText:
             t = token_ids[0]
             data = self.pending + (known[t] if t in known else self.table.learn(t, self.skip_special))
         else:
-            data = self.pending + b"".join([known[t] if t in known else self.table.learn(t, self.skip_special)
-                                            for t in token_ids])  # fmt: skip
+            data = self.pending + b"".join(
+                [known[t] if t in known else self.table.learn(t, self.skip_special) for t in token_ids]
+            )
         text, used = utf_8_decode(data, "replace", False)
         self.pending = data[used:]
         return text

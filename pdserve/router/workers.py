@@ -82,8 +82,11 @@ def read_others(folder: str, index: int) -> list[str]:
 def _worker_main(cfg: RouterConfig, index: int, log_level: int, metrics_dir: str) -> None:
     from pdserve.router.server import serve
 
-    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s router worker {index}: %(message)s",
-                        datefmt="%Y-%m-%d %H:%M:%S")  # fmt: skip
+    logging.basicConfig(
+        level=log_level,
+        format=f"%(asctime)s %(levelname)s router worker {index}: %(message)s",
+        datefmt="%Y-%m-%d %H:%M:%S",
+    )
     os.setpgrp()  # a terminal's Ctrl-C reaches the parent only, which passes it on as one SIGTERM (one drain, not two)
     die_with_parent()  # no worker is left serving the port on its own
     serve(cfg, sock=reuse_port_socket(cfg.host, cfg.port), worker=index, metrics_dir=metrics_dir)
@@ -102,8 +105,11 @@ class Workers:
         self.metrics_dir = tempfile.mkdtemp(prefix="pdserve-router-metrics-")
 
     def _start(self, index: int) -> None:
-        proc = self.mp.Process(target=_worker_main, args=(self.cfg, index, logging.getLogger().level, self.metrics_dir),
-                               name=f"pdserve-router-{index}")  # fmt: skip
+        proc = self.mp.Process(
+            target=_worker_main,
+            args=(self.cfg, index, logging.getLogger().level, self.metrics_dir),
+            name=f"pdserve-router-{index}",
+        )
         proc.start()
         self.procs[index], self.started[index] = proc, time.monotonic()
 
@@ -141,8 +147,13 @@ class Workers:
                 continue
             quick = time.monotonic() - self.started[index] < START_GRACE_S
             self.quick_deaths = self.quick_deaths + 1 if quick else 0
-            log.error("router worker %d (pid %d) exited with code %s; %s", index, proc.pid, proc.exitcode,
-                      "giving up" if self.quick_deaths >= MAX_QUICK_DEATHS else "starting it again")  # fmt: skip
+            log.error(
+                "router worker %d (pid %d) exited with code %s; %s",
+                index,
+                proc.pid,
+                proc.exitcode,
+                "giving up" if self.quick_deaths >= MAX_QUICK_DEATHS else "starting it again",
+            )
             if self.quick_deaths >= MAX_QUICK_DEATHS:
                 return False
             self._start(index)

@@ -141,14 +141,22 @@ class SamplingParams:
         if type(self.min_tokens) is not int or not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidField("min_tokens", "min_tokens must be an integer from 0 to max_tokens")
         if self.grammar and (self.ignore_eos or self.min_tokens):
-            raise InvalidField("grammar", "a grammar (response_format) ends the output at EOS: it cannot be combined "
-                               "with ignore_eos or min_tokens")
+            raise InvalidField(
+                "grammar",
+                "a grammar (response_format) ends the output at EOS: it cannot be combined "
+                "with ignore_eos or min_tokens",
+            )
 
     @property
     def processed(self) -> bool:
         """Whether the logits are changed before the draw (penalties, bias, min_tokens); min_p acts in the draw."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens)  # fmt: skip
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
+        )
 
     @property
     def greedy(self) -> bool:
@@ -255,8 +263,10 @@ class Logprobs:
         if any(len(r) != len(self.logprobs) for r in rows) or any(
             len(i) != len(v) or len(i) > MAX_LOGPROBS for i, v in zip(*rows, strict=True)
         ):
-            raise ValueError(f"one log-probability per token, and per token matching lists of at most {MAX_LOGPROBS} "
-                             "alternative ids and log-probabilities")  # fmt: skip
+            raise ValueError(
+                f"one log-probability per token, and per token matching lists of at most {MAX_LOGPROBS} "
+                "alternative ids and log-probabilities"
+            )
 
 
 @dataclass(frozen=True)
@@ -410,10 +420,23 @@ class KvCancel:
 _REGISTRY: dict[str, type] = {
     cls.__name__: cls
     for cls in (
-        Hello, HelloAck, Generate, Abort, TokenEvent, TokenEvents, Stats, Pending,
-        KvHello, KvOffer, KvPull, KvData, KvAck, KvWaiting, KvCancel,
+        Hello,
+        HelloAck,
+        Generate,
+        Abort,
+        TokenEvent,
+        TokenEvents,
+        Stats,
+        Pending,
+        KvHello,
+        KvOffer,
+        KvPull,
+        KvData,
+        KvAck,
+        KvWaiting,
+        KvCancel,
     )
-}  # fmt: skip
+}
 
 
 def _wire_map(value: Any) -> dict:

@@ -27,8 +27,9 @@ from pdserve.wire.protocol import ProtocolError, decode, encode
 
 log = logging.getLogger("pdserve.transport")
 MAX_FRAMES = 4096
-HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)  # fmt: skip
+HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
 
 
 def send(sock: zmq.Socket, msg: Any, frames: list = (), identity: bytes | None = None) -> None:
@@ -61,8 +62,11 @@ def bind(sock: zmq.Socket, addr: str, keys: CurveKeys | None = None) -> str:
     secure_server(sock, keys)
     if keys is None and not is_local(addr):
         log.warning("!" * 100)
-        log.warning("%s is reachable from other hosts and NOT authenticated: whoever reaches it can submit work, "
-                    "read tokens and pull KV. Use --zmq-keys DIR (make it with `pdserve keys DIR`).", addr)  # fmt: skip
+        log.warning(
+            "%s is reachable from other hosts and NOT authenticated: whoever reaches it can submit work, "
+            "read tokens and pull KV. Use --zmq-keys DIR (make it with `pdserve keys DIR`).",
+            addr,
+        )
         log.warning("!" * 100)
     if addr.startswith("tcp://") and addr.endswith(":0"):
         port = sock.bind_to_random_port(addr[: addr.rindex(":")])
