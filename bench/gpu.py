@@ -674,7 +674,7 @@ def workload_summary(w: Workload) -> dict:
 
 def sharegpt(config, cfg: GpuBenchConfig) -> Workload:
     """`sharegpt_like` with cfg's request count, named by its requests and concurrency."""
-    from pdserve.engine.model import max_model_len
+    from pdserve.runner.model import max_model_len
 
     w = make_workload(
         "sharegpt_like",
@@ -719,7 +719,7 @@ def prepare(cfg: GpuBenchConfig) -> tuple[Path, list[tuple[GpuBenchConfig, Workl
     model figures per run, kernels per step)."""
     import transformers
 
-    from pdserve.engine.checkpoint import resolve_model
+    from pdserve.checkpoint import resolve_model
 
     t0 = time.perf_counter()
     path = resolve_model(cfg.model)

@@ -54,8 +54,8 @@ class StepRecorder:
         self.all, self.replayed, self.decode_only = Tally(), Tally(), Tally()
 
     def run(self, batch, *feed):
-        from pdserve.engine.cuda_graphs import pick
-        from pdserve.engine.model import ModelRunner
+        from pdserve.runner.cuda_graphs import pick
+        from pdserve.runner.model import ModelRunner
 
         ids, _, _, sample, chunks = ModelRunner.flatten(batch, self.block_size)
         counts = (len(ids), batch.num_decode_tokens)
@@ -87,9 +87,9 @@ def replay(
     """Run bench.gpu's workload through the mock engine closed at `concurrency`; the tallies and shares."""
     from bench.gpu import GpuBenchConfig
     from pdserve.config import EngineConfig
-    from pdserve.engine.cuda_graphs import plan
     from pdserve.engine.engine import Engine
     from pdserve.engine.request import Request
+    from pdserve.runner.cuda_graphs import plan
     from pdserve.wire.protocol import SamplingParams
 
     gpu = GpuBenchConfig(device="cpu")

@@ -81,7 +81,7 @@ class StubRunner:
     def run(self, batch, feed=None):
         """No logits, and no graph ran the step (an engine before graph counting hands the pair to the stub sampler,
         which ignores it)."""
-        from pdserve.engine.model import ModelRunner
+        from pdserve.runner.model import ModelRunner
 
         inp = self.backend.inputs(*ModelRunner.flatten(batch, self.block_size))
         if feed is not None:
@@ -90,7 +90,7 @@ class StubRunner:
 
     @staticmethod
     def feed(draw, rows, index):
-        from pdserve.engine.model import DeviceFeed
+        from pdserve.runner.model import DeviceFeed
 
         return DeviceFeed(draw.ids, rows, index)
 
@@ -110,7 +110,7 @@ def triton_backend(pool):
         sys.modules.setdefault(f"pdserve.engine.{name}", types.ModuleType(name))
     import torch
 
-    from pdserve.engine.backends import TritonBackend
+    from pdserve.runner.backends import TritonBackend
 
     return TritonBackend(pool, 1.0, None, torch.device("cpu"), num_heads=16, silu_gated=True)
 

@@ -57,7 +57,7 @@ def launches_work(func) -> bool:
 @contextmanager
 def on_triton_launch(around):
     """While open, every Triton kernel launch runs inside `around(kernel, args, kwargs)` (a context manager)."""
-    from pdserve.engine import triton_layers
+    from pdserve.runner import triton_layers
 
     kernel_class = type(triton_layers._add_rms_norm_kernel)  # JITFunction, or InterpretedFunction on the CPU
     run = kernel_class.run
@@ -171,7 +171,7 @@ class StepShape:
 
 def narrow_spec(layers: int):
     """qwen3-0.6b's layout (heads, KV heads, tied head, bf16) at a width the interpreter runs quickly."""
-    from pdserve.engine.checkpoint import BUILTIN_MODELS
+    from pdserve.checkpoint import BUILTIN_MODELS
 
     return dataclasses.replace(
         BUILTIN_MODELS["qwen3-0.6b"],
@@ -187,9 +187,9 @@ def build_runner(layers: int, num_blocks: int = 64, device: str = "cpu"):
     """A ModelRunner on the Triton backend over a random narrow model (in memory, no checkpoint)."""
     import transformers
 
-    from pdserve.engine.checkpoint import hf_config
-    from pdserve.engine.model import ModelRunner, kv_layout
+    from pdserve.checkpoint import hf_config
     from pdserve.kv.pool import KVPool
+    from pdserve.runner.model import ModelRunner, kv_layout
 
     spec = narrow_spec(layers)
     torch.manual_seed(0)
@@ -210,8 +210,8 @@ def step_chunks(shape: StepShape, mixed: bool) -> list[tuple[int, int]]:
 
 def flat_inputs(chunks: list[tuple[int, int]]):
     """The flat inputs of a step (ids, positions, slots, sampled rows, Chunks), blocks handed out in order."""
-    from pdserve.engine.backends import Chunk
     from pdserve.kv.block_allocator import blocks_for
+    from pdserve.runner.backends import Chunk
 
     ids, positions, slots, sample, out, next_block = [], [], [], [], [], 0
     for past, n in chunks:
@@ -228,7 +228,7 @@ def flat_inputs(chunks: list[tuple[int, int]]):
 def count_step(runner, chunks: list[tuple[int, int]]) -> Counter[str]:
     """Kernels of one eager step: inputs, forward, greedy sampling."""
     from pdserve.engine.request import Request
-    from pdserve.engine.sampling import Sampler
+    from pdserve.runner.sampling import Sampler
     from pdserve.wire.protocol import SamplingParams
 
     flat = flat_inputs(chunks)

@@ -187,13 +187,13 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
 def model_config(model: str):
     import transformers
 
-    from pdserve.engine.checkpoint import resolve_model
+    from pdserve.checkpoint import resolve_model
 
     return transformers.AutoConfig.from_pretrained(resolve_model(model), local_files_only=True)
 
 
 def build_workloads(cfg: BenchConfig, config) -> list[Workload]:
-    from pdserve.engine.model import max_model_len
+    from pdserve.runner.model import max_model_len
 
     rates = cfg.rates or (None,)
     return [
@@ -215,7 +215,7 @@ class LazyModel:
 
     def get(self):
         if self._model is None:
-            from pdserve.engine.checkpoint import resolve_model
+            from pdserve.checkpoint import resolve_model
 
             self._model = load_hf_model(resolve_model(self.name))
         return self._model
@@ -347,7 +347,7 @@ def goodput(results: list[dict]) -> dict[str, float | None]:
 
 def run_overhead(cfg: BenchConfig, config) -> dict:
     from pdserve.config import EngineConfig
-    from pdserve.engine.model import max_model_len
+    from pdserve.runner.model import max_model_len
 
     w = make_workload(
         "short_long_mix",

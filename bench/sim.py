@@ -6,7 +6,7 @@ It plays what pdserve does, step by step, with each step's duration from a cost 
 engine (bench/costs.py), and hands back bench's own `RequestRecord`s, so every metric (TTFT, TPOT, throughput,
 goodput) comes from bench/metrics.py. Pure Python, deterministic: the same workload gives the same result.
 
-What it models (pdserve/engine/scheduler.py, node.py, prefill_node, decode_node, router/core.py):
+What it models (pdserve/engine/scheduler.py, pdserve/nodes/, router/core.py):
 1. Router: a request is sent at its arrival to the least loaded prefill node and decode node (fewest requests
    assigned; ties to the one listed first, as the router's are; its second key, KV blocks used, is not
    modelled). A request counts on its prefill node until the decode node's first token reaches the router, on

@@ -60,11 +60,11 @@ def start_node(a: argparse.Namespace) -> Callable[[], None]:
 
         hf_logging.disable_progress_bar()  # a node's log says what it does in a line per stage, not a bar
     if a.verb == Role.COLOCATED:
-        from pdserve.colocated_node import ColocatedNode as Node
+        from pdserve.nodes.colocated import ColocatedNode as Node
     elif a.verb == Role.PREFILL:
-        from pdserve.prefill_node import PrefillNode as Node
+        from pdserve.nodes.prefill import PrefillNode as Node
     else:
-        from pdserve.decode_node import DecodeNode as Node
+        from pdserve.nodes.decode import DecodeNode as Node
     what = "the mock engine" if mock else "torch, transformers and the engine"
     log.info("imported %s in %.1f s", what, time.monotonic() - started)
     return Node(cfg).run

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.engine.checkpoint import BUILTIN_MODELS
+from pdserve.checkpoint import BUILTIN_MODELS
 from pdserve.wire.protocol import NODE_ROLES, KvTransport, Role
 
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")

@@ -16,7 +16,7 @@ What runs where:
 4. The router (`pdserve router --ray ADDRESS`) reads the registry every second (router/membership.py):
    new nodes join, gone or replaced ones leave, their requests failed as a dead node's are.
 5. `pdserve scale --ray ADDRESS --prefill N --decode M` changes the counts while serving: new nodes join
-   once ready; removed ones (the newest of their role) drain: their node process gets SIGTERM (pdserve/node.py:
+   once ready; removed ones (the newest of their role) drain: their node process gets SIGTERM (pdserve/nodes/base.py:
    it takes nothing new and finishes what it holds, the router dispatching elsewhere meanwhile) and stays
    listed until it exits, then its actor and placement group go. The call returns once both are done. A
    draining node that dies is not brought back: its requests are dispatched again as a dead node's, and if Ray

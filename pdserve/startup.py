@@ -13,7 +13,7 @@ import json
 import socket
 from pathlib import Path
 
-from pdserve.engine.checkpoint import BUILTIN_MODELS, SUPPORTED_MODEL_TYPES, resolve_model
+from pdserve.checkpoint import BUILTIN_MODELS, SUPPORTED_MODEL_TYPES, resolve_model
 
 # a checkpoint's tokenizer: one of these beside its config (tokenizer_config.json alone cannot tokenize)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")

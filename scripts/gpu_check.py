@@ -401,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     a.log_dir.mkdir(parents=True, exist_ok=True)
     import transformers
 
-    from pdserve.engine.checkpoint import resolve_model
+    from pdserve.checkpoint import resolve_model
 
     t0 = time.perf_counter()
     path = resolve_model(a.model)

@@ -79,7 +79,7 @@ main() {
     echo "== [$(elapsed) s] building $BENCH_MODEL in the background"
     (
         t=$(date +%s)
-        python3 -c "from pdserve.engine.checkpoint import resolve_model; print(resolve_model('$BENCH_MODEL'))"
+        python3 -c "from pdserve.checkpoint import resolve_model; print(resolve_model('$BENCH_MODEL'))"
         echo "rc $? after $(( $(date +%s) - t )) s"
     ) > "$WORK/logs/checkpoint.log" 2>&1 &
     BUILD=$!

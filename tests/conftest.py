@@ -12,7 +12,7 @@ if not torch.cuda.is_available():  # the Triton kernels run on the CPU by Triton
 
 import pytest
 
-from pdserve.engine.checkpoint import ModelSpec, write_random_checkpoint
+from pdserve.checkpoint import ModelSpec, write_random_checkpoint
 
 TINY_SPECS = {
     "qwen3": ModelSpec("qwen3", 512, 64, 128, 2, 4, 2, 16, 1024, seed=1),
@@ -22,7 +22,9 @@ TINY_SPECS = {
 
 
 def pytest_addoption(parser) -> None:
-    parser.addoption("--soak-requests", type=int, default=300, help="length of the slow soak test (tests/test_soak.py)")
+    parser.addoption(
+        "--soak-requests", type=int, default=300, help="length of the slow soak test (tests/stacks/test_soak.py)"
+    )
     parser.addoption(
         "--router-workers",
         type=int,
@@ -35,6 +37,16 @@ def pytest_configure(config) -> None:
     from tests import stack
 
     stack.ROUTER_WORKERS = config.getoption("--router-workers")
+
+
+STACKS = Path(__file__).parent / "stacks"
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """Every test under tests/stacks/ starts processes and is marked `stack`: `-m "not stack"` is the quick loop."""
+    for item in items:
+        if STACKS in Path(item.path).parents:
+            item.add_marker(pytest.mark.stack)
 
 
 @pytest.fixture(scope="session", autouse=True)

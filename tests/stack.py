@@ -195,9 +195,9 @@ class Stack:
     def close(self) -> None:
         """Stop the nodes, then the router. A node drains on SIGTERM and waits for its router's answer (what it still
         routes there): a live router answers at once, one that stopped told it so as it went, and one that was killed
-        never answers: the node waits pdserve.node.ROUTER_ANSWER_S for it. So the nodes go first while their router
-        still runs, or, where none runs (a stack of nodes alone, or its router killed), they stop at once (SIGINT): a
-        test has checked what they hold already."""
+        never answers: the node waits pdserve.nodes.base.ROUTER_ANSWER_S for it. So the nodes go first while their
+        router still runs, or, where none runs (a stack of nodes alone, or its router killed), they stop at once
+        (SIGINT): a test has checked what they hold already."""
         router = self.procs.get("router")
         nodes = [proc for name, proc in self.procs.items() if name != "router"]
         _stop(nodes, signal.SIGTERM if router is not None and router.poll() is None else signal.SIGINT)
@@ -268,7 +268,11 @@ class Stacks:
 
 
 def _spawn(argv: list[str], env: dict[str, str], log: Path | None) -> subprocess.Popen:
-    """A child process, its output appended to `log` where given, else inherited."""
+    """A child process, its output appended to `log` where given, else inherited. Only tests under tests/stacks/
+    start stacks, so that `pytest -m "not stack"` starts none."""
+    current = os.environ.get("PYTEST_CURRENT_TEST", "")
+    if current and not current.startswith("tests/stacks/"):
+        raise RuntimeError(f"{current.split(' ')[0]} starts a stack: it belongs under tests/stacks/")
     if log is None:
         return subprocess.Popen(argv, env=env)
     with open(log, "ab") as out:

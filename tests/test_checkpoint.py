@@ -9,8 +9,8 @@ from helpers import hf_greedy, mixed_workload
 from safetensors import safe_open
 from test_engine import greedy_requests, run_engine
 
+from pdserve.checkpoint import BUILTIN_MODELS, ModelSpec, hf_config, write_random_checkpoint
 from pdserve.config import EngineConfig
-from pdserve.engine.checkpoint import BUILTIN_MODELS, ModelSpec, hf_config, write_random_checkpoint
 from pdserve.engine.engine import Engine
 
 TIED_BF16 = ModelSpec("qwen3", 512, 64, 128, 2, 4, 2, 16, 1024, seed=4, tie_embeddings=True, dtype="bfloat16")

@@ -8,9 +8,9 @@ import dataclasses
 
 import pytest
 
+from pdserve.checkpoint import BUILTIN_MODELS
 from pdserve.cli import build_parser
 from pdserve.config import EngineConfig, LogConfig, NodeConfig, RouterConfig
-from pdserve.engine.checkpoint import BUILTIN_MODELS
 from pdserve.flags import VERB_FLAGS, from_args
 from pdserve.wire.protocol import Role
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.engine.checkpoint import resolve_model
+from pdserve.checkpoint import resolve_model
 
 
 def test_the_router_loads_its_model_facts_without_torch():
@@ -29,30 +29,37 @@ def test_the_router_loads_its_model_facts_without_torch():
 
 
 PACKAGE = Path(__file__).resolve().parents[1] / "pdserve"
-ROLE_ALLOWED = (
-    "pdserve.node",
-    "pdserve.engine.engine",
-    "pdserve.engine.request",
-    "pdserve.kv",
-    "pdserve.wire",
-    "pdserve.config",
-    "pdserve.cli",
-)
 ALLOWED = {  # package -> the pdserve modules (or packages) its modules may import, beside its own
     "router": (
         "pdserve.wire.protocol",
         "pdserve.wire.transport",
         "pdserve.config",
-        "pdserve.engine.checkpoint",
+        "pdserve.checkpoint",
         "pdserve.cbuild",
         "pdserve.process",
     ),
-    "engine": ("pdserve.kv", "pdserve.wire.protocol", "pdserve.config", "pdserve.cbuild"),
+    "engine": ("pdserve.runner", "pdserve.kv", "pdserve.wire.protocol", "pdserve.config", "pdserve.checkpoint"),
+    "runner": (
+        "pdserve.engine.scheduler",
+        "pdserve.engine.request",
+        "pdserve.engine.draws",
+        "pdserve.kv",
+        "pdserve.wire.protocol",
+        "pdserve.config",
+        "pdserve.checkpoint",
+        "pdserve.cbuild",
+    ),
     "kv": ("pdserve.wire.protocol",),
     "wire": (),
-    "prefill_node": ROLE_ALLOWED,
-    "decode_node": ROLE_ALLOWED,
-    "colocated_node": ROLE_ALLOWED,
+    "nodes": (
+        "pdserve.engine.engine",
+        "pdserve.engine.request",
+        "pdserve.engine.draws",
+        "pdserve.kv",
+        "pdserve.wire",
+        "pdserve.config",
+        "pdserve.cli",
+    ),
 }
 
 
@@ -112,8 +119,9 @@ def test_the_wire_and_the_torch_free_kv_modules_import_no_torch():
 
 
 def test_the_node_loop_reaches_the_engine_only_through_its_methods():
-    """node.py and the role nodes never import the scheduler, the block manager or the pool."""
+    """The nodes never import the scheduler, the block manager or the pool."""
     internals = ("pdserve.engine.scheduler", "pdserve.kv.block_allocator", "pdserve.kv.pool")
-    paths = [PACKAGE / "node.py", *(PACKAGE / f"{r}_node" / "node.py" for r in ("prefill", "decode", "colocated"))]
+    paths = sorted((PACKAGE / "nodes").glob("*.py"))
+    assert len(paths) == 5, paths
     assert not {str(p): _imports(p) & set(internals) for p in paths if _imports(p) & set(internals)}
     assert not [str(p) for p in paths if "engine.pool" in p.read_text()]  # nor reach into the engine's pool

@@ -26,8 +26,8 @@ import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 
+from pdserve.checkpoint import BUILTIN_MODELS, resolve_model
 from pdserve.config import EngineConfig, max_model_len, read_mock_costs
-from pdserve.engine.checkpoint import BUILTIN_MODELS, resolve_model
 from pdserve.engine.draws import Drawn, TokenLogprob
 from pdserve.engine.parts import EngineParts
 from pdserve.engine.request import Request

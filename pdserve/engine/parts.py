@@ -42,11 +42,11 @@ def model_parts(cfg: EngineConfig, prefill_only: bool, pool_storage=None) -> Eng
     runner warmed up to the engine's batch sizes."""
     import torch
 
-    from pdserve.engine.checkpoint import resolve_model
-    from pdserve.engine.grammar import Guides
-    from pdserve.engine.model import ModelRunner, kv_layout, load_model
-    from pdserve.engine.sampling import Sampler
+    from pdserve.checkpoint import resolve_model
     from pdserve.kv.pool import KVPool
+    from pdserve.runner.grammar import Guides
+    from pdserve.runner.model import ModelRunner, kv_layout, load_model
+    from pdserve.runner.sampling import Sampler
 
     if cfg.cpu_cores:
         torch.set_num_threads(len(cfg.cpu_cores))

@@ -100,7 +100,7 @@ class KVPool:
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Host tensor `t` on `device`; on a GPU through pinned memory, without waiting for the work queued there (as
-    engine/copies.py does for the engine's own inputs)."""
+    runner/copies.py does for the engine's own inputs)."""
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 

@@ -7,7 +7,7 @@ ASGI middlewares and FastAPI's routing: measured, those cost about half of a sho
 Transfer-Encoding, Expect or Upgrade, headers well formed and within MAX_HEADER_BYTES, CRLF line ends. Anything else
 (another route, a chunked or oversized body, HTTP/1.0, a malformed head) goes to h11 and the ASGI app, byte for byte
 as it came, so every refusal of an odd request is theirs. The handler does for its requests what the middlewares do
-(the API key, the access log line, error bodies); the answers are the same bytes (`tests/test_direct_http.py`).
+(the API key, the access log line, error bodies); the answers are the same bytes (`tests/stacks/test_direct_http.py`).
 
 A connection's life: idle -> a request's bytes gather in `pending` while they may still be a direct request (they
 go to h11 the moment they cannot) -> head and body whole: an `Exchange` answers it -> its response ends: the

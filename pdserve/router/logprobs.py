@@ -7,7 +7,7 @@ text always carries its own value (the one in `token_logprobs`); `text_offset` c
 the start of the choice's text (the prompt's, with echo). An echoed prompt's first token has no
 log-probability: `null` in both lists.
 Chat: `{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}`.
-The values come from the nodes (the raw model distribution, see engine/sampling.py); `-inf` is sent
+The values come from the nodes (the raw model distribution, see runner/sampling.py); `-inf` is sent
 as -9999.0, since JSON has no infinity.
 """
 

@@ -5,7 +5,7 @@ Why: measured, a served router pays for a token's Python path several times what
 because each node message finds the CPU's caches holding the nodes' and clients' data (docs/router-scaling.md);
 compiled, the path runs far fewer instructions and touches far less memory. The Python it mirrors stays the
 reference and the fallback: `RouterCore._deliver_tokens`'s loop and `SseStream._on_tokens` with `ByteText.add`
-and `ChunkFormat.event`. `tests/test_native_path.py` runs both on the same events and compares what they leave:
+and `ChunkFormat.event`. `tests/router/test_native_path.py` runs both on the same events and compares what they leave:
 stream bytes, outputs, clocks, metrics, faults.
 
 Built like the engine's CPU kernels: with the system's C compiler on first use (well under a second), against this
@@ -26,7 +26,7 @@ from pathlib import Path
 from types import ModuleType
 
 from pdserve import cbuild
-from pdserve.engine.checkpoint import cache_dir
+from pdserve.checkpoint import cache_dir
 
 log = logging.getLogger("pdserve.router")
 SOURCE = Path(__file__).with_name("csrc") / "tokenpath.c"

@@ -4,7 +4,7 @@
 for an instance of that schema. The router compiles the schema with llguidance (no tokenizer needed), so
 that a schema it cannot honour is a 400 here, and ships llguidance's grammar, JSON text, inside the
 request's SamplingParams; each node builds the token-level matcher against its own tokenizer
-(engine/grammar.py). The JSON is compact (no whitespace between its tokens): a model then cannot pad its
+(runner/grammar.py). The JSON is compact (no whitespace between its tokens): a model then cannot pad its
 answer with whitespace until `max_tokens` runs out.
 """
 

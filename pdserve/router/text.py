@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
-from pdserve.engine.checkpoint import resolve_model
+from pdserve.checkpoint import resolve_model
 from pdserve.router.limits import max_prompt_chars, max_token_chars
 
 

@@ -1,7 +1,7 @@
 /* The router's per-token path in C: a steady request's plain tokens, from a node message to its stream's chunk.
  *
  * Two functions, each the twin of Python code that stays the reference and the fallback (pdserve/router/native.py
- * says when which runs; tests/test_native_path.py checks they give the same):
+ * says when which runs; tests/router/test_native_path.py checks they give the same):
  *
  *   Plain(stream, text, head, after, with_ids, fault)(token_ids)
  *       SseStream._on_tokens for one plain choice: its tokens' text (ByteText.add), its chunk

@@ -1,5 +1,0 @@
-import sys
-
-from pdserve.cli import main
-
-main(["decode", *sys.argv[1:]])

@@ -1,0 +1,293 @@
+"""The decode node: receives prompts' KV from prefill nodes and generates the rest of each answer (or computes
+itself the few tokens of a prompt its prefix cache lacks).
+
+A request's life here (the engine owns the request, its queue and its blocks; this node moves messages):
+0. Conditional disaggregation: a Generate from the router, for a prompt whose KV this node's prefix
+   cache holds but for at most --local-prefill-max-tokens tokens, skips steps 1-3: the request joins the
+   engine as on a colocated node (WAITING), shares its cached blocks and computes the rest of its prompt
+   here; every token, the first included, streams to the router (`local_prefill_requests` counts them).
+1. Pairing: a prefill node's KvHello is checked (protocol, model fingerprint, dtype, layer and
+   head layout, block size, transport); any mismatch is refused with the reason.
+2. KvOffer: the request joins the engine as WAITING_FOR_KV, queued FCFS until the scheduler reserves
+   blocks for its KV; never dropped. While it waits, a KvWaiting notice renews the prefill node's
+   lease on that KV every WAITING_NOTICE_S.
+3. RECEIVING_KV: blocks reserved (`engine.reserve_remote()`), the first of them shared from the prefix
+   cache when it holds the prompt's first blocks; KvPull sent, naming the first block to ship (the KV
+   of the cached ones is not shipped again); the KV lands by the chosen backend (`engine.receive_kv`);
+   once every layer is in, it is checked against the sender's per-layer checksums of what it shipped
+   (`engine.kv_landed`) and KvAck frees the prefill node's copy. KV that the backend refuses
+   (wrong shape, size, blocks), that fails its checksums, or that has not all arrived within half the
+   lease of the pull is never decoded from: by --kv-failure the request recomputes its prompt here
+   (`engine.kv_lost`: WAITING, computed up to its first block not shared from the prefix cache, whose
+   blocks keep their KV; the prefill node gets a KvAck all the same), or it is refused, which fails it with the reason.
+4. WAITING with its KV in place (num_computed_tokens = prompt length, the first token as output),
+   the router told so (an event without tokens), admitted at the next iteration; RUNNING: one token
+   an iteration, streamed to the router.
+5. FINISHED or ABORTED (router's Abort, the prefill node's KvCancel, bad KV under --kv-failure fail):
+   KV freed at once. An abort that arrives before the offer is remembered, so the late offer
+   is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+
+import zmq
+
+from pdserve.config import NodeConfig
+from pdserve.engine.request import Request, Status
+from pdserve.kv.peers import KvPeer, KvTransfer, TransferError, TransferState, choose_transport
+from pdserve.nodes.base import NodeBase, kv_backends
+from pdserve.wire import protocol as P
+from pdserve.wire import transport
+
+log = logging.getLogger("pdserve.decode")
+REMEMBER_ABORTS = 4096
+WAITING_NOTICE_S = 0.25
+
+
+PrefillPeer = KvPeer[bytes]  # linked by the routing id of its connection to our KV socket
+Incoming = KvTransfer[Request]  # an offered request's KV: where it comes from, how much of it has landed
+
+
+class DecodeNode(NodeBase):
+    role = P.Role.DECODE
+
+    def __init__(self, cfg: NodeConfig) -> None:
+        self.backends = kv_backends(cfg)  # before the binds: a node that cannot bind closes them
+        super().__init__(cfg)
+        self.kv_sock = self.ctx.socket(zmq.ROUTER)
+        transport.configure(self.kv_sock)
+        self.kv_addr = self.bind(self.kv_sock, cfg.kv_listen, "--kv-listen")
+        self.poller.register(self.kv_sock, zmq.POLLIN)
+        self.handlers[self.kv_sock] = self.handle_kv
+        self.peers: dict[bytes, PrefillPeer] = {}  # the paired prefill nodes, by routing id
+        self.incoming: dict[str, Incoming] = {}  # offered, KV not landed yet (the engine holds the request)
+        self.aborted: OrderedDict[str, None] = OrderedDict()
+        self.counters.update(
+            kv_offers=0, kv_received=0, kv_refused=0, kv_bad=0, kv_recomputed=0, local_prefill_requests=0
+        )
+        self._next_notice = 0.0
+
+    def ready_info(self) -> dict:
+        return {**super().ready_info(), "kv_listen": self.kv_addr, "host_id": self.host_id}
+
+    def ready_words(self) -> str:
+        return f"{super().ready_words()}, KV from prefill nodes at {self.kv_addr} ({self.cfg.kv_transport})"
+
+    def busy(self) -> bool:
+        return bool(self.incoming)
+
+    def num_held(self) -> int:
+        return super().num_held() + len(self.incoming)
+
+    def holds_work(self) -> bool:
+        return super().holds_work() or bool(self.incoming)
+
+    def fail_all(self, why: str) -> None:
+        for rid, inc in list(self.incoming.items()):  # the engine holds these too: super() ends them
+            del self.incoming[rid]
+            self._refuse(inc.peer.link, rid, why, P.ErrorCode.DRAINING)
+        super().fail_all(why)
+
+    def close(self) -> None:
+        for backend in self.backends.values():
+            backend.close()
+        super().close()
+
+    # ---- from prefill nodes --------------------------------------------------------------------
+    def handle_kv(self, identity: bytes, msg, frames: list) -> None:
+        if isinstance(msg, P.KvHello):
+            self._on_pairing(identity, msg)
+        elif identity not in self.peers:
+            if isinstance(msg, P.KvOffer):
+                self._refuse(identity, msg.request_id, "no pairing handshake on this connection")
+        elif isinstance(msg, P.KvOffer):
+            self._on_offer(self.peers[identity], msg)
+        elif isinstance(msg, P.KvData):
+            self._on_data(self.peers[identity], msg, frames)
+        elif isinstance(msg, P.KvCancel):
+            self._forget(msg.request_id)
+
+    def _on_pairing(self, identity: bytes, msg: P.KvHello) -> None:
+        handle = msg.pool_handle if isinstance(msg.pool_handle, dict) else {}
+        self._drop_superseded(identity, handle)
+        reason = self._pairing_mismatch(msg)
+        chosen = "" if reason else self._choose_transport(msg)
+        if not reason and not chosen:
+            reason = f"KV transport {msg.transport!r} there, {self.cfg.kv_transport!r} here"
+            reason += "" if self._same_host(msg) else " (a shared pool needs both nodes on one host)"
+        if not reason:
+            backend = self.backends[chosen]
+            try:
+                source = backend.attach(handle, self.engine.layout, self.cfg.engine.device)
+                self.peers[identity] = PrefillPeer(identity, backend=backend, paired=True, handle=handle, source=source)
+            except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:  # a handle from the wire
+                reason = f"cannot map the prefill pool: {e!r}"
+        if reason:
+            log.error("refused a prefill node: %s", reason)
+        info = {"transport": chosen} if not reason else {}
+        transport.send(self.kv_sock, P.HelloAck(not reason, self.role, info, reason), identity=identity)
+
+    def _same_host(self, msg: P.KvHello) -> bool:
+        return not msg.host_id or msg.host_id == self.host_id  # no host id (an older peer): as before, try
+
+    def _choose_transport(self, msg: P.KvHello) -> str:
+        return choose_transport(msg.transports or [msg.transport], tuple(self.backends), self._same_host(msg))
+
+    def _pairing_mismatch(self, msg: P.KvHello) -> str:
+        """Why this prefill node cannot pair with us, or "" if it can."""
+        layout = self.engine.layout
+        if msg.protocol_version != P.PROTOCOL_VERSION:
+            return f"protocol version {msg.protocol_version} there, {P.PROTOCOL_VERSION} here"
+        if not isinstance(msg.layout, dict) or not isinstance(msg.pool_handle, dict):
+            return "malformed KvHello (layout and pool handle must be maps)"
+        if not isinstance(msg.transports, list) or not all(isinstance(t, str) for t in msg.transports):
+            return "malformed KvHello (transports must be a list of names)"
+        if layout.mismatch(msg.layout):
+            return f"KV layout mismatch: {layout.mismatch(msg.layout)}"
+        return ""
+
+    def _on_offer(self, peer: PrefillPeer, offer: P.KvOffer) -> None:
+        self.counters["kv_offers"] += 1  # taken or refused: every offer of a paired peer counts
+        why = self.engine.check_fits(offer.num_tokens, offer.params.max_tokens)
+        code = P.ErrorCode.INVALID_REQUEST
+        rid = offer.request_id
+        if rid in self.engine.requests:
+            why, code = f"request {rid} is already here", P.ErrorCode.INTERNAL
+        if offer.num_tokens != len(offer.prompt_token_ids):
+            why = f"an offer of {offer.num_tokens} tokens of KV for a prompt of {len(offer.prompt_token_ids)}"
+            code = P.ErrorCode.INTERNAL
+        if rid in self.aborted or why:
+            self._refuse(peer.link, rid, why, code)
+            return
+        req = Request(
+            rid,
+            list(offer.prompt_token_ids),
+            offer.params,
+            output_token_ids=[offer.first_token_id],
+            status=Status.WAITING_FOR_KV,
+        )
+        try:
+            self.engine.add(req)
+        except ValueError as e:  # a grammar this node cannot use
+            self._refuse(peer.link, rid, str(e), P.ErrorCode.INVALID_REQUEST)
+            return
+        self.incoming[rid] = Incoming(req, peer)
+
+    def _on_data(self, peer: PrefillPeer, header: P.KvData, frames: list) -> None:
+        inc = self.incoming.get(header.request_id)
+        if inc is None or inc.peer is not peer or inc.state is not TransferState.PULLED:
+            return  # cancelled after the pull (or not this peer's, or not pulled)
+        if header.kv_checksums:
+            inc.checksums = list(header.kv_checksums)
+        try:
+            inc.layers_landed += self.engine.receive_kv(inc.request, peer.backend, header, frames, peer.source)
+        except TransferError as e:
+            self._kv_failed(inc, f"bad KV: {e}")
+            return
+        if inc.layers_landed < self.engine.layout.num_layers:
+            return
+        why = self.engine.kv_landed(inc.request, peer.backend, inc.checksums)
+        if why:
+            self._kv_failed(inc, why)
+            return
+        del self.incoming[header.request_id]
+        self.counters["kv_received"] += 1
+        self._let_prefill_go(inc, P.KvAck(header.request_id, True))  # after kv_landed: it frees the sender's copy
+
+    def _let_prefill_go(self, inc: Incoming, ack: P.KvAck) -> None:
+        """Free the prefill node's copy of a request's KV, and tell the router it no longer needs that node."""
+        transport.send(self.kv_sock, ack, identity=inc.peer.link)
+        self.emit([P.TokenEvent(ack.request_id, [], None)])  # "KV landed", an event without tokens
+
+    def _kv_failed(self, inc: Incoming, why: str) -> None:
+        """A pulled request's KV is lost or damaged: never decode from it; recompute it here, or fail it."""
+        rid = inc.request.request_id
+        del self.incoming[rid]
+        self.counters["kv_bad"] += 1
+        recompute = self.cfg.kv_failure == "recompute"
+        log.warning("request %s: %s; %s", rid, why, "recomputing its prompt here" if recompute else "failing it")
+        if not recompute:
+            self.engine.abort(rid)
+            self._refuse(inc.peer.link, rid, f"the KV transfer failed ({why}; --kv-failure fail)")
+            return
+        self.counters["kv_recomputed"] += 1
+        self.engine.kv_lost(inc.request)
+        self._let_prefill_go(inc, P.KvAck(rid, True, f"recomputed on the decode node: {why}"))
+
+    def _refuse(
+        self, identity: bytes, request_id: str, why: str, code: P.ErrorCode = P.ErrorCode.KV_TRANSFER_FAILED
+    ) -> None:
+        self.counters["kv_refused"] += 1
+        transport.send(self.kv_sock, P.KvAck(request_id, False, why, code), identity=identity)
+
+    # ---- from the router -----------------------------------------------------------------------
+    def on_generate(self, msg: P.Generate) -> bool:
+        """Conditional disaggregation: a prompt whose KV this node's prefix cache holds but for a few tokens comes
+        from the router itself; the engine computes those (chunked prefill) and the whole answer, as a colocated
+        node's does."""
+        taken = super().on_generate(msg)
+        self.counters["local_prefill_requests"] += taken
+        return taken
+
+    def on_abort(self, request_id: str) -> None:
+        if not self._forget(request_id):
+            self.aborted[request_id] = None  # its offer may still be on the way
+            while len(self.aborted) > REMEMBER_ABORTS:
+                self.aborted.popitem(last=False)
+
+    def _forget(self, request_id: str) -> bool:
+        """Drop a request wherever it is here; True if it was here."""
+        self.incoming.pop(request_id, None)
+        return self.engine.abort(request_id) is not None
+
+    # ---- chores --------------------------------------------------------------------------------
+    def tick(self) -> None:
+        super().tick()
+        now = time.monotonic()
+        for req in self.engine.reserve_remote():
+            inc = self.incoming[req.request_id]
+            inc.pulled(self.engine.first_block_to_pull(req))
+            transport.send(self.kv_sock, P.KvPull(req.request_id, inc.first_block), identity=inc.peer.link)
+        wait = self.cfg.kv_lease_s / 2  # well before the prefill node's lease on the KV runs out
+        pulled = [i for i in self.incoming.values() if i.state is TransferState.PULLED]
+        for inc in [i for i in pulled if now - i.pulled_at > wait]:
+            self._kv_failed(inc, f"not all of its KV arrived within {wait:g}s of the pull")
+        if now >= self._next_notice:
+            self._next_notice = now + WAITING_NOTICE_S
+            self._notify_waiting()
+            self._drop_gone_peers()
+
+    def _drop_gone_peers(self) -> None:
+        """Drop the prefill nodes whose pool is gone (shm: unlinked; cuda_ipc: its process ended)."""
+        for peer in list(self.peers.values()):
+            if not peer.backend.alive(peer.handle):
+                self._drop_peer(peer, "its pool is gone")
+
+    def _drop_superseded(self, identity: bytes, handle: dict) -> None:
+        """A KvHello replaces the pairing of the same connection, and any older pairing of the same pool
+        (the prefill node reconnected): that side has failed the old pairing's transfers already."""
+        pool_id = handle.get("pool_id")
+        for old in list(self.peers.values()):
+            if old.link == identity or (pool_id and old.handle.get("pool_id") == pool_id):
+                self._drop_peer(old, "it paired again")
+
+    def _drop_peer(self, peer: PrefillPeer, why: str) -> None:
+        """Unmap a prefill peer's pool and forget its offers and reservations: their KV will not come."""
+        del self.peers[peer.link]
+        peer.backend.forget(peer.handle)
+        dead = [rid for rid, i in self.incoming.items() if i.peer is peer]
+        for rid in dead:
+            self._forget(rid)
+        log.info("dropped a prefill node's pairing (%s) and %d of its transfers", why, len(dead))
+
+    def _notify_waiting(self) -> None:
+        """Tell each prefill node which of its offers still wait here, so its leases do not run out."""
+        waiting: dict[bytes, list[str]] = {}
+        for req in self.engine.waiting_for_kv():
+            waiting.setdefault(self.incoming[req.request_id].peer.link, []).append(req.request_id)
+        for identity, ids in waiting.items():
+            transport.send(self.kv_sock, P.KvWaiting(ids), identity=identity)

@@ -1,5 +1,0 @@
-import sys
-
-from pdserve.cli import main
-
-main(["prefill", *sys.argv[1:]])

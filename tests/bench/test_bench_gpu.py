@@ -1,0 +1,172 @@
+"""bench.gpu's pure parts: the steady-state window, the runs it plans, and its report (no GPU, no stack)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench import gpu
+from pdserve.checkpoint import BUILTIN_MODELS, hf_config
+from tests.helpers import optional
+
+
+def _rec(first: float, last: float, n: int) -> dict:
+    """A request whose n tokens arrive evenly from `first` to `last`."""
+    step = (last - first) / (n - 1)
+    return {"send_s": 0.0, "token_s": [first + i * step for i in range(n)]}
+
+
+def test_steady_state_counts_only_while_enough_requests_decode():
+    # 4 in flight, threshold ceil(0.9 * 4) = 4: all four decode from t=1 to t=5; then a long tail of one request
+    records = [_rec(1, 5, 5), _rec(1, 5, 5), _rec(1, 5, 5), _rec(1, 20, 20)]
+    st = gpu.steady_state(records, concurrency=4)
+    assert st["threshold"] == 4 and st["window_s"] == pytest.approx(4.0)
+    # inside [1, 5]: tokens after each request's first: 3 x 4, and the tail request's tokens at t=2..5
+    assert st["tokens"] == 3 * 4 + 4
+    assert st["output_throughput"] == pytest.approx(16 / 4.0)
+    assert st["share_of_run"] == pytest.approx(4 / 20)
+    whole = sum(len(r["token_s"]) for r in records) / 20
+    assert st["output_throughput"] > whole  # the tail does not dilute it
+
+
+def test_steady_state_windows_open_and_close_with_the_running_count():
+    records = [_rec(0, 2, 3), _rec(1, 4, 4), _rec(3, 6, 4)]
+    assert gpu.steady_windows(records, 2) == [(1, 2), (3, 4)]
+    assert gpu.steady_windows(records, 1) == [(0, 6)]  # always at least one decoding from 0 to 6
+    assert gpu.steady_state(records, concurrency=10) is None  # never 9 decoding
+    assert gpu.steady_state([{"send_s": 0.0, "token_s": [1.0]}], concurrency=1) is None  # no decode at all
+
+
+def test_the_large_run_goes_to_the_pdserve_systems_both_lists_name():
+    config = hf_config(BUILTIN_MODELS["tiny"])
+    cfg = gpu.GpuBenchConfig(
+        model="tiny",
+        device="cpu",
+        dtype="float32",
+        requests=8,
+        concurrency=4,
+        systems=("colocated", "static"),
+        large_requests=16,
+        large_concurrency=8,
+        out_dir=Path("/nonexistent"),
+    )
+    runs = gpu.plan_runs(cfg, config)
+    assert [(c.requests, c.concurrency, c.systems) for c, _ in runs] == [
+        (8, 4, ("colocated", "static")),
+        (16, 8, ("colocated",)),
+    ]
+    assert [w.label for _, w in runs] == ["sharegpt_like 8/4", "sharegpt_like 16/8"]
+    assert len(runs[1][1].requests) == 16
+    none = gpu.plan_runs(gpu.GpuBenchConfig(device="cpu", large_requests=0), config)
+    assert len(none) == 1
+    with pytest.raises(ValueError, match="--large-systems"):
+        gpu.GpuBenchConfig(device="cpu", large_systems=("static",))
+
+
+def test_parse_args_reads_the_large_run():
+    cfg = gpu.parse_args(["--device", "cpu", "--large-run", "0", "0"])
+    assert cfg.large_requests == 0
+    cfg = gpu.parse_args(["--device", "cpu", "--large-run", "64", "32", "--large-systems", "colocated", "disagg"])
+    assert (cfg.large_requests, cfg.large_concurrency, cfg.large_systems) == (64, 32, ("colocated", "disagg"))
+
+
+def test_the_report_shows_the_steady_state_kernels_and_the_graph_share(tmp_path):
+    st = {"threshold": 4, "window_s": 4.0, "share_of_run": 0.2, "tokens": 16, "output_throughput": 4.0}
+    summary = {
+        "output_throughput": 1.5,
+        "request_throughput": 0.2,
+        "tpot_s": {"p50": 0.01, "p99": 0.02},
+        "ttft_s": {"p50": 0.1, "p99": 0.2},
+        "e2e_s": {"mean": 1.0},
+        "slo_attainment": 1.0,
+        "num_failed": 0,
+    }
+    result = {
+        "system": "colocated",
+        "label": "sharegpt_like 8/4",
+        "ok": True,
+        "summary": summary,
+        "concurrency": 4,
+        "steady_state": st,
+        "decode_step": None,
+        "triton_compilations": 0,
+        "triton_compiled_at_start": 7,
+    }
+    counts = {
+        "colocated": {
+            "graph_steps": 90,
+            "eager_steps": 10,
+            "graph_tokens": 950,
+            "eager_tokens": 50,
+            "graph_decode_tokens": 400,
+            "eager_decode_tokens": 0,
+            "graph_captures": 0,
+        }
+    }
+    result["graphs"] = [gpu.graph_share(counts, "colocated", {"colocated": {"graph_captures": 12}})]
+    assert gpu.graph_share(counts, "decode", {}) is None  # a role without steps
+    kernels = {
+        "counted": True,
+        "layers": 28,
+        "limit": 300,
+        "steps": [{"kind": "decode", "total": 265, "per_layer": 9.0, "fixed": 13, "ops": {}}],
+    }
+    run = {
+        "config": {
+            "name": "t",
+            "model": "tiny",
+            "dtype": "float32",
+            "concurrency": 4,
+            "max_num_batched_tokens": 64,
+            "kv_cache_gb": 0.25,
+            "budget_s": 60.0,
+        },
+        "hardware": {
+            "device": "cpu",
+            "gpus": 0,
+            "prefill_device": "cpu",
+            "decode_device": "cpu",
+            "copy_GBps": 1.0,
+            "memory_GBps": 2.0,
+            "kv_copy_GBps": 1.0,
+        },
+        "workload": {"requests": 8, "prompt_tokens": 100, "output_tokens": 50},
+        "model_figures": {"weight_bytes_per_step": 1e6, "kv_bytes_per_token": 1024},
+        "runs": [
+            {},
+            {
+                "label": "sharegpt_like 16/8",
+                "concurrency": 8,
+                "systems": ["colocated"],
+                "workload": {"requests": 16, "prompt_tokens": 200, "output_tokens": 90},
+            },
+        ],
+        "kernels": kernels,
+        "checkpoint_s": 0.1,
+        "results": [result],
+    }
+    md = gpu.markdown(run)
+    assert "| sharegpt_like 8/4 | colocated | 4 | 4.0 | 20% | 4 | 2 | 0 (7) |" in md
+    assert "| decode | 265 | 9.0 | 13 |" in md and "limit for a decode step 300" in md
+    assert "| colocated | colocated | 100 | 10 | 90.0% | 95.0% | 100.0% | 0 (12) |" in md
+    assert "Then `sharegpt_like 16/8`: 16 requests" in md
+    optional("matplotlib")  # the bench extra's plotting: installed by [test], so CI fails without it
+    gpu.plot(run, tmp_path / "gpu.png")
+    assert (tmp_path / "gpu.png").stat().st_size > 0
+
+
+def test_compilations_are_the_triton_cache_folders_new_group_files(tmp_path):
+    import os
+
+    cache = tmp_path / "cache"
+    (cache / "stale").mkdir(parents=True)
+    (cache / "stale" / "__grp__old.json").write_text("{}")
+    with gpu.triton_cache(cache) as path:
+        assert os.environ["TRITON_CACHE_DIR"] == str(path) and gpu.compiled_kernels(path) == 0  # emptied first
+        for h, name in (("a1", "_k"), ("b2", "_k"), ("c3", "_j")):
+            (path / h).mkdir()
+            (path / h / f"__grp__{name}.json").write_text("{}")
+            (path / h / f"{name}.json").write_text("{}")  # the kernel's metadata: not a second compilation
+        assert gpu.compiled_kernels(path) == 3
+    assert os.environ.get("TRITON_CACHE_DIR") != str(cache)

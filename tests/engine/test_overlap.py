@@ -1,0 +1,230 @@
+"""An engine step as launch() + finish(), and the node's I/O between the two (what overlaps a GPU's work).
+
+On the CPU a launch computes the step before it returns; the node runs the same path, and with the
+engine marked `overlapped` (as on a GPU) it also holds each step's tokens back until the next launch.
+The tokens must be transformers' either way, and a request aborted while its step is in flight must
+get nothing from that step and keep its KV blocks until the step is done.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import zmq
+from test_engine import greedy_requests
+
+from pdserve.config import EngineConfig, NodeConfig
+from pdserve.engine.engine import Engine
+from pdserve.nodes.colocated import ColocatedNode
+from pdserve.wire import protocol as P
+from pdserve.wire import transport
+from tests.helpers import hf_greedy, mixed_workload
+
+WAIT_MS = 10_000
+
+
+def test_abort_between_launch_and_finish(tiny_models):
+    engine = Engine(EngineConfig(model=str(tiny_models["qwen3"]), num_kv_blocks=64))
+    prompts, outs = mixed_workload(4, 512, seed=6, max_prompt=40, max_out=8)
+    reqs = greedy_requests(prompts, outs)
+    for r in reqs:
+        engine.add(r)
+    got = {r.request_id: [o.token_id] for o in engine.step() for r in [o.request]}  # the prompts, first tokens
+    victim = reqs[0]  # asks for 8 tokens
+    step = engine.launch()
+    assert victim in step.members
+    with pytest.raises(RuntimeError, match="in flight"):
+        engine.launch()
+    used, held = engine.pool.allocator.num_used, len(victim.block_ids)
+    engine.abort(victim.request_id)
+    assert engine.pool.allocator.num_used == used  # the step may still write its KV
+    outputs = engine.finish(step)
+    assert victim.request_id not in [o.request.request_id for o in outputs]
+    assert engine.pool.allocator.num_used == used - held  # back once the step is done
+    for o in outputs:
+        got[o.request.request_id].append(o.token_id)
+    while engine.has_work():
+        for o in engine.step():
+            got[o.request.request_id].append(o.token_id)
+    ref = hf_greedy(tiny_models["qwen3"], prompts, outs)
+    assert [got[str(i)] for i in range(1, 4)] == ref[1:]
+    assert got["0"] == ref[0][:1] and engine.pool.allocator.num_free == 64
+
+
+def test_an_error_when_a_step_is_waited_for_fails_its_requests(tiny_models, monkeypatch):
+    """A device error surfaces at finish(), where the copy back is waited for: that step's requests fail, their
+    blocks come back, and the engine serves on."""
+    engine = Engine(EngineConfig(model=str(tiny_models["qwen3"]), num_kv_blocks=64))
+
+    class Broken:
+        def wait(self):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(engine.sampler, "launch", lambda *args: Broken())
+    prompts, outs = mixed_workload(3, 512, seed=8, max_prompt=20, max_out=6)
+    for r in greedy_requests(prompts, outs):
+        engine.add(r)
+    outputs = engine.step()
+    assert len(outputs) == 3 and all(o.finish_reason == "error" and "illegal memory" in o.error for o in outputs)
+    assert engine.pool.allocator.num_free == 64 and not engine.requests and not engine.in_flight
+    monkeypatch.undo()
+    for r in greedy_requests(prompts[:1], outs[:1]):
+        engine.add(r)
+    assert [o.token_id for o in engine.step()] == hf_greedy(tiny_models["qwen3"], prompts[:1], [1])[0]
+
+
+class Router:
+    """The router's side of a node's front socket, driven by hand."""
+
+    def __init__(self, node: ColocatedNode) -> None:
+        self.node = node
+        self.sock = node.ctx.socket(zmq.DEALER)  # closed with the node's context
+        self.sock.connect(node.front_addr)
+        self.events: dict[str, list[P.TokenEvent]] = {}
+
+    def send(self, msg) -> None:
+        """Send; returns once the node's socket has it (the node's next loop reads it)."""
+        transport.send(self.sock, msg)
+        assert self.node.front.poll(WAIT_MS), "the node got nothing"
+
+    def collect(self, published: int) -> None:
+        """Read until the `published` events the node has sent so far are all in."""
+        while sum(map(len, self.events.values())) < published or self.sock.poll(0):
+            assert self.sock.poll(WAIT_MS), "the node's events did not come"
+            msg = transport.recv(self.sock)[1]
+            for e in msg.all() if isinstance(msg, P.TokenEvents) else []:
+                self.events.setdefault(e.request_id, []).append(e)
+
+    def tokens(self, rid: str) -> list[int]:
+        return [t for e in self.events.get(rid, []) for t in e.token_ids]
+
+    def finished(self, rid: str) -> bool:
+        return any(e.finish_reason for e in self.events.get(rid, []))
+
+
+def traced(node: ColocatedNode, trace: list) -> None:
+    """Record the node's engine calls, message handling and publishing, in order."""
+    engine = node.engine
+    launch, finish, drain, on_outputs = engine.launch, engine.finish, node.drain, node.on_outputs
+
+    def traced_launch():
+        step = launch()
+        trace.append(("launch", step))
+        return step
+
+    def traced_finish(step):
+        outputs = finish(step)
+        trace.append(("finish", outputs))
+        return outputs
+
+    def traced_drain(sock):
+        trace.append(("drain", None))
+        drain(sock)
+
+    def traced_outputs(outputs):
+        trace.append(("publish", outputs))
+        on_outputs(outputs)
+
+    engine.launch, engine.finish = traced_launch, traced_finish
+    node.drain, node.on_outputs = traced_drain, traced_outputs
+
+
+def start_greedy_workload(node, overlapped: bool) -> tuple[Router, list, list[list[int]], list[int]]:
+    """Trace `node`'s steps, greet it as a router, and send it five greedy requests of a mixed workload: the
+    router, the trace, and the requests' prompts and output lengths."""
+    node.engine.overlapped = overlapped
+    trace: list = []
+    traced(node, trace)
+    router = Router(node)
+    router.send(P.Hello(P.PROTOCOL_VERSION, "router"))
+    node.loop_once()
+    prompts, outs = mixed_workload(5, 512, seed=9, max_prompt=40, max_out=10)
+    for r in greedy_requests(prompts, outs):
+        router.send(P.Generate(r.request_id, r.prompt_token_ids, r.params))
+    return router, trace, prompts, outs
+
+
+@pytest.mark.parametrize("overlapped", [False, True], ids=["cpu-order", "gpu-order"])
+def test_node_io_between_launch_and_finish(tiny_models, overlapped):
+    """A colocated node in-process: its messages are handled between launch and finish; with the GPU's order a
+    step's tokens go out after the next launch. Tokens equal transformers'; an abort handled while the
+    request's step is in flight stops it at once, and every block comes back."""
+    cfg = NodeConfig("colocated", EngineConfig(model=str(tiny_models["qwen3"]), num_kv_blocks=64))
+    node = ColocatedNode(cfg)
+    try:
+        router, trace, prompts, outs = start_greedy_workload(node, overlapped)
+        victim, aborted_in_flight = "0", []  # asks for 10 tokens
+        for _ in range(200):
+            node.loop_once()
+            router.collect(published(trace))
+            if len(router.tokens(victim)) == 2 and not aborted_in_flight:
+                router.send(P.Abort(victim))
+                node.loop_once()  # its launch runs the victim's step, its drain handles the abort
+                step = next(s for what, s in reversed(trace) if what == "launch")
+                aborted_in_flight.append(
+                    step is not None
+                    and node.engine.requests.get(victim) is None
+                    and any(r.request_id == victim for r in step.members)
+                )
+                router.collect(published(trace))
+            if all(router.finished(str(i)) for i in range(1, 5)) and not node.held:
+                break
+        ref = hf_greedy(tiny_models["qwen3"], prompts, outs)
+        assert [router.tokens(str(i)) for i in range(1, 5)] == ref[1:]
+        assert aborted_in_flight == [True]
+        assert router.tokens(victim) == ref[0][: len(router.tokens(victim))] and not router.finished(victim)
+        assert len(router.tokens(victim)) == (3 if overlapped else 2)  # the GPU order held one back at the abort
+        assert node.engine.pool.allocator.num_free == 64 and not node.engine.requests
+        check_order(trace, overlapped)
+    finally:
+        node.close()
+
+
+def published(trace: list) -> int:
+    return sum(len(outputs) for what, outputs in trace if what == "publish")
+
+
+def check_order(trace: list, overlapped: bool) -> None:
+    """Messages are handled between a launch and its finish; a step's tokens go out (each once) right after the
+    next launch when overlapped, else right after their own step's finish."""
+    for k, (what, _) in enumerate(trace):
+        if what == "drain":
+            assert next(w for w, _ in reversed(trace[:k]) if w in ("launch", "finish")) == "launch"
+        if what == "publish":
+            assert trace[k - 1][0] == ("launch" if overlapped else "finish")
+    sent = [id(o) for what, outputs in trace if what == "publish" for o in outputs]
+    assert sent == [id(o) for what, outputs in trace if what == "finish" for o in outputs]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_launch_never_waits_for_the_device(tiny_models):
+    """On a GPU, launch() queues the whole step without one synchronizing call (torch raises on any in this
+    mode): prompt chunks beside decodes and pure decodes (replayed graphs), a prompt echoed with more rows than a
+    bucket computes (eager), greedy, sampled and penalised rows, log-probabilities of samples and of prompts."""
+    import dataclasses
+
+    engine = Engine(EngineConfig(model=str(tiny_models["qwen3"]), device="cuda:0", max_num_seqs=8))
+    prompts, outs = mixed_workload(8, 512, seed=12, max_prompt=60, max_out=12)
+    reqs = greedy_requests(prompts, outs)
+    reqs[5].params = dataclasses.replace(
+        reqs[5].params, temperature=0.8, top_k=20, top_p=0.9, seed=3, repetition_penalty=1.1, logprobs=2
+    )
+    reqs[6].params = dataclasses.replace(reqs[6].params, prompt_logprobs=1)
+    for r in reqs[:4]:
+        engine.add(r)
+    engine.step()  # the first steps compile Triton's kernels and fill the caching allocators
+    engine.step()
+    for r in reqs[4:]:  # their prompts run beside the first four's decodes
+        engine.add(r)
+    launched = 0
+    while engine.has_work():
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step = engine.launch()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert not step.error, step.error
+        launched += 1
+        assert not any(o.finish_reason == "error" for o in engine.finish(step))
+    assert launched > 5 and engine.pool.allocator.num_free == engine.pool.num_blocks

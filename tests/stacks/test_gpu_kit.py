@@ -1,0 +1,193 @@
+"""The GPU kit starts on a host like the GPU box: scripts/gpu_run.sh in its CPU mode, in a fresh venv that holds
+only torch, transformers and triton (each with what it requires, as the box's do) and pip, plus the wheels that
+`scripts/deps.py fetch` downloads for this machine's Python.
+
+The venv is made cheaply and honestly: `python -m venv --without-pip`, then its site-packages gets symlinks to
+those distributions' files (and pip's) in this interpreter's site-packages, nothing else; it does not see the
+rest of this environment (no --system-site-packages). The wheels come from PyPI (pip's own cache makes a
+second fetch cheap); without PyPI the test cannot build the box and is skipped, saying so. They are installed
+once (all but one, into a site folder the gpu_run.sh runs start from: each installs only what its site lacks).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BOX_HAS = ("torch", "transformers", "triton", "pip")
+
+
+def _requires(dist: md.Distribution) -> list[str]:
+    """Names of the distributions `dist` requires here (markers evaluated, no extras)."""
+    from packaging.requirements import Requirement
+
+    out = []
+    for line in dist.requires or []:
+        req = Requirement(line)
+        if req.marker is None or req.marker.evaluate({"extra": ""}):
+            out.append(req.name)
+    return out
+
+
+def closure(names: tuple[str, ...]) -> list[md.Distribution]:
+    """The distributions named and everything they require, as installed here."""
+    seen: dict[str, md.Distribution] = {}
+    todo = list(names)
+    while todo:
+        name = re.sub(r"[-_.]+", "-", todo.pop()).lower()
+        if name in seen:
+            continue
+        try:
+            seen[name] = md.distribution(name)
+        except md.PackageNotFoundError:
+            continue  # an optional requirement this environment does not hold: the box would not either
+        todo += _requires(seen[name])
+    return list(seen.values())
+
+
+def box_like_venv(root: Path) -> Path:
+    """A venv whose site-packages links only BOX_HAS and their requirements; returns its bin folder."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True)
+    site = next(root.glob("lib/python*/site-packages"))
+    for dist in closure(BOX_HAS):
+        base = Path(dist.locate_file(""))
+        tops = {Path(str(f)).parts[0] for f in dist.files or []} - {"..", "__pycache__"}
+        for top in tops:
+            src = base / top
+            if src.exists() and not (site / top).exists():
+                (site / top).symlink_to(src)
+    return root / "bin"
+
+
+@pytest.fixture(scope="module")
+def box(tmp_path_factory) -> tuple[Path, Path]:
+    """(the box-like venv's bin folder, the wheels fetched for this machine's Python)."""
+    root = tmp_path_factory.mktemp("box")
+    wheels = root / "wheels"
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "deps.py"),
+            "fetch",
+            "--dest",
+            str(wheels),
+            "--platform",
+            *_platforms(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if r.returncode != 0:
+        pytest.skip(f"the wheels could not be fetched (is PyPI reachable?): {r.stderr[-500:]}")
+    return box_like_venv(root / "venv"), wheels
+
+
+def _platforms() -> list[str]:
+    """This machine's wheel platform tags (manylinux ones and the plain one)."""
+    from packaging.tags import sys_tags
+
+    return sorted({t.platform for t in sys_tags() if t.platform != "any"})[:20]
+
+
+def _env(bin_dir: Path, tmp: Path, wheels: Path, site: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(
+        PATH=f"{bin_dir}:{env['PATH']}",
+        WHEELS=str(wheels),
+        OUT=str(tmp / "out"),
+        GPU_RUN_WORK=str(tmp / "work"),
+        GPU_RUN_SITE=str(site),
+    )
+    return env
+
+
+@pytest.fixture(scope="module")
+def site(box, tmp_path_factory) -> tuple[Path, Path]:
+    """(a site folder holding every wheel's distribution but prometheus_client's, installed there by `deps.py
+    install` as gpu_run.sh runs it; the wheels without prometheus_client's). The tests below run gpu_run.sh on it,
+    which installs only what a site lacks: the wheels are unpacked once."""
+    bin_dir, wheels = box
+    root = tmp_path_factory.mktemp("site")
+    partial = root / "partial"
+    partial.mkdir()
+    for w in wheels.glob("*.whl"):
+        if not w.name.lower().startswith("prometheus_client"):
+            (partial / w.name).symlink_to(w)
+    argv = [
+        str(bin_dir / "python3"),
+        str(ROOT / "scripts" / "deps.py"),
+        "install",
+        "--wheels",
+        str(partial),
+        "--target",
+        str(root / "site"),
+    ]
+    r = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, env=_env(bin_dir, root, partial, root / "site"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    return root / "site", partial
+
+
+def test_the_box_venv_lacks_the_serving_dependencies(box):
+    bin_dir, _ = box
+    nowhere = Path("/nonexistent")
+    r = subprocess.run(
+        [str(bin_dir / "python3"), str(ROOT / "scripts" / "deps.py"), "check"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=_env(bin_dir, nowhere, nowhere, nowhere),
+    )
+    assert r.returncode == 1
+    assert "pyzmq is not installed" in r.stderr and "fastapi is not installed" in r.stderr
+    assert "torch" not in r.stderr and "transformers" not in r.stderr  # those the box has
+
+
+def test_a_missing_dependency_stops_gpu_run_before_anything_starts(box, site, tmp_path):
+    bin_dir, _ = box
+    folder, partial = site
+    r = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_run.sh"), "--cpu"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=_env(bin_dir, tmp_path, partial, folder),
+        timeout=300,
+    )
+    assert r.returncode == 3, r.stdout[-2000:]
+    assert re.search(r"deps install: 0 of \d+ wheels needed here", r.stdout), r.stdout[-2000:]  # the site holds them
+    assert "prometheus_client is not installed" in r.stdout
+    assert "smoke" not in r.stdout  # no stack was started
+
+
+def test_gpu_run_cpu_mode_passes_in_the_box_venv(box, site, tmp_path):
+    bin_dir, wheels = box
+    folder = tmp_path / "site"  # the shared site's entries (links), to which gpu_run.sh adds prometheus_client
+    folder.mkdir()
+    for entry in site[0].iterdir():
+        (folder / entry.name).symlink_to(entry)
+    r = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_run.sh"), "--cpu"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=_env(bin_dir, tmp_path, wheels, folder),
+        timeout=1500,
+    )
+    log = r.stdout
+    assert r.returncode == 0, log[-4000:]
+    assert re.search(r"deps install: 1 of \d+ wheels needed here", log), log[-4000:]  # prometheus_client, not the rest
+    assert re.search(r"dependencies: \d+ import", log)
+    assert "smoke: exit code 0" in log and "gpu_check: exit code 0" in log and "bench.gpu: exit code 0" in log
+    out = tmp_path / "out"
+    assert {"gpu_run.log", "gpu_check.json", "gpu.json", "gpu.md", "logs.tar.gz"} <= {p.name for p in out.iterdir()}
+    assert (folder / "prometheus_client").is_dir()  # the serving dependencies came from the wheels, installed there
+    shutil.rmtree(tmp_path / "work", ignore_errors=True)
