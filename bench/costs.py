@@ -113,17 +113,17 @@ class Costs:
 
 def _engine(model: str, prefill_only: bool, max_tokens_budget: int):
     from pdserve.config import EngineConfig
-    from pdserve.engine.engine import Engine
+    from pdserve.nodes.parts import build_engine
 
     cfg = EngineConfig(
         model=model, dtype="float32", max_num_seqs=16, max_num_batched_tokens=max_tokens_budget, kv_cache_gb=0.25
     )
-    return Engine(cfg, prefill_only=prefill_only)
+    return build_engine(cfg, prefill_only=prefill_only)
 
 
 def _request(rid: str, prompt_len: int, max_tokens: int):
     from pdserve.engine.request import Request
-    from pdserve.wire.protocol import SamplingParams
+    from pdserve.wire.params import SamplingParams
 
     ids = [(7 * i + 3) % 4000 + 10 for i in range(prompt_len)]
     return Request(rid, ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))

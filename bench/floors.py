@@ -53,7 +53,7 @@ class TimedRunner:
 
 def _add_all(engine, workload: Workload, tag: str) -> None:
     from pdserve.engine.request import Request
-    from pdserve.wire.protocol import SamplingParams
+    from pdserve.wire.params import SamplingParams
 
     for i, r in enumerate(workload.requests):
         params = SamplingParams(max_tokens=r.output_len, temperature=0, ignore_eos=True)
@@ -63,7 +63,7 @@ def _add_all(engine, workload: Workload, tag: str) -> None:
 def _warm_up(engine, workload: Workload) -> None:
     """The first requests' prompts with a few output tokens each: first-call costs stay out of the timing."""
     from pdserve.engine.request import Request
-    from pdserve.wire.protocol import SamplingParams
+    from pdserve.wire.params import SamplingParams
 
     params = SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0, ignore_eos=True)
     for i, r in enumerate(workload.requests[:WARMUP_REQUESTS]):
@@ -88,9 +88,9 @@ def _timed_steps(engine, timed: TimedRunner, bar: tqdm) -> list[tuple[float, flo
 
 def engine_overhead(cfg, workload: Workload, progress: bool = True) -> dict:
     """Engine step time vs bare forward time over `workload`, run closed; `cfg` is an EngineConfig."""
-    from pdserve.engine.engine import Engine
+    from pdserve.nodes.parts import build_engine
 
-    engine = Engine(cfg)
+    engine = build_engine(cfg)
     _warm_up(engine, workload)
     timed = TimedRunner(engine.runner)
     engine.runner = timed

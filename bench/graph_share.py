@@ -87,10 +87,10 @@ def replay(
     """Run bench.gpu's workload through the mock engine closed at `concurrency`; the tallies and shares."""
     from bench.gpu import GpuBenchConfig
     from pdserve.config import EngineConfig
-    from pdserve.engine.engine import Engine
     from pdserve.engine.request import Request
+    from pdserve.nodes.parts import build_engine
     from pdserve.runner.cuda_graphs import plan
-    from pdserve.wire.protocol import SamplingParams
+    from pdserve.wire.params import SamplingParams
 
     gpu = GpuBenchConfig(device="cpu")
     budget = max_num_batched_tokens or gpu.max_num_batched_tokens
@@ -103,7 +103,7 @@ def replay(
         max_num_batched_tokens=budget,
         kv_cache_gb=gpu.kv_cache_gb,
     )
-    engine = Engine(cfg)
+    engine = build_engine(cfg)
     recorder = engine.runner = StepRecorder(engine.runner, plan(budget, concurrency), cfg.block_size)
     queue = [
         Request(

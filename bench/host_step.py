@@ -21,6 +21,7 @@ is scheduled and packed while step N runs).
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import subprocess
@@ -139,10 +140,12 @@ def stub_engine(n: int, prompt: int, steps: int, device: StubDevice, ahead: bool
         True,
         **extra,
     )
-    engine_mod.build_parts = lambda *a, **k: parts
     cfg = {"max_num_seqs": n, "max_num_batched_tokens": 8192, "model": "tiny"}
     if ahead:
         cfg["async_scheduling"] = True
+    if "parts" in inspect.signature(engine_mod.Engine).parameters:
+        return engine_mod.Engine(EngineConfig(**cfg), parts)
+    engine_mod.build_parts = lambda *a, **k: parts  # a tree whose engine built its own parts
     return engine_mod.Engine(EngineConfig(**cfg))
 
 
@@ -150,7 +153,7 @@ def measure(n: int, prompt: int, steps: int, device_ms: float, ahead: bool) -> d
     import random
 
     from pdserve.engine.request import Request
-    from pdserve.wire.protocol import SamplingParams
+    from pdserve.wire.params import SamplingParams
 
     device = StubDevice(device_ms / 1000)
     engine = stub_engine(n, prompt, steps, device, ahead)

@@ -229,7 +229,7 @@ def count_step(runner, chunks: list[tuple[int, int]]) -> Counter[str]:
     """Kernels of one eager step: inputs, forward, greedy sampling."""
     from pdserve.engine.request import Request
     from pdserve.runner.sampling import Sampler
-    from pdserve.wire.protocol import SamplingParams
+    from pdserve.wire.params import SamplingParams
 
     flat = flat_inputs(chunks)
     requests = [Request(str(i), [7], SamplingParams(temperature=0.0)) for i in range(len(chunks))]

@@ -27,8 +27,9 @@ import zmq
 from pdserve.kv.block_allocator import BlockAllocator, blocks_for
 from pdserve.kv.pool import KVLayout, KVPool
 from pdserve.kv.transfer import make_backend
-from pdserve.wire import protocol as P
 from pdserve.wire import transport
+from pdserve.wire.codec import encode
+from pdserve.wire.messages import PROTOCOL_VERSION, Abort, Hello, KvAck, KvHello
 
 # the `small` built-in's KV layout: 8 layers, 4 KV heads, head dim 64, fp32 -> 16 KiB per token
 LAYOUT = KVLayout(8, 4, 64, 16, "float32", "bench")
@@ -72,19 +73,19 @@ def _receiver(addr: str, backend_name: str, num_blocks: int, tokens: int, raw: b
         return
     pool = KVPool(LAYOUT, num_blocks)
     backend = make_backend(backend_name)
-    sock.send(P.encode(P.Hello(P.PROTOCOL_VERSION, "decode")))
+    sock.send(encode(Hello(PROTOCOL_VERSION, "decode")))
     _, hello, _ = transport.recv(sock)
     source = backend.attach(hello.pool_handle, LAYOUT, "cpu")
     dst = _blocks(num_blocks, blocks_for(tokens, LAYOUT.block_size), 2, placement)
     landed = 0
     while True:
         _, msg, frames = transport.recv(sock)
-        if isinstance(msg, P.Abort):
+        if isinstance(msg, Abort):
             break
         landed += backend.unpack(pool, dst, tokens, msg, frames, source)
         if landed == LAYOUT.num_layers:
             landed = 0
-            transport.send(sock, P.KvAck(msg.request_id, True))
+            transport.send(sock, KvAck(msg.request_id, True))
     backend.close()
     ctx.destroy(linger=0)
 
@@ -107,7 +108,7 @@ def measure_backend(name: str, addr: str, tokens: int, repeats: int, placement: 
     proc = mp.get_context("spawn").Process(target=_receiver, args=(bound, name, num_blocks, tokens, False, placement))
     proc.start()
     ident, _, _ = transport.recv(sock, routed=True)
-    hello = P.KvHello(P.PROTOCOL_VERSION, LAYOUT.to_dict(), name, backend.handle())
+    hello = KvHello(PROTOCOL_VERSION, LAYOUT.to_dict(), name, backend.handle())
     transport.send(sock, hello, identity=ident)
     times = []
     for i in range(repeats + 1):
@@ -116,7 +117,7 @@ def measure_backend(name: str, addr: str, tokens: int, repeats: int, placement: 
             transport.send(sock, header, frames, identity=ident)
         transport.recv(sock, routed=True)  # the KvAck
         times.append(time.perf_counter() - t0)
-    transport.send(sock, P.Abort("stop"), identity=ident)
+    transport.send(sock, Abort("stop"), identity=ident)
     proc.join()
     backend.close()
     ctx.destroy(linger=0)

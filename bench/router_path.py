@@ -29,7 +29,9 @@ from pdserve.router import api
 from pdserve.router.core import NodeConn, RouterCore
 from pdserve.router.stream import Outbox, SseStream
 from pdserve.router.text import load_model_info
-from pdserve.wire import protocol as P
+from pdserve.wire.codec import encode
+from pdserve.wire.messages import TokenEvent, TokenEvents
+from pdserve.wire.params import Role
 
 MAX_STEPS = 2000  # each stream's answer is --steps + 2 tokens, within the tiny model's context of 2048
 
@@ -63,13 +65,13 @@ def _core(token_path: str) -> RouterCore:
     return core
 
 
-def _node(core: RouterCore, role: P.Role) -> NodeConn:
+def _node(core: RouterCore, role: Role) -> NodeConn:
     return next(n for n in core.nodes if n.role is role)
 
 
 async def one_round(core: RouterCore, info, streams: int, steps: int, cold: list) -> float:
     """CPU µs per token of `steps` messages of one token for each of `streams` streams."""
-    prefill, decode = _node(core, P.Role.PREFILL), _node(core, P.Role.DECODE)
+    prefill, decode = _node(core, Role.PREFILL), _node(core, Role.DECODE)
     outbox, written = Outbox(), []
     flights = []
     for _ in range(streams):
@@ -78,13 +80,11 @@ async def one_round(core: RouterCore, info, streams: int, steps: int, cold: list
         flight = core.submit(job.prompt_ids, job.params)
         stream = SseStream(core, info, [job], False, [flight], SimpleNamespace(usage=None), "stream", outbox)
         stream.attach(written.append)
-        core._on_message(decode, [P.encode(P.TokenEvents.of([P.TokenEvent(flight.request_id, [])]))])
-        core._on_message(prefill, [P.encode(P.TokenEvents.of([P.TokenEvent(flight.request_id, [300])]))])
+        core._on_message(decode, [encode(TokenEvents.of([TokenEvent(flight.request_id, [])]))])
+        core._on_message(prefill, [encode(TokenEvents.of([TokenEvent(flight.request_id, [300])]))])
         flights.append(flight)
     messages = [
-        P.encode(
-            P.TokenEvents.of([P.TokenEvent(f.request_id, [256 + (k * 7 + i) % 250]) for i, f in enumerate(flights)])
-        )
+        encode(TokenEvents.of([TokenEvent(f.request_id, [256 + (k * 7 + i) % 250]) for i, f in enumerate(flights)]))
         for k in range(steps)
     ]
     await asyncio.sleep(0)

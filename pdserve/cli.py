@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pdserve.config import ROLES, EngineConfig, NodeConfig, RouterConfig
 from pdserve.flags import GLOBAL_FLAGS, add_flags, add_verb_flags, from_args
 from pdserve.startup import check_checkpoint, check_device, check_port_free
-from pdserve.wire.protocol import Role
+from pdserve.wire.params import Role
 
 log = logging.getLogger("pdserve")
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.checkpoint import BUILTIN_MODELS
-from pdserve.wire.protocol import NODE_ROLES, KvTransport, Role
+from pdserve.wire.params import NODE_ROLES, KvTransport, Role
 
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 CPU_KERNELS = ("auto", "on", "off")

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.config import EngineConfig, LaunchConfig, LogConfig, NodeConfig, RouterConfig, ScaleConfig
-from pdserve.wire.protocol import NODE_ROLES, Role
+from pdserve.wire.params import NODE_ROLES, Role
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from pdserve.config import DEVICE, EngineConfig, NodeConfig, RouterConfig
 from pdserve.flags import engine_argv, from_args, router_command, router_options
 from pdserve.process import die_with_parent
 from pdserve.startup import READY_TIMEOUT_S, check_checkpoint, check_device, check_port_free
-from pdserve.wire.protocol import KvTransport, Role
+from pdserve.wire.params import KvTransport, Role
 
 
 def _cores(spec: str | None, index: int, pin: bool) -> str:

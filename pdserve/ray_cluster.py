@@ -49,7 +49,7 @@ from pdserve.launcher import _wait_http, check_stack, router_env, start_child, s
 from pdserve.process import die_with_parent
 from pdserve.router.membership import RAY_NAMESPACE, controller_name
 from pdserve.startup import READY_TIMEOUT_S
-from pdserve.wire.protocol import KvTransport, Role
+from pdserve.wire.params import KvTransport, Role
 
 log = logging.getLogger("pdserve.ray")
 HEARTBEAT_S = 1.0

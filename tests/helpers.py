@@ -17,7 +17,7 @@ import torch
 import transformers
 import zmq
 
-from pdserve.wire import protocol as P
+from pdserve.wire.codec import decode
 
 
 def wait_until(cond, timeout: float, interval: float = 0.05) -> bool:
@@ -225,7 +225,7 @@ class FakeNodeSock:
         self.sent: list = []
 
     def send(self, data: bytes, flags: int = 0) -> None:
-        self.sent.append(P.decode(data))
+        self.sent.append(decode(data))
 
     def get(self, option: int) -> int:
         return 0  # ZMQ_EVENTS: no message waiting

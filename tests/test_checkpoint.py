@@ -11,7 +11,7 @@ from test_engine import greedy_requests, run_engine
 
 from pdserve.checkpoint import BUILTIN_MODELS, ModelSpec, hf_config, write_random_checkpoint
 from pdserve.config import EngineConfig
-from pdserve.engine.engine import Engine
+from pdserve.nodes.parts import build_engine
 
 TIED_BF16 = ModelSpec("qwen3", 512, 64, 128, 2, 4, 2, 16, 1024, seed=4, tie_embeddings=True, dtype="bfloat16")
 
@@ -44,5 +44,5 @@ def test_tied_bf16_checkpoint_loads_at_float32_and_serves_like_transformers(tmp_
     assert hf.dtype == torch.float32 and hf.lm_head.weight is hf.model.embed_tokens.weight
     prompts, outs = mixed_workload(6, 512, seed=5, max_prompt=60, max_out=8)
     ref = hf_greedy(path, prompts, outs)  # transformers ties the head to the embedding on load
-    got = run_engine(Engine(EngineConfig(model=str(path), dtype="float32")), greedy_requests(prompts, outs))
+    got = run_engine(build_engine(EngineConfig(model=str(path), dtype="float32")), greedy_requests(prompts, outs))
     assert [got[str(i)] for i in range(len(prompts))] == ref

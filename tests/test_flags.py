@@ -12,7 +12,7 @@ from pdserve.checkpoint import BUILTIN_MODELS
 from pdserve.cli import build_parser
 from pdserve.config import EngineConfig, LogConfig, NodeConfig, RouterConfig
 from pdserve.flags import VERB_FLAGS, from_args
-from pdserve.wire.protocol import Role
+from pdserve.wire.params import Role
 
 
 def _subparsers(p: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:

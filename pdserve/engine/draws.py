@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.engine.request import Request
-from pdserve.wire.protocol import FinishReason, SamplingParams
+from pdserve.wire.params import FinishReason, SamplingParams
 
 
 @dataclass(frozen=True)

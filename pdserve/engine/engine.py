@@ -29,12 +29,13 @@ from typing import Any
 
 from pdserve.config import EngineConfig
 from pdserve.engine.draws import Drawn, TokenLogprob, finish_reason
-from pdserve.engine.parts import build_parts
+from pdserve.engine.parts import EngineParts
 from pdserve.engine.request import Request, Status
 from pdserve.engine.scheduler import Batch, Scheduler
 from pdserve.kv.backend import KvBackend, Message
 from pdserve.kv.block_allocator import blocks_for
-from pdserve.wire.protocol import ErrorCode, FinishReason, KvData, Role, chain_seed, kv_tokens_needed
+from pdserve.wire.messages import KvData
+from pdserve.wire.params import ErrorCode, FinishReason, Role, chain_seed, kv_tokens_needed
 
 log = logging.getLogger("pdserve.engine")
 
@@ -84,10 +85,10 @@ def checksum_mismatch(got: list[int], want: list[int]) -> str:
 
 
 class Engine:
-    def __init__(self, cfg: EngineConfig, prefill_only: bool = False, pool_storage=None) -> None:
+    def __init__(self, cfg: EngineConfig, parts: EngineParts, prefill_only: bool = False) -> None:
+        """An engine over `parts` (the model's, or the mock's: pdserve/nodes/parts.py builds them)."""
         self.cfg = cfg
         self.prefill_only = prefill_only
-        parts = build_parts(cfg, prefill_only, pool_storage)  # the model's, or the mock's (no torch)
         self.guides, self.layout, self.pool = parts.guides, parts.layout, parts.pool
         self.runner, self.sampler, self.max_model_len = parts.runner, parts.sampler, parts.max_model_len
         seed = chain_seed(self.layout.model_fingerprint) if cfg.prefix_caching else None

@@ -22,7 +22,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.wire.protocol import SamplingParams
+from pdserve.wire.params import SamplingParams
 
 
 class Status(enum.Enum):

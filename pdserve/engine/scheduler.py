@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.request import Request, Status
 from pdserve.kv.block_allocator import BlockAllocator
-from pdserve.wire.protocol import block_hashes
+from pdserve.wire.params import block_hashes
 
 # A new request waits for a prefix a running request is computing when that saves it at least this many blocks.
 WAIT_FOR_PREFIX_BLOCKS = 4

@@ -20,13 +20,17 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from pdserve.kv.block_allocator import blocks_for
 from pdserve.kv.layout import KVLayout
-from pdserve.kv.peers import TransferError
-from pdserve.wire import protocol as P
+from pdserve.wire.messages import KvData
 
 if TYPE_CHECKING:
     from pdserve.kv.pool import KVPool
 
-Message = tuple[P.KvData, list]  # a KvData header and its raw frames, as pack() yields them and unpack() takes them
+Message = tuple[KvData, list]  # a KvData header and its raw frames, as pack() yields them and unpack() takes them
+
+
+class TransferError(ValueError):
+    """A KV transfer that cannot go on: a message that does not fit its request, a peer's pool that cannot be
+    mapped, a lease run out."""
 
 
 @runtime_checkable
@@ -53,7 +57,7 @@ class KvBackend(Protocol):
         """The messages that carry the KV of `num_tokens` tokens held by `block_ids`."""
 
     def unpack(
-        self, pool: KVPool, dst_blocks: list[int], num_tokens: int, header: P.KvData, frames: list, source: Any | None
+        self, pool: KVPool, dst_blocks: list[int], num_tokens: int, header: KvData, frames: list, source: Any | None
     ) -> int:
         """Land one message in `dst_blocks` (from `source`, what attach() mapped); return how many layers it carried.
         TransferError when the message does not fit the request."""
@@ -95,18 +99,18 @@ class InProcessBackend(NoSharedPool):
     name = "in_process"
 
     def __init__(self) -> None:
-        self.sent: list[P.KvData] = []
+        self.sent: list[KvData] = []
 
     def pack(self, pool: KVPool, request_id: str, block_ids: list[int], num_tokens: int) -> Iterator[Message]:
         blocks = block_ids[: blocks_for(num_tokens, pool.block_size)]
         for layer in range(pool.layout.num_layers):
             kv = pool.export_blocks(layer, blocks)  # [2, nkv, n_blocks * bs, d]
-            header = P.KvData(request_id, pool.layout.dtype, list(kv.shape), layer)
+            header = KvData(request_id, pool.layout.dtype, list(kv.shape), layer)
             self.sent.append(header)
             yield header, [kv]
 
     def unpack(
-        self, pool: KVPool, dst_blocks: list[int], num_tokens: int, header: P.KvData, frames: list, source: Any | None
+        self, pool: KVPool, dst_blocks: list[int], num_tokens: int, header: KvData, frames: list, source: Any | None
     ) -> int:
         lay = pool.layout
         n_blocks = blocks_for(num_tokens, pool.block_size)

@@ -18,7 +18,7 @@ import math
 import random
 
 from pdserve.kv.backend import Message
-from pdserve.wire import protocol as P
+from pdserve.wire.messages import KvData
 
 DELAY_S = 0.3
 
@@ -49,7 +49,7 @@ class FaultInjector:
             messages[i] = self._corrupted(header, frames, num_tokens, pool_blocks)
         return messages
 
-    def _corrupted(self, header: P.KvData, frames: list, num_tokens: int, pool_blocks: int) -> Message:
+    def _corrupted(self, header: KvData, frames: list, num_tokens: int, pool_blocks: int) -> Message:
         if not frames:  # a shared pool: name a wrong source block
             blocks = list(header.src_blocks)
             j = self.damage_rng.randrange(len(blocks))
@@ -61,7 +61,7 @@ class FaultInjector:
         return header, [data, *frames[1:]]
 
 
-def _truncated(header: P.KvData, frames: list) -> Message:
+def _truncated(header: KvData, frames: list) -> Message:
     if not frames:
         return dataclasses.replace(header, src_blocks=list(header.src_blocks)[:-1]), frames
     data = memoryview(frames[0]).cast("B")

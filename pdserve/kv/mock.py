@@ -13,11 +13,10 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 
-from pdserve.kv.backend import Message, NoSharedPool
+from pdserve.kv.backend import Message, NoSharedPool, TransferError
 from pdserve.kv.block_allocator import blocks_for
 from pdserve.kv.layout import DTYPE_BYTES, KVLayout
-from pdserve.kv.peers import TransferError
-from pdserve.wire import protocol as P
+from pdserve.wire.messages import KvData
 
 
 class MockKvBackend(NoSharedPool):
@@ -32,14 +31,14 @@ class MockKvBackend(NoSharedPool):
         """Yield (header, frames): per layer a frame of the blocks' real size, or one header for every layer."""
         lay = pool.layout
         if self.header_only:
-            yield P.KvData(request_id, lay.dtype, self._shape(lay, num_tokens), -1, list(block_ids)), []
+            yield KvData(request_id, lay.dtype, self._shape(lay, num_tokens), -1, list(block_ids)), []
             return
         shape = self._shape(lay, blocks_for(num_tokens, lay.block_size) * lay.block_size)
         frame = self._frame(math.prod(shape) * DTYPE_BYTES[lay.dtype])
         for layer in range(lay.num_layers):
-            yield P.KvData(request_id, lay.dtype, shape, layer), [frame]
+            yield KvData(request_id, lay.dtype, shape, layer), [frame]
 
-    def unpack(self, pool, dst_blocks: list[int], num_tokens: int, header: P.KvData, frames: list, source: None) -> int:
+    def unpack(self, pool, dst_blocks: list[int], num_tokens: int, header: KvData, frames: list, source: None) -> int:
         """Check one message as the zmq backend would; return how many layers it carried."""
         lay = pool.layout
         if header.layer == -1:  # header only (the sender's --mock-kv decides)

@@ -10,17 +10,13 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from pdserve.wire.protocol import KvTransport
+from pdserve.wire.params import KvTransport
 
 if TYPE_CHECKING:
     from pdserve.kv.backend import KvBackend
 
 L = TypeVar("L")  # how a peer is reached
 R = TypeVar("R")  # the request a transfer carries the KV of
-
-
-class TransferError(ValueError):
-    pass
 
 
 def accepted_transports(configured: KvTransport, device: str) -> tuple[KvTransport, ...]:

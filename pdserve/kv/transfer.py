@@ -25,12 +25,11 @@ from multiprocessing import shared_memory
 
 import torch
 
-from pdserve.kv.backend import KvBackend, Message, NoSharedPool
+from pdserve.kv.backend import KvBackend, Message, NoSharedPool, TransferError
 from pdserve.kv.block_allocator import blocks_for
-from pdserve.kv.peers import TransferError
 from pdserve.kv.pool import DTYPES, KVLayout, KVPool
-from pdserve.wire import protocol as P
-from pdserve.wire.protocol import KvTransport
+from pdserve.wire.messages import KvData
+from pdserve.wire.params import KvTransport
 
 
 class ZmqBackend(NoSharedPool):
@@ -43,10 +42,10 @@ class ZmqBackend(NoSharedPool):
         blocks = block_ids[: blocks_for(num_tokens, pool.block_size)]
         for layer in range(pool.layout.num_layers):
             kv = pool.export_blocks(layer, blocks).cpu()  # [2, nkv, n_blocks * bs, d]
-            yield P.KvData(request_id, pool.layout.dtype, list(kv.shape), layer), [kv.view(torch.uint8).numpy()]
+            yield KvData(request_id, pool.layout.dtype, list(kv.shape), layer), [kv.view(torch.uint8).numpy()]
 
     def unpack(
-        self, pool: KVPool, dst_blocks: list[int], num_tokens: int, header: P.KvData, frames: list, source: None
+        self, pool: KVPool, dst_blocks: list[int], num_tokens: int, header: KvData, frames: list, source: None
     ) -> int:
         """Land one layer; return how many layers it carried."""
         lay = pool.layout
@@ -88,7 +87,7 @@ class _SharedPoolBackend:
         n_blocks = blocks_for(num_tokens, pool.block_size)
         self.sync(pool)
         shape = [2, pool.layout.num_kv_heads, num_tokens, pool.layout.head_dim]
-        yield P.KvData(request_id, pool.layout.dtype, shape, -1, list(block_ids[:n_blocks])), []
+        yield KvData(request_id, pool.layout.dtype, shape, -1, list(block_ids[:n_blocks])), []
 
     def sync(self, pool: KVPool) -> None:
         """Make the pool's KV visible to another process before naming its blocks."""
@@ -98,7 +97,7 @@ class _SharedPoolBackend:
         pool: KVPool,
         dst_blocks: list[int],
         num_tokens: int,
-        header: P.KvData,
+        header: KvData,
         frames: list,
         source: torch.Tensor | None,
     ) -> int:

@@ -36,24 +36,39 @@ from pdserve.engine.request import Request
 from pdserve.kv.backend import KvBackend
 from pdserve.kv.mock import MockKvBackend
 from pdserve.kv.peers import accepted_transports, default_host_id
-from pdserve.wire import protocol as P
+from pdserve.nodes.parts import build_engine
 from pdserve.wire import transport
+from pdserve.wire.codec import ProtocolError
+from pdserve.wire.messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    Generate,
+    Hello,
+    HelloAck,
+    Logprobs,
+    Pending,
+    Stats,
+    TokenEvent,
+    TokenEvents,
+    router_of,
+)
+from pdserve.wire.params import ErrorCode, FinishReason, Role
 
 log = logging.getLogger("pdserve.nodes.base")
 ROUTER_ANSWER_S = 3.0  # how long a draining node waits for the router's list of what it still routes here
 
 
-def token_event(o: TokenOutput) -> P.TokenEvent:
+def token_event(o: TokenOutput) -> TokenEvent:
     """The router's event for one engine output, with the log-probabilities the request asked for."""
     logprobs = None if o.logprob is None else wire_logprobs([o.logprob])
     prompt = None if o.prompt_logprobs is None else wire_logprobs(o.prompt_logprobs)
     tokens = [] if o.token_id is None else [o.token_id]
-    return P.TokenEvent(o.request.request_id, tokens, o.finish_reason, o.error, logprobs, prompt, o.error_code)
+    return TokenEvent(o.request.request_id, tokens, o.finish_reason, o.error, logprobs, prompt, o.error_code)
 
 
-def error_event(request_id: str, why: str, code: P.ErrorCode) -> P.TokenEvent:
+def error_event(request_id: str, why: str, code: ErrorCode) -> TokenEvent:
     """The last event of a request this node fails: `why` for people, `code` for the router's HTTP status."""
-    return P.TokenEvent(request_id, [], P.FinishReason.ERROR, why, error_code=code)
+    return TokenEvent(request_id, [], FinishReason.ERROR, why, error_code=code)
 
 
 def kv_backends(cfg: NodeConfig) -> dict[str, KvBackend]:
@@ -67,12 +82,12 @@ def kv_backends(cfg: NodeConfig) -> dict[str, KvBackend]:
     return {n: make_backend(n) for n in names}
 
 
-def wire_logprobs(scores: list[TokenLogprob]) -> P.Logprobs:
-    return P.Logprobs([s.logprob for s in scores], [s.top_ids for s in scores], [s.top_logprobs for s in scores])
+def wire_logprobs(scores: list[TokenLogprob]) -> Logprobs:
+    return Logprobs([s.logprob for s in scores], [s.top_ids for s in scores], [s.top_logprobs for s in scores])
 
 
 class NodeBase:
-    role: P.Role
+    role: Role
 
     def __init__(self, cfg: NodeConfig) -> None:
         self.started = time.monotonic()
@@ -103,7 +118,7 @@ class NodeBase:
         self.engine.follow_cache()  # for the router's view of it
 
     def make_engine(self) -> Engine:
-        return Engine(self.cfg.engine)
+        return build_engine(self.cfg.engine)
 
     def bind(self, sock: zmq.Socket, addr: str, flag: str) -> str:
         """Bind `sock` to `addr`, which `flag` gave. An address zmq cannot bind (taken, not this host's, malformed)
@@ -183,7 +198,7 @@ class NodeBase:
         self.flush()
         for rid in list(self.engine.requests):
             self.engine.abort(rid)
-            self.emit([error_event(rid, why, P.ErrorCode.DRAINING)])
+            self.emit([error_event(rid, why, ErrorCode.DRAINING)])
 
     def loop_once(self) -> None:
         t0 = time.perf_counter()
@@ -248,7 +263,7 @@ class NodeBase:
             parts = sock.recv_multipart(copy=False)
             try:
                 identity, msg, frames = transport.split(parts, routed=sock.type == zmq.ROUTER)
-            except P.ProtocolError as e:
+            except ProtocolError as e:
                 log.warning("dropped a malformed message: %s", e)
                 continue
             try:
@@ -257,20 +272,20 @@ class NodeBase:
                 log.exception("handling a %s failed; dropped it", type(msg).__name__)
 
     def handle_front(self, identity: bytes, msg, frames: list) -> None:
-        if isinstance(msg, P.Hello):
+        if isinstance(msg, Hello):
             self.on_hello(identity, msg)
-        elif isinstance(msg, P.Generate):
+        elif isinstance(msg, Generate):
             self.on_generate(msg)
-        elif isinstance(msg, P.Abort):
+        elif isinstance(msg, Abort):
             self.on_abort(msg.request_id)
-        elif isinstance(msg, P.Pending):
+        elif isinstance(msg, Pending):
             self.router_pending[identity] = set(msg.request_ids)
         else:
             log.warning("unexpected %s on the router socket", type(msg).__name__)
 
-    def on_hello(self, identity: bytes, msg: P.Hello) -> None:
-        ok = msg.protocol_version == P.PROTOCOL_VERSION
-        reason = "" if ok else f"protocol {msg.protocol_version} here is {P.PROTOCOL_VERSION}"
+    def on_hello(self, identity: bytes, msg: Hello) -> None:
+        ok = msg.protocol_version == PROTOCOL_VERSION
+        reason = "" if ok else f"protocol {msg.protocol_version} here is {PROTOCOL_VERSION}"
         if ok:
             self.routers.pop(identity, None)
             self.routers[identity] = None
@@ -282,24 +297,24 @@ class NodeBase:
             "max_num_batched_tokens": self.cfg.engine.max_num_batched_tokens,
             "prefix_caching": self.cfg.engine.prefix_caching,
         }
-        transport.send(self.front, P.HelloAck(ok, self.role, info, reason), identity=identity)
+        transport.send(self.front, HelloAck(ok, self.role, info, reason), identity=identity)
         self.send_stats()
 
-    def on_generate(self, msg: P.Generate) -> bool:
+    def on_generate(self, msg: Generate) -> bool:
         """A request from the router joins the engine; False (and an error event) when it is refused."""
         if self.draining:
             self._announce_drain()
-            self.emit([error_event(msg.request_id, f"the {self.role} node is shutting down", P.ErrorCode.DRAINING)])
+            self.emit([error_event(msg.request_id, f"the {self.role} node is shutting down", ErrorCode.DRAINING)])
             return False
         why = self.engine.check_fits(len(msg.prompt_token_ids), msg.params.max_tokens)
         if why:
-            self.emit([error_event(msg.request_id, why, P.ErrorCode.INVALID_REQUEST)])
+            self.emit([error_event(msg.request_id, why, ErrorCode.INVALID_REQUEST)])
             return False
         self.counters["requests"] += 1
         try:
             self.engine.add(Request(msg.request_id, list(msg.prompt_token_ids), msg.params))
         except ValueError as e:  # a duplicate id, or a grammar this node cannot use
-            self.emit([error_event(msg.request_id, str(e), P.ErrorCode.INVALID_REQUEST)])
+            self.emit([error_event(msg.request_id, str(e), ErrorCode.INVALID_REQUEST)])
             return False
         return True
 
@@ -310,20 +325,20 @@ class NodeBase:
         self.counters["tokens_out"] += len(outputs)
         self.emit([token_event(o) for o in outputs])
 
-    def emit(self, events: list[P.TokenEvent]) -> None:
+    def emit(self, events: list[TokenEvent]) -> None:
         """Each event to the router that dispatched its request: one message per router."""
-        by_router: dict[bytes, list[P.TokenEvent]] = {}
+        by_router: dict[bytes, list[TokenEvent]] = {}
         for ev in events:
             router = self.router_of(ev.request_id)
             if router is not None:
                 by_router.setdefault(router, []).append(ev)
         for router, evs in by_router.items():
-            transport.send(self.front, P.TokenEvents.of(evs), identity=router)
+            transport.send(self.front, TokenEvents.of(evs), identity=router)
 
     def router_of(self, request_id: str) -> bytes | None:
-        """The router that dispatched `request_id`: the one whose routing id leads it (P.router_of), or else (a
+        """The router that dispatched `request_id`: the one whose routing id leads it (router_of), or else (a
         router that names none) the latest to say Hello."""
-        router = P.router_of(request_id).encode()
+        router = router_of(request_id).encode()
         if router in self.routers:
             return router
         return next(reversed(self.routers), None)
@@ -335,7 +350,7 @@ class NodeBase:
             self._next_stats = now + self.cfg.stats_interval_s
             self.send_stats()
 
-    def stats(self) -> P.Stats:
+    def stats(self) -> Stats:
         """Load, counters, and the prefix cache's changes since the last Stats (the whole cache after a Hello)."""
         (running, waiting), (used, free, _) = self.engine.queue_lengths(), self.engine.kv_stats()
         counters = {
@@ -346,7 +361,7 @@ class NodeBase:
         }
         stored, evicted = self.engine.cache_changes(whole=self._cache_reset)
         reset, self._cache_reset = self._cache_reset, False
-        return P.Stats(
+        return Stats(
             self.role, running, waiting, used, free, counters, self.draining, self.num_held(), stored, evicted, reset
         )
 

@@ -11,7 +11,7 @@ A request's life here:
 from __future__ import annotations
 
 from pdserve.nodes.base import NodeBase
-from pdserve.wire.protocol import Role
+from pdserve.wire.params import Role
 
 
 class ColocatedNode(NodeBase):

@@ -38,10 +38,24 @@ import zmq
 
 from pdserve.config import NodeConfig
 from pdserve.engine.request import Request, Status
-from pdserve.kv.peers import KvPeer, KvTransfer, TransferError, TransferState, choose_transport
+from pdserve.kv.backend import TransferError
+from pdserve.kv.peers import KvPeer, KvTransfer, TransferState, choose_transport
 from pdserve.nodes.base import NodeBase, kv_backends
-from pdserve.wire import protocol as P
 from pdserve.wire import transport
+from pdserve.wire.messages import (
+    PROTOCOL_VERSION,
+    Generate,
+    HelloAck,
+    KvAck,
+    KvCancel,
+    KvData,
+    KvHello,
+    KvOffer,
+    KvPull,
+    KvWaiting,
+    TokenEvent,
+)
+from pdserve.wire.params import ErrorCode, Role
 
 log = logging.getLogger("pdserve.decode")
 REMEMBER_ABORTS = 4096
@@ -53,7 +67,7 @@ Incoming = KvTransfer[Request]  # an offered request's KV: where it comes from, 
 
 
 class DecodeNode(NodeBase):
-    role = P.Role.DECODE
+    role = Role.DECODE
 
     def __init__(self, cfg: NodeConfig) -> None:
         self.backends = kv_backends(cfg)  # before the binds: a node that cannot bind closes them
@@ -89,7 +103,7 @@ class DecodeNode(NodeBase):
     def fail_all(self, why: str) -> None:
         for rid, inc in list(self.incoming.items()):  # the engine holds these too: super() ends them
             del self.incoming[rid]
-            self._refuse(inc.peer.link, rid, why, P.ErrorCode.DRAINING)
+            self._refuse(inc.peer.link, rid, why, ErrorCode.DRAINING)
         super().fail_all(why)
 
     def close(self) -> None:
@@ -99,19 +113,19 @@ class DecodeNode(NodeBase):
 
     # ---- from prefill nodes --------------------------------------------------------------------
     def handle_kv(self, identity: bytes, msg, frames: list) -> None:
-        if isinstance(msg, P.KvHello):
+        if isinstance(msg, KvHello):
             self._on_pairing(identity, msg)
         elif identity not in self.peers:
-            if isinstance(msg, P.KvOffer):
+            if isinstance(msg, KvOffer):
                 self._refuse(identity, msg.request_id, "no pairing handshake on this connection")
-        elif isinstance(msg, P.KvOffer):
+        elif isinstance(msg, KvOffer):
             self._on_offer(self.peers[identity], msg)
-        elif isinstance(msg, P.KvData):
+        elif isinstance(msg, KvData):
             self._on_data(self.peers[identity], msg, frames)
-        elif isinstance(msg, P.KvCancel):
+        elif isinstance(msg, KvCancel):
             self._forget(msg.request_id)
 
-    def _on_pairing(self, identity: bytes, msg: P.KvHello) -> None:
+    def _on_pairing(self, identity: bytes, msg: KvHello) -> None:
         handle = msg.pool_handle if isinstance(msg.pool_handle, dict) else {}
         self._drop_superseded(identity, handle)
         reason = self._pairing_mismatch(msg)
@@ -129,19 +143,19 @@ class DecodeNode(NodeBase):
         if reason:
             log.error("refused a prefill node: %s", reason)
         info = {"transport": chosen} if not reason else {}
-        transport.send(self.kv_sock, P.HelloAck(not reason, self.role, info, reason), identity=identity)
+        transport.send(self.kv_sock, HelloAck(not reason, self.role, info, reason), identity=identity)
 
-    def _same_host(self, msg: P.KvHello) -> bool:
+    def _same_host(self, msg: KvHello) -> bool:
         return not msg.host_id or msg.host_id == self.host_id  # no host id (an older peer): as before, try
 
-    def _choose_transport(self, msg: P.KvHello) -> str:
+    def _choose_transport(self, msg: KvHello) -> str:
         return choose_transport(msg.transports or [msg.transport], tuple(self.backends), self._same_host(msg))
 
-    def _pairing_mismatch(self, msg: P.KvHello) -> str:
+    def _pairing_mismatch(self, msg: KvHello) -> str:
         """Why this prefill node cannot pair with us, or "" if it can."""
         layout = self.engine.layout
-        if msg.protocol_version != P.PROTOCOL_VERSION:
-            return f"protocol version {msg.protocol_version} there, {P.PROTOCOL_VERSION} here"
+        if msg.protocol_version != PROTOCOL_VERSION:
+            return f"protocol version {msg.protocol_version} there, {PROTOCOL_VERSION} here"
         if not isinstance(msg.layout, dict) or not isinstance(msg.pool_handle, dict):
             return "malformed KvHello (layout and pool handle must be maps)"
         if not isinstance(msg.transports, list) or not all(isinstance(t, str) for t in msg.transports):
@@ -150,16 +164,16 @@ class DecodeNode(NodeBase):
             return f"KV layout mismatch: {layout.mismatch(msg.layout)}"
         return ""
 
-    def _on_offer(self, peer: PrefillPeer, offer: P.KvOffer) -> None:
+    def _on_offer(self, peer: PrefillPeer, offer: KvOffer) -> None:
         self.counters["kv_offers"] += 1  # taken or refused: every offer of a paired peer counts
         why = self.engine.check_fits(offer.num_tokens, offer.params.max_tokens)
-        code = P.ErrorCode.INVALID_REQUEST
+        code = ErrorCode.INVALID_REQUEST
         rid = offer.request_id
         if rid in self.engine.requests:
-            why, code = f"request {rid} is already here", P.ErrorCode.INTERNAL
+            why, code = f"request {rid} is already here", ErrorCode.INTERNAL
         if offer.num_tokens != len(offer.prompt_token_ids):
             why = f"an offer of {offer.num_tokens} tokens of KV for a prompt of {len(offer.prompt_token_ids)}"
-            code = P.ErrorCode.INTERNAL
+            code = ErrorCode.INTERNAL
         if rid in self.aborted or why:
             self._refuse(peer.link, rid, why, code)
             return
@@ -173,11 +187,11 @@ class DecodeNode(NodeBase):
         try:
             self.engine.add(req)
         except ValueError as e:  # a grammar this node cannot use
-            self._refuse(peer.link, rid, str(e), P.ErrorCode.INVALID_REQUEST)
+            self._refuse(peer.link, rid, str(e), ErrorCode.INVALID_REQUEST)
             return
         self.incoming[rid] = Incoming(req, peer)
 
-    def _on_data(self, peer: PrefillPeer, header: P.KvData, frames: list) -> None:
+    def _on_data(self, peer: PrefillPeer, header: KvData, frames: list) -> None:
         inc = self.incoming.get(header.request_id)
         if inc is None or inc.peer is not peer or inc.state is not TransferState.PULLED:
             return  # cancelled after the pull (or not this peer's, or not pulled)
@@ -196,12 +210,12 @@ class DecodeNode(NodeBase):
             return
         del self.incoming[header.request_id]
         self.counters["kv_received"] += 1
-        self._let_prefill_go(inc, P.KvAck(header.request_id, True))  # after kv_landed: it frees the sender's copy
+        self._let_prefill_go(inc, KvAck(header.request_id, True))  # after kv_landed: it frees the sender's copy
 
-    def _let_prefill_go(self, inc: Incoming, ack: P.KvAck) -> None:
+    def _let_prefill_go(self, inc: Incoming, ack: KvAck) -> None:
         """Free the prefill node's copy of a request's KV, and tell the router it no longer needs that node."""
         transport.send(self.kv_sock, ack, identity=inc.peer.link)
-        self.emit([P.TokenEvent(ack.request_id, [], None)])  # "KV landed", an event without tokens
+        self.emit([TokenEvent(ack.request_id, [], None)])  # "KV landed", an event without tokens
 
     def _kv_failed(self, inc: Incoming, why: str) -> None:
         """A pulled request's KV is lost or damaged: never decode from it; recompute it here, or fail it."""
@@ -216,16 +230,16 @@ class DecodeNode(NodeBase):
             return
         self.counters["kv_recomputed"] += 1
         self.engine.kv_lost(inc.request)
-        self._let_prefill_go(inc, P.KvAck(rid, True, f"recomputed on the decode node: {why}"))
+        self._let_prefill_go(inc, KvAck(rid, True, f"recomputed on the decode node: {why}"))
 
     def _refuse(
-        self, identity: bytes, request_id: str, why: str, code: P.ErrorCode = P.ErrorCode.KV_TRANSFER_FAILED
+        self, identity: bytes, request_id: str, why: str, code: ErrorCode = ErrorCode.KV_TRANSFER_FAILED
     ) -> None:
         self.counters["kv_refused"] += 1
-        transport.send(self.kv_sock, P.KvAck(request_id, False, why, code), identity=identity)
+        transport.send(self.kv_sock, KvAck(request_id, False, why, code), identity=identity)
 
     # ---- from the router -----------------------------------------------------------------------
-    def on_generate(self, msg: P.Generate) -> bool:
+    def on_generate(self, msg: Generate) -> bool:
         """Conditional disaggregation: a prompt whose KV this node's prefix cache holds but for a few tokens comes
         from the router itself; the engine computes those (chunked prefill) and the whole answer, as a colocated
         node's does."""
@@ -251,7 +265,7 @@ class DecodeNode(NodeBase):
         for req in self.engine.reserve_remote():
             inc = self.incoming[req.request_id]
             inc.pulled(self.engine.first_block_to_pull(req))
-            transport.send(self.kv_sock, P.KvPull(req.request_id, inc.first_block), identity=inc.peer.link)
+            transport.send(self.kv_sock, KvPull(req.request_id, inc.first_block), identity=inc.peer.link)
         wait = self.cfg.kv_lease_s / 2  # well before the prefill node's lease on the KV runs out
         pulled = [i for i in self.incoming.values() if i.state is TransferState.PULLED]
         for inc in [i for i in pulled if now - i.pulled_at > wait]:
@@ -290,4 +304,4 @@ class DecodeNode(NodeBase):
         for req in self.engine.waiting_for_kv():
             waiting.setdefault(self.incoming[req.request_id].peer.link, []).append(req.request_id)
         for identity, ids in waiting.items():
-            transport.send(self.kv_sock, P.KvWaiting(ids), identity=identity)
+            transport.send(self.kv_sock, KvWaiting(ids), identity=identity)

@@ -35,8 +35,20 @@ from pdserve.engine.request import Request, Status
 from pdserve.kv.faults import DELAY_S, FaultInjector
 from pdserve.kv.peers import KvPeer, KvTransfer, TransferState
 from pdserve.nodes.base import NodeBase, error_event, kv_backends
-from pdserve.wire import protocol as P
+from pdserve.nodes.parts import build_engine
 from pdserve.wire import transport
+from pdserve.wire.messages import (
+    PROTOCOL_VERSION,
+    Generate,
+    HelloAck,
+    KvAck,
+    KvCancel,
+    KvHello,
+    KvOffer,
+    KvPull,
+    KvWaiting,
+)
+from pdserve.wire.params import ErrorCode, Role
 
 log = logging.getLogger("pdserve.prefill")
 
@@ -53,7 +65,7 @@ Transfer = KvTransfer[Request]
 
 
 class PrefillNode(NodeBase):
-    role = P.Role.PREFILL
+    role = Role.PREFILL
 
     def __init__(self, cfg: NodeConfig) -> None:
         self.backends = kv_backends(cfg)
@@ -76,7 +88,7 @@ class PrefillNode(NodeBase):
         self.counters.update({f"kv_pairings_{name}": 0 for name in self.backends})
 
     def make_engine(self) -> Engine:
-        return Engine(self.cfg.engine, prefill_only=True, pool_storage=self.backend.storage)
+        return build_engine(self.cfg.engine, prefill_only=True, pool_storage=self.backend.storage)
 
     def num_held(self) -> int:
         return super().num_held() + len(self.transfers) + len(self.decode_addr) + len(self.delayed)
@@ -87,9 +99,9 @@ class PrefillNode(NodeBase):
             backend.close()
 
     # ---- from the router ----------------------------------------------------------------------
-    def on_generate(self, msg: P.Generate) -> bool:
+    def on_generate(self, msg: Generate) -> bool:
         if not msg.decode_addr.startswith(("tcp://", "ipc://")):
-            self.emit([error_event(msg.request_id, "no decode node address", P.ErrorCode.INTERNAL)])
+            self.emit([error_event(msg.request_id, "no decode node address", ErrorCode.INTERNAL)])
             return False
         taken = super().on_generate(msg)
         if taken:
@@ -139,7 +151,7 @@ class PrefillNode(NodeBase):
         t.started = time.monotonic()  # the lease runs from the offer
         self.counters["kv_offers"] += 1
         req = t.request
-        offer = P.KvOffer(
+        offer = KvOffer(
             req.request_id, req.prompt_token_ids, req.output_token_ids[0], req.params, len(req.prompt_token_ids)
         )
         transport.send(t.peer.link.sock, offer)
@@ -150,25 +162,25 @@ class PrefillNode(NodeBase):
 
     # ---- from decode nodes ---------------------------------------------------------------------
     def handle_kv(self, peer: DecodePeer, msg, frames: list) -> None:
-        if isinstance(msg, P.HelloAck):
+        if isinstance(msg, HelloAck):
             self._on_pairing(peer, msg)
-        elif isinstance(msg, P.KvPull):
+        elif isinstance(msg, KvPull):
             self._on_pull(msg)
-        elif isinstance(msg, P.KvAck):
+        elif isinstance(msg, KvAck):
             t = self.transfers.get(msg.request_id)
             if t is not None:
-                self._end_transfer(t, msg.ok, msg.reason, msg.error_code or P.ErrorCode.KV_TRANSFER_FAILED)
-        elif isinstance(msg, P.KvWaiting):
+                self._end_transfer(t, msg.ok, msg.reason, msg.error_code or ErrorCode.KV_TRANSFER_FAILED)
+        elif isinstance(msg, KvWaiting):
             now = time.monotonic()
             for rid in msg.request_ids:
                 t = self.transfers.get(rid)
                 if t is not None and t.peer is peer:
                     t.started = now  # still queued there: renew the lease
 
-    def _on_pairing(self, peer: DecodePeer, msg: P.HelloAck) -> None:
+    def _on_pairing(self, peer: DecodePeer, msg: HelloAck) -> None:
         chosen = msg.info.get("transport", self.backend.name) if isinstance(msg.info, dict) else self.backend.name
         if msg.ok and chosen not in self.backends:
-            msg = P.HelloAck(False, msg.role, {}, f"it chose KV transport {chosen!r}, which this node does not offer")
+            msg = HelloAck(False, msg.role, {}, f"it chose KV transport {chosen!r}, which this node does not offer")
         if not msg.ok:
             peer.refused = msg.reason
             log.error("decode node %s refused to pair: %s", peer.name, msg.reason)
@@ -181,7 +193,7 @@ class PrefillNode(NodeBase):
             for t in self._queued(peer):
                 self._send_offer(t)
 
-    def _on_pull(self, pull: P.KvPull) -> None:
+    def _on_pull(self, pull: KvPull) -> None:
         t = self.transfers.get(pull.request_id)
         if t is None or t.state is not TransferState.OFFERED:  # aborted meanwhile (the decode node got a KvCancel)
             return
@@ -229,9 +241,7 @@ class PrefillNode(NodeBase):
             for header, frames in messages if t is not None else ():
                 transport.send(t.peer.link.sock, header, frames)
 
-    def _end_transfer(
-        self, t: Transfer, ok: bool, why: str, code: P.ErrorCode = P.ErrorCode.KV_TRANSFER_FAILED
-    ) -> None:
+    def _end_transfer(self, t: Transfer, ok: bool, why: str, code: ErrorCode = ErrorCode.KV_TRANSFER_FAILED) -> None:
         """The transfer is over: our copy of the KV is freed; if it failed for a reason (`why`), the router is told."""
         rid = t.request.request_id
         self.transfers.pop(rid, None)
@@ -239,7 +249,7 @@ class PrefillNode(NodeBase):
             self._count_transfer(t)
         self.engine.release(t.request, Status.FINISHED if ok else Status.ABORTED)
         if not ok and t.peer.paired:  # the decode node may still hold an offer or blocks for it
-            transport.send(t.peer.link.sock, P.KvCancel(rid))
+            transport.send(t.peer.link.sock, KvCancel(rid))
         if not ok and why:
             self.counters["kv_transfer_failures"] += 1
             self.emit([error_event(rid, why, code)])
@@ -260,7 +270,7 @@ class PrefillNode(NodeBase):
 
     def fail_all(self, why: str) -> None:
         for t in list(self.transfers.values()):
-            self._end_transfer(t, ok=False, why=why, code=P.ErrorCode.DRAINING)
+            self._end_transfer(t, ok=False, why=why, code=ErrorCode.DRAINING)
         self.decode_addr.clear()
         super().fail_all(why)
 
@@ -279,8 +289,8 @@ class PrefillNode(NodeBase):
 
     def _on_peer_event(self, peer: DecodePeer, event: int) -> None:
         if event == zmq.EVENT_CONNECTED:
-            hello = P.KvHello(
-                P.PROTOCOL_VERSION,
+            hello = KvHello(
+                PROTOCOL_VERSION,
                 self.engine.layout.to_dict(),
                 self.cfg.kv_transport,
                 self.backend.handle(),
@@ -295,5 +305,5 @@ class PrefillNode(NodeBase):
             for t in [t for t in self.transfers.values() if t.peer is peer]:
                 if t.state is not TransferState.QUEUED:
                     self._end_transfer(
-                        t, ok=False, why=f"decode node {peer.name} disconnected", code=P.ErrorCode.NODE_FAILED
+                        t, ok=False, why=f"decode node {peer.name} disconnected", code=ErrorCode.NODE_FAILED
                     )  # the router dispatches it again

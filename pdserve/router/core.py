@@ -56,8 +56,21 @@ from pdserve.config import RouterConfig
 from pdserve.router import native
 from pdserve.router.membership import Member, make_membership
 from pdserve.router.metrics import NodeCollector, RouterMetrics
-from pdserve.wire import protocol as P
 from pdserve.wire import transport
+from pdserve.wire.codec import ProtocolError, encode
+from pdserve.wire.messages import (
+    PROTOCOL_VERSION,
+    ROUTER_ID_END,
+    Abort,
+    Generate,
+    Hello,
+    HelloAck,
+    Pending,
+    Stats,
+    TokenEvent,
+    TokenEvents,
+)
+from pdserve.wire.params import ErrorCode, FinishReason, Role, SamplingParams, block_hashes, chain_seed
 
 log = logging.getLogger("pdserve.router")
 MAX_ATTEMPTS = 3  # dispatches of one request, the first included, before a lost node fails it
@@ -65,8 +78,8 @@ MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | transport.HANDSHAKE_F
 GOODBYE_LINGER_MS = 200  # how long a stopping router's last message to each node may take to go out
 READ_BATCH = 256  # messages read from one socket before the other callbacks and tasks get a turn
 # the enum members of the per-token path, looked up once (on its class, an enum member costs about a microsecond)
-ERROR, DECODE, PREFILL = P.FinishReason.ERROR, P.Role.DECODE, P.Role.PREFILL
-NODE_FAILED = P.ErrorCode.NODE_FAILED
+ERROR, DECODE, PREFILL = FinishReason.ERROR, Role.DECODE, Role.PREFILL
+NODE_FAILED = ErrorCode.NODE_FAILED
 EVENTS, POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: pyzmq's enums cost a Python call per use
 
 
@@ -88,7 +101,7 @@ class Overloaded(RuntimeError):
 
 @dataclass(eq=False)
 class NodeConn:
-    role: P.Role
+    role: Role
     addr: str
     kv_addr: str = ""
     sock: zmq.Socket | None = None
@@ -97,7 +110,7 @@ class NodeConn:
     greeted: bool = False  # a Hello went out: the node may count this router among its routers
     draining: bool = False  # shutting down: finishes what it holds, takes nothing new
     last_seen: float = 0.0
-    stats: P.Stats | None = None
+    stats: Stats | None = None
     reports: int = 0  # Stats messages received since the router started
     info: dict = field(default_factory=dict)
     requests: set[str] = field(default_factory=set)
@@ -126,12 +139,12 @@ class Inbox:
     __slots__ = ("events", "waiter", "push", "push_tokens")
 
     def __init__(self) -> None:
-        self.events: list[P.TokenEvent] = []
+        self.events: list[TokenEvent] = []
         self.waiter: asyncio.Future | None = None
-        self.push: Callable[[P.TokenEvent], None] | None = None
+        self.push: Callable[[TokenEvent], None] | None = None
         self.push_tokens: Callable[[list[int]], None] | None = None  # plain events' tokens, where the pusher takes them
 
-    def put(self, ev: P.TokenEvent) -> None:
+    def put(self, ev: TokenEvent) -> None:
         if self.push is not None:
             self.push(ev)
             return
@@ -140,7 +153,7 @@ class Inbox:
             self.waiter.set_result(None)
 
     def attach(
-        self, push: Callable[[P.TokenEvent], None], push_tokens: Callable[[list[int]], None] | None = None
+        self, push: Callable[[TokenEvent], None], push_tokens: Callable[[list[int]], None] | None = None
     ) -> None:
         """From now on hand every event to `push` (which must not raise), those that came already first; a plain
         event's tokens to `push_tokens`, where given."""
@@ -149,7 +162,7 @@ class Inbox:
         for ev in events:
             push(ev)
 
-    async def take(self) -> list[P.TokenEvent]:
+    async def take(self) -> list[TokenEvent]:
         while not self.events:
             self.waiter = asyncio.get_running_loop().create_future()
             try:
@@ -166,7 +179,7 @@ class Flight:
 
     request_id: str
     prompt: list[int]
-    params: P.SamplingParams
+    params: SamplingParams
     inbox: Inbox = field(default_factory=Inbox)
     nodes: list[NodeConn] = field(default_factory=list)  # [colocated] or [prefill, decode]
     start: float = field(default_factory=time.perf_counter)
@@ -176,7 +189,7 @@ class Flight:
     output: list[int] = field(default_factory=list)  # token ids streamed so far
     attempts: int = 0
     ended: bool = False
-    early: list[P.TokenEvent] = field(default_factory=list)  # decode events that beat the first token
+    early: list[TokenEvent] = field(default_factory=list)  # decode events that beat the first token
     names: list[int] = field(default_factory=list)  # its block names at the latest dispatch ([]: none taken)
     steady: NodeConn | None = None  # the node whose next plain events are only tokens (RouterCore._deliver_tokens)
 
@@ -188,7 +201,7 @@ class Flight:
 
 def _put_tokens(inbox: Inbox, request_id: str, token_ids: list[int]) -> None:
     """A steady request's tokens, to an inbox whose stream does not take them bare: as an event."""
-    inbox.put(P.TokenEvent(request_id, token_ids))
+    inbox.put(TokenEvent(request_id, token_ids))
 
 
 def leaves_cached(node: NodeConn, flight: Flight, layout: dict) -> None:
@@ -203,12 +216,12 @@ def leaves_cached(node: NodeConn, flight: Flight, layout: dict) -> None:
     tokens = flight.prompt + flight.output
     full = (len(tokens) - 1) // bs
     if full > len(names):
-        parent = names[-1] if names else P.chain_seed(layout["model_fingerprint"])
-        names = names + P.block_hashes(tokens[len(names) * bs : full * bs], bs, parent)
+        parent = names[-1] if names else chain_seed(layout["model_fingerprint"])
+        names = names + block_hashes(tokens[len(names) * bs : full * bs], bs, parent)
     node.cached.update(names[:full])
 
 
-def follow_cache(node: NodeConn, stats: P.Stats) -> None:
+def follow_cache(node: NodeConn, stats: Stats) -> None:
     """Apply a node's prefix cache changes (or, after a Hello, its whole cache) to the router's view of it."""
     if stats.cache_reset:
         node.cached = set(stats.cache_stored)
@@ -305,7 +318,7 @@ class RouterCore:
         if not node.greeted or node.sock is None or node.sock.closed:  # greeted, even if not answered yet
             return False
         try:
-            node.sock.send(P.encode(P.Pending([])), zmq.NOBLOCK)
+            node.sock.send(encode(Pending([])), zmq.NOBLOCK)
         except zmq.ZMQError:
             return False  # its connection is gone: nothing to tell
         return True
@@ -318,7 +331,7 @@ class RouterCore:
             await asyncio.sleep(0.05)
         for flight in list(self.flights.values()):
             self._fail(
-                flight, f"the router is shutting down and its drain period of {grace_s}s ran out", P.ErrorCode.DRAINING
+                flight, f"the router is shutting down and its drain period of {grace_s}s ran out", ErrorCode.DRAINING
             )
 
     def _check_pairing(self) -> None:
@@ -388,7 +401,7 @@ class RouterCore:
 
     # ---- node I/O -----------------------------------------------------------------------------
     def _hello(self, node: NodeConn) -> None:
-        self._send(node, P.Hello(P.PROTOCOL_VERSION, P.Role.ROUTER))
+        self._send(node, Hello(PROTOCOL_VERSION, Role.ROUTER))
         node.greeted = True
 
     def _send(self, node: NodeConn, msg: object) -> None:
@@ -396,7 +409,7 @@ class RouterCore:
         wakes only on a change, and a send may take in the change that a message from the node made: so look for
         messages after it, or one could wait unread until the node sends the next (seen: a prefill node's first
         tokens read 0.6 s late, after the decode node's next hundred tokens)."""
-        node.sock.send(P.encode(msg), zmq.NOBLOCK)
+        node.sock.send(encode(msg), zmq.NOBLOCK)
         if node.sock.get(EVENTS) & POLLIN:
             asyncio.get_running_loop().call_soon(self._read, node)
 
@@ -424,26 +437,26 @@ class RouterCore:
     def _on_message(self, node: NodeConn, parts: list) -> None:
         try:
             _, msg, _ = transport.split(parts, routed=False)
-        except P.ProtocolError as e:
+        except ProtocolError as e:
             log.warning("%s sent a malformed message: %s", node.name, e)
             return
         node.last_seen = time.monotonic()
-        if not node.up and isinstance(msg, P.Stats):
+        if not node.up and isinstance(msg, Stats):
             self._hello(node)  # marked down for silence, yet alive: pair again
-        if isinstance(msg, P.TokenEvents):
+        if isinstance(msg, TokenEvents):
             self._deliver_tokens(msg.tokens, node)  # each request is in a message once: the plain events first
             for ev in msg.events:
                 self._deliver(ev, node)
-        elif isinstance(msg, P.Stats):
+        elif isinstance(msg, Stats):
             node.stats, node.draining = msg, msg.draining
             node.reports += 1
             follow_cache(node, msg)
             if msg.draining:  # it may exit once nothing routed to it is left
-                self._send(node, P.Pending(sorted(node.requests)))
-        elif isinstance(msg, P.HelloAck):
+                self._send(node, Pending(sorted(node.requests)))
+        elif isinstance(msg, HelloAck):
             self._on_hello_ack(node, msg)
 
-    def _on_hello_ack(self, node: NodeConn, msg: P.HelloAck) -> None:
+    def _on_hello_ack(self, node: NodeConn, msg: HelloAck) -> None:
         if not msg.ok or msg.role != node.role:
             log.error("%s refused the router: %s (role %s)", node.name, msg.reason, msg.role)
             return
@@ -489,7 +502,7 @@ class RouterCore:
             self._fail(
                 flight,
                 f"no first token within {limit}s (--queue-timeout-s): the server is overloaded",
-                P.ErrorCode.CAPACITY,
+                ErrorCode.CAPACITY,
             )
 
     def _node_down(self, node: NodeConn, why: str) -> None:
@@ -500,7 +513,7 @@ class RouterCore:
         for rid in list(node.requests):
             flight = self.flights.get(rid)
             if flight is not None:
-                self._lost(flight, f"{node.role} node {node.addr} failed ({why})", P.ErrorCode.NODE_FAILED)
+                self._lost(flight, f"{node.role} node {node.addr} failed ({why})", ErrorCode.NODE_FAILED)
 
     # ---- requests -----------------------------------------------------------------------------
     def check_admission(self) -> None:
@@ -514,7 +527,7 @@ class RouterCore:
                 max(1, min(60, math.ceil(self._ttft_recent))),
             )
 
-    def submit(self, prompt_token_ids: list[int], params: P.SamplingParams) -> Flight:
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams) -> Flight:
         self.check_admission()
         flight = Flight("", list(prompt_token_ids), params)
         self._dispatch(flight)
@@ -523,7 +536,7 @@ class RouterCore:
         self.metrics.prompt_tokens.inc(len(flight.prompt))
         return flight
 
-    def _pick(self, role: P.Role, names: list[int] = ()) -> NodeConn:
+    def _pick(self, role: Role, names: list[int] = ()) -> NodeConn:
         """The live node of `role` holding the longest cached prefix of the prompt whose block names are `names`,
         among those within --cache-balance-margin requests of the least loaded (-1: by load only); the least loaded
         among equals (fewest requests, then fewest KV blocks used; ties go to the node listed first)."""
@@ -555,7 +568,7 @@ class RouterCore:
         layout = self._names_layout()
         if layout is None or not any(n.cached for n in self.nodes):
             return []
-        return P.block_hashes(prompt, layout["block_size"], P.chain_seed(layout["model_fingerprint"]))
+        return block_hashes(prompt, layout["block_size"], chain_seed(layout["model_fingerprint"]))
 
     def _local_prefill_limit(self, decode: NodeConn) -> int:
         """The most prompt tokens `decode` may compute itself (--local-prefill-max-tokens; by default its own
@@ -563,9 +576,7 @@ class RouterCore:
         limit = self.cfg.local_prefill_max_tokens
         return int(decode.info.get("max_num_batched_tokens", 0)) if limit is None else limit
 
-    def _prefills_locally(
-        self, decode: NodeConn, prompt: list[int], names: list[int], params: P.SamplingParams
-    ) -> bool:
+    def _prefills_locally(self, decode: NodeConn, prompt: list[int], names: list[int], params: SamplingParams) -> bool:
         """Conditional disaggregation: whether `decode` holds (as its Stats tell) the prompt's first block and all but
         at most its limit of tokens, so that it computes the rest itself. A request scored at every prompt position
         (echo with logprobs) shares no cached block: never."""
@@ -574,7 +585,7 @@ class RouterCore:
             return False
         return tokens_to_compute(len(prompt), hit, layout["block_size"]) <= self._local_prefill_limit(decode)
 
-    def _takes_a_queued_prefill(self, decode: NodeConn, params: P.SamplingParams) -> bool:
+    def _takes_a_queued_prefill(self, decode: NodeConn, params: SamplingParams) -> bool:
         """Conditional disaggregation by load (--max-prefill-queue): whether every live prefill node holds at least
         that many of this router's requests not yet handed to their decode node, while `decode` holds fewer prompts
         of its own still waiting for their first token, so that it takes the next prompt as a prefill node would.
@@ -591,20 +602,20 @@ class RouterCore:
     def _dispatch(self, flight: Flight) -> None:
         """Send the request, from where its stream stands, to the nodes that cache most of it or are least loaded,
         under a new id."""
-        rid = f"{self.routing_id}{P.ROUTER_ID_END}{uuid.uuid4().hex[:12]}-{next(self._ids)}"
+        rid = f"{self.routing_id}{ROUTER_ID_END}{uuid.uuid4().hex[:12]}-{next(self._ids)}"
         prompt = flight.prompt + flight.output
         params = self._resumed_params(flight)
         names = self._block_names(prompt)
         if self.cfg.mode == "colocated":
-            nodes = [self._pick(P.Role.COLOCATED, names)]
-            msg = P.Generate(rid, prompt, params)
+            nodes = [self._pick(Role.COLOCATED, names)]
+            msg = Generate(rid, prompt, params)
         else:
-            decode = self._pick(P.Role.DECODE, names)
+            decode = self._pick(Role.DECODE, names)
             if self._prefills_locally(decode, prompt, names, params) or self._takes_a_queued_prefill(decode, params):
-                nodes, msg = [decode], P.Generate(rid, prompt, params)
+                nodes, msg = [decode], Generate(rid, prompt, params)
             else:
-                nodes = [self._pick(P.Role.PREFILL, names), decode]
-                msg = P.Generate(rid, prompt, params, decode_addr=decode.kv_addr)
+                nodes = [self._pick(Role.PREFILL, names), decode]
+                msg = Generate(rid, prompt, params, decode_addr=decode.kv_addr)
         flight.request_id, flight.nodes, flight.names, flight.steady = rid, nodes, names, None
         flight.attempts += 1
         self.flights[rid] = flight
@@ -613,7 +624,7 @@ class RouterCore:
         self._send(nodes[0], msg)
 
     @staticmethod
-    def _resumed_params(flight: Flight) -> P.SamplingParams:
+    def _resumed_params(flight: Flight) -> SamplingParams:
         """The request's parameters for what is left of it once `flight.output` has been streamed: the tokens
         left, min_tokens likewise, no prompt log-probabilities again (they came with the first token), the count of
         streamed tokens (now the prompt's tail) so that a seeded sampler draws on from there, and for a guided request
@@ -630,7 +641,7 @@ class RouterCore:
             grammar_prefix=done if params.grammar else 0,
         )
 
-    def _lost(self, flight: Flight, why: str, code: P.ErrorCode) -> None:
+    def _lost(self, flight: Flight, why: str, code: ErrorCode) -> None:
         """A node the request depends on is gone: dispatch it again, from where its stream stands. `code`: the
         error the client gets if it cannot be."""
         if flight.attempts >= MAX_ATTEMPTS or self.draining or len(flight.output) >= flight.params.max_tokens:
@@ -687,16 +698,16 @@ class RouterCore:
 
     def _deliver_plain(self, request_id: str, token_ids: list[int], source: NodeConn) -> None:
         """A plain event of a request that is not steady: the long way."""
-        self._deliver(P.TokenEvent(request_id, token_ids), source)
+        self._deliver(TokenEvent(request_id, token_ids), source)
 
-    def _deliver(self, ev: P.TokenEvent, source: NodeConn) -> None:
+    def _deliver(self, ev: TokenEvent, source: NodeConn) -> None:
         flight = self.flights.get(ev.request_id)
         if flight is None:
             return  # already ended (aborted, failed, or dispatched again under a new id)
         if ev.finish_reason == ERROR and (source.draining or ev.error_code == NODE_FAILED):
             # a node that drains, or the decode node a prefill node shipped to was lost (the prefill node may
             # see its socket close before the router does): dispatch it again
-            code = P.ErrorCode.DRAINING if source.draining else NODE_FAILED
+            code = ErrorCode.DRAINING if source.draining else NODE_FAILED
             self._lost(flight, f"{source.name}: {ev.error}", code)
             return
         handed_off = source.role is DECODE and flight.handed_off
@@ -721,14 +732,14 @@ class RouterCore:
         if prefill.role is PREFILL:
             prefill.requests.discard(flight.request_id)
 
-    def _put(self, flight: Flight, ev: P.TokenEvent, from_decode: bool = False, source: NodeConn | None = None) -> None:
+    def _put(self, flight: Flight, ev: TokenEvent, from_decode: bool = False, source: NodeConn | None = None) -> None:
         """Hand an event to the request's stream; `source`: the node that sent it (None: the router's own)."""
         if ev.token_ids:
             self._observe_tokens(flight, ev.token_ids, from_decode)
         if ev.finish_reason is not None:
             if ev.finish_reason is ERROR:
                 self._abort_on_nodes(flight)  # the nodes that still hold it must let it go
-            elif source is not None and ev.finish_reason is not P.FinishReason.ABORT:
+            elif source is not None and ev.finish_reason is not FinishReason.ABORT:
                 layout = self._names_layout()
                 if layout is not None:
                     leaves_cached(source, flight, layout)
@@ -751,15 +762,15 @@ class RouterCore:
         flight.output += token_ids
         m.generation_tokens.inc(len(token_ids))
 
-    def _fail(self, flight: Flight, why: str, code: P.ErrorCode) -> None:
-        self._put(flight, P.TokenEvent(flight.request_id, [], P.FinishReason.ERROR, why, error_code=code))
+    def _fail(self, flight: Flight, why: str, code: ErrorCode) -> None:
+        self._put(flight, TokenEvent(flight.request_id, [], FinishReason.ERROR, why, error_code=code))
 
     def _unlink(self, flight: Flight) -> None:
         self.flights.pop(flight.request_id, None)
         for n in flight.nodes:
             n.requests.discard(flight.request_id)
 
-    def _end(self, flight: Flight, reason: P.FinishReason = P.FinishReason.ABORT) -> None:
+    def _end(self, flight: Flight, reason: FinishReason = FinishReason.ABORT) -> None:
         if flight.ended:
             return
         flight.ended = True
@@ -768,11 +779,11 @@ class RouterCore:
         m, num_tokens = self.metrics, len(flight.output)
         m.success.labels(reason).inc()
         m.e2e.observe(time.perf_counter() - flight.start)
-        if reason != P.FinishReason.ERROR and flight.first_token_at is not None and num_tokens > 1:
+        if reason != FinishReason.ERROR and flight.first_token_at is not None and num_tokens > 1:
             m.decode.observe(flight.last_token_at - flight.first_token_at)
             m.tpot.observe((flight.last_token_at - flight.first_token_at) / (num_tokens - 1))
 
-    def abort(self, request_id: str, reason: P.FinishReason = P.FinishReason.ABORT) -> None:
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> None:
         """Stop a request everywhere it lives; its nodes free its KV. `reason`: what the client was told."""
         flight = self.flights.get(request_id)
         if flight is None:
@@ -783,9 +794,9 @@ class RouterCore:
     def _abort_on_nodes(self, flight: Flight) -> None:
         for n in flight.nodes:
             if n.up:
-                self._send(n, P.Abort(flight.request_id))
+                self._send(n, Abort(flight.request_id))
 
-    def kv_capacity_tokens(self, role: P.Role) -> int | None:
+    def kv_capacity_tokens(self, role: Role) -> int | None:
         """The most tokens one request's KV can take on every node of `role`."""
         caps = [n.info.get("kv_capacity_tokens") for n in self.nodes if n.role == role and n.info]
         caps = [c for c in caps if c]
@@ -801,5 +812,5 @@ class RouterCore:
         return {"status": status, "mode": self.cfg.mode, "waiting": len(self.waiting), "nodes": nodes}
 
     def _serving(self) -> bool:
-        roles = (P.Role.COLOCATED,) if self.cfg.mode == "colocated" else (P.Role.PREFILL, P.Role.DECODE)
+        roles = (Role.COLOCATED,) if self.cfg.mode == "colocated" else (Role.PREFILL, Role.DECODE)
         return all(any(n.usable for n in self.nodes if n.role == r) for r in roles)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from pdserve.wire.protocol import ErrorCode
+from pdserve.wire.params import ErrorCode
 
 log = logging.getLogger("pdserve.router")
 

@@ -13,7 +13,7 @@ as -9999.0, since JSON has no infinity.
 
 from __future__ import annotations
 
-from pdserve.wire import protocol as P
+from pdserve.wire.messages import Logprobs, TokenEvent
 
 FLOOR = -9999.0
 
@@ -24,13 +24,13 @@ def _finite(x: float) -> float:
     return x if x > FLOOR else FLOOR  # -inf and NaN too
 
 
-def entries(token_ids: list[int], lps: P.Logprobs) -> list[Entry]:
+def entries(token_ids: list[int], lps: Logprobs) -> list[Entry]:
     """Tokens and their scores from the wire (one score per token)."""
     rows = zip(token_ids, lps.logprobs, lps.top_ids, lps.top_logprobs, strict=True)
     return [(t, lp, list(zip(ids, vals, strict=True))) for t, lp, ids, vals in rows]
 
 
-def prompt_entries(prompt_ids: list[int], lps: P.Logprobs) -> list[Entry]:
+def prompt_entries(prompt_ids: list[int], lps: Logprobs) -> list[Entry]:
     """An echoed prompt's tokens: the first has no score, the others theirs."""
     return [(prompt_ids[0], None, None), *entries(prompt_ids[1:], lps)]
 
@@ -100,7 +100,7 @@ class ChoiceExtras:
         self.echo_text = tokenizer.decode(prompt_ids) if echo else None
         self.started = False
 
-    def event(self, ev: P.TokenEvent, shown: list[int]) -> tuple[str, dict | None]:
+    def event(self, ev: TokenEvent, shown: list[int]) -> tuple[str, dict | None]:
         """(text to put in front of this event's, its log-probabilities or None) for an event whose tokens the
         client sees are `shown` (none when max_tokens is 0)."""
         prefix, items = "", []

@@ -14,7 +14,7 @@ import signal
 from dataclasses import dataclass
 
 from pdserve.config import RouterConfig
-from pdserve.wire.protocol import Role
+from pdserve.wire.params import Role
 
 log = logging.getLogger("pdserve.router")
 RAY_NAMESPACE = "pdserve"

@@ -12,11 +12,14 @@ Queue and prefill times inside a node are not reported per request by the nodes 
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import itertools
 import math
+import os
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -254,3 +257,29 @@ def merge_expositions(own: str, others: list[str]) -> str:
         for line in (*heads.get(family, ()), *(f"{k} {v!r}" for k, v in samples[family].items()))
     ]
     return "\n".join(out) + "\n"
+
+
+SHARE_INTERVAL_S = 1.0  # how often a router worker writes its metrics for the others
+
+
+class SharedMetrics:
+    """Writes a worker's metrics into the shared folder every SHARE_INTERVAL_S, for the other workers' /metrics."""
+
+    def __init__(self, folder: str, index: int, metrics) -> None:
+        self.path, self.metrics = Path(folder) / f"{index}.prom", metrics
+        self.task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_bytes(self.metrics.render())
+            os.replace(tmp, self.path)
+            await asyncio.sleep(SHARE_INTERVAL_S)
+
+    def close(self) -> None:
+        self.task.cancel()
+
+
+def read_others(folder: str, index: int) -> list[str]:
+    """The metrics the other workers last wrote into the shared folder."""
+    return [p.read_text() for p in sorted(Path(folder).glob("*.prom")) if p.stem != str(index)]

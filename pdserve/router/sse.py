@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from json.encoder import encode_basestring_ascii
 
-from pdserve.wire.protocol import FinishReason
+from pdserve.wire.params import FinishReason
 
 _REASONS = {None: "null", **{r: json.dumps(r.value) for r in FinishReason}}
 

@@ -33,13 +33,14 @@ from pdserve.router.errors import HTTP_STATUS, ApiError, api_error_body
 from pdserve.router.http import RAW_CHUNKS
 from pdserve.router.sse import ChunkFormat
 from pdserve.router.text import ByteText, Detokenizer, ModelInfo
-from pdserve.wire import protocol as P
+from pdserve.wire.messages import TokenEvent
+from pdserve.wire.params import FinishReason
 
 if TYPE_CHECKING:
-    from pdserve.router.api import Job
+    from pdserve.router.jobs import Job
 
 log = logging.getLogger("pdserve.router")
-ERROR, STOP = P.FinishReason.ERROR, P.FinishReason.STOP  # looked up once: they are used once a token
+ERROR, STOP = FinishReason.ERROR, FinishReason.STOP  # looked up once: they are used once a token
 
 
 @dataclass
@@ -57,13 +58,13 @@ class ChoiceView:
         self.job = job
         self.detok = Detokenizer(info.tokenizer, job.stops, job.include_stop, job.skip_special, info.byte_table)
         self.extras = job.extras(info.tokenizer)
-        self.reason: P.FinishReason | None = None  # set by the last event the client sees
+        self.reason: FinishReason | None = None  # set by the last event the client sees
         # a plain choice (its tokens shown, no stop strings, no log-probabilities or echo): an event before its end is
         # only its tokens' text, which SseStream takes straight from here
         plain = job.show_tokens and not job.stops and self.extras is None
         self.plain_text: Callable[[list[int]], str] | None = self.detok.source.add if plain else None
 
-    def deltas(self, events: list[P.TokenEvent]) -> tuple[list[Delta], ApiError | None]:
+    def deltas(self, events: list[TokenEvent]) -> tuple[list[Delta], ApiError | None]:
         """The deltas of `events` up to the choice's end, and the error that ended it, if one did."""
         out = []
         for ev in events:
@@ -75,7 +76,7 @@ class ChoiceView:
                 break
         return out, None
 
-    def delta(self, ev: P.TokenEvent) -> Delta | ApiError:
+    def delta(self, ev: TokenEvent) -> Delta | ApiError:
         """What the client sees of one event: its delta, or the error that ends the choice."""
         if ev.finish_reason is ERROR:
             self.reason = ev.finish_reason
@@ -83,7 +84,7 @@ class ChoiceView:
             return ApiError(status, f"request failed: {ev.error}", code=code)
         return self._delta(ev)
 
-    def _delta(self, ev: P.TokenEvent) -> Delta:
+    def _delta(self, ev: TokenEvent) -> Delta:
         shown = ev.token_ids if self.job.show_tokens else []
         text, stopped = self.detok.add(shown)
         reason = STOP if stopped else ev.finish_reason
@@ -223,7 +224,7 @@ class SseStream:
         self.state.usage = usage(self.jobs, self.tokens)
         self.done.set_result(None)
 
-    def _on_event(self, i: int, ev: P.TokenEvent) -> None:
+    def _on_event(self, i: int, ev: TokenEvent) -> None:
         if ev.finish_reason is None and self.views[i].plain_text is not None:
             self._on_tokens(i, ev.token_ids)
             return
@@ -250,7 +251,7 @@ class SseStream:
         log.error("streaming request %s failed", self.flights[i].request_id, exc_info=error or True)
         self._end_with(ApiError(500, "internal error while streaming the answer"))
 
-    def _show(self, i: int, ev: P.TokenEvent) -> None:
+    def _show(self, i: int, ev: TokenEvent) -> None:
         view = self.views[i]
         delta = view.delta(ev)
         if isinstance(delta, ApiError):

@@ -25,7 +25,6 @@ the nodes' figures taken once). A worker started again starts its counts from ze
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import multiprocessing
 import os
@@ -35,7 +34,6 @@ import socket
 import tempfile
 import time
 from multiprocessing.connection import wait
-from pathlib import Path
 
 from pdserve.config import RouterConfig
 from pdserve.process import die_with_parent
@@ -43,7 +41,6 @@ from pdserve.process import die_with_parent
 log = logging.getLogger("pdserve.router")
 START_GRACE_S = 10.0
 MAX_QUICK_DEATHS = 3
-SHARE_INTERVAL_S = 1.0
 
 
 def reuse_port_socket(host: str, port: int) -> socket.socket:
@@ -54,29 +51,6 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
     sock.bind((host, port))
     sock.set_inheritable(False)
     return sock
-
-
-class SharedMetrics:
-    """Writes a worker's metrics into the shared folder every SHARE_INTERVAL_S, for the other workers' /metrics."""
-
-    def __init__(self, folder: str, index: int, metrics) -> None:
-        self.path, self.metrics = Path(folder) / f"{index}.prom", metrics
-        self.task = asyncio.create_task(self._run())
-
-    async def _run(self) -> None:
-        while True:
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_bytes(self.metrics.render())
-            os.replace(tmp, self.path)
-            await asyncio.sleep(SHARE_INTERVAL_S)
-
-    def close(self) -> None:
-        self.task.cancel()
-
-
-def read_others(folder: str, index: int) -> list[str]:
-    """The metrics the other workers last wrote into the shared folder."""
-    return [p.read_text() for p in sorted(Path(folder).glob("*.prom")) if p.stem != str(index)]
 
 
 def _worker_main(cfg: RouterConfig, index: int, log_level: int, metrics_dir: str) -> None:

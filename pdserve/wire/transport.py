@@ -23,7 +23,7 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
-from pdserve.wire.protocol import ProtocolError, decode, encode
+from pdserve.wire.codec import ProtocolError, decode, encode
 
 log = logging.getLogger("pdserve.transport")
 MAX_FRAMES = 4096

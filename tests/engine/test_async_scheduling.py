@@ -11,12 +11,13 @@ from test_engine import greedy_requests, run_engine
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.request import Request
-from pdserve.wire.protocol import SamplingParams
+from pdserve.nodes.parts import build_engine
+from pdserve.wire.params import SamplingParams
 from tests.helpers import hf_greedy, mixed_workload, optional
 
 
 def ahead_engine(model, **kw) -> Engine:
-    return Engine(EngineConfig(model=str(model), async_scheduling=True, **kw))
+    return build_engine(EngineConfig(model=str(model), async_scheduling=True, **kw))
 
 
 def run_ahead(engine: Engine, requests: list[Request]) -> dict[str, list]:
@@ -47,7 +48,7 @@ def test_scheduled_ahead_greedy_equals_transformers(tiny_models, budget, num_blo
 
 
 def test_synchronous_engine_never_launches_ahead(tiny_models):
-    engine = Engine(EngineConfig(model=str(tiny_models["qwen3"])))
+    engine = build_engine(EngineConfig(model=str(tiny_models["qwen3"])))
     engine.add(greedy_requests([[1, 2, 3]], [4])[0])
     step = engine.launch()
     with pytest.raises(RuntimeError, match="in flight"):
@@ -103,7 +104,7 @@ def test_stops_sampling_and_logprobs_match_the_synchronous_engine(tiny_models):
 
     ahead = ahead_engine(model)
     got = run_ahead(ahead, requests())
-    sync = Engine(EngineConfig(model=str(model)))
+    sync = build_engine(EngineConfig(model=str(model)))
     want: dict[str, list] = {}
     for r in requests():
         sync.add(r)
@@ -132,7 +133,7 @@ def test_prefix_cache_names_blocks_once_their_tokens_are_known(tiny_models):
     (answer,) = hf_greedy(model, [prompt], [30])
     follow = prompt + answer + [7, 8, 9]
     seen = []
-    for engine in (ahead_engine(model), Engine(EngineConfig(model=str(model)))):
+    for engine in (ahead_engine(model), build_engine(EngineConfig(model=str(model)))):
         drive = (lambda e, r: tokens(run_ahead(e, r))) if engine.ahead else run_engine
         assert drive(engine, greedy_requests([prompt], [30]))["0"] == answer
         second = drive(engine, [Request("f", follow, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))])
@@ -143,7 +144,7 @@ def test_prefix_cache_names_blocks_once_their_tokens_are_known(tiny_models):
 
 def test_guided_requests_wait_for_their_token_and_match_the_synchronous_engine(tiny_models):
     optional("llguidance")
-    from test_grammar import SCHEMAS, guided
+    from tests.runner.test_grammar import SCHEMAS, guided
 
     def requests() -> list[Request]:
         reqs = [
@@ -155,7 +156,7 @@ def test_guided_requests_wait_for_their_token_and_match_the_synchronous_engine(t
     model = tiny_models["qwen3"]
     ahead = ahead_engine(model)
     got = tokens(run_ahead(ahead, requests()))
-    want = run_engine(Engine(EngineConfig(model=str(model))), requests())
+    want = run_engine(build_engine(EngineConfig(model=str(model))), requests())
     assert got == want
     assert ahead.steps_ahead > 10
 
@@ -172,10 +173,9 @@ def test_without_the_device_feed_the_tokens_go_wrong(tiny_models, monkeypatch):
 def test_a_node_schedules_ahead(tiny_models):
     """A colocated node in-process, in the GPU's order, scheduling ahead: every stream is transformers', steps were
     launched while another was in flight, and every block comes back."""
-    from test_overlap import published, start_greedy_workload
-
     from pdserve.config import NodeConfig
     from pdserve.nodes.colocated import ColocatedNode
+    from tests.engine.test_overlap import published, start_greedy_workload
 
     cfg = EngineConfig(model=str(tiny_models["qwen3"]), num_kv_blocks=64, async_scheduling=True)
     node = ColocatedNode(NodeConfig("colocated", cfg))

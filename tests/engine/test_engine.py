@@ -10,8 +10,9 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.request import Request
+from pdserve.nodes.parts import build_engine
 from pdserve.runner.model import UNPADDED_ROWS, Linear, padded_rows
-from pdserve.wire.protocol import SamplingParams
+from pdserve.wire.params import SamplingParams
 from tests.helpers import hf_greedy, mixed_workload, optional
 
 
@@ -59,7 +60,7 @@ def check_equals_transformers(model, prompts, outs, budget: int, num_blocks: int
     cfg = EngineConfig(
         model=str(model), max_num_batched_tokens=budget, num_kv_blocks=num_blocks, **backend_args(kernels)
     )
-    engine = Engine(cfg)
+    engine = build_engine(cfg)
     reqs = greedy_requests(prompts, outs)
     got = run_engine(engine, reqs)
     assert [got[str(i)] for i in range(len(prompts))] == ref
@@ -88,7 +89,7 @@ def test_swapped_spans_break_equivalence(tiny_models, monkeypatch, kernels):
     """The equivalence test can fail: attention against another request's KV changes the tokens."""
     prompts, outs = mixed_workload(4, 512, seed=3, max_prompt=40, max_out=6)
     ref = hf_greedy(tiny_models["qwen3"], prompts, outs)
-    engine = Engine(EngineConfig(model=str(tiny_models["qwen3"]), **backend_args(kernels)))
+    engine = build_engine(EngineConfig(model=str(tiny_models["qwen3"]), **backend_args(kernels)))
     real_prepare = engine.runner.prepare
 
     def swapped(batch):
@@ -114,7 +115,7 @@ def test_swapped_spans_break_equivalence(tiny_models, monkeypatch, kernels):
 
 
 def test_abort_frees_kv_at_once(tiny_models):
-    engine = Engine(EngineConfig(model=str(tiny_models["qwen3"]), num_kv_blocks=64))
+    engine = build_engine(EngineConfig(model=str(tiny_models["qwen3"]), num_kv_blocks=64))
     prompts, outs = mixed_workload(6, 512, seed=4, max_prompt=60, max_out=20)
     for r in greedy_requests(prompts, outs):
         engine.add(r)
@@ -126,7 +127,7 @@ def test_abort_frees_kv_at_once(tiny_models):
 
 
 def test_seeded_sampling_repeats_and_stops(tiny_models):
-    engine = Engine(EngineConfig(model=str(tiny_models["qwen3"])))
+    engine = build_engine(EngineConfig(model=str(tiny_models["qwen3"])))
     params = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, top_k=50, seed=7, ignore_eos=True)
     prompt = list(range(10, 30))
     a = run_engine(engine, [Request("a", prompt, params), Request("x", prompt[:5], params)])["a"]
@@ -142,7 +143,7 @@ def test_seeded_sampling_repeats_and_stops(tiny_models):
 
 
 def test_eos_stops_unless_ignored(tiny_models):
-    engine = Engine(EngineConfig(model=str(tiny_models["qwen3"])))
+    engine = build_engine(EngineConfig(model=str(tiny_models["qwen3"])))
     prompt = [5, 6, 7]
     free = run_engine(engine, [Request("f", prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))])
     eos = free["f"][2]
@@ -152,7 +153,7 @@ def test_eos_stops_unless_ignored(tiny_models):
 
 
 def test_sampling_keeps_top_k_support(tiny_models):
-    engine = Engine(EngineConfig(model=str(tiny_models["qwen3"])))
+    engine = build_engine(EngineConfig(model=str(tiny_models["qwen3"])))
     prompt = [1, 2, 3]
     greedy = run_engine(engine, [Request("g", prompt, SamplingParams(max_tokens=1, temperature=0))])["g"]
     for seed in range(8):  # top_k=1 is greedy whatever the temperature and seed
@@ -161,7 +162,7 @@ def test_sampling_keeps_top_k_support(tiny_models):
 
 
 def test_a_failed_step_fails_its_requests_and_the_engine_serves_on(tiny_models, monkeypatch):
-    engine = Engine(EngineConfig(model=str(tiny_models["qwen3"]), num_kv_blocks=64))
+    engine = build_engine(EngineConfig(model=str(tiny_models["qwen3"]), num_kv_blocks=64))
     real_run = engine.runner.run
     calls = {"n": 0}
 

@@ -14,17 +14,17 @@ import zmq
 from test_engine import greedy_requests
 
 from pdserve.config import EngineConfig, NodeConfig
-from pdserve.engine.engine import Engine
 from pdserve.nodes.colocated import ColocatedNode
-from pdserve.wire import protocol as P
+from pdserve.nodes.parts import build_engine
 from pdserve.wire import transport
+from pdserve.wire.messages import PROTOCOL_VERSION, Abort, Generate, Hello, TokenEvent, TokenEvents
 from tests.helpers import hf_greedy, mixed_workload
 
 WAIT_MS = 10_000
 
 
 def test_abort_between_launch_and_finish(tiny_models):
-    engine = Engine(EngineConfig(model=str(tiny_models["qwen3"]), num_kv_blocks=64))
+    engine = build_engine(EngineConfig(model=str(tiny_models["qwen3"]), num_kv_blocks=64))
     prompts, outs = mixed_workload(4, 512, seed=6, max_prompt=40, max_out=8)
     reqs = greedy_requests(prompts, outs)
     for r in reqs:
@@ -54,7 +54,7 @@ def test_abort_between_launch_and_finish(tiny_models):
 def test_an_error_when_a_step_is_waited_for_fails_its_requests(tiny_models, monkeypatch):
     """A device error surfaces at finish(), where the copy back is waited for: that step's requests fail, their
     blocks come back, and the engine serves on."""
-    engine = Engine(EngineConfig(model=str(tiny_models["qwen3"]), num_kv_blocks=64))
+    engine = build_engine(EngineConfig(model=str(tiny_models["qwen3"]), num_kv_blocks=64))
 
     class Broken:
         def wait(self):
@@ -80,7 +80,7 @@ class Router:
         self.node = node
         self.sock = node.ctx.socket(zmq.DEALER)  # closed with the node's context
         self.sock.connect(node.front_addr)
-        self.events: dict[str, list[P.TokenEvent]] = {}
+        self.events: dict[str, list[TokenEvent]] = {}
 
     def send(self, msg) -> None:
         """Send; returns once the node's socket has it (the node's next loop reads it)."""
@@ -92,7 +92,7 @@ class Router:
         while sum(map(len, self.events.values())) < published or self.sock.poll(0):
             assert self.sock.poll(WAIT_MS), "the node's events did not come"
             msg = transport.recv(self.sock)[1]
-            for e in msg.all() if isinstance(msg, P.TokenEvents) else []:
+            for e in msg.all() if isinstance(msg, TokenEvents) else []:
                 self.events.setdefault(e.request_id, []).append(e)
 
     def tokens(self, rid: str) -> list[int]:
@@ -136,11 +136,11 @@ def start_greedy_workload(node, overlapped: bool) -> tuple[Router, list, list[li
     trace: list = []
     traced(node, trace)
     router = Router(node)
-    router.send(P.Hello(P.PROTOCOL_VERSION, "router"))
+    router.send(Hello(PROTOCOL_VERSION, "router"))
     node.loop_once()
     prompts, outs = mixed_workload(5, 512, seed=9, max_prompt=40, max_out=10)
     for r in greedy_requests(prompts, outs):
-        router.send(P.Generate(r.request_id, r.prompt_token_ids, r.params))
+        router.send(Generate(r.request_id, r.prompt_token_ids, r.params))
     return router, trace, prompts, outs
 
 
@@ -158,7 +158,7 @@ def test_node_io_between_launch_and_finish(tiny_models, overlapped):
             node.loop_once()
             router.collect(published(trace))
             if len(router.tokens(victim)) == 2 and not aborted_in_flight:
-                router.send(P.Abort(victim))
+                router.send(Abort(victim))
                 node.loop_once()  # its launch runs the victim's step, its drain handles the abort
                 step = next(s for what, s in reversed(trace) if what == "launch")
                 aborted_in_flight.append(
@@ -204,7 +204,7 @@ def test_launch_never_waits_for_the_device(tiny_models):
     bucket computes (eager), greedy, sampled and penalised rows, log-probabilities of samples and of prompts."""
     import dataclasses
 
-    engine = Engine(EngineConfig(model=str(tiny_models["qwen3"]), device="cuda:0", max_num_seqs=8))
+    engine = build_engine(EngineConfig(model=str(tiny_models["qwen3"]), device="cuda:0", max_num_seqs=8))
     prompts, outs = mixed_workload(8, 512, seed=12, max_prompt=60, max_out=12)
     reqs = greedy_requests(prompts, outs)
     reqs[5].params = dataclasses.replace(

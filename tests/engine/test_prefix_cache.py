@@ -15,7 +15,8 @@ from pdserve.engine.request import Request, Status
 from pdserve.engine.scheduler import Batch, Scheduler
 from pdserve.kv.backend import InProcessBackend
 from pdserve.kv.block_allocator import BlockAllocator
-from pdserve.wire.protocol import SamplingParams, block_hashes, chain_seed
+from pdserve.nodes.parts import build_engine
+from pdserve.wire.params import SamplingParams, block_hashes, chain_seed
 from tests.helpers import hf_greedy
 
 SEED = chain_seed("test-model")
@@ -298,7 +299,7 @@ def test_greedy_with_cache_hits_equals_transformers(tiny_models, kernels, num_bl
     prompts = shared_prefix_prompts(9, 200, seed=3)
     outs = [12, 1, 20, 7, 16, 3, 24, 9, 14]
     ref = hf_greedy(model, prompts, outs)
-    engine = Engine(
+    engine = build_engine(
         EngineConfig(model=str(model), max_num_batched_tokens=64, num_kv_blocks=num_blocks, cpu_kernels=kernels)
     )
     got = {}
@@ -328,7 +329,7 @@ def test_prompts_sent_together_compute_their_shared_prefix_once(tiny_models):
     rng = random.Random(5)
     prefix = [rng.randrange(500) for _ in range(80)]
     prompts = [prefix + [rng.randrange(500) for _ in range(n)] for n in (7, 12)]
-    engine = Engine(EngineConfig(model=str(model), max_num_batched_tokens=256))
+    engine = build_engine(EngineConfig(model=str(model), max_num_batched_tokens=256))
     for i, p in enumerate(prompts):
         engine.add(greedy(str(i), p, 5))
     got = _run(engine)
@@ -338,7 +339,7 @@ def test_prompts_sent_together_compute_their_shared_prefix_once(tiny_models):
 
 def test_no_prefix_caching_recomputes(tiny_models):
     model = tiny_models["qwen3"]
-    engine = Engine(EngineConfig(model=str(model), prefix_caching=False))
+    engine = build_engine(EngineConfig(model=str(model), prefix_caching=False))
     prompt = list(range(50, 120))
     for rid in ("a", "b"):
         engine.add(greedy(rid, prompt, 3))
@@ -363,7 +364,10 @@ def test_an_engine_pulls_only_the_blocks_it_lacks_through_the_in_process_backend
     model = tiny_models["qwen3"]
     rng = random.Random(11)
     prompt = [rng.randrange(500) for _ in range(90)]
-    prefill, decode = Engine(EngineConfig(model=str(model)), prefill_only=True), Engine(EngineConfig(model=str(model)))
+    prefill, decode = (
+        build_engine(EngineConfig(model=str(model)), prefill_only=True),
+        build_engine(EngineConfig(model=str(model))),
+    )
     decode.add(greedy("earlier", prompt[:70], 2))  # leaves the prompt's first 4 blocks of 16 cached there
     _run(decode)
     sent = greedy("r", prompt, 6)

@@ -9,7 +9,7 @@ import torch
 from pdserve.engine.request import Request
 from pdserve.router.core import Flight, RouterCore
 from pdserve.runner.sampling import Sampler, apply_processors
-from pdserve.wire.protocol import SamplingParams
+from pdserve.wire.params import SamplingParams
 
 
 def test_resumed_params_count_the_streamed_tokens():

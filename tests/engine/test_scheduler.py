@@ -7,7 +7,7 @@ import pytest
 from pdserve.engine.request import IllegalTransition, Request, Status
 from pdserve.engine.scheduler import Scheduler
 from pdserve.kv.block_allocator import BlockAllocator
-from pdserve.wire.protocol import SamplingParams
+from pdserve.wire.params import SamplingParams
 
 
 def req(rid: str, prompt_len: int, max_tokens: int = 8) -> Request:

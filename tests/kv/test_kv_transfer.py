@@ -18,8 +18,8 @@ from pdserve.kv.mock import MockKvBackend
 from pdserve.kv.peers import KvPeer, KvTransfer, TransferState
 from pdserve.kv.pool import KVLayout, KVPool
 from pdserve.kv.transfer import BACKENDS, TransferError, local_device_index, make_backend, process_owner
-from pdserve.wire import protocol as P
 from pdserve.wire import transport
+from pdserve.wire.messages import KvData
 from tests.helpers import export_tokens, import_tokens
 
 LAYOUT = KVLayout(3, 2, 8, 4, "float32", "fp")
@@ -44,7 +44,7 @@ def test_export_import_round_trip():
     assert torch.equal(export_tokens(dst, [0, 5, 9], 10), kv)
 
 
-def _through_zmq(header: P.KvData, frames: list):
+def _through_zmq(header: KvData, frames: list):
     """Send one message over a real inproc socket pair and receive it as the decode node would."""
     ctx = zmq.Context()
     a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
@@ -132,7 +132,7 @@ def test_shm_backend_refuses_foreign_block_ids():
     dst = KVPool(LAYOUT, 16)
     try:
         source = receiver.attach(sender.handle(), LAYOUT, "cpu")
-        bad = P.KvData("r", "float32", [4, 2, 2, 8], -1, [99])
+        bad = KvData("r", "float32", [4, 2, 2, 8], -1, [99])
         with pytest.raises(TransferError):
             receiver.unpack(dst, [0], 4, bad, [], source)
     finally:
@@ -211,7 +211,7 @@ def test_cuda_ipc_moves_blocks_between_processes():
         source = receiver.attach(handle, LAYOUT, "cuda:0")
         assert receiver.alive(handle)
         dst = KVPool(LAYOUT, 16, device="cuda:0")
-        header = P.KvData("r", "float32", [2, 2, 10, 8], -1, [3, 8, 1])
+        header = KvData("r", "float32", [2, 2, 10, 8], -1, [3, 8, 1])
         assert receiver.unpack(dst, [4, 5, 12], 10, header, [], source) == LAYOUT.num_layers
         receiver.wait_landed(dst)
         expected = KVPool(LAYOUT, 16, data=torch.arange(dst.data.numel(), dtype=torch.float32).view(dst.data.shape))
@@ -264,6 +264,6 @@ def test_the_fault_schedule_is_fixed_by_the_seed_whatever_the_damage_draws():
     for i in range(400):
         picked.append(busy.pick())
         if picked[-1] is not None:
-            header = P.KvData("r", "float32", [2, 1, 16 * (i + 1), 4], layer=0)
+            header = KvData("r", "float32", [2, 1, 16 * (i + 1), 4], layer=0)
             busy.damage("corrupt", [(header, [bytearray(16 * (i + 1) * 4 * 4 * 2)])], 3 + i % 7, 64)
     assert picked == schedule and sum(k is not None for k in schedule) >= 10

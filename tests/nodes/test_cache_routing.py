@@ -10,18 +10,19 @@ from pdserve.engine.request import Request
 from pdserve.kv.block_allocator import BlockAllocator
 from pdserve.nodes.colocated import ColocatedNode
 from pdserve.router.core import NodeConn, RouterCore, follow_cache
-from pdserve.wire import protocol as P
+from pdserve.wire.messages import PROTOCOL_VERSION, Generate, Hello, Stats, TokenEvent
+from pdserve.wire.params import FinishReason, Role, SamplingParams, block_hashes, chain_seed
 from tests.helpers import FakeNodeSock
 
 LAYOUT = {"block_size": 4, "model_fingerprint": "fp"}
 
 
-def stats(role: P.Role, stored=(), evicted=(), reset: bool = False) -> P.Stats:
-    return P.Stats(role, 0, 0, 0, 10, {}, cache_stored=list(stored), cache_evicted=list(evicted), cache_reset=reset)
+def stats(role: Role, stored=(), evicted=(), reset: bool = False) -> Stats:
+    return Stats(role, 0, 0, 0, 10, {}, cache_stored=list(stored), cache_evicted=list(evicted), cache_reset=reset)
 
 
 def names(prompt: list[int]) -> list[int]:
-    return P.block_hashes(prompt, 4, P.chain_seed("fp"))
+    return block_hashes(prompt, 4, chain_seed("fp"))
 
 
 @pytest.fixture
@@ -34,7 +35,7 @@ def colocated():
 
 
 def submit(core: RouterCore, prompt: list[int]) -> str:
-    return core.submit(prompt, P.SamplingParams(max_tokens=4)).nodes[0].addr
+    return core.submit(prompt, SamplingParams(max_tokens=4)).nodes[0].addr
 
 
 def test_the_allocator_reports_net_changes_and_its_whole_cache():
@@ -54,19 +55,19 @@ def test_the_allocator_reports_net_changes_and_its_whole_cache():
 
 
 def test_the_router_follows_a_nodes_cache_and_a_reset_replaces_it():
-    node = NodeConn(P.Role.COLOCATED, "tcp://c0")
-    follow_cache(node, stats(P.Role.COLOCATED, stored=[1, 2, 3]))
-    follow_cache(node, stats(P.Role.COLOCATED, stored=[4], evicted=[2]))
+    node = NodeConn(Role.COLOCATED, "tcp://c0")
+    follow_cache(node, stats(Role.COLOCATED, stored=[1, 2, 3]))
+    follow_cache(node, stats(Role.COLOCATED, stored=[4], evicted=[2]))
     assert node.cached == {1, 3, 4}
-    follow_cache(node, stats(P.Role.COLOCATED, stored=[7], reset=True))  # a restarted node: its whole cache
+    follow_cache(node, stats(Role.COLOCATED, stored=[7], reset=True))  # a restarted node: its whole cache
     assert node.cached == {7}
 
 
 def test_the_node_with_the_longest_cached_prefix_is_picked(colocated):
     prompt = list(range(40))
     c1, c2 = colocated.nodes[1], colocated.nodes[2]
-    follow_cache(c1, stats(P.Role.COLOCATED, stored=names(prompt)[:3]))
-    follow_cache(c2, stats(P.Role.COLOCATED, stored=names(prompt)[:6]))
+    follow_cache(c1, stats(Role.COLOCATED, stored=names(prompt)[:3]))
+    follow_cache(c2, stats(Role.COLOCATED, stored=names(prompt)[:6]))
     assert submit(colocated, prompt) == "tcp://c2"
     assert submit(colocated, list(range(100, 140))) == "tcp://c0"  # no overlap anywhere: the least loaded
 
@@ -74,7 +75,7 @@ def test_the_node_with_the_longest_cached_prefix_is_picked(colocated):
 def test_a_loaded_node_is_passed_over_beyond_the_margin(colocated):
     prompt = list(range(40))
     hot = colocated.nodes[1]
-    follow_cache(hot, stats(P.Role.COLOCATED, stored=names(prompt)))
+    follow_cache(hot, stats(Role.COLOCATED, stored=names(prompt)))
     picked = [submit(colocated, prompt) for _ in range(8)]
     # c0 and c2 stay at 0 requests; the hot node takes requests while it holds at most 4 more than they do
     assert picked == ["tcp://c1"] * 5 + ["tcp://c0", "tcp://c2", "tcp://c1"]
@@ -85,7 +86,7 @@ def test_margin_minus_one_routes_by_load_only():
     try:
         for m in c.membership._members:
             c.nodes.append(NodeConn(m.role, m.addr, sock=FakeNodeSock(), up=True, info={"layout": LAYOUT}))
-        follow_cache(c.nodes[1], stats(P.Role.COLOCATED, stored=names(list(range(40)))))
+        follow_cache(c.nodes[1], stats(Role.COLOCATED, stored=names(list(range(40)))))
         assert submit(c, list(range(40))) == "tcp://c0"
     finally:
         c.ctx.destroy(linger=0)
@@ -104,9 +105,9 @@ def test_disagg_picks_the_prefill_and_the_decode_node_by_their_caches():
         for m in c.membership._members:
             c.nodes.append(NodeConn(m.role, m.addr, m.kv_addr, sock=FakeNodeSock(), up=True, info={"layout": LAYOUT}))
         prompt = list(range(40))
-        follow_cache(c.nodes[1], stats(P.Role.PREFILL, stored=names(prompt)[:2]))
-        follow_cache(c.nodes[3], stats(P.Role.DECODE, stored=names(prompt)[:8]))
-        flight = c.submit(prompt, P.SamplingParams(max_tokens=4))
+        follow_cache(c.nodes[1], stats(Role.PREFILL, stored=names(prompt)[:2]))
+        follow_cache(c.nodes[3], stats(Role.DECODE, stored=names(prompt)[:8]))
+        flight = c.submit(prompt, SamplingParams(max_tokens=4))
         assert [n.addr for n in flight.nodes] == ["tcp://p1", "tcp://d1"]
         c._node_down(c.nodes[3], "test")
         assert not c.nodes[3].cached  # a node that is back sends its whole cache again
@@ -121,7 +122,7 @@ def test_a_nodes_stats_carry_its_whole_cache_after_a_hello_then_its_changes(tiny
     try:
         first = node.stats()
         assert first.cache_reset and first.cache_stored == []
-        node.engine.add(Request("a", list(range(40)), P.SamplingParams(max_tokens=2, temperature=0)))
+        node.engine.add(Request("a", list(range(40)), SamplingParams(max_tokens=2, temperature=0)))
         while node.engine.has_work():
             node.engine.step()
         changes = node.stats()
@@ -129,7 +130,7 @@ def test_a_nodes_stats_carry_its_whole_cache_after_a_hello_then_its_changes(tiny
         assert node.stats().cache_stored == []
         sent = []
         monkeypatch.setattr(node, "send_stats", lambda: sent.append(node.stats()))
-        node.on_hello(b"router", P.Hello(P.PROTOCOL_VERSION, P.Role.ROUTER))  # a router (re)connects
+        node.on_hello(b"router", Hello(PROTOCOL_VERSION, Role.ROUTER))  # a router (re)connects
         again = sent[0]
         assert again.cache_reset and sorted(again.cache_stored) == sorted(changes.cache_stored)
     finally:
@@ -149,9 +150,9 @@ def disagg_core(**cfg) -> RouterCore:
 
 def routed(core: RouterCore, prompt: list[int], **params) -> list[str]:
     """The nodes a request goes to, after checking that the first of them got its Generate."""
-    flight = core.submit(prompt, P.SamplingParams(max_tokens=4, **params))
+    flight = core.submit(prompt, SamplingParams(max_tokens=4, **params))
     sent = flight.nodes[0].sock.sent[-1]
-    assert isinstance(sent, P.Generate) and sent.request_id == flight.request_id
+    assert isinstance(sent, Generate) and sent.request_id == flight.request_id
     assert sent.decode_addr == ("" if len(flight.nodes) == 1 else "tcp://k0")
     return [n.addr for n in flight.nodes]
 
@@ -164,7 +165,7 @@ def test_a_decode_node_holding_all_but_a_few_tokens_prefills_them_itself(margin)
     for limit, want in [(8, ["tcp://d0"]), (7, ["tcp://p0", "tcp://d0"])]:
         c = disagg_core(local_prefill_max_tokens=limit, cache_balance_margin=margin)
         try:
-            follow_cache(c.nodes[1], stats(P.Role.DECODE, stored=names(prompt)[:8]))
+            follow_cache(c.nodes[1], stats(Role.DECODE, stored=names(prompt)[:8]))
             assert routed(c, prompt) == want, limit
         finally:
             c.ctx.destroy(linger=0)
@@ -174,7 +175,7 @@ def test_local_prefill_counts_the_tokens_the_node_computes_and_needs_a_cached_bl
     c = disagg_core()  # the limit: the decode node's 64 tokens a step
     try:
         prompt = list(range(40))
-        follow_cache(c.nodes[1], stats(P.Role.DECODE, stored=names(prompt)))  # every block, the last included
+        follow_cache(c.nodes[1], stats(Role.DECODE, stored=names(prompt)))  # every block, the last included
         assert routed(c, prompt) == ["tcp://d0"]  # it computes the last block's 4 tokens (the last one's logits)
         assert routed(c, prompt + list(range(500, 565))) == ["tcp://p0", "tcp://d0"]  # 65 to compute
         assert routed(c, prompt + list(range(500, 564))) == ["tcp://d0"]  # 64: one chunk
@@ -188,7 +189,7 @@ def test_local_prefill_off_with_zero():
     c = disagg_core(local_prefill_max_tokens=0)
     try:
         prompt = list(range(40))
-        follow_cache(c.nodes[1], stats(P.Role.DECODE, stored=names(prompt)))
+        follow_cache(c.nodes[1], stats(Role.DECODE, stored=names(prompt)))
         assert routed(c, prompt) == ["tcp://p0", "tcp://d0"]
     finally:
         c.ctx.destroy(linger=0)
@@ -208,11 +209,11 @@ def test_a_decode_node_takes_prompts_while_every_prefill_node_holds_the_queue_li
         assert routed(c, next(prompts), prompt_logprobs=1) == ["tcp://p0", "tcp://d0"]
         assert routed(c, next(prompts)) == ["tcp://d0"]  # p0 holds 3, d0 1 of its own
         for f in [f for f in c.waiting if f.nodes == [d]]:
-            c._deliver(P.TokenEvent(f.request_id, [7], None), d)  # d0's own have their first token
+            c._deliver(TokenEvent(f.request_id, [7], None), d)  # d0's own have their first token
         assert routed(c, next(prompts)) == ["tcp://d0"] and len(p.requests) == 3
         for f in [f for f in c.waiting if f.nodes == [p, d]]:
-            c._deliver(P.TokenEvent(f.request_id, [7], None), p)
-            c._deliver(P.TokenEvent(f.request_id, [], None), d)  # the KV landed: handed off
+            c._deliver(TokenEvent(f.request_id, [7], None), p)
+            c._deliver(TokenEvent(f.request_id, [], None), d)  # the KV landed: handed off
         assert not p.requests and routed(c, next(prompts)) == ["tcp://p0", "tcp://d0"]
     finally:
         c.ctx.destroy(linger=0)
@@ -251,17 +252,17 @@ def test_a_conversations_next_turn_finds_the_last_turns_blocks_on_its_decode_nod
         p.info["prefix_caching"] = True
         prompt = list(range(40))
         if case == "one-token answer":
-            flight = c.submit(prompt, P.SamplingParams(max_tokens=1))
-            c._deliver(P.TokenEvent(flight.request_id, [7], P.FinishReason.LENGTH), p)
+            flight = c.submit(prompt, SamplingParams(max_tokens=1))
+            c._deliver(TokenEvent(flight.request_id, [7], FinishReason.LENGTH), p)
             assert flight.ended and p.cached == set(names(prompt)) and not d.cached  # 10 blocks, all computed
             return
-        flight = c.submit(prompt, P.SamplingParams(max_tokens=4))
-        c._deliver(P.TokenEvent(flight.request_id, [7], None), p)
-        c._deliver(P.TokenEvent(flight.request_id, [], None), d)  # the KV landed
+        flight = c.submit(prompt, SamplingParams(max_tokens=4))
+        c._deliver(TokenEvent(flight.request_id, [7], None), p)
+        c._deliver(TokenEvent(flight.request_id, [], None), d)  # the KV landed
         if case == "ended by the client":
             c.abort(flight.request_id)
         else:
-            c._deliver(P.TokenEvent(flight.request_id, [8, 9, 10], P.FinishReason.LENGTH), d)
+            c._deliver(TokenEvent(flight.request_id, [8, 9, 10], FinishReason.LENGTH), d)
         assert flight.ended
         history = prompt + flight.output
         if case == "caching":
@@ -279,15 +280,15 @@ def test_a_locally_prefilled_request_streams_from_its_decode_node_alone():
     c = disagg_core()
     try:
         prompt = list(range(40))
-        follow_cache(c.nodes[1], stats(P.Role.DECODE, stored=names(prompt)))
-        flight = c.submit(prompt, P.SamplingParams(max_tokens=2))
+        follow_cache(c.nodes[1], stats(Role.DECODE, stored=names(prompt)))
+        flight = c.submit(prompt, SamplingParams(max_tokens=2))
         decode = c.nodes[1]
         assert flight.nodes == [decode] and not flight.handed_off
-        c._deliver(P.TokenEvent(flight.request_id, [7], None), decode)
+        c._deliver(TokenEvent(flight.request_id, [7], None), decode)
         assert flight.output == [7] and flight.first_token_at is not None and not flight.early
         c._node_down(c.nodes[0], "test")
         assert not flight.ended and flight.attempts == 1
-        c._deliver(P.TokenEvent(flight.request_id, [8], P.FinishReason.LENGTH), decode)
+        c._deliver(TokenEvent(flight.request_id, [8], FinishReason.LENGTH), decode)
         assert flight.output == [7, 8] and flight.ended
         assert c.metrics.registry.get_sample_value("pdserve:request_handoff_time_seconds_count") == 0
         assert decode.requests == set()

@@ -13,8 +13,9 @@ from pdserve.config import EngineConfig, NodeConfig
 from pdserve.kv.pool import KVPool
 from pdserve.kv.transfer import ShmBackend
 from pdserve.nodes.decode import DecodeNode
-from pdserve.wire import protocol as P
 from pdserve.wire import transport
+from pdserve.wire.messages import PROTOCOL_VERSION, HelloAck, KvAck, KvData, KvHello, KvOffer, KvPull
+from pdserve.wire.params import SamplingParams
 from tests.helpers import export_tokens
 
 WAIT_MS = 10_000
@@ -46,12 +47,12 @@ class Peer:
         assert self.sock.poll(WAIT_MS), "the decode node answered nothing"
         return transport.recv(self.sock)[1]
 
-    def pair(self, name: str, handle: dict) -> P.HelloAck:
-        self.send(P.KvHello(P.PROTOCOL_VERSION, self.node.engine.layout.to_dict(), name, handle))
+    def pair(self, name: str, handle: dict) -> HelloAck:
+        self.send(KvHello(PROTOCOL_VERSION, self.node.engine.layout.to_dict(), name, handle))
         return self.recv()
 
     def offer(self, request_id: str, num_tokens: int = 20) -> None:
-        self.send(P.KvOffer(request_id, list(range(1, num_tokens + 1)), 7, P.SamplingParams(max_tokens=4), num_tokens))
+        self.send(KvOffer(request_id, list(range(1, num_tokens + 1)), 7, SamplingParams(max_tokens=4), num_tokens))
 
 
 def _shm_pool(node: DecodeNode) -> ShmBackend:
@@ -71,7 +72,7 @@ def _reserve(node: DecodeNode, peer: Peer, request_id: str) -> list[int]:
     """Offer `request_id`, let the node reserve its blocks and pull; the blocks reserved."""
     peer.offer(request_id)
     node.tick()
-    assert isinstance(peer.recv(), P.KvPull)
+    assert isinstance(peer.recv(), KvPull)
     return node.engine.requests[request_id].block_ids
 
 
@@ -95,7 +96,7 @@ def test_a_peer_that_pairs_again_replaces_its_old_pairing(node):
         assert list(node.peers) == [b"prefill-0-again"]
         peer.offer("r3")
         refusal = peer.recv()
-        assert isinstance(refusal, P.KvAck) and not refusal.ok and "no pairing" in refusal.reason
+        assert isinstance(refusal, KvAck) and not refusal.ok and "no pairing" in refusal.reason
     finally:
         first.close()
         second.close()
@@ -138,7 +139,7 @@ class AsyncCopyBackend:
     def forget(self, handle: dict) -> None:
         pass
 
-    def unpack(self, pool: KVPool, dst_blocks, num_tokens, header: P.KvData, frames, source) -> int:
+    def unpack(self, pool: KVPool, dst_blocks, num_tokens, header: KvData, frames, source) -> int:
         n = len(header.src_blocks)
         self.queued.append(lambda: pool.copy_blocks_from(source, list(header.src_blocks), dst_blocks[:n]))
         return pool.layout.num_layers
@@ -155,12 +156,12 @@ def test_the_ack_waits_for_the_block_copy(node, monkeypatch):
     layout = node.engine.layout
     source = torch.randn(KVPool.shape_for(layout, 8))
     node.backends = {"async-copy": AsyncCopyBackend(source)}
-    acks: list[tuple[P.KvAck, bool]] = []
+    acks: list[tuple[KvAck, bool]] = []
     real_send = transport.send
     src_blocks, num_tokens = [5, 2], 20
 
     def spying_send(sock, msg, frames=(), identity=None):
-        if isinstance(msg, P.KvAck):  # has the KV landed when the prefill node is told it may reuse its blocks?
+        if isinstance(msg, KvAck):  # has the KV landed when the prefill node is told it may reuse its blocks?
             landed = export_tokens(node.engine.pool, dst_blocks, num_tokens)
             sent = export_tokens(KVPool(layout, 8, data=source), src_blocks, num_tokens)
             acks.append((msg, torch.equal(landed, sent)))
@@ -171,8 +172,8 @@ def test_the_ack_waits_for_the_block_copy(node, monkeypatch):
     assert peer.pair("async-copy", {"pool_id": "p"}).ok
     dst_blocks = _reserve(node, peer, "r1")
     shape = [2, layout.num_kv_heads, num_tokens, layout.head_dim]
-    peer.send(P.KvData("r1", layout.dtype, shape, -1, src_blocks))
-    assert isinstance(peer.recv(), P.KvAck)
+    peer.send(KvData("r1", layout.dtype, shape, -1, src_blocks))
+    assert isinstance(peer.recv(), KvAck)
     [(ack, landed)] = acks
     assert ack.ok and landed, "the ack went out before the copy out of the prefill pool had finished"
     assert "r1" in node.engine.requests
@@ -193,8 +194,8 @@ def test_auto_shares_the_pool_on_one_host_and_ships_over_zmq_across_hosts(auto_n
     owner = _shm_pool(auto_node)
     try:
         peer = Peer(auto_node, b"prefill-0")
-        hello = P.KvHello(
-            P.PROTOCOL_VERSION, auto_node.engine.layout.to_dict(), "auto", owner.handle(), host_id, ["shm", "zmq"]
+        hello = KvHello(
+            PROTOCOL_VERSION, auto_node.engine.layout.to_dict(), "auto", owner.handle(), host_id, ["shm", "zmq"]
         )
         peer.send(hello)
         ack = peer.recv()
@@ -209,7 +210,7 @@ def test_a_shared_pool_from_another_host_is_refused(node):
     owner = _shm_pool(node)
     try:
         peer = Peer(node, b"prefill-0")
-        peer.send(P.KvHello(P.PROTOCOL_VERSION, node.engine.layout.to_dict(), "shm", owner.handle(), "elsewhere"))
+        peer.send(KvHello(PROTOCOL_VERSION, node.engine.layout.to_dict(), "shm", owner.handle(), "elsewhere"))
         ack = peer.recv()
         assert not ack.ok and "one host" in ack.reason, ack
     finally:

@@ -16,15 +16,31 @@ from pdserve.config import EngineConfig, NodeConfig
 from pdserve.engine.request import Status
 from pdserve.nodes.decode import DecodeNode
 from pdserve.nodes.prefill import PrefillNode
-from pdserve.wire import protocol as P
 from pdserve.wire import transport
+from pdserve.wire.messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    Generate,
+    Hello,
+    HelloAck,
+    KvAck,
+    KvCancel,
+    KvHello,
+    KvOffer,
+    KvPull,
+    KvWaiting,
+    Stats,
+    TokenEvent,
+    TokenEvents,
+)
+from pdserve.wire.params import ErrorCode, FinishReason, Role, SamplingParams
 
 WAIT_MS = 10_000
 PROMPT = list(range(1, 21))  # 20 tokens: with the first token, 2 blocks of 16
-PARAMS = P.SamplingParams(max_tokens=4, temperature=0)
+PARAMS = SamplingParams(max_tokens=4, temperature=0)
 
 
-def _recv(sock: zmq.Socket, skip=(P.Stats,)):
+def _recv(sock: zmq.Socket, skip=(Stats,)):
     """The next message on a test socket that is not one of `skip` (stats come on their own schedule)."""
     while True:
         assert sock.poll(WAIT_MS), "nothing arrived"
@@ -40,7 +56,7 @@ class FakeRouter:
         self.node = node
         self.sock = node.ctx.socket(zmq.DEALER)  # closed with the node's context
         self.sock.connect(node.front_addr)
-        self.send(P.Hello(P.PROTOCOL_VERSION, P.Role.ROUTER))
+        self.send(Hello(PROTOCOL_VERSION, Role.ROUTER))
         assert _recv(self.sock)[1].ok
 
     def send(self, msg) -> None:
@@ -48,9 +64,9 @@ class FakeRouter:
         assert self.node.front.poll(WAIT_MS)
         self.node.drain(self.node.front)
 
-    def events(self) -> list[P.TokenEvent]:
+    def events(self) -> list[TokenEvent]:
         msg = _recv(self.sock)[1]
-        assert isinstance(msg, P.TokenEvents), msg
+        assert isinstance(msg, TokenEvents), msg
         return msg.all()
 
 
@@ -70,7 +86,7 @@ def prefill(tiny_models):
 def _prefill_and_pair(node: PrefillNode, router: FakeRouter, decode: zmq.Socket, addr: str, rid: str):
     """Generate `rid` there, run the engine to its first token, pair with the fake decode node and get the offer;
     returns the prefill node's identity on the decode socket."""
-    router.send(P.Generate(rid, PROMPT, PARAMS, decode_addr=addr))
+    router.send(Generate(rid, PROMPT, PARAMS, decode_addr=addr))
     for _ in range(100):
         if rid in node.transfers:
             break
@@ -81,11 +97,11 @@ def _prefill_and_pair(node: PrefillNode, router: FakeRouter, decode: zmq.Socket,
             break
         node.tick()  # its monitor sees the connection and sends KvHello
     identity, hello = _recv(decode)
-    assert isinstance(hello, P.KvHello)
-    transport.send(decode, P.HelloAck(True, P.Role.DECODE, {"transport": "zmq"}), identity=identity)
+    assert isinstance(hello, KvHello)
+    transport.send(decode, HelloAck(True, Role.DECODE, {"transport": "zmq"}), identity=identity)
     _drain_peer(node)
     _, offer = _recv(decode)
-    assert isinstance(offer, P.KvOffer) and offer.request_id == rid
+    assert isinstance(offer, KvOffer) and offer.request_id == rid
     return identity
 
 
@@ -106,7 +122,7 @@ def test_every_step_counts_even_one_that_only_computes_prompt_chunks(tiny_models
     node = PrefillNode(NodeConfig("prefill", engine))
     try:
         router = FakeRouter(node)
-        router.send(P.Generate("r", PROMPT, PARAMS, decode_addr="tcp://127.0.0.1:9"))
+        router.send(Generate("r", PROMPT, PARAMS, decode_addr="tcp://127.0.0.1:9"))
         for _ in range(3):
             node.loop_once()
         assert router.events()[0].token_ids, "no first token after 3 steps"
@@ -121,7 +137,7 @@ def test_kv_waiting_renews_the_lease_and_a_lease_that_runs_out_frees_the_kv(pref
     held = node.engine.kv_stats()[0]
     assert held > 0
     _run_out(node, "r1")
-    transport.send(decode, P.KvWaiting(["r1"]), identity=identity)  # still queued there for blocks
+    transport.send(decode, KvWaiting(["r1"]), identity=identity)  # still queued there for blocks
     _drain_peer(node)
     node.tick()
     assert "r1" in node.transfers and node.engine.kv_stats()[0] == held, "a renewed lease ran out"
@@ -129,28 +145,28 @@ def test_kv_waiting_renews_the_lease_and_a_lease_that_runs_out_frees_the_kv(pref
     node.tick()
     assert "r1" not in node.transfers and "r1" not in node.engine.requests and node.engine.kv_stats()[0] == 0
     [ev] = router.events()
-    assert ev.finish_reason == P.FinishReason.ERROR and ev.error_code == P.ErrorCode.KV_TRANSFER_FAILED
+    assert ev.finish_reason == FinishReason.ERROR and ev.error_code == ErrorCode.KV_TRANSFER_FAILED
     assert "lease" in ev.error
-    assert _recv(decode)[1] == P.KvCancel("r1"), "the decode node was not told to forget it"
+    assert _recv(decode)[1] == KvCancel("r1"), "the decode node was not told to forget it"
 
 
 def test_a_refusal_reaches_the_router_with_the_decode_nodes_error_code(prefill):
     node, router, decode, addr = prefill
     identity = _prefill_and_pair(node, router, decode, addr, "r1")
-    refusal = P.KvAck("r1", False, "the request needs 9 KV blocks", P.ErrorCode.INVALID_REQUEST)
+    refusal = KvAck("r1", False, "the request needs 9 KV blocks", ErrorCode.INVALID_REQUEST)
     transport.send(decode, refusal, identity=identity)
     _drain_peer(node)
     [ev] = router.events()
-    assert (ev.error_code, ev.error) == (P.ErrorCode.INVALID_REQUEST, refusal.reason)
+    assert (ev.error_code, ev.error) == (ErrorCode.INVALID_REQUEST, refusal.reason)
     assert not node.transfers and node.engine.kv_stats()[0] == 0
 
 
 def test_an_abort_frees_the_held_kv_and_cancels_the_offer(prefill):
     node, router, decode, addr = prefill
     _prefill_and_pair(node, router, decode, addr, "r1")
-    router.send(P.Abort("r1"))
+    router.send(Abort("r1"))
     assert not node.transfers and node.engine.kv_stats()[0] == 0
-    assert _recv(decode)[1] == P.KvCancel("r1")
+    assert _recv(decode)[1] == KvCancel("r1")
 
 
 # ---- the decode node -------------------------------------------------------------------------------
@@ -163,7 +179,7 @@ class FakePrefill:
         self.node = node
         self.sock = node.ctx.socket(zmq.DEALER)
         self.sock.connect(node.kv_addr)
-        self.send(P.KvHello(P.PROTOCOL_VERSION, node.engine.layout.to_dict(), "zmq"))
+        self.send(KvHello(PROTOCOL_VERSION, node.engine.layout.to_dict(), "zmq"))
         assert self.recv().ok
 
     def send(self, msg) -> None:
@@ -175,7 +191,7 @@ class FakePrefill:
         return _recv(self.sock)[1]
 
     def offer(self, rid: str, num_tokens: int = len(PROMPT)) -> None:
-        self.send(P.KvOffer(rid, list(range(1, num_tokens + 1)), 7, PARAMS, num_tokens))
+        self.send(KvOffer(rid, list(range(1, num_tokens + 1)), 7, PARAMS, num_tokens))
 
 
 @pytest.fixture
@@ -196,14 +212,14 @@ def test_offers_wait_fcfs_for_blocks_with_notices_and_are_pulled_as_blocks_free(
     for rid in ("r1", "r2", "r3", "r4"):
         peer.offer(rid)
     _tick(node)
-    assert [peer.recv() for _ in range(3)] == [P.KvPull("r1"), P.KvPull("r2"), P.KvWaiting(["r3", "r4"])]
+    assert [peer.recv() for _ in range(3)] == [KvPull("r1"), KvPull("r2"), KvWaiting(["r3", "r4"])]
     assert [r.request_id for r in node.engine.waiting_for_kv()] == ["r3", "r4"]
     node.on_abort("r1")  # the router aborts a reserved one: its blocks go to the oldest waiting offer
     _tick(node)
-    assert [peer.recv() for _ in range(2)] == [P.KvPull("r3"), P.KvWaiting(["r4"])]
-    peer.send(P.KvCancel("r2"))  # the prefill node cancels a reserved one
+    assert [peer.recv() for _ in range(2)] == [KvPull("r3"), KvWaiting(["r4"])]
+    peer.send(KvCancel("r2"))  # the prefill node cancels a reserved one
     _tick(node)
-    assert peer.recv() == P.KvPull("r4")
+    assert peer.recv() == KvPull("r4")
     assert sorted(node.incoming) == ["r3", "r4"] and node.engine.kv_stats()[0] == 4
 
 
@@ -214,11 +230,11 @@ def test_a_reservation_that_no_kv_answers_is_recomputed_here(decode):
     node, peer = decode
     peer.offer("r1")
     _tick(node)
-    assert peer.recv() == P.KvPull("r1") and node.engine.kv_stats()[0] == 2
+    assert peer.recv() == KvPull("r1") and node.engine.kv_stats()[0] == 2
     node.incoming["r1"].pulled_at = time.monotonic() - node.cfg.kv_lease_s / 2 - 1
     node.tick()
     ack = peer.recv()
-    assert isinstance(ack, P.KvAck) and ack.ok and "recomputed" in ack.reason
+    assert isinstance(ack, KvAck) and ack.ok and "recomputed" in ack.reason
     assert not node.incoming and node.engine.requests["r1"].status is Status.WAITING
     assert node.engine.kv_stats()[0] == 2
 
@@ -229,7 +245,7 @@ def test_kv_that_arrives_after_the_node_gave_up_on_it_is_ignored(decode):
     node, peer = decode
     peer.offer("r1")
     _tick(node)
-    assert peer.recv() == P.KvPull("r1")
+    assert peer.recv() == KvPull("r1")
     req = node.engine.requests["r1"]
     (paired,) = node.peers.values()
     backend = paired.backend
@@ -244,7 +260,7 @@ def test_kv_that_arrives_after_the_node_gave_up_on_it_is_ignored(decode):
     node.incoming["r1"].pulled_at = time.monotonic() - node.cfg.kv_lease_s / 2 - 1
     node.tick()
     ack = peer.recv()
-    assert isinstance(ack, P.KvAck) and "recomputed" in ack.reason and req.status is Status.WAITING
+    assert isinstance(ack, KvAck) and "recomputed" in ack.reason and req.status is Status.WAITING
     before = [node.engine.pool.export_blocks(layer, req.block_ids).clone() for layer in range(len(layers))]
     bad, received = node.counters["kv_bad"], node.counters["kv_received"]
     for header, frames in damaged:
@@ -258,7 +274,7 @@ def test_kv_that_arrives_after_the_node_gave_up_on_it_is_ignored(decode):
     assert req.status is Status.WAITING and not node.incoming
     peer.offer("r2")  # and the node takes the next transfer as usual
     _tick(node)
-    assert peer.recv() == P.KvPull("r2")
+    assert peer.recv() == KvPull("r2")
 
 
 def test_an_abort_before_the_offer_refuses_the_late_offer(decode):
@@ -266,7 +282,7 @@ def test_an_abort_before_the_offer_refuses_the_late_offer(decode):
     node.on_abort("r1")
     peer.offer("r1")
     ack = peer.recv()
-    assert isinstance(ack, P.KvAck) and ack.request_id == "r1" and not ack.ok
+    assert isinstance(ack, KvAck) and ack.request_id == "r1" and not ack.ok
     assert not node.incoming and "r1" not in node.engine.requests
 
 
@@ -274,5 +290,5 @@ def test_an_offer_larger_than_the_pool_is_refused_with_invalid_request(decode):
     node, peer = decode
     peer.offer("big", num_tokens=100)
     ack = peer.recv()
-    assert not ack.ok and ack.error_code == P.ErrorCode.INVALID_REQUEST and "blocks" in ack.reason
+    assert not ack.ok and ack.error_code == ErrorCode.INVALID_REQUEST and "blocks" in ack.reason
     assert not node.incoming

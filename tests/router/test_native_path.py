@@ -19,10 +19,12 @@ from pdserve.router import api, native
 from pdserve.router.core import NodeConn, RouterCore
 from pdserve.router.stream import Outbox, SseStream
 from pdserve.router.text import load_model_info
-from pdserve.wire import protocol as P
+from pdserve.wire.codec import encode
+from pdserve.wire.messages import TokenEvent, TokenEvents
+from pdserve.wire.params import FinishReason, SamplingParams
 from tests.helpers import FakeNodeSock
 
-LENGTH = P.FinishReason.LENGTH
+LENGTH = FinishReason.LENGTH
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +50,8 @@ def _core(in_c: bool, **addrs) -> RouterCore:
     return core
 
 
-def _step(core: RouterCore, node: NodeConn, *events: P.TokenEvent) -> None:
-    core._on_message(node, [P.encode(P.TokenEvents.of(list(events)))])
+def _step(core: RouterCore, node: NodeConn, *events: TokenEvent) -> None:
+    core._on_message(node, [encode(TokenEvents.of(list(events)))])
 
 
 def _stream(core: RouterCore, info, writes: list[bytes], prompt: list[int], **fields) -> SseStream:
@@ -98,7 +100,7 @@ async def _served(in_c: bool, info, steps: list[list[tuple[int, list[int], objec
         node = streams[0].flights[0].nodes[0]
         rids = [s.flights[0].request_id for s in streams]
         for events in steps:
-            _step(core, node, *(P.TokenEvent(rids[k], ids, reason) for k, ids, reason in events))
+            _step(core, node, *(TokenEvent(rids[k], ids, reason) for k, ids, reason in events))
             await asyncio.sleep(0)  # the outbox's flush
         flights = [s.flights[0] for s in streams]
         m = core.metrics
@@ -199,13 +201,13 @@ def test_a_disaggregated_requests_tokens_take_the_c_path_after_its_decode_nodes_
             stream = _stream(core, info, writes, [1, 2, 3])
             flight = stream.flights[0]
             rid, (prefill, decode) = flight.request_id, flight.nodes
-            _step(core, decode, P.TokenEvent(rid, []))  # "KV landed"
-            _step(core, decode, P.TokenEvent(rid, [11]))  # beats the first token: held
-            _step(core, prefill, P.TokenEvent(rid, [10]))
+            _step(core, decode, TokenEvent(rid, []))  # "KV landed"
+            _step(core, decode, TokenEvent(rid, [11]))  # beats the first token: held
+            _step(core, prefill, TokenEvent(rid, [10]))
             for t in (12, 13):
-                _step(core, decode, P.TokenEvent(rid, [t]))
+                _step(core, decode, TokenEvent(rid, [t]))
                 await asyncio.sleep(0)
-            _step(core, decode, P.TokenEvent(rid, [14], LENGTH))
+            _step(core, decode, TokenEvent(rid, [14], LENGTH))
             await asyncio.sleep(0)
             return writes, flight.output
         finally:
@@ -220,10 +222,10 @@ def test_a_stream_not_attached_gets_steady_tokens_as_events(tokenpath, info):
     def run(in_c: bool) -> list[list[int]]:
         core = _core(in_c, colocated=("tcp://c0",))
         try:
-            flight = core.submit([1, 2, 3], P.SamplingParams(max_tokens=5))
+            flight = core.submit([1, 2, 3], SamplingParams(max_tokens=5))
             node, rid = flight.nodes[0], flight.request_id
             for ids in ([10], [11, 12], [13]):
-                _step(core, node, P.TokenEvent(rid, ids))
+                _step(core, node, TokenEvent(rid, ids))
             assert flight.steady is node
             return [ev.token_ids for ev in flight.inbox.events]
         finally:

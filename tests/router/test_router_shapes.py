@@ -9,7 +9,7 @@ import pytest
 
 from pdserve.router.errors import ApiError, api_error_body, error_body, logged_error
 from pdserve.router.logprobs import FLOOR, LogprobFormatter
-from pdserve.wire import protocol as P
+from pdserve.wire.params import InvalidField, SamplingParams
 
 
 @pytest.mark.parametrize("status", [400, 401, 404, 413, 429, 500, 503])
@@ -53,8 +53,8 @@ def test_each_error_is_logged_as_one_line(caplog):
     ],
 )
 def test_sampling_params_name_the_field_out_of_range(kw, field):
-    with pytest.raises(P.InvalidField) as e:
-        P.SamplingParams(**{"max_tokens": 4, **kw})
+    with pytest.raises(InvalidField) as e:
+        SamplingParams(**{"max_tokens": 4, **kw})
     assert e.value.field == field and isinstance(e.value, ValueError)
 
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from pdserve.router.sse import ChunkFormat
-from pdserve.wire.protocol import FinishReason
+from pdserve.wire.params import FinishReason
 
 TEXTS = ["", "plain", 'quo"te \\ back', "tab\tnew\nline", "héllo ✓ 😀", "\x00\x1f"]
 

@@ -15,10 +15,12 @@ from pdserve.router import api
 from pdserve.router.core import NodeConn, RouterCore
 from pdserve.router.stream import Outbox, SseStream
 from pdserve.router.text import load_model_info
-from pdserve.wire import protocol as P
+from pdserve.wire.codec import encode
+from pdserve.wire.messages import TokenEvent, TokenEvents
+from pdserve.wire.params import FinishReason, SamplingParams
 from tests.helpers import FakeNodeSock
 
-LENGTH = P.FinishReason.LENGTH
+LENGTH = FinishReason.LENGTH
 
 
 def _core(token_path: str, **addrs) -> RouterCore:
@@ -44,9 +46,9 @@ def colocated(request):
     core.ctx.destroy(linger=0)
 
 
-def _step(core: RouterCore, node: NodeConn, *events: P.TokenEvent) -> None:
+def _step(core: RouterCore, node: NodeConn, *events: TokenEvent) -> None:
     """A node's message of one step, as it comes off the wire."""
-    core._on_message(node, [P.encode(P.TokenEvents.of(list(events)))])
+    core._on_message(node, [encode(TokenEvents.of(list(events)))])
 
 
 def _long_way_calls(core: RouterCore, monkeypatch) -> list[str]:
@@ -66,18 +68,18 @@ def _taken(flight) -> list[list[int]]:
 
 def test_a_handed_off_requests_decode_tokens_take_the_short_way_once_its_first_are_out(disagg, monkeypatch):
     long_way = _long_way_calls(disagg, monkeypatch)
-    flight = disagg.submit([1, 2, 3], P.SamplingParams(max_tokens=6))
+    flight = disagg.submit([1, 2, 3], SamplingParams(max_tokens=6))
     rid, (prefill, decode) = flight.request_id, flight.nodes
-    _step(disagg, decode, P.TokenEvent(rid, []))  # "KV landed"
-    _step(disagg, decode, P.TokenEvent(rid, [11]))  # beats the first token: held
+    _step(disagg, decode, TokenEvent(rid, []))  # "KV landed"
+    _step(disagg, decode, TokenEvent(rid, [11]))  # beats the first token: held
     assert flight.steady is None
-    _step(disagg, prefill, P.TokenEvent(rid, [10]))  # the first token, then the held one
+    _step(disagg, prefill, TokenEvent(rid, [10]))  # the first token, then the held one
     assert flight.steady is decode, "the decode node's first token is out"
     assert long_way == [rid, rid]
     for t in (12, 13, 14):
-        _step(disagg, decode, P.TokenEvent(rid, [t]))
+        _step(disagg, decode, TokenEvent(rid, [t]))
     assert long_way == [rid, rid], "a steady token went the long way"
-    _step(disagg, decode, P.TokenEvent(rid, [15], LENGTH))  # the last event: the long way (it ends the request)
+    _step(disagg, decode, TokenEvent(rid, [15], LENGTH))  # the last event: the long way (it ends the request)
     assert long_way == [rid, rid, rid]
     assert _taken(flight) == [[10], [11], [12], [13], [14], [15]] and flight.output == [10, 11, 12, 13, 14, 15]
     assert rid not in disagg.flights and not decode.requests and not prefill.requests
@@ -87,43 +89,43 @@ def test_a_handed_off_requests_decode_tokens_take_the_short_way_once_its_first_a
 
 def test_a_prefill_nodes_tokens_never_take_it(disagg, monkeypatch):
     long_way = _long_way_calls(disagg, monkeypatch)
-    flight = disagg.submit([1, 2, 3], P.SamplingParams(max_tokens=6))
+    flight = disagg.submit([1, 2, 3], SamplingParams(max_tokens=6))
     rid, prefill = flight.request_id, flight.nodes[0]
-    _step(disagg, prefill, P.TokenEvent(rid, [10]))
+    _step(disagg, prefill, TokenEvent(rid, [10]))
     assert flight.steady is None
-    _step(disagg, prefill, P.TokenEvent(rid, [11]))
+    _step(disagg, prefill, TokenEvent(rid, [11]))
     assert long_way == [rid, rid]
 
 
 def test_a_colocated_requests_tokens_after_its_first_take_it(colocated, monkeypatch):
     long_way = _long_way_calls(colocated, monkeypatch)
-    flight = colocated.submit([1, 2, 3], P.SamplingParams(max_tokens=4))
+    flight = colocated.submit([1, 2, 3], SamplingParams(max_tokens=4))
     rid, node = flight.request_id, flight.nodes[0]
-    _step(colocated, node, P.TokenEvent(rid, [10]))
+    _step(colocated, node, TokenEvent(rid, [10]))
     assert flight.steady is node
-    _step(colocated, node, P.TokenEvent(rid, [11, 12]))
-    _step(colocated, node, P.TokenEvent(rid, [13], LENGTH))
+    _step(colocated, node, TokenEvent(rid, [11, 12]))
+    _step(colocated, node, TokenEvent(rid, [13], LENGTH))
     assert long_way == [rid, rid] and _taken(flight) == [[10], [11, 12], [13]]
     assert colocated.metrics.generation_tokens.value == 4 and sum(colocated.metrics.itl.counts) == 2
 
 
 def test_a_request_dispatched_again_leaves_the_short_way_until_its_new_nodes_tokens(disagg, monkeypatch):
-    flight = disagg.submit([1, 2, 3], P.SamplingParams(max_tokens=8))
+    flight = disagg.submit([1, 2, 3], SamplingParams(max_tokens=8))
     old, (prefill, decode) = flight.request_id, flight.nodes
-    _step(disagg, prefill, P.TokenEvent(old, [10]))
-    _step(disagg, decode, P.TokenEvent(old, []))
-    _step(disagg, decode, P.TokenEvent(old, [11]))
+    _step(disagg, prefill, TokenEvent(old, [10]))
+    _step(disagg, decode, TokenEvent(old, []))
+    _step(disagg, decode, TokenEvent(old, [11]))
     assert flight.steady is decode
     disagg._node_down(decode, "test")
     new, (prefill2, decode2) = flight.request_id, flight.nodes
     assert new != old and flight.steady is None and decode2 is not decode
     long_way = _long_way_calls(disagg, monkeypatch)
-    _step(disagg, decode, P.TokenEvent(old, [99]))  # a late event of the old id: dropped
-    _step(disagg, prefill2, P.TokenEvent(new, [12]))
-    _step(disagg, decode2, P.TokenEvent(new, []))
-    _step(disagg, decode2, P.TokenEvent(new, [13]))
+    _step(disagg, decode, TokenEvent(old, [99]))  # a late event of the old id: dropped
+    _step(disagg, prefill2, TokenEvent(new, [12]))
+    _step(disagg, decode2, TokenEvent(new, []))
+    _step(disagg, decode2, TokenEvent(new, [13]))
     assert flight.steady is decode2 and long_way == [new, new]
-    _step(disagg, decode2, P.TokenEvent(new, [14]))
+    _step(disagg, decode2, TokenEvent(new, [14]))
     assert long_way == [new, new] and flight.output == [10, 11, 12, 13, 14]
 
 
@@ -163,7 +165,7 @@ def test_a_plain_choice_writes_on_the_short_way_what_the_long_way_writes(colocat
         for stream in (short, long):
             node, rid = stream.flights[0].nodes[0], stream.flights[0].request_id
             for k, toks in enumerate(ids):
-                _step(colocated, node, P.TokenEvent(rid, toks, LENGTH if k == len(ids) - 1 else None))
+                _step(colocated, node, TokenEvent(rid, toks, LENGTH if k == len(ids) - 1 else None))
                 await asyncio.sleep(0)  # the outbox's flush: one write a event
         return short_writes, long_writes, shown
 

@@ -16,7 +16,7 @@ from pdserve.kv.block_allocator import blocks_for, cdiv
 from pdserve.runner.backends import TILE_M, Chunk
 from pdserve.runner.cuda_graphs import Bucket, pick, plan, token_counts
 from pdserve.runner.sampling import Sampler
-from pdserve.wire.protocol import SamplingParams
+from pdserve.wire.params import SamplingParams
 from tests.helpers import optional
 
 
@@ -152,9 +152,9 @@ def test_pick_the_smallest_bucket_that_holds_a_step():
 
 def _engine(tiny_models):
     from pdserve.config import EngineConfig
-    from pdserve.engine.engine import Engine
+    from pdserve.nodes.parts import build_engine
 
-    return Engine(EngineConfig(model=str(tiny_models["qwen3"]), attention_backend="triton", num_kv_blocks=32))
+    return build_engine(EngineConfig(model=str(tiny_models["qwen3"]), attention_backend="triton", num_kv_blocks=32))
 
 
 def test_packed_inputs_padded_for_a_graph(triton, tiny_models):

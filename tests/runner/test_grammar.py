@@ -11,10 +11,11 @@ import transformers
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.request import Request
+from pdserve.nodes.parts import build_engine
 from pdserve.router.errors import ApiError
 from pdserve.router.response_format import compile_schema, grammar_for
 from pdserve.runner.grammar import GrammarError
-from pdserve.wire.protocol import SamplingParams
+from pdserve.wire.params import SamplingParams
 from tests.helpers import optional
 
 jsonschema = optional("jsonschema")
@@ -95,16 +96,16 @@ def workload() -> list[Request]:
 def test_guided_outputs_are_instances_and_others_unchanged(tiny_models, tokenizer, budget, num_blocks):
     path = str(tiny_models["qwen3"])
     reqs = workload()
-    engine = Engine(EngineConfig(model=path, max_num_batched_tokens=budget, num_kv_blocks=num_blocks))
+    engine = build_engine(EngineConfig(model=path, max_num_batched_tokens=budget, num_kv_blocks=num_blocks))
     got = run(engine, reqs)
     for key in ("g", "s"):
         for i, schema in enumerate(SCHEMAS):
             instance(tokenizer, got[f"{key}{i}"], schema)
-    alone = run(Engine(EngineConfig(model=path)), [r for r in workload() if r.request_id.startswith("u")])
+    alone = run(build_engine(EngineConfig(model=path)), [r for r in workload() if r.request_id.startswith("u")])
     assert {k: got[k] for k in alone} == alone  # unguided rows draw what they draw without guided neighbours
     if num_blocks is not None:
         assert engine.num_preemptions() > 0, "the small pool should have forced a preemption"
-        roomy = run(Engine(EngineConfig(model=path)), workload())
+        roomy = run(build_engine(EngineConfig(model=path)), workload())
         assert got == roomy  # preempted and recomputed, guided requests draw the same tokens
 
 
@@ -113,20 +114,20 @@ def test_a_request_resumed_elsewhere_replays_its_tokens(tiny_models, tokenizer):
     tokens as its prompt's tail (`grammar_prefix`): either way the grammar goes on from there."""
     path = str(tiny_models["qwen3"])
     schema = SCHEMAS[0]
-    (whole,) = run(Engine(EngineConfig(model=path)), [guided("a", [3, 4, 5], schema, temperature=0)]).values()
+    (whole,) = run(build_engine(EngineConfig(model=path)), [guided("a", [3, 4, 5], schema, temperature=0)]).values()
     first = Request("b", [3, 4, 5], guided("b", [], schema, temperature=0).params, output_token_ids=whole[:1])
-    (rest,) = run(Engine(EngineConfig(model=path)), [first]).values()
+    (rest,) = run(build_engine(EngineConfig(model=path)), [first]).values()
     assert rest == whole  # greedy: the same tokens as if the engine had drawn the first itself
     k = 6
     params = SamplingParams(
         max_tokens=80, eos_token_ids=(EOS,), grammar=compile_schema(schema), temperature=1.0, seed=5, grammar_prefix=k
     )
-    (tail,) = run(Engine(EngineConfig(model=path)), [Request("c", [3, 4, 5] + whole[:k], params)]).values()
+    (tail,) = run(build_engine(EngineConfig(model=path)), [Request("c", [3, 4, 5] + whole[:k], params)]).values()
     instance(tokenizer, whole[:k] + tail, schema)
 
 
 def test_tokens_the_grammar_refuses_are_a_grammar_error(tiny_models, tokenizer):
-    engine = Engine(EngineConfig(model=str(tiny_models["qwen3"])))
+    engine = build_engine(EngineConfig(model=str(tiny_models["qwen3"])))
     bad = tokenizer.encode("nope", add_special_tokens=False)
     req = guided("x", [1, 2], SCHEMAS[1], temperature=0)
     req.output_token_ids = bad

@@ -9,7 +9,8 @@ import transformers
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.request import Request
-from pdserve.wire.protocol import SamplingParams
+from pdserve.nodes.parts import build_engine
+from pdserve.wire.params import SamplingParams
 from tests.helpers import mixed_workload
 
 
@@ -47,7 +48,7 @@ def test_logprobs_equal_transformers_log_softmax(tiny_models, budget, num_blocks
         Request(str(i), p, SamplingParams(max_tokens=8, ignore_eos=True, **k))
         for i, (p, k) in enumerate(zip(prompts, kinds, strict=True))
     ]
-    engine = Engine(EngineConfig(model=str(path), max_num_batched_tokens=budget, num_kv_blocks=num_blocks))
+    engine = build_engine(EngineConfig(model=str(path), max_num_batched_tokens=budget, num_kv_blocks=num_blocks))
     got = run_outputs(engine, reqs)
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     for req in reqs:
@@ -79,7 +80,7 @@ def test_logprobs_equal_transformers_log_softmax(tiny_models, budget, num_blocks
 
 
 def test_one_token_prompt_with_echo_scores_nothing(tiny_models):
-    engine = Engine(EngineConfig(model=str(tiny_models["qwen3"])))
+    engine = build_engine(EngineConfig(model=str(tiny_models["qwen3"])))
     req = Request("a", [7], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))
     (out,) = run_outputs(engine, [req])["a"]
     assert out.prompt_logprobs == [] and out.logprob is None
@@ -87,7 +88,7 @@ def test_one_token_prompt_with_echo_scores_nothing(tiny_models):
 
 def test_no_logprobs_no_extra_host_copy(tiny_models, monkeypatch):
     """Without logprobs the step copies only the sampled ids to the host (one `tolist` of the token tensor)."""
-    engine = Engine(EngineConfig(model=str(tiny_models["qwen3"])))
+    engine = build_engine(EngineConfig(model=str(tiny_models["qwen3"])))
     calls = []
     real = torch.Tensor.tolist
 

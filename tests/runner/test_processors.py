@@ -7,7 +7,7 @@ import torch
 
 from pdserve.engine.request import Request
 from pdserve.runner.sampling import Sampler, apply_processors, process_rows
-from pdserve.wire.protocol import SamplingParams
+from pdserve.wire.params import SamplingParams
 
 
 def _req(prompt, output, **kw) -> Request:

@@ -10,12 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 from test_async_scheduling import run_ahead, tokens
-from test_engine import greedy_requests
 
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.request import Request
-from pdserve.wire.protocol import SamplingParams
+from pdserve.nodes.parts import build_engine
+from pdserve.wire.params import SamplingParams
+from tests.engine.test_engine import greedy_requests
 from tests.helpers import hf_greedy, mixed_workload, optional
 
 BUDGET, MAX_SEQS = 24, 8  # prompts of up to 40 tokens take two or more steps, beside the decodes
@@ -34,7 +35,7 @@ def graphed_engine(model, device: str = "cpu", **kw) -> Engine:
         max_num_seqs=MAX_SEQS,
         **kw,
     )
-    engine = Engine(cfg)
+    engine = build_engine(cfg)
     if engine.runner.graphs is None:  # on the CPU no graph is captured: record the same path eagerly
         engine.runner.graphs = StepGraphs.planned(engine.runner, BUDGET, MAX_SEQS)
         engine.runner.graphs.capture(eager_recorder)
@@ -118,7 +119,7 @@ def test_a_bucketed_step_gives_the_eager_logits(engine):
 def test_captured_graphs_replay_mixed_steps_on_a_gpu(tiny_models):
     """The same workload through graphs captured on the GPU (float32), one step at a time: every step replayed, the
     tokens transformers'."""
-    from test_engine import run_engine
+    from tests.engine.test_engine import run_engine
 
     engine = graphed_engine(tiny_models["qwen3"], device="cuda:0")
     assert engine.runner.graph_captures == len(engine.runner.graphs.buckets) > 0

@@ -34,9 +34,9 @@ def test_a_misaligned_pointer_is_another_variant():
 
 def test_packed_segments_start_16_bytes_aligned(tiny_models):
     from pdserve.config import EngineConfig
-    from pdserve.engine.engine import Engine
+    from pdserve.nodes.parts import build_engine
 
-    engine = Engine(EngineConfig(model=str(tiny_models["qwen3"]), attention_backend="triton", num_kv_blocks=32))
+    engine = build_engine(EngineConfig(model=str(tiny_models["qwen3"]), attention_backend="triton", num_kv_blocks=32))
     backend = engine.runner.backend
     for rows, chunks in ((3, [Chunk(0, 1, 4, [0]), Chunk(1, 2, 0, [1])]), (7, [Chunk(0, 7, 9, [2])])):
         lay = backend.layout(rows, len(chunks), chunks)
@@ -45,15 +45,14 @@ def test_packed_segments_start_16_bytes_aligned(tiny_models):
 
 def test_serving_after_warm_up_needs_no_new_variant(tiny_models):
     """Odd and even token counts, batch sizes 1..5, prompt chunks beside decodes, a 1-token prompt."""
-    from helpers import mixed_workload
-    from test_engine import greedy_requests, run_engine
-
     from pdserve.config import EngineConfig
-    from pdserve.engine.engine import Engine
+    from pdserve.nodes.parts import build_engine
+    from tests.engine.test_engine import greedy_requests, run_engine
+    from tests.helpers import mixed_workload
 
     warm, served = TritonVariants(), TritonVariants()
     with warm.recording():
-        engine = Engine(
+        engine = build_engine(
             EngineConfig(
                 model=str(tiny_models["qwen3"]), attention_backend="triton", max_num_seqs=5, max_num_batched_tokens=37
             )

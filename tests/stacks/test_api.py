@@ -11,7 +11,7 @@ import pytest
 
 import pdserve
 from pdserve.checkpoint import resolve_model
-from pdserve.wire.protocol import SamplingParams
+from pdserve.wire.params import SamplingParams
 from tests.helpers import hf_greedy, optional, wait_until
 from tests.stack import Stack
 

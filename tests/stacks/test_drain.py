@@ -15,8 +15,8 @@ import zmq
 
 from pdserve.config import RouterConfig
 from pdserve.router.core import RouterCore, StartupError
-from pdserve.wire import protocol as P
 from pdserve.wire import transport
+from pdserve.wire.messages import Hello, Pending
 from tests.helpers import Stream, start_streams, tiny_greedy, wait_until
 from tests.stack import Stack, free_port
 
@@ -238,4 +238,4 @@ def test_a_router_stopped_before_a_node_answered_its_hello_still_says_it_has_gon
         (hello_from, hello), (bye_from, bye) = asyncio.run(run())
     finally:
         ctx.destroy(linger=0)
-    assert isinstance(hello, P.Hello) and bye == P.Pending([]) and bye_from == hello_from
+    assert isinstance(hello, Hello) and bye == Pending([]) and bye_from == hello_from

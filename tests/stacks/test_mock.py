@@ -21,7 +21,8 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.mock import MOCK_TOKENS, StepCost, mock_tokens
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import Batch, ScheduledRequest
-from pdserve.wire.protocol import SamplingParams
+from pdserve.nodes.parts import build_engine
+from pdserve.wire.params import SamplingParams
 from tests.helpers import Stream, tiny_greedy, wait_until
 from tests.stack import Stack, _address
 
@@ -51,7 +52,7 @@ def run_engine(engine: Engine, requests: list[Request]) -> dict[str, list[int]]:
 
 
 def test_the_mock_engine_runs_the_real_scheduler_and_draws_the_mock_tokens():
-    engine = Engine(EngineConfig(engine="mock", mock_step_s=(0.0, 0.0, 0.0), num_kv_blocks=8))
+    engine = build_engine(EngineConfig(engine="mock", mock_step_s=(0.0, 0.0, 0.0), num_kv_blocks=8))
     prompts = {"a": list(range(1, 91)), "b": [7] * 20, "c": [300] * 5}
     requests = [Request(rid, p, SamplingParams(max_tokens=30, logprobs=2)) for rid, p in prompts.items()]
     got = run_engine(engine, requests)
@@ -78,8 +79,8 @@ def test_a_mock_step_takes_its_modelled_time():
 
 def test_a_bench_costs_file_gives_each_role_its_step_costs():
     path = str(Path(__file__).resolve().parents[2] / "bench" / "results" / "costs-mock-4p12d.json")
-    prefill = Engine(EngineConfig(engine="mock", mock_costs=path), prefill_only=True)
-    decode = Engine(EngineConfig(engine="mock", mock_costs=path))
+    prefill = build_engine(EngineConfig(engine="mock", mock_costs=path), prefill_only=True)
+    decode = build_engine(EngineConfig(engine="mock", mock_costs=path))
     assert prefill.runner.cost == StepCost(0.005, 5e-05, 0.0, 0.0)
     assert decode.runner.cost == StepCost(0.02, 0.0, 0.002, 0.0)
 
@@ -103,7 +104,7 @@ def test_mock_costs_must_be_a_bench_costs_file(tmp_path):
 
 
 def test_guided_decoding_is_refused_by_a_mock_engine():
-    engine = Engine(EngineConfig(engine="mock"))
+    engine = build_engine(EngineConfig(engine="mock"))
     with pytest.raises(ValueError, match="mock"):
         engine.add(Request("g", [1, 2], SamplingParams(grammar='{"grammars": []}')))
 

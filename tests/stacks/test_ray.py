@@ -27,7 +27,8 @@ import zmq.auth
 from bench.systems import node_counters_per_node
 from pdserve.checkpoint import resolve_model
 from pdserve.cli import build_parser
-from pdserve.wire import protocol as P
+from pdserve.wire.codec import encode
+from pdserve.wire.messages import PROTOCOL_VERSION, Hello, KvHello
 from tests.helpers import each_worker_health, hf_greedy, mixed_workload, optional, probe_answers, wait_until
 from tests.stack import free_port
 
@@ -264,8 +265,8 @@ def test_greedy_output_over_the_cluster_equals_transformers(deployment, workload
 def test_strangers_without_the_deployments_keys_get_nothing_from_its_nodes(deployment, keys):
     members = ray.get(_controller().members.remote())
     addrs = [m["listen"] for m in members] + [m["kv_listen"] for m in members if m["kv_listen"]]
-    hello = [P.encode(P.Hello(P.PROTOCOL_VERSION, "router"))]
-    kv_hello = [P.encode(P.KvHello(P.PROTOCOL_VERSION, {}, "zmq"))]
+    hello = [encode(Hello(PROTOCOL_VERSION, "router"))]
+    kv_hello = [encode(KvHello(PROTOCOL_VERSION, {}, "zmq"))]
     server_public, _ = zmq.auth.load_certificate(keys / "server.key")
     stranger = (*zmq.curve_keypair(), server_public)
     for curve in (None, stranger):

@@ -14,7 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdserve.config import RouterConfig
 from pdserve.router.core import RouterCore
 from pdserve.router.metrics import RouterMetrics, merge_expositions
-from pdserve.wire import protocol as P
+from pdserve.wire.messages import router_of
+from pdserve.wire.params import FinishReason, SamplingParams
 from tests.helpers import each_worker_health, start_streams, tiny_greedy, wait_until
 from tests.stack import Stack
 from tests.stacks.test_drain import SHORT, _join
@@ -49,11 +50,11 @@ def _router(stack: Stack) -> RouterCore:
 
 
 async def _stream(core: RouterCore, prompt: list[int], n: int) -> tuple[str, list[int]]:
-    flight = core.submit(prompt, P.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    flight = core.submit(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
     rid, tokens = flight.request_id, []
     while True:
         for ev in await asyncio.wait_for(flight.inbox.take(), 60):
-            assert ev.finish_reason != P.FinishReason.ERROR, ev.error
+            assert ev.finish_reason != FinishReason.ERROR, ev.error
             tokens += ev.token_ids
             if ev.finish_reason is not None:
                 return rid, tokens
@@ -81,7 +82,7 @@ def test_each_router_gets_the_events_of_its_own_requests_and_every_heartbeat(dis
 
     rid_a, a, rid_b, b, seen, stats_seen = asyncio.run(run())
     assert len(a) == 12 and a == b, "both routers streamed the whole greedy answer"
-    assert P.router_of(rid_a) != P.router_of(rid_b) != ""
+    assert router_of(rid_a) != router_of(rid_b) != ""
     assert set(seen[0]) == {rid_a} and set(seen[1]) == {rid_b}, "a router got another router's events"
     assert stats_seen == [[True, True], [True, True]], "every router hears every node's heartbeat"
 

@@ -15,7 +15,9 @@ import zmq.auth
 
 from bench.systems import node_counters
 from pdserve.config import KEY_FILES
-from pdserve.wire import protocol as P
+from pdserve.wire.codec import encode
+from pdserve.wire.messages import PROTOCOL_VERSION, Abort, Generate, Hello, KvHello
+from pdserve.wire.params import SamplingParams
 from tests.helpers import probe_answers, wait_until
 from tests.stack import Stack
 
@@ -64,9 +66,9 @@ def test_strangers_without_the_key_get_nothing_through(tmp_path, keys):
         client_public, client_secret = zmq.auth.load_certificate(keys / "client.key_secret")
         stranger_public, stranger_secret = zmq.curve_keypair()
         wrong_server, _ = zmq.curve_keypair()
-        hello = [P.encode(P.Hello(P.PROTOCOL_VERSION, "router"))]
-        generate = [P.encode(P.Generate("stranger-1", [1, 2, 3], P.SamplingParams(), "tcp://127.0.0.1:1"))]
-        kv_hello = [P.encode(P.KvHello(P.PROTOCOL_VERSION, {}, "zmq"))]
+        hello = [encode(Hello(PROTOCOL_VERSION, "router"))]
+        generate = [encode(Generate("stranger-1", [1, 2, 3], SamplingParams(), "tcp://127.0.0.1:1"))]
+        kv_hello = [encode(KvHello(PROTOCOL_VERSION, {}, "zmq"))]
         messages = [hello, generate, kv_hello]
         addrs = list(_node_ports(stack).values())
         # counters come with the nodes' periodic stats: wait for the first request's
@@ -99,14 +101,14 @@ def _real_layout() -> dict:
 
 
 def _garbage(layout: dict) -> list[list[bytes]]:
-    truncated = P.encode(P.Generate("g-1", list(range(50)), P.SamplingParams(), "tcp://127.0.0.1:1"))[:-7]
-    hostile_pairing = P.KvHello(P.PROTOCOL_VERSION, layout, "shm", {"name": "../../etc/passwd"})
+    truncated = encode(Generate("g-1", list(range(50)), SamplingParams(), "tcp://127.0.0.1:1"))[:-7]
+    hostile_pairing = KvHello(PROTOCOL_VERSION, layout, "shm", {"name": "../../etc/passwd"})
     return [
-        [pickle.dumps({"t": "Hello", "protocol_version": P.PROTOCOL_VERSION})],
+        [pickle.dumps({"t": "Hello", "protocol_version": PROTOCOL_VERSION})],
         [os.urandom(512)],
         [truncated],
-        [P.encode(P.Abort("x"))] + [b"x"] * 4999,
-        [P.encode(hostile_pairing)],  # a well-formed pairing whose pool handle is nonsense
+        [encode(Abort("x"))] + [b"x"] * 4999,
+        [encode(hostile_pairing)],  # a well-formed pairing whose pool handle is nonsense
         [b""],
     ]
 

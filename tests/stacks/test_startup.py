@@ -105,7 +105,7 @@ def test_an_error_while_serving_is_not_reported_as_a_config_error(monkeypatch):
     one-line exit of a start-up mistake."""
     from pdserve import cli
     from pdserve.nodes.colocated import ColocatedNode
-    from pdserve.wire.protocol import ProtocolError
+    from pdserve.wire.codec import ProtocolError
 
     def run(node: ColocatedNode) -> None:
         node.close()

@@ -5,23 +5,36 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from pdserve.wire import protocol as P
+from pdserve.wire import codec
+from pdserve.wire.codec import ProtocolError, decode, encode
+from pdserve.wire.messages import (
+    PROTOCOL_VERSION,
+    Generate,
+    Hello,
+    KvAck,
+    KvData,
+    KvOffer,
+    Logprobs,
+    TokenEvent,
+    TokenEvents,
+)
+from pdserve.wire.params import ErrorCode, FinishReason, SamplingParams
 
 
 def test_round_trip_of_every_message():
-    params = P.SamplingParams(max_tokens=5, temperature=0.5, top_p=0.9, top_k=3, seed=1, stop_token_ids=(4,))
+    params = SamplingParams(max_tokens=5, temperature=0.5, top_p=0.9, top_k=3, seed=1, stop_token_ids=(4,))
     msgs = [
-        P.Hello(P.PROTOCOL_VERSION, "router", {"a": 1}),
-        P.Generate("r1", [1, 2, 3], params, "tcp://127.0.0.1:5"),
-        P.TokenEvents(
-            [P.TokenEvent("r1", [7], None), P.TokenEvent("r2", [], "error", "boom", error_code=P.ErrorCode.INTERNAL)]
+        Hello(PROTOCOL_VERSION, "router", {"a": 1}),
+        Generate("r1", [1, 2, 3], params, "tcp://127.0.0.1:5"),
+        TokenEvents(
+            [TokenEvent("r1", [7], None), TokenEvent("r2", [], "error", "boom", error_code=ErrorCode.INTERNAL)]
         ),
-        P.KvOffer("r1", [1, 2], 9, params, 2),
-        P.KvData("r1", "float32", [16, 2, 4, 64], 3, [5, 6]),
-        P.KvAck("r1", False, "full", P.ErrorCode.INVALID_REQUEST),
+        KvOffer("r1", [1, 2], 9, params, 2),
+        KvData("r1", "float32", [16, 2, 4, 64], 3, [5, 6]),
+        KvAck("r1", False, "full", ErrorCode.INVALID_REQUEST),
     ]
     for m in msgs:
-        assert P.decode(P.encode(m)) == m
+        assert decode(encode(m)) == m
 
 
 def _raw(body: dict) -> bytes:
@@ -56,14 +69,14 @@ def _raw(body: dict) -> bytes:
     ],
 )
 def test_refuses_bad_messages(data, words):
-    with pytest.raises(P.ProtocolError, match=words):
-        P.decode(data)
+    with pytest.raises(ProtocolError, match=words):
+        decode(data)
 
 
 def test_refuses_oversized_messages(monkeypatch):
-    monkeypatch.setattr(P, "MAX_HEADER_BYTES", 100)
-    with pytest.raises(P.ProtocolError, match="exceeds"):
-        P.decode(P.encode(P.Generate("r", list(range(200)), P.SamplingParams())))
+    monkeypatch.setattr(codec, "MAX_HEADER_BYTES", 100)
+    with pytest.raises(ProtocolError, match="exceeds"):
+        decode(encode(Generate("r", list(range(200)), SamplingParams())))
 
 
 def test_only_registered_types_encode():
@@ -71,7 +84,7 @@ def test_only_registered_types_encode():
         pass
 
     with pytest.raises(TypeError):
-        P.encode(Sneaky())
+        encode(Sneaky())
 
 
 @pytest.mark.parametrize(
@@ -116,8 +129,8 @@ def test_only_registered_types_encode():
     ],
 )
 def test_refuses_fields_of_the_wrong_type(body, words):
-    with pytest.raises(P.ProtocolError, match=words):
-        P.decode(_raw(body))
+    with pytest.raises(ProtocolError, match=words):
+        decode(_raw(body))
 
 
 def test_numbers_and_tuples_arrive_as_declared():
@@ -127,31 +140,31 @@ def test_numbers_and_tuples_arrive_as_declared():
         "prompt_token_ids": [1],
         "params": {"temperature": 1, "stop_token_ids": [3, 4], "seed": None},
     }
-    msg = P.decode(_raw(body))
+    msg = decode(_raw(body))
     assert msg.params.temperature == 1.0 and type(msg.params.temperature) is float
     assert msg.params.stop_token_ids == (3, 4) and msg.params.seed is None
 
 
 def test_an_error_code_arrives_as_its_enum_and_travels_as_a_string():
-    ev = P.TokenEvent("r", [], "error", "lease ran out", error_code=P.ErrorCode.KV_TRANSFER_FAILED)
-    assert msgpack.unpackb(P.encode(P.TokenEvents([ev])))["events"][0]["error_code"] == "kv_transfer_failed"
-    assert P.decode(P.encode(P.TokenEvents([ev]))).events[0].error_code is P.ErrorCode.KV_TRANSFER_FAILED
+    ev = TokenEvent("r", [], "error", "lease ran out", error_code=ErrorCode.KV_TRANSFER_FAILED)
+    assert msgpack.unpackb(encode(TokenEvents([ev])))["events"][0]["error_code"] == "kv_transfer_failed"
+    assert decode(encode(TokenEvents([ev]))).events[0].error_code is ErrorCode.KV_TRANSFER_FAILED
 
 
 def test_a_steps_plain_events_travel_flat_and_come_back_as_events():
     """TokenEvents.of: a plain event (tokens and nothing else) as its id and ids; the others whole. `all` gives every
     event back, the flat ones first, which keeps each request's order because each request is there once."""
-    plain, last = P.TokenEvent("a", [5, 6]), P.TokenEvent("b", [7], P.FinishReason.LENGTH)
-    landed = P.TokenEvent("c", [])  # "KV landed": plain too
-    lp = P.TokenEvent("d", [8], logprobs=P.Logprobs([-0.5], [[8]], [[-0.5]]))
-    msg = P.TokenEvents.of([plain, last, landed, lp])
+    plain, last = TokenEvent("a", [5, 6]), TokenEvent("b", [7], FinishReason.LENGTH)
+    landed = TokenEvent("c", [])  # "KV landed": plain too
+    lp = TokenEvent("d", [8], logprobs=Logprobs([-0.5], [[8]], [[-0.5]]))
+    msg = TokenEvents.of([plain, last, landed, lp])
     assert msg.tokens == ["a", [5, 6], "c", []] and msg.events == [last, lp]
-    assert msgpack.unpackb(P.encode(msg))["tokens"] == ["a", [5, 6], "c", []]
-    back = P.decode(P.encode(msg))
+    assert msgpack.unpackb(encode(msg))["tokens"] == ["a", [5, 6], "c", []]
+    back = decode(encode(msg))
     assert back == msg and back.all() == [plain, landed, last, lp]
 
 
 def test_a_step_with_two_events_of_one_request_travels_whole():
-    evs = [P.TokenEvent("a", [5]), P.TokenEvent("b", [6]), P.TokenEvent("a", [], P.FinishReason.ABORT)]
-    msg = P.TokenEvents.of(evs)
+    evs = [TokenEvent("a", [5]), TokenEvent("b", [6]), TokenEvent("a", [], FinishReason.ABORT)]
+    msg = TokenEvents.of(evs)
     assert msg.tokens == [] and msg.all() == evs
