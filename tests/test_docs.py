@@ -180,3 +180,85 @@ def test_the_defaults_check_notices_a_wrong_default():
 )
 def test_a_default_a_page_names_is_the_real_one(page, text):
     assert text in " ".join((ROOT / page).read_text().split())
+
+
+# Build-history phrases and paths of one machine: a manual says what pdserve does, not how its pages came to be.
+# Phrases, not single words, so that "issue a request", "an HTTP session" or "it issues a" pass.
+DIARY = re.compile(
+    r"|".join(
+        [
+            r"(?<!HTTP )(?<!login )(?<!own )(?<!new )\bsessions?\b(?! cookie)(?!-scoped)",
+            r"\ba (?:later|previous|first|second|third|next) look\b",
+            r"\bthis look\b",
+            r"\b(?:first|second|third|fourth|fifth|sixth|seventh|eighth|ninth) look\b",
+            r"\bthe issue\b",
+            r"\bissue's\b",
+            r"\bissue \d+",
+            r"(?<![\w&/])#\d+\b",
+            r"\bwe (?:tried|measured|found)\b",
+            r"\bwas tried\b",
+            r"\b(?:previous|last|this|next|earlier) session\b",
+            r"\bthe (?:throughput )?goals? (?:is|are|was|were) (?:still )?(?:not )?met\b",
+            r"(?<![\w.~$])/(?:tmp|root|home|work)/",
+        ]
+    ),
+    re.I,
+)
+MANUAL = [p for p in PAGES if ROOT / "docs" / "notes" not in p.parents]
+
+
+def diary_lines(page: Path) -> list[str]:
+    """`file:line: text` for each line of `page` (code blocks included) with a build-history phrase or a machine's
+    path."""
+    name = page.relative_to(ROOT)
+    lines = page.read_text().splitlines()
+    return [f"{name}:{i}: {line.strip()}" for i, line in enumerate(lines, 1) if DIARY.search(line)]
+
+
+def test_the_manual_speaks_of_pdserve_not_of_its_making():
+    """README.md, bench/README.md and docs/ outside docs/notes/ use no build-history phrase and name no path of one
+    machine; the records of how figures came to be belong under docs/notes/."""
+    found = [hit for page in MANUAL for hit in diary_lines(page)]
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "As the session before showed",
+        "the previous session measured 3 ms",
+        "A later look found it",
+        "see the issue's numbers",
+        "as issue 12 asked",
+        "fixed in #42",
+        "what was tried and dropped",
+        "we tried uvloop",
+        "**The goals are still not met**",
+        "the throughput goal is not met",
+        "written to /tmp/out",
+        "cd /root/pdserve",
+        "under /home/me/ckpt",
+        "in /work/main",
+    ],
+)
+def test_the_diary_check_catches_history_and_machine_paths(line):
+    assert DIARY.search(line)
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "issue a request to the router",
+        "the router issues a Generate",
+        "an HTTP session with keep-alive",
+        "a session cookie",
+        "the children run in their own session",
+        "look at the logs",
+        "`$PDSERVE_CACHE/models/tiny-v1`",
+        "~/.cache/pdserve",
+        "see [a page](router-scaling.md#several-router-workers)",
+        "the goal of the scheduler is fairness",
+    ],
+)
+def test_the_diary_check_lets_ordinary_words_pass(line):
+    assert not DIARY.search(line)

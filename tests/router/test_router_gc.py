@@ -1,5 +1,5 @@
 """The router takes its startup heap out of the cyclic garbage collector's view once it serves (gc.freeze), so a full
-collection walks only what requests left (docs/router-scaling.md, "A seventh look")."""
+collection walks only what requests left (docs/notes/router-scaling-log.md)."""
 
 from __future__ import annotations
 
