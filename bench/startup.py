@@ -90,7 +90,8 @@ def report(result: dict, commit: str, baseline: str) -> str:
     lines = [
         f"# `pdserve up --model {result['model']} --mode {result['mode']}`: launch to first completion",
         "",
-        f"Best of {len(result['runs']['this'])} interleaved runs each; load average before: {result['load']}.",
+        f"Best of {len(result['runs']['this'])} interleaved runs each; load average before {result['load']}, "
+        f"after {result['load_after']}.",
         "",
         "| tree | serving line (s) | first completion (s) | every run (s) |",
         "|---|---|---|---|",
@@ -114,7 +115,12 @@ def main() -> None:
     load = os.getloadavg()[0]
     result = compare({"baseline": a.baseline_tree.resolve(), "this": ROOT}, a.model, a.mode, a.runs)
     best = result["best_first_completion_s"]
-    result.update(load=round(load, 2), ratio=best["this"] / best["baseline"], baseline=a.baseline_label)
+    result.update(
+        load=round(load, 2),
+        load_after=round(os.getloadavg()[0], 2),
+        ratio=best["this"] / best["baseline"],
+        baseline=a.baseline_label,
+    )
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     commit = commit.stdout.strip() or "this"
     text = report(result, commit, a.baseline_label)
