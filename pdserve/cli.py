@@ -72,11 +72,13 @@ def start_node(a: argparse.Namespace) -> Callable[[], None]:
 
 def start_router(a: argparse.Namespace) -> Callable[[], object]:
     """`pdserve router`'s config, checked: the serving that follows."""
+    started = time.monotonic()
     from pdserve.router.server import serve
 
     cfg = from_args(RouterConfig, a)
     check_port_free(cfg.host, cfg.port)
     check_checkpoint(cfg.model, tokenizer=not cfg.skip_tokenizer)
+    log.info("imported the router in %.1f s", time.monotonic() - started)  # once its checks passed: no error follows
     if cfg.router_workers > 1:
         from pdserve.router.workers import Workers
 

@@ -2,9 +2,11 @@
 
 1. Start-up checks (pdserve/startup.py): the HTTP port is free, each device exists, the checkpoint is one
    pdserve can serve. A mistake ends it here, in one line, before any process starts.
-2. Nodes bind free ports and report their addresses in a ready file; the router starts once every node is
-   ready, with an instance id of this launch; the URL is printed once /health answers with that id (so
-   another server on the port cannot pass for ours).
+2. A built-in checkpoint is written (once) before anything starts. The nodes and the router start together:
+   each node's addresses are chosen here (free ports, `node_ports`), so the router connects to them at once and
+   greets each node the moment it serves. Each node's ready file and the router's /health mark the stages, logged
+   with their times; the URL is printed once /health answers with this launch's instance id (so another server on
+   the port cannot pass for ours): the router answers only once every node is loaded, warmed up and joined.
 3. Ctrl-C or SIGTERM: "stopping", then the router is stopped first (it drains its requests while the
    nodes still serve), then the nodes, each by PID. The children run in their own session, so a Ctrl-C
    in the terminal reaches the launcher alone and the order holds. A child that exits by itself while
@@ -15,8 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -25,11 +30,14 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+from pdserve.checkpoint import resolve_model
 from pdserve.config import DEVICE, EngineConfig, NodeConfig, RouterConfig
 from pdserve.flags import engine_argv, from_args, router_command, router_options
 from pdserve.process import die_with_parent
 from pdserve.startup import READY_TIMEOUT_S, check_checkpoint, check_device, check_port_free
 from pdserve.wire.params import KvTransport, Role
+
+log = logging.getLogger("pdserve.up")
 
 
 def _cores(spec: str | None, index: int, pin: bool) -> str:
@@ -66,56 +74,98 @@ def check_devices(a: argparse.Namespace, devices: dict[str, str]) -> None:
 
 
 def plan(a: argparse.Namespace, tmp: Path) -> list[tuple[str, list[str], Path]]:
-    """(role, argv, ready file) of every node to start. Nodes on the CPU are pinned to cores."""
+    """(role, argv, ready file) of every node to start, each with the addresses it will listen on (`--listen`, and a
+    decode node's `--kv-listen`). Nodes on the CPU are pinned to cores."""
     devices = role_devices(a)
     check_devices(a, devices)
     pin = {role: not a.no_pin and dev == "cpu" for role, dev in devices.items()}
     base = [sys.executable, "-m", "pdserve", "--log-level", a.log_level]
-    nodes = []
     if a.mode == "colocated":
         all_cores = f"0-{(os.cpu_count() or 1) - 1}"
         cores = (a.cpu_cores if a.cpu_cores is not None else all_cores) if pin[Role.COLOCATED] else ""
-        nodes.append(
-            (
-                Role.COLOCATED,
-                [*base, Role.COLOCATED, *engine_argv(a), "--device", devices[Role.COLOCATED], "--cpu-cores", cores],
-                tmp / "colocated0.json",
-            )
-        )
-        return nodes
-    for i in range(a.num_prefill):
-        cores = _cores(a.prefill_cores, i, pin[Role.PREFILL])
-        argv = [*base, Role.PREFILL, *engine_argv(a), "--device", devices[Role.PREFILL], "--cpu-cores", cores]
-        nodes.append((Role.PREFILL, argv, tmp / f"prefill{i}.json"))
-    for i in range(a.num_decode):
-        cores = _cores(a.decode_cores, a.num_prefill + i, pin[Role.DECODE])
-        argv = [*base, Role.DECODE, *engine_argv(a), "--device", devices[Role.DECODE], "--cpu-cores", cores]
-        nodes.append((Role.DECODE, argv, tmp / f"decode{i}.json"))
+        kinds = [(Role.COLOCATED, 0, cores)]
+    else:
+        kinds = [(Role.PREFILL, i, _cores(a.prefill_cores, i, pin[Role.PREFILL])) for i in range(a.num_prefill)]
+        kinds += [
+            (Role.DECODE, i, _cores(a.decode_cores, a.num_prefill + i, pin[Role.DECODE])) for i in range(a.num_decode)
+        ]
+    ports = iter(node_ports(len(kinds) + sum(role == Role.DECODE for role, _, _ in kinds)))
+    nodes = []
+    for role, i, cores in kinds:
+        argv = [*base, role, *engine_argv(a), "--device", devices[role], "--cpu-cores", cores]
+        argv += ["--listen", f"tcp://127.0.0.1:{next(ports)}"]
+        argv += ["--kv-listen", f"tcp://127.0.0.1:{next(ports)}"] if role == Role.DECODE else []
+        nodes.append((role, argv, tmp / f"{role}{i}.json"))
     return nodes
 
 
-def _wait_ready(procs: list[subprocess.Popen], files: list[Path]) -> list[dict]:
+def node_ports(count: int) -> list[int]:
+    """`count` distinct free TCP ports of 127.0.0.1 for the nodes to listen on, drawn below the range the kernel hands
+    out for outgoing connections and port 0 (so that none of those takes one before its node binds it)."""
+    low = _ephemeral_low()
+    ports: list[int] = []
+    while len(ports) < count:
+        port = random.randrange(max(1024, low // 3), low)
+        if port not in ports and _bindable(port):
+            ports.append(port)
+    return ports
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def planned_infos(nodes: list[tuple[str, list[str], Path]]) -> list[dict]:
+    """What each node's ready file will say of its addresses, from its command line: the router's node list."""
+    infos = []
+    for role, argv, _ in nodes:
+        info = {"role": role, "listen": argv[argv.index("--listen") + 1]}
+        if "--kv-listen" in argv:
+            info["kv_listen"] = argv[argv.index("--kv-listen") + 1]
+        infos.append(info)
+    return infos
+
+
+def wait_stack(url: str, procs: list[subprocess.Popen], files: list[Path], instance_id: str, started: float) -> None:
+    """Until the router started last in `procs` answers /health with `instance_id` (it does once every node has
+    answered it): each node's ready file, as it appears, logged with its time since `started`; a child that exits
+    meanwhile ends the wait (RuntimeError)."""
     deadline = time.monotonic() + READY_TIMEOUT_S
+    seen: set[Path] = set()
     while time.monotonic() < deadline:
-        for p in procs:
-            if p.poll() is not None:
-                raise RuntimeError(f"a node exited during start-up (pid {p.pid}, code {p.returncode})")
-        if all(f.exists() for f in files):
-            return [json.loads(f.read_text()) for f in files]
-        time.sleep(0.1)
-    raise RuntimeError("nodes did not become ready in time")
+        _check_alive(procs)
+        for f in [f for f in files if f not in seen and f.exists()]:
+            seen.add(f)
+            role = json.loads(f.read_text())["role"]
+            log.info("the %s node is ready, %.1f s after launch", role, time.monotonic() - started)
+        if _health_instance(url) == instance_id:
+            return
+        time.sleep(0.05)
+    raise RuntimeError("the stack did not become ready in time")
+
+
+def _check_alive(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is not None:
+            what = "the router" if p is procs[-1] else "a node"
+            raise RuntimeError(f"{what} exited during start-up (pid {p.pid}, code {p.returncode})")
 
 
 def _wait_http(url: str, proc: subprocess.Popen, instance_id: str) -> None:
     """Until the router started as `proc` answers /health: a server answering with another instance id is not it."""
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the router exited during start-up (code {proc.returncode})")
-        if _health_instance(url) == instance_id:
-            return
-        time.sleep(0.1)
-    raise RuntimeError("the router did not become ready in time")
+    wait_stack(url, [proc], [], instance_id, time.monotonic())
 
 
 def _health_instance(url: str) -> str | None:
@@ -134,7 +184,9 @@ def start_child(argv: list[str], env: dict[str, str] | None = None) -> subproces
 
 
 def router_argv(a: argparse.Namespace, infos: list[dict], instance_id: str) -> list[str]:
-    return router_command(a.model, infos, [*router_options(a), "--instance-id", instance_id], a.log_level)
+    """The router of the stack: started with its nodes, it waits for them as long as the launcher does."""
+    options = [*router_options(a), "--instance-id", instance_id, "--connect-timeout-s", str(READY_TIMEOUT_S)]
+    return router_command(a.model, infos, options, a.log_level)
 
 
 def preflight(a: argparse.Namespace) -> None:
@@ -205,16 +257,22 @@ def launch(a: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)  # even where the shell that started us ignores it (a background job)
     with tempfile.TemporaryDirectory(prefix="pdserve-up-") as tmp:
         try:
+            started = time.monotonic()
+            resolve_model(a.model)  # a built-in is written once, here, not by every child at once
             nodes = plan(a, Path(tmp))
             for role, argv, ready in nodes:
                 procs.append(start_child([*argv, "--ready-file", str(ready)]))
                 roles[procs[-1].pid] = f"the {role} node"
-            infos = _wait_ready(procs, [r for _, _, r in nodes])
             instance_id = uuid.uuid4().hex
-            procs.append(start_child(router_argv(a, infos, instance_id), env=router_env(a)))
+            procs.append(start_child(router_argv(a, planned_infos(nodes), instance_id), env=router_env(a)))
             roles[procs[-1].pid] = "the router"
+            log.info("started %d node(s) and the router beside them", len(nodes))
             url = f"http://{a.host}:{a.port}"
-            _wait_http(url, procs[-1], instance_id)
+            wait_stack(url, procs, [r for _, _, r in nodes], instance_id, started)
+            log.info(
+                "ready %.1f s after launch: every node loaded and warmed up, the router joined them",
+                time.monotonic() - started,
+            )
             print(f"pdserve is serving {a.model} ({a.mode}) at {url}/v1", flush=True)
             while all(p.poll() is None for p in procs):
                 time.sleep(0.5)

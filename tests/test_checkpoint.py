@@ -46,3 +46,46 @@ def test_tied_bf16_checkpoint_loads_at_float32_and_serves_like_transformers(tmp_
     ref = hf_greedy(path, prompts, outs)  # transformers ties the head to the embedding on load
     got = run_engine(build_engine(EngineConfig(model=str(path), dtype="float32")), greedy_requests(prompts, outs))
     assert [got[str(i)] for i in range(len(prompts))] == ref
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_checkpoint_loads_straight_into_its_tensors_without_transformers_loader(tmp_path, monkeypatch, dtype):
+    """The weights go from the safetensors file into the model's own tensors (built on the meta device): the same
+    values, dtype, tied head and rotary buffers as `from_pretrained`, which is not called."""
+    from pdserve.runner.model import load_model
+
+    path = tmp_path / "tied"
+    write_random_checkpoint(path, TIED_BF16)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+
+    def refused(*_, **__):
+        raise AssertionError("from_pretrained was called")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refused)
+    model = load_model(path, dtype, "cpu")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    ours, theirs = model.state_dict(), hf.state_dict()
+    assert ours.keys() == theirs.keys()
+    assert all(ours[k].dtype == theirs[k].dtype and torch.equal(ours[k], theirs[k]) for k in ours)
+    for name, buf in hf.named_buffers():
+        assert torch.equal(dict(model.named_buffers())[name], buf), name
+
+
+def test_a_checkpoint_whose_names_differ_goes_through_transformers(tmp_path, monkeypatch):
+    from pdserve.runner import model as runner_model
+
+    path = tmp_path / "tied"
+    write_random_checkpoint(path, TIED_BF16)
+    calls = []
+    real = transformers.AutoModelForCausalLM.from_pretrained
+    monkeypatch.setattr(
+        transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: calls.append(a) or real(*a, **k)
+    )
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(path / "model.safetensors")
+    weights["model.extra.weight"] = torch.zeros(2)  # a name the model has no parameter for
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    assert runner_model._load_direct(path, hf_config(TIED_BF16), torch.float32, torch.device("cpu")) is None
+    model = runner_model.load_model(path, "float32", "cpu")
+    assert len(calls) == 1 and model.lm_head.weight is model.model.embed_tokens.weight

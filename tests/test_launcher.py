@@ -171,3 +171,20 @@ def test_preflight_of_mock_nodes_on_cuda_imports_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_the_router_is_given_the_addresses_the_nodes_will_listen_on(tmp_path):
+    """The router starts beside the nodes: each node's --listen (and a decode node's --kv-listen) is chosen before it
+    starts, distinct and free, and the router's command names exactly those."""
+    from pdserve.launcher import planned_infos, router_argv
+
+    a = build_parser().parse_args(["up", "--mode", "disagg", "--num-decode", "2"])
+    nodes = plan(a, tmp_path)
+    addrs = [_flag(argv, "--listen") for _, argv, _ in nodes]
+    kv = [_flag(argv, "--kv-listen") for role, argv, _ in nodes if role == "decode"]
+    assert len(set(addrs + kv)) == 5 and all(x.startswith("tcp://127.0.0.1:") and not x.endswith(":0") for x in addrs)
+    assert [_child_config(argv).listen for _, argv, _ in nodes] == addrs
+    router = router_argv(a, planned_infos(nodes), "id")
+    assert router[router.index("--prefill") + 1] == addrs[0]
+    assert router[router.index("--decode") + 1 : router.index("--decode") + 3] == addrs[1:]
+    assert router[router.index("--decode-kv") + 1 :] == kv

@@ -248,6 +248,7 @@ def tokens_to_compute(num_tokens: int, cached_blocks: int, block_size: int) -> i
 class RouterCore:
     def __init__(self, cfg: RouterConfig) -> None:
         self.cfg = cfg
+        self.started = time.monotonic()  # a node's join is logged with its time since then
         self.ctx = zmq.Context()
         self.membership = make_membership(cfg)
         self.keys = transport.load_keys(cfg.zmq_keys) if cfg.zmq_keys else None
@@ -466,7 +467,7 @@ class RouterCore:
         node.info = msg.info
         node.up, node.draining = True, False
         node.ever_up.set()
-        log.info("%s is up", node.name)
+        log.info("%s is up (joined %.1f s after the router started)", node.name, time.monotonic() - self.started)
 
     def _read_monitor(self, node: NodeConn) -> None:
         """Every connection event the node's monitor holds."""

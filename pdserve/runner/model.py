@@ -36,16 +36,51 @@ log = logging.getLogger("pdserve.model")
 
 
 def load_model(path: Path, dtype: str, device: str = "cpu"):
-    """Load a checkpoint folder through transformers (no network)."""
+    """Load a checkpoint folder (no network): the model's modules built on the meta device (no memory, no random
+    init), then each tensor of its safetensors files read straight onto `device` in `dtype` and put in place (no
+    second copy). A checkpoint this cannot place whole (`.bin` files, names the modules lack) goes through
+    transformers' own `from_pretrained`."""
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model type {config.model_type!r} is not supported ({', '.join(SUPPORTED_MODEL_TYPES)})")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=DTYPES[dtype], local_files_only=True, attn_implementation="sdpa"
-    )
+    model = _load_direct(path, config, DTYPES[dtype], torch.device(device))
+    if model is None:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=DTYPES[dtype], local_files_only=True, attn_implementation="sdpa"
+        )
     return model.to(device).eval()
+
+
+def _load_direct(path: Path, config, dtype: torch.dtype, device: torch.device):
+    """The model with its safetensors weights read onto `device` in `dtype`, or None when the files do not name
+    exactly the model's parameters (a tied LM head may be absent)."""
+    import transformers
+    from safetensors import safe_open
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        return None
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    names = {n for n, _ in model.named_parameters()}  # a tied head once, as the embedding
+    state = {}
+    for file in files:
+        with safe_open(str(file), framework="pt", device=str(device)) as f:
+            for key in f.keys():
+                state[key] = f.get_tensor(key).to(dtype)  # a no-op where the file holds `dtype` already
+    if set(state) - names - {"lm_head.weight"} or names - set(state):
+        return None
+    model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    rotary = type(model.model.rotary_emb)  # its buffers are computed, not stored: on the CPU, as transformers does
+    with torch.device("cpu"):
+        model.model.rotary_emb = rotary(model.config).to(device)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise ValueError(f"{path}: no weights for {', '.join(left[:4])}")
+    return model
 
 
 def fingerprint(model) -> str:

@@ -276,8 +276,19 @@ def test_up_says_each_stage_serves_logs_requests_and_stops_cleanly_on_ctrl_c(tmp
         r"colocated \d+: colocated node ready in [\d.]+ s: takes requests from the router at tcp://",
         r"router: POST /v1/completions 200 3\+4 tokens [\d.]+ s",
         r"pdserve: stopping",
+        r"router: imported the router in [\d.]+ s",
+        r"up: the colocated node is ready, [\d.]+ s after launch",
     ):
         assert len(re.findall(stage, log)) == 1, (stage, log)
+    # the router starts beside the node, not after it, and has it joined before the launcher says ready
+    order = [
+        r"up: started 1 node\(s\) and the router beside them",
+        r"colocated \d+: colocated node ready in",
+        r"router: colocated@tcp://127.0.0.1:\d+ is up \(joined [\d.]+ s after the router started\)",
+        r"up: ready [\d.]+ s after launch: every node loaded and warmed up, the router joined them",
+    ]
+    at = [re.search(line, log) for line in order]
+    assert all(at) and [m.start() for m in at] == sorted(m.start() for m in at), log
     for failure in ("Traceback", "is down", "exited with code", "{'role'", "Loading weights"):
         assert failure not in log, log
 
