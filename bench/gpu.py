@@ -2,6 +2,9 @@
 
     python -m bench.gpu                    # qwen3-0.6b in bf16, 256 ShareGPT-like requests, 128 concurrent
     python -m bench.gpu --device cpu --model tiny --requests 16 --concurrency 8   # a CPU smoke test
+    python -m bench.gpu --workload steady  # the goal workloads (`WORKLOADS`): steady, 128 x (700 prompt, 256
+    python -m bench.gpu --workload burst   # output); burst, 256 sharegpt_like; all sent at once, --max-num-seqs
+                                           # 128, --max-num-batched-tokens 4096, no large run
 
 1. Builds the checkpoint (the built-in `qwen3-0.6b`: Qwen3-0.6B's shape, random bf16 weights).
 2. Measures the device's copy bandwidth (a device-to-device copy on the benchmark device; between the
@@ -61,9 +64,27 @@ from bench import report, systems
 from bench.baselines import kv_bytes_per_token, load_hf_model
 from bench.metrics import SLO
 from bench.run_bench import environment, run_workload, warm_up
-from bench.workloads import Workload, make_workload
+from bench.workloads import Workload, fixed_lengths, make_workload
 
 SYSTEMS = ("colocated", "disagg", "hf_cb", "static")
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A workload the GPU goals name, with the engine budget it is measured at: every request sent at once."""
+
+    requests: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    prompt_len: int = 0  # fixed prompt and output lengths; 0: sharegpt_like's
+    output_len: int = 0
+
+
+WORKLOADS = {
+    "sharegpt": None,  # --requests sharegpt_like requests, at most --concurrency in flight (also --max-num-seqs)
+    "steady": Preset(128, 128, 4096, prompt_len=700, output_len=256),  # 128 x (700 prompt, 256 output)
+    "burst": Preset(256, 128, 4096),  # 256 sharegpt_like requests
+}
 SHAREGPT_SHAPE = {"prompt_median": 176.0, "output_median": 63.0}  # 256 requests: 60,145 + 20,782 tokens
 MIN_SYSTEM_S = 45.0  # a system is not started with less time left than this
 FINISH_MARGIN_S = 15.0  # kept back from each run's time limit, to stop the system and write the report
@@ -89,6 +110,7 @@ RUN_KINDS = ("steps", "tokens", "decode_tokens")
 @dataclass(frozen=True)
 class GpuBenchConfig:
     model: str = "qwen3-0.6b"
+    workload: str = "sharegpt"
     device: str = "cuda:0"
     dtype: str = "bfloat16"
     requests: int = 256
@@ -108,8 +130,11 @@ class GpuBenchConfig:
     out_dir: Path = field(default=Path(__file__).parent / "runs" / "gpu")
     name: str = "gpu"
     progress: bool = True
+    max_num_seqs: int = 0  # 0: --concurrency
 
     def __post_init__(self) -> None:
+        if self.workload not in WORKLOADS:
+            raise ValueError(f"--workload must be one of {', '.join(WORKLOADS)}, not {self.workload!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"--device must be cpu or cuda:N, not {self.device!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
@@ -133,6 +158,16 @@ class GpuBenchConfig:
         return SLO(self.slo_ttft_s, self.slo_tpot_s)
 
     @property
+    def num_seqs(self) -> int:
+        """The engines' --max-num-seqs."""
+        return self.max_num_seqs or self.concurrency
+
+    @property
+    def decoding(self) -> int:
+        """The most requests decoding at once: those in flight, within --max-num-seqs."""
+        return min(self.concurrency, self.num_seqs)
+
+    @property
     def on_gpu(self) -> bool:
         return self.device.startswith("cuda")
 
@@ -151,6 +186,13 @@ class GpuBenchConfig:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen3-0.6b", help="built-in (qwen3-0.6b, small, tiny) or a checkpoint folder")
+    p.add_argument(
+        "--workload",
+        default="sharegpt",
+        choices=list(WORKLOADS),
+        help="steady: 128 x (700 prompt, 256 output); burst: 256 sharegpt_like; both sent at once with --max-num-seqs "
+        "128 and 4,096 batched tokens (they set --requests, --concurrency and the budget; no large run)",
+    )
     p.add_argument("--device", default="cuda:0", help="cuda:N, or cpu for a smoke test")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on the CPU")
     p.add_argument("--requests", type=int, default=256)
@@ -183,8 +225,9 @@ def parse_args(argv: list[str] | None = None) -> GpuBenchConfig:
     a = build_parser().parse_args(argv)
     on_gpu = a.device.startswith("cuda")
     out_dir = a.out_dir or (Path(os.environ["OUT"]) if os.environ.get("OUT") else GpuBenchConfig.out_dir)
-    return GpuBenchConfig(
+    cfg = GpuBenchConfig(
         model=a.model,
+        workload=a.workload,
         device=a.device,
         dtype=a.dtype or ("bfloat16" if on_gpu else "float32"),
         requests=a.requests,
@@ -204,6 +247,22 @@ def parse_args(argv: list[str] | None = None) -> GpuBenchConfig:
         large_requests=a.large_run[0],
         large_concurrency=a.large_run[1],
         large_systems=tuple(a.large_systems),
+    )
+    return with_preset(cfg)
+
+
+def with_preset(cfg: GpuBenchConfig) -> GpuBenchConfig:
+    """cfg with its workload's preset applied: its requests, all in flight at once, its engine budget, no large run."""
+    preset = WORKLOADS[cfg.workload]
+    if preset is None:
+        return cfg
+    return dataclasses.replace(
+        cfg,
+        requests=preset.requests,
+        concurrency=preset.requests,
+        max_num_seqs=preset.max_num_seqs,
+        max_num_batched_tokens=preset.max_num_batched_tokens,
+        large_requests=0,
     )
 
 
@@ -389,7 +448,7 @@ def stack_options(cfg: GpuBenchConfig, mode: str, deadline: float) -> systems.St
         devices += ["--prefill-device", cfg.device, "--decode-device", cfg.decode_device]
     return systems.StackOptions(
         model=cfg.model,
-        max_num_seqs=cfg.concurrency,
+        max_num_seqs=cfg.num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         kv_cache_gb=cfg.kv_cache_gb,
         kv_transport="cuda_ipc" if cfg.on_gpu else "shm",
@@ -418,9 +477,9 @@ def open_system(cfg: GpuBenchConfig, system: str, hf: HfModel, deadline: float):
     if system in ("colocated", "disagg"):
         return systems.pdserve_stack(stack_options(cfg, system, deadline), system, cfg.progress)
     if system == "static":
-        return systems.static_batching(hf.get(), cfg.concurrency, cfg.progress, deadline)
+        return systems.static_batching(hf.get(), cfg.num_seqs, cfg.progress, deadline)
     opts = systems.CbOptions(
-        cfg.concurrency, cfg.max_num_batched_tokens, cfg.kv_cache_gb, cfg.concurrency, deadline, cfg.hf_cuda_graphs
+        cfg.num_seqs, cfg.max_num_batched_tokens, cfg.kv_cache_gb, cfg.concurrency, deadline, cfg.hf_cuda_graphs
     )
     return systems.hf_continuous_batching(hf.get(), opts, cfg.progress)
 
@@ -463,7 +522,7 @@ def run_system(cfg: GpuBenchConfig, system: str, w: Workload, hf: HfModel, ctx: 
             before = systems.settled_counters(run) if isinstance(run, systems.StackRunner) else {}
             result = run_workload(cfg.slo, system, run, w)
             result["concurrency"] = cfg.concurrency
-            result["steady_state"] = steady_state(result.get("records", []), cfg.concurrency)
+            result["steady_state"] = steady_state(result.get("records", []), cfg.decoding)
             if isinstance(run, systems.StackRunner):
                 result["triton_compiled_at_start"] = compiled
                 result["triton_compilations"] = compiled_kernels(cache) - compiled
@@ -587,9 +646,10 @@ def markdown(run: dict) -> str:
         f"# pdserve GPU benchmark: {c['name']}",
         "",
         f"Model `{c['model']}` ({c['dtype']}, checkpoint ready in {run['checkpoint_s']:.1f} s) on {hw['device']} "
-        f"({hw['gpus']} GPU(s)); `sharegpt_like`: {w['requests']} requests, {w['prompt_tokens']} prompt and "
-        f"{w['output_tokens']} output tokens, at most {c['concurrency']} in flight; pdserve: --max-num-seqs "
-        f"{c['concurrency']} --max-num-batched-tokens {c['max_num_batched_tokens']} --kv-cache-gb {c['kv_cache_gb']}, "
+        f"({hw['gpus']} GPU(s)); `{w.get('name', 'sharegpt_like')}`: {w['requests']} requests, {w['prompt_tokens']} "
+        f"prompt and {w['output_tokens']} output tokens, at most {c['concurrency']} in flight; pdserve: --max-num-seqs "
+        f"{c.get('max_num_seqs') or c['concurrency']} --max-num-batched-tokens {c['max_num_batched_tokens']} "
+        f"--kv-cache-gb {c['kv_cache_gb']}, "
         f"disagg prefill {hw['prefill_device']} / decode {hw['decode_device']}. Device copy {hw['copy_GBps']:.1f} GB/s "
         f"({hw['memory_GBps']:.1f} GB/s read + written); weights read per decode step "
         f"{m['weight_bytes_per_step'] / 1e9:.3f} GB, KV {m['kv_bytes_per_token'] / 1024:.0f} KiB per token. "
@@ -664,11 +724,15 @@ def plot(run: dict, path: Path) -> None:
 
 def workload_summary(w: Workload) -> dict:
     prompt_tokens = sum(len(r.prompt_token_ids) for r in w.requests)
+    fixed = w.name.startswith("steady")
     return {
+        "name": w.name.split(" ")[0],
         "requests": len(w.requests),
         "prompt_tokens": prompt_tokens,
         "output_tokens": w.num_output_tokens,
-        "shape": SHAREGPT_SHAPE,
+        "shape": {"prompt": len(w.requests[0].prompt_token_ids), "output": w.requests[0].output_len}
+        if fixed
+        else SHAREGPT_SHAPE,
     }
 
 
@@ -688,9 +752,19 @@ def sharegpt(config, cfg: GpuBenchConfig) -> Workload:
     return dataclasses.replace(w, name=f"sharegpt_like {cfg.requests}/{cfg.concurrency}")
 
 
+def goal_workload(config, cfg: GpuBenchConfig) -> Workload:
+    """cfg's workload: `steady` (fixed lengths), else `sharegpt_like`; named by its kind, requests and concurrency."""
+    preset = WORKLOADS[cfg.workload]
+    if preset is None or not preset.prompt_len:
+        w = sharegpt(config, cfg)
+        return w if preset is None else dataclasses.replace(w, name=f"{cfg.workload} {cfg.requests}/{cfg.concurrency}")
+    name = f"{cfg.workload} {cfg.requests}/{cfg.concurrency}"
+    return fixed_lengths(name, config.vocab_size, cfg.requests, preset.prompt_len, preset.output_len, cfg.seed)
+
+
 def plan_runs(cfg: GpuBenchConfig, config) -> list[tuple[GpuBenchConfig, Workload]]:
     """The main run, then the larger one on the pdserve systems that both lists name."""
-    runs = [(cfg, sharegpt(config, cfg))]
+    runs = [(cfg, goal_workload(config, cfg))]
     large_systems = tuple(s for s in cfg.systems if s in cfg.large_systems)
     if cfg.large_requests and large_systems:
         big = dataclasses.replace(

@@ -152,3 +152,15 @@ def make_workload(
         for (p, o), t in zip(lengths, arrivals, strict=True)
     )
     return Workload(name, requests, rate)
+
+
+def fixed_lengths(name: str, vocab_size: int, n: int, prompt_len: int, output_len: int, seed: int = 0) -> Workload:
+    """n requests of `prompt_len` prompt ids (uniform, as every workload's) and `output_len` output tokens, all sent
+    at t=0."""
+    if min(n, prompt_len, output_len) < 1:
+        raise ValueError("a fixed-length workload needs at least one request, prompt token and output token")
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode()), 0])
+    high = vocab_size - NUM_SPECIAL_TOKENS
+    return Workload(
+        name, tuple(BenchRequest(tuple(rng.integers(0, high, prompt_len).tolist()), output_len) for _ in range(n))
+    )

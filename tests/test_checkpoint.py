@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from helpers import hf_greedy, mixed_workload
 from safetensors import safe_open
-from test_engine import greedy_requests, run_engine
 
 from pdserve.checkpoint import BUILTIN_MODELS, ModelSpec, hf_config, write_random_checkpoint
 from pdserve.config import EngineConfig
 from pdserve.nodes.parts import build_engine
+from tests.engine.test_engine import greedy_requests, run_engine
+from tests.helpers import hf_greedy, mixed_workload
 
 TIED_BF16 = ModelSpec("qwen3", 512, 64, 128, 2, 4, 2, 16, 1024, seed=4, tie_embeddings=True, dtype="bfloat16")
 

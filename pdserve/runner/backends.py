@@ -11,7 +11,8 @@ as one of these backends:
   copied to the device at once; a layer's small ops as fused Triton kernels (`triton_layers.py`: residual
   add + RMSNorm, q/k norms + rotary + KV store, silu*mul), and paged attention straight from the block
   tables (`triton_attention.py`), one launch for decode tokens and prompt chunks alike: a layer is its 4
-  GEMMs and 5 kernels. Its inputs can be packed into a bucket's fixed shapes (`bucket_layout`), which
+  GEMMs and 5 kernels (6 when attention splits a long context's keys, split-K). Its inputs can be packed into a
+  bucket's fixed shapes (`bucket_layout`), which
   CUDA graphs replay (`cuda_graphs.py`). Under `TRITON_INTERPRET=1` it runs on the CPU, which is how the tests run it.
 """
 
@@ -247,6 +248,7 @@ class PagedMeta:
     ctx_len: torch.Tensor  # [R] int32, the new tokens included
     block_tables: torch.Tensor  # [R, W] int32, a view of a column-major [W, R] buffer
     work: torch.Tensor  # [N, 2] int32: (request, query tile) of every request; padding items (0, -1)
+    splits: int = 1  # slices each tile's keys are read in (split-K, `triton_attention.num_splits`)
 
 
 @dataclass(frozen=True)
@@ -265,6 +267,7 @@ class PackLayout:
     requests: int  # R (padded)
     width: int  # W, block table columns
     tiles: int  # N (padded): attention work items
+    splits: int = 1  # the attention's split-K slices: fixed per layout, so per captured graph
 
     def segments(self) -> list[tuple[str, tuple[int, ...]]]:
         T, R = self.rows, self.requests
@@ -310,6 +313,8 @@ class TritonBackend(TorchBackend):
         self.num_heads, self.silu_gated = num_heads, silu_gated
         self.group = num_heads // pool.layout.num_kv_heads  # query heads per KV head
         self.tile = max(TILE_M, 1 << (self.group - 1).bit_length())  # rows of an attention tile
+        self.multiprocessors = multiprocessors(device)
+        triton_attention.build_combine(num_heads, pool.layout.head_dim, pool.data.dtype, device)
         self._staging = [torch.empty(0, dtype=torch.int32)] * 2  # two: one step's copy may still read the other
         self._turn = 0
 
@@ -318,13 +323,21 @@ class TritonBackend(TorchBackend):
         """The exact layout of an eager step."""
         width = max((blocks_for(c.past + c.length, self.pool.block_size) for c in chunks), default=1)
         tiles = len(chunks) + sum(self.tiles(c.length) - 1 for c in chunks if c.length > 1)  # a token: one tile
-        return PackLayout(rows, samples, len(chunks), width, tiles)
+        context = max((c.past + c.length for c in chunks), default=0)
+        return PackLayout(rows, samples, len(chunks), width, tiles, self.splits(tiles, context))
 
     def bucket_layout(self, rows: int, requests: int, samples: int, width: int) -> PackLayout:
         """The fixed layout of a CUDA graph's bucket: any step of at most `rows` tokens, `requests` requests and
         `samples` sampled rows packs into it. One request more holds the padding rows (`pack`), and the work list
-        the most tiles such a step can have."""
-        return PackLayout(rows, samples, requests + 1, width, self.max_tiles(rows, requests + 1))
+        the most tiles such a step can have; its split count is for the longest context the tables hold (a shorter
+        one fills only the first slices)."""
+        tiles = self.max_tiles(rows, requests + 1)
+        return PackLayout(rows, samples, requests + 1, width, tiles, self.splits(tiles, width * self.pool.block_size))
+
+    def splits(self, tiles: int, context: int) -> int:
+        """Split-K slices for `tiles` work items over contexts of up to `context` tokens."""
+        programs = tiles * self.pool.layout.num_kv_heads
+        return self.ta.num_splits(programs, context, self.multiprocessors)
 
     def tiles(self, length: int) -> int:
         """Attention tiles of a request's `length` new tokens: its (token, query head of a KV head) rows, `tile` at a
@@ -402,7 +415,7 @@ class TritonBackend(TorchBackend):
     def views(self, dev: torch.Tensor, lay: PackLayout) -> ForwardInputs:
         """ForwardInputs reading the packed buffer `dev` (on the device) in place."""
         seg = _views(dev, lay)
-        meta = PagedMeta(seg["q_start"], seg["q_len"], seg["ctx_len"], seg["block_tables"].t(), seg["work"])
+        meta = PagedMeta(seg["q_start"], seg["q_len"], seg["ctx_len"], seg["block_tables"].t(), seg["work"], lay.splits)
         return ForwardInputs(seg["ids"], seg["positions"], seg["slots"], seg["sample"], meta)
 
     def inputs(self, ids, positions, slots, sample, chunks) -> ForwardInputs:
@@ -462,6 +475,7 @@ class TritonBackend(TorchBackend):
             self.pool.block_size,
             self.scale,
             self.tile,
+            m.splits,
         )
         return out
 
@@ -487,6 +501,12 @@ def _fusable_norm(norm: nn.Module, x: torch.Tensor) -> bool:
 def _silu_gated(model_config) -> bool:
     """The model's MLP is silu(gate) * up."""
     return getattr(model_config, "hidden_act", None) == "silu"
+
+
+def multiprocessors(device: torch.device) -> int:
+    """The device's streaming multiprocessors, which split-K fills; elsewhere (the interpreter) one, so a step splits
+    only where a single program would read more than SPLIT_MIN_TOKENS keys."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def triton_available(device: torch.device) -> bool:

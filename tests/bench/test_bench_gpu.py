@@ -151,6 +151,11 @@ def test_the_report_shows_the_steady_state_kernels_and_the_graph_share(tmp_path)
     assert "| decode | 265 | 9.0 | 13 |" in md and "limit for a decode step 300" in md
     assert "| colocated | colocated | 100 | 10 | 90.0% | 95.0% | 100.0% | 0 (12) |" in md
     assert "Then `sharegpt_like 16/8`: 16 requests" in md
+    assert "`sharegpt_like`: 8 requests" in md and "--max-num-seqs 4 " in md  # no preset: --concurrency
+    burst = {**run, "config": {**run["config"], "concurrency": 256, "max_num_seqs": 128}, "runs": []}
+    burst["workload"] = {"name": "burst", "requests": 256, "prompt_tokens": 100, "output_tokens": 50}
+    md = gpu.markdown(burst)
+    assert "`burst`: 256 requests" in md and "at most 256 in flight; pdserve: --max-num-seqs 128 " in md
     optional("matplotlib")  # the bench extra's plotting: installed by [test], so CI fails without it
     gpu.plot(run, tmp_path / "gpu.png")
     assert (tmp_path / "gpu.png").stat().st_size > 0
@@ -170,3 +175,32 @@ def test_compilations_are_the_triton_cache_folders_new_group_files(tmp_path):
             (path / h / f"{name}.json").write_text("{}")  # the kernel's metadata: not a second compilation
         assert gpu.compiled_kernels(path) == 3
     assert os.environ.get("TRITON_CACHE_DIR") != str(cache)
+
+
+def test_the_goal_workloads_send_every_request_at_once_with_128_seqs_and_4096_tokens():
+    config = hf_config(BUILTIN_MODELS["qwen3-0.6b"])
+    steady = gpu.parse_args(["--device", "cpu", "--workload", "steady", "--requests", "9", "--concurrency", "3"])
+    burst = gpu.parse_args(["--device", "cpu", "--workload", "burst"])
+    for cfg, n in ((steady, 128), (burst, 256)):
+        assert (cfg.requests, cfg.concurrency, cfg.num_seqs, cfg.max_num_batched_tokens) == (n, n, 128, 4096)
+        assert cfg.decoding == 128 and cfg.large_requests == 0  # the steady state counts what the engine can decode
+        (run,) = gpu.plan_runs(cfg, config)  # no large run
+        assert run[0] is cfg and len(run[1].requests) == n and run[1].rate is None  # closed: all sent at t=0
+        assert gpu.stack_options(cfg, "colocated", 0.0).max_num_seqs == 128
+    w = gpu.plan_runs(steady, config)[0][1]
+    assert w.label == "steady 128/128"
+    assert {(len(r.prompt_token_ids), r.output_len) for r in w.requests} == {(700, 256)}
+    assert gpu.workload_summary(w) == {
+        "name": "steady",
+        "requests": 128,
+        "prompt_tokens": 128 * 700,
+        "output_tokens": 128 * 256,
+        "shape": {"prompt": 700, "output": 256},
+    }
+    b = gpu.plan_runs(burst, config)[0][1]
+    assert b.label == "burst 256/256" and len({r.output_len for r in b.requests}) > 1  # ShareGPT-like lengths
+    assert gpu.workload_summary(b)["shape"] == gpu.SHAREGPT_SHAPE
+    default = gpu.parse_args(["--device", "cpu"])
+    assert default.workload == "sharegpt" and default.num_seqs == default.concurrency == 128
+    with pytest.raises(ValueError, match="--workload"):
+        gpu.GpuBenchConfig(device="cpu", workload="nope")

@@ -49,3 +49,16 @@ def test_a_mixed_step_launches_what_a_decode_step_does():
     mixed = bk.count_step(runner, bk.step_chunks(shape, mixed=True))
     assert mixed["triton::_paged_attention_kernel"] == decode["triton::_paged_attention_kernel"] == 2
     assert mixed == decode
+
+
+def test_a_split_decode_step_adds_one_combine_launch_a_layer():
+    """Two decodes of 600-token contexts on a device of 64 multiprocessors: attention reads each context in 2 slices
+    (split-K), and each layer launches the combine once beside its one attention launch, within the budget."""
+    layers = 2
+    runner = bk.build_runner(layers, num_blocks=96)
+    runner.backend.multiprocessors = 64
+    chunks = bk.step_chunks(bk.StepShape(decodes=2, decode_past=600), mixed=False)
+    assert runner.backend.layout(2, 2, bk.flat_inputs(chunks)[-1]).splits == 2
+    ops = bk.count_step(runner, chunks)
+    assert ops["triton::_paged_attention_kernel"] == ops["triton::_combine_kernel"] == layers
+    assert sum(ops.values()) <= bk.limit(layers), ops

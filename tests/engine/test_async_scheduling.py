@@ -6,13 +6,13 @@ every test checks that steps were in fact launched ahead (`Engine.steps_ahead`).
 from __future__ import annotations
 
 import pytest
-from test_engine import greedy_requests, run_engine
 
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.request import Request
 from pdserve.nodes.parts import build_engine
 from pdserve.wire.params import SamplingParams
+from tests.engine.test_engine import greedy_requests, run_engine
 from tests.helpers import hf_greedy, mixed_workload, optional
 
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 import zmq
-from test_engine import greedy_requests
 
 from pdserve.config import EngineConfig, NodeConfig
 from pdserve.nodes.colocated import ColocatedNode
 from pdserve.nodes.parts import build_engine
 from pdserve.wire import transport
 from pdserve.wire.messages import PROTOCOL_VERSION, Abort, Generate, Hello, TokenEvent, TokenEvents
+from tests.engine.test_engine import greedy_requests
 from tests.helpers import hf_greedy, mixed_workload
 
 WAIT_MS = 10_000

@@ -39,22 +39,10 @@ def _reference(q, pool, q_start, reqs, tables, bs):
     return out
 
 
-@pytest.mark.parametrize(
-    "nh,nkv,d,bs,dtype",
-    [
-        (4, 4, 16, 16, torch.float32),
-        (8, 2, 64, 16, torch.float32),
-        (4, 1, 32, 32, torch.float32),
-        (16, 8, 128, 16, torch.float16),
-    ],
-)
-def test_paged_attention_matches_torch(triton, nh, nkv, d, bs, dtype):
-    """Decodes and prompt chunks (first chunks and chunks after a cached past), scattered blocks, GQA: one launch
-    over every request's tiles, and padding items that change nothing."""
-    from pdserve.runner import triton_attention as ta
-
-    g = torch.Generator().manual_seed(nh * d + bs)
-    reqs = [(0, 19), (37, 1), (16, 7), (70, 1), (5, 1), (0, 1)]  # (past, new tokens)
+def _paged_case(reqs, nh, nkv, d, bs, dtype, seed):
+    """Requests of (past, new tokens) in scattered, out-of-order blocks: (q, pool, q_start, tables, args, work) for
+    paged_attention, the work list in reverse order with padding items last."""
+    g = torch.Generator().manual_seed(seed)
     num_blocks = sum(blocks_for(p + n, bs) for p, n in reqs) + 5
     pool = torch.randn(2, nkv, num_blocks * bs, d, generator=g).to(dtype)
     free = random.Random(0).sample(range(num_blocks), num_blocks)  # scattered, out of order
@@ -67,7 +55,6 @@ def test_paged_attention_matches_torch(triton, nh, nkv, d, bs, dtype):
     i32 = dict(dtype=torch.int32)
     bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], **i32)
     q = torch.randn(T, nh, d, generator=g).to(dtype)
-    out = torch.full_like(q, float("nan"))
     tile = max(TILE_M, nh // nkv)
     work = [(r, m) for r, (_, n) in enumerate(reqs) for m in range(cdiv(n * nh // nkv, tile))]
     work = torch.tensor(work[::-1] + [(0, -1), (3, -1)], **i32)  # any order; padding items last
@@ -77,11 +64,60 @@ def test_paged_attention_matches_torch(triton, nh, nkv, d, bs, dtype):
         torch.tensor([p + n for p, n in reqs], **i32),
         bt,
     )
-    ta.paged_attention(q, out, pool, *args, work, bs, 1 / math.sqrt(d), tile)
-    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    return q, pool, q_start, tables, args, work, tile
+
+
+def _check_paged(reqs, nh, nkv, d, bs, dtype, splits=1, split_min=256):
+    from pdserve.runner import triton_attention as ta
+
+    q, pool, q_start, tables, args, work, tile = _paged_case(reqs, nh, nkv, d, bs, dtype, seed=nh * d + bs)
+    out = torch.full_like(q, float("nan"))
+    ta.paged_attention(q, out, pool, *args, work, bs, 1 / math.sqrt(d), tile, splits, split_min)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3 if dtype == torch.float16 else 1e-2
     for r, ref in _reference(q, pool, q_start, reqs, tables, bs).items():
         got = out[q_start[r] : q_start[r] + reqs[r][1]].float()
         torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize(
+    "nh,nkv,d,bs,dtype",
+    [
+        (4, 4, 16, 16, torch.float32),
+        (8, 2, 64, 16, torch.float32),
+        (4, 1, 32, 32, torch.float32),
+        (16, 8, 128, 16, torch.float16),
+    ],
+)
+def test_paged_attention_matches_torch(triton, nh, nkv, d, bs, dtype):
+    """Decodes and prompt chunks (first chunks and chunks after a cached past), scattered blocks, GQA: one launch
+    over every request's tiles, and padding items that change nothing."""
+    _check_paged([(0, 19), (37, 1), (16, 7), (70, 1), (5, 1), (0, 1)], nh, nkv, d, bs, dtype)
+
+
+@pytest.mark.parametrize(
+    "dtype,splits",
+    [(torch.float32, 1), (torch.float32, 3), (torch.bfloat16, 4), (torch.float16, 16)],
+)
+def test_split_paged_attention_matches_torch(triton, dtype, splits):
+    """Split-K: ragged contexts in scattered blocks, read in slices of at least 64 keys and combined: a long context
+    fills every slice, a short one only its first; a prompt chunk's early rows see slices that are all after them."""
+    reqs = [(300, 1), (70, 1), (5, 1), (0, 1), (130, 9)]  # (past, new tokens)
+    _check_paged(reqs, 4, 2, 32, 16, dtype, splits=splits, split_min=64)
+
+
+def test_split_count_fills_the_device_with_long_contexts():
+    from pdserve.runner.triton_attention import MAX_SPLITS, SPLIT_MIN_TOKENS, num_splits
+
+    sms = 132
+    assert num_splits(128 * 8, 1024, sms) == 1  # a full batch already fills the device
+    assert num_splits(8 * 8, 8192, sms) == 5  # 64 programs: 5 slices make 2 waves of 132
+    assert num_splits(1 * 8, 2048, sms) == 2048 // SPLIT_MIN_TOKENS  # no slice under SPLIT_MIN_TOKENS keys
+    assert num_splits(1, 1 << 20, sms) == MAX_SPLITS
+    assert num_splits(8, SPLIT_MIN_TOKENS - 1, sms) == 1 and num_splits(0, 4096, sms) == 1
+    for programs in (1, 7, 64, 300):
+        for context in (1, 500, 4096, 100_000):
+            s = num_splits(programs, context, sms)
+            assert 1 <= s <= MAX_SPLITS and (s == 1 or context // s >= SPLIT_MIN_TOKENS)
 
 
 def test_paged_attention_reads_only_its_blocks(triton):

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_async_scheduling import run_ahead, tokens
 
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.request import Request
 from pdserve.nodes.parts import build_engine
 from pdserve.wire.params import SamplingParams
+from tests.engine.test_async_scheduling import run_ahead, tokens
 from tests.engine.test_engine import greedy_requests
 from tests.helpers import hf_greedy, mixed_workload, optional
 
