@@ -6,10 +6,10 @@ How to add a flag: add a field to the config it belongs to with `option(default,
 appears at once: an EngineConfig field on every node verb and on `up` (which passes it on to its nodes), a
 RouterConfig field on `pdserve router`, a LaunchConfig field on `up`, a ScaleConfig field on `scale`, a
 PlanConfig field on `plan`. Any other field is named in the tables below: a NodeConfig field in ENGINE_FLAGS
-(every node, and `up` passes it on) or NODE_FLAGS (the node verbs only); a router flag that `up` should take and pass on in UP_ROUTER_FLAGS.
-The verb's code reads it from the parsed args under the field's name, and `from_args(SomeConfig, args)`
-carries it into the config without a hand-written copy. tests/test_flags.py checks that every flag has help
-and that a verb given no flags builds each config as the dataclass's defaults.
+(every node, and `up` passes it on) or NODE_FLAGS (the node verbs only); a router flag that `up` should take and
+pass on in UP_ROUTER_FLAGS. The verb's code reads it from the parsed args under the field's name, and
+`from_args(SomeConfig, args)` carries it into the config without a hand-written copy. tests/test_flags.py checks
+that every flag has help and that a verb given no flags builds each config as the dataclass's defaults.
 
 `to_argv` turns parsed (or given) values back into argv for a child process (`pdserve up` starting its nodes
 and router, the Ray launcher, bench, the tests' stacks). cli.py and launcher.py both import this module; it

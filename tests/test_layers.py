@@ -51,6 +51,7 @@ ALLOWED = {  # package -> the pdserve modules (or packages) its modules may impo
     ),
     "kv": ("pdserve.wire.protocol",),
     "wire": (),
+    "plan": ("pdserve.config",),
     "nodes": (
         "pdserve.engine.engine",
         "pdserve.engine.request",
@@ -98,6 +99,7 @@ TORCH_FREE = (
     "kv/peers.py",
     "kv/faults.py",
     "kv/mock.py",
+    "plan/*.py",
 )
 
 

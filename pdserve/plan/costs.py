@@ -104,7 +104,8 @@ def least_squares(rows: list[list[float]], y: list[float]) -> list[float]:
 def fit_link(handoff: list[dict], kv_bytes_per_token: int) -> tuple[float, float]:
     """(bytes/s, latency s) of a KV hand-off from samples of (tokens, seconds): `t = latency + tokens * bytes / bw`."""
     latency, per_token = least_squares([[1, s["tokens"]] for s in handoff], [s["s"] for s in handoff])
-    if per_token <= 0:
+    span = max(x["tokens"] for x in handoff) * per_token  # what the tokens add at most, against the noise of a fit
+    if not span > 1e-6 * max(x["s"] for x in handoff):
         raise ValueError("the hand-off samples do not grow with their tokens: no bandwidth to fit")
     return kv_bytes_per_token / per_token, latency
 
