@@ -194,28 +194,45 @@ def _disagg_results(run: dict, system: str = "disagg") -> list[dict]:
 def validate_colocated(run: dict, costs: Costs) -> list[dict]:
     """Each colocated result of a run_bench JSON beside the simulation of its very requests on one colocated node
     (unpinned: a device of its own), with the router's and load generator's CPU per token measured in the run:
-    (metric, predicted, measured, error) rows. No calibration: the step costs are the in-process ones."""
+    (metric, predicted, measured, error) rows. `calibrated`: the same with the step costs scaled (prefill and decode
+    terms alike) until the simulated mean step is the node's own, and its loop time outside the steps added."""
     rows, slo = [], SLO(run["config"]["slo_ttft_s"], run["config"]["slo_tpot_s"])
-    topo = Topology(
-        max_num_seqs=run["config"]["max_batch"],
-        max_num_batched_tokens=run["config"]["max_num_batched_tokens"],
-        num_colocated=1,
-    )
+    config = run["config"]
+    topo = Topology(max_num_seqs=config["max_batch"], max_num_batched_tokens=config["max_num_batched_tokens"])
+    topo = replace(topo, num_colocated=1)
     for res in _disagg_results(run, "colocated"):
-        sim, measured = _simulated(res, replace(costs, **_host_cpu(res)), topo, slo), _measured(res)
+        base, measured = replace(costs, **_host_cpu(res)), _measured(res)
+        sim, cal = _simulated(res, base, topo, slo), _simulated(res, _colocated_fit(res, base, topo), topo, slo)
         for label, key, stat in COMPARED[:5]:
-            pred, meas = _stat(sim, key, stat), _stat(measured, key, stat)
-            if pred is not None and meas:
-                rows.append(
-                    {
-                        "workload": res["label"],
-                        "metric": label,
-                        "predicted": pred,
-                        "measured": meas,
-                        "error": pred / meas - 1,
-                    }
-                )
+            pred, meas, calib = _stat(sim, key, stat), _stat(measured, key, stat), _stat(cal, key, stat)
+            if pred is None or not meas or calib is None:
+                continue
+            rows.append(
+                {
+                    "workload": res["label"],
+                    "metric": label,
+                    "predicted": pred,
+                    "measured": meas,
+                    "error": pred / meas - 1,
+                    "calibrated": calib,
+                    "calibrated_error": calib / meas - 1,
+                }
+            )
     return rows
+
+
+def _colocated_fit(res: dict, base: Costs, topo: Topology) -> Costs:
+    """`base` with its step costs scaled until `res` simulated has its colocated node's mean step, and the node's
+    time outside its steps a step (its counters) as loop time."""
+    c = res["node_counters"]["colocated"]
+    step, outside = c["step_time_s"] / c["steps"], (c["busy_time_s"] - c["step_time_s"]) / c["steps"]
+    factor, costs = 1.0, replace(base, decode_iteration_s=max(0.0, outside))
+    arrivals = [Arrival(r["send_s"], r["prompt_len"], r["expected_output_len"]) for r in res["records"]]
+    for _ in range(CALIBRATION_ROUNDS):
+        counts: dict = {}
+        simulate_requests(arrivals, scaled(costs, factor, factor), topo, counts)
+        factor *= _ratio(step, _mean_step(counts, "colocated"))
+    return scaled(costs, factor, factor)
 
 
 def _run_topology(run: dict, on_cores: bool, core_sharing: str, sleeper_credit_s: float) -> Topology:
@@ -337,6 +354,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slo-ttft-s", type=float, default=2.0)
     p.add_argument("--slo-tpot-s", type=float, default=0.2)
     p.add_argument("--validate", type=Path, nargs="*", default=[], help="run_bench JSONs: disagg runs vs simulation")
+    p.add_argument(
+        "--validate-colocated",
+        type=Path,
+        nargs="*",
+        default=[],
+        help="run_bench JSONs: their colocated results vs simulation (one colocated node)",
+    )
     p.add_argument("--json", action="store_true", help="with --validate: JSON rows instead of a Markdown table")
     p.add_argument(
         "--costs-beside",
@@ -393,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--sleeper-credit-ms must be at least 0")
     if a.write_calibrated and not a.calibration:
         p.error("--write-calibrated needs --calibration")
-    if a.write_calibrated or a.fit_router or a.validate:
+    if a.write_calibrated or a.fit_router or a.validate or a.validate_colocated:
         try:
             return _offline(a)
         except ValueError as e:  # a run without what a fit needs (node counters, a disagg result), too few runs
@@ -416,8 +440,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _loaded(paths: list[Path]) -> list[tuple[Path, dict]]:
+    return [(f, json.loads(f.read_text())) for f in paths]
+
+
 def _offline(a: argparse.Namespace) -> int:
-    """--write-calibrated, --fit-router or --validate, from run_bench JSONs."""
+    """--write-calibrated, --fit-router, --validate or --validate-colocated, from run_bench JSONs."""
     credit, on_cores, steps = a.sleeper_credit_ms / 1e3, not a.own_devices, not a.no_step_calibration
     cal_run = json.loads(a.calibration.read_text()) if a.calibration else None
     if a.write_calibrated:
@@ -434,6 +462,10 @@ def _offline(a: argparse.Namespace) -> int:
                 indent=1,
             )
         )
+        return 0
+    if a.validate_colocated:
+        runs = [(f.stem, run, validate_colocated(run, Costs.load(a.costs))) for f, run in _loaded(a.validate_colocated)]
+        print(json.dumps([r for *_, rows in runs for r in rows], indent=1) if a.json else validation_markdown(runs))
         return 0
     costs = {f: Costs.load(f.with_name(f"costs-{f.name}") if a.costs_beside else a.costs) for f in a.validate}
     distinct = set(costs.values()) if cal_run else set()  # one fit per costs file, not per run
