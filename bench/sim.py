@@ -328,7 +328,7 @@ def validation_markdown(runs: list[tuple[str, dict, list[dict]]]) -> str:
         for r in rows:
             m, err, cal_err = r["metric"], r["error"], r["calibrated_error"]
             lines.append(
-                f"| {name} | {load} | {m} | {_fmt(m, r['predicted'])} | {_fmt(m, r['measured'])} | "
+                f"| {name} {r['workload']} | {load} | {m} | {_fmt(m, r['predicted'])} | {_fmt(m, r['measured'])} | "
                 f"{err:+.0%} | {_fmt(m, r['calibrated'])} | {cal_err:+.0%} |"
             )
     return "\n".join(lines)
