@@ -1,5 +1,5 @@
 """bench/sim.py: its validation against bench's runs, its fits and its command line (the simulator's own cases are in
-tests/plan/test_sim.py)."""
+tests/plan/test_simulator.py)."""
 
 from __future__ import annotations
 
