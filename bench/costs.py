@@ -9,8 +9,14 @@ The engine runs as a node runs it: pinned to one core, one torch thread, float32
 - decode step (batch of B decoding requests, total context C = sum of their lengths):
   `t = a + b * B + c * C`.
 
-Plus the KV bytes per token (the pool's layout) and the KV link's bandwidth and fixed latency (given, or read
-from a bench/kv_bandwidth.py JSON). The fitted costs and every raw sample go to the JSON.
+Plus the KV bytes per token (the pool's layout) and the KV link's bandwidth and fixed latency (given, read from a
+bench/kv_bandwidth.py JSON, or fitted to the hand-off's time against its tokens measured here: a copy of that many
+tokens' KV bytes on the device). The fitted costs and every raw sample go to the JSON.
+
+On a GPU (`--device cuda`, as the GPU kit runs it) the same code measures the same three curves with larger shapes
+(`--sizes gpu`) in bfloat16; `--sizes tiny` runs that path in seconds on the CPU (tests/bench/test_costs.py):
+
+    python -m bench.costs --device cuda --model MODEL --out bench/results/costs-h200.json
 
 Co-running (`--corun-core N`): the cores of one host are not independent. A step slows down while a node pinned
 to another core also computes (shared caches, memory bandwidth, or SMT siblings under a virtual machine's
@@ -34,6 +40,10 @@ from pathlib import Path
 
 import numpy as np
 
+from pdserve.plan.costs import Costs, fit, fit_link
+
+__all__ = ["Costs", "fit", "measure_decode", "measure_handoff", "measure_prefill"]
+
 RESULTS_DIR = Path(__file__).parent / "results"
 PREFILL_SHAPES = (
     (16, 0),
@@ -52,71 +62,65 @@ DECODE_CONTEXTS = (64, 256, 768)
 QUICK_PREFILL_SHAPES = ((16, 0), (128, 0), (512, 0), (512, 512), (256, 1024))  # --quick: costs right before a run
 QUICK_DECODE_BATCHES = (1, 4, 16)
 QUICK_DECODE_CONTEXTS = (64, 512)
+# --device cuda: a GPU's steps are flat until the batch fills the device, so larger shapes
+GPU_PREFILL_SHAPES = ((128, 0), (512, 0), (1024, 0), (2048, 0), (512, 1024), (1024, 1024), (256, 1536))
+GPU_DECODE_BATCHES = (1, 8, 32, 64, 128)
+GPU_DECODE_CONTEXTS = (256, 1024, 1792)
+HANDOFF_TOKENS = (16, 128, 512, 1024, 2048)  # a hand-off's tokens: its time against them fits the link
+# --sizes tiny: the same code path in seconds on the CPU (a test)
+TINY_PREFILL_SHAPES = ((8, 0), (16, 0), (32, 0), (16, 16))
+TINY_DECODE_BATCHES = (1, 2)
+TINY_DECODE_CONTEXTS = (16, 32)
+TINY_HANDOFF_TOKENS = (16, 64, 256)
+SIZES = {  # --sizes: (prefill shapes, repeats, decode batches, decode contexts, hand-off tokens)
+    "full": (PREFILL_SHAPES, 3, DECODE_BATCHES, DECODE_CONTEXTS, HANDOFF_TOKENS),
+    "quick": (QUICK_PREFILL_SHAPES, 2, QUICK_DECODE_BATCHES, QUICK_DECODE_CONTEXTS, HANDOFF_TOKENS),
+    "gpu": (GPU_PREFILL_SHAPES, 3, GPU_DECODE_BATCHES, GPU_DECODE_CONTEXTS, HANDOFF_TOKENS),
+    "tiny": (TINY_PREFILL_SHAPES, 1, TINY_DECODE_BATCHES, TINY_DECODE_CONTEXTS, TINY_HANDOFF_TOKENS),
+}
 DECODE_STEPS = 12  # the median of these is the sample: steps on a shared machine have outliers
 CORUN_DECODE = (8, 256)  # (batch, prompt tokens) of the decode steps timed alone and beside a neighbour
 CORUN_PREFILL = 256  # prompt tokens of the prefill steps timed alone and beside a neighbour
 CORUN_REPEATS = 15
 
 
-@dataclass(frozen=True)
-class Costs:
-    """The simulator's cost model, in seconds and bytes."""
-
-    prefill_base_s: float
-    prefill_per_token_s: float
-    prefill_per_token_ctx_s: float  # x tokens x (past + tokens / 2)
-    decode_base_s: float
-    decode_per_seq_s: float
-    decode_per_ctx_token_s: float  # x the batch's total context
-    kv_bytes_per_token: int
-    link_bytes_per_s: float
-    link_latency_s: float = 0.0
-    router_s_per_token: float = 0.0  # the router's CPU per streamed token (bench's router_cpu_us_per_token)
-    corun_slowdown_prefill: float = 1.0  # a prefill step's time while another core computes, over its time alone
-    corun_slowdown_decode: float = 1.0  # the same for a decode step
-    decode_iteration_s: float = 0.0  # a decode node's time per iteration outside its step (its loop; not measured
-    # here: a run's nodes report it, busy_time_s - step_time_s)
-    prefill_iteration_s: float = 0.0  # the same for a prefill node (offers and their checksums, chores); KV pulls
-    # that arrive meanwhile are served before its next step
-    client_s_per_token: float = 0.0  # the load generator's CPU per streamed token (bench's client_cpu_us_per_token):
-    # on one host it takes a share of the nodes' cores, as the router does
-    router_s_per_message: float = 0.0  # the router's CPU per message from a node (one a step), beside its CPU per
-    # token (0: all of it counted per token, as bench measures it)
-
-    def __post_init__(self) -> None:
-        if self.link_bytes_per_s <= 0 or self.kv_bytes_per_token < 0:
-            raise ValueError("the link bandwidth must be positive and the KV bytes per token not negative")
-        if min(self.corun_slowdown_prefill, self.corun_slowdown_decode) < 1.0:
-            raise ValueError("a co-run slowdown is a ratio of at least 1")
-
-    def prefill_step_s(self, chunks: list[tuple[int, int]]) -> float:
-        """One prefill iteration over `chunks` of (new tokens, past tokens), flattened into one forward."""
-        tokens = sum(n for n, _ in chunks)
-        attention = sum(n * (past + n / 2) for n, past in chunks)
-        return self.prefill_base_s + self.prefill_per_token_s * tokens + self.prefill_per_token_ctx_s * attention
-
-    def decode_step_s(self, batch: int, context: int) -> float:
-        """One decode iteration of `batch` requests whose lengths sum to `context`."""
-        return self.decode_base_s + self.decode_per_seq_s * batch + self.decode_per_ctx_token_s * context
-
-    def transfer_s(self, num_tokens: int) -> float:
-        """One request's KV of `num_tokens` tokens over the link."""
-        return self.link_latency_s + num_tokens * self.kv_bytes_per_token / self.link_bytes_per_s
-
-    @classmethod
-    def load(cls, path: Path) -> Costs:
-        return cls(**json.loads(Path(path).read_text())["costs"])
-
-
 # ---- measuring -------------------------------------------------------------------------------------
 
 
-def _engine(model: str, prefill_only: bool, max_tokens_budget: int):
+@dataclass(frozen=True)
+class Target:
+    """What the steps run on: a model on a device (a node's: one CPU core in float32, or a GPU)."""
+
+    model: str
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_num_seqs: int = 16
+    kv_cache_gb: float = 0.25
+
+    def sync(self) -> None:
+        """Wait for the device (a GPU step may return before its kernels end)."""
+        if self.device.startswith("cuda"):
+            import torch
+
+            torch.cuda.synchronize(self.device)
+
+
+def _target(model: str | Target) -> Target:
+    return model if isinstance(model, Target) else Target(model)
+
+
+def _engine(model: str | Target, prefill_only: bool, max_tokens_budget: int):
     from pdserve.config import EngineConfig
     from pdserve.nodes.parts import build_engine
 
+    t = _target(model)
     cfg = EngineConfig(
-        model=model, dtype="float32", max_num_seqs=16, max_num_batched_tokens=max_tokens_budget, kv_cache_gb=0.25
+        model=t.model,
+        dtype=t.dtype,
+        device=t.device,
+        max_num_seqs=t.max_num_seqs,
+        max_num_batched_tokens=max_tokens_budget,
+        kv_cache_gb=t.kv_cache_gb,
     )
     return build_engine(cfg, prefill_only=prefill_only)
 
@@ -129,17 +133,20 @@ def _request(rid: str, prompt_len: int, max_tokens: int):
     return Request(rid, ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
 
 
-def _timed_step(engine) -> float:
+def _timed_step(engine, target: Target | None = None) -> float:
     t0 = time.perf_counter()
     engine.step()
+    if target:
+        target.sync()
     return time.perf_counter() - t0
 
 
-def measure_prefill(model: str, repeats: int = 3, shapes: tuple = PREFILL_SHAPES) -> list[dict]:
+def measure_prefill(model: str | Target, repeats: int = 3, shapes: tuple = PREFILL_SHAPES) -> list[dict]:
     """(tokens, past, seconds) of single-chunk prefill steps: past tokens are computed first, untimed."""
     from pdserve.engine.request import Status
 
-    samples, engine = [], _engine(model, prefill_only=True, max_tokens_budget=2048)
+    budget = max(2048, *(max(n, past) for n, past in shapes))
+    samples, engine, target = [], _engine(model, prefill_only=True, max_tokens_budget=budget), _target(model)
     for chunk, past in shapes:
         times = []
         for r in range(repeats + 1):  # the first is a warm-up
@@ -149,16 +156,18 @@ def measure_prefill(model: str, repeats: int = 3, shapes: tuple = PREFILL_SHAPES
                 engine.scheduler.max_num_batched_tokens = past
                 engine.step()  # the past: one chunk of `past` tokens
             engine.scheduler.max_num_batched_tokens = chunk
-            times.append(_timed_step(engine))
+            times.append(_timed_step(engine, target))
             if not req.is_finished:
                 engine.release(req, Status.ABORTED)
         samples.append({"tokens": chunk, "past": past, "s": float(np.median(times[1:]))})
     return samples
 
 
-def measure_decode(model: str, batches: tuple = DECODE_BATCHES, contexts: tuple = DECODE_CONTEXTS) -> list[dict]:
+def measure_decode(
+    model: str | Target, batches: tuple = DECODE_BATCHES, contexts: tuple = DECODE_CONTEXTS
+) -> list[dict]:
     """(batch, mean total context, median seconds) of decode steps after the batch's prompts are in."""
-    samples = []
+    samples, target = [], _target(model)
     engine = _engine(model, prefill_only=False, max_tokens_budget=2048)
     for ctx in contexts:
         for batch in batches:
@@ -170,7 +179,7 @@ def measure_decode(model: str, batches: tuple = DECODE_BATCHES, contexts: tuple 
             contexts, times = [], []
             for _ in range(DECODE_STEPS):
                 contexts.append(sum(r.num_tokens for r in reqs))
-                times.append(_timed_step(engine))
+                times.append(_timed_step(engine, target))
             samples.append({"batch": batch, "context": float(np.mean(contexts)), "s": float(np.median(times))})
             while engine.has_work():
                 engine.step()
@@ -259,49 +268,30 @@ def measure_corun(model: str, other_core: int) -> dict:
     return out
 
 
-def _least_squares(rows: list[list[float]], y: list[float]) -> list[float]:
-    """Non-negative where it can: a negative coefficient is dropped (set to 0) and the rest refitted."""
-    a, b = np.asarray(rows, dtype=float), np.asarray(y, dtype=float)
-    keep = list(range(a.shape[1]))
-    while True:
-        coef, *_ = np.linalg.lstsq(a[:, keep], b, rcond=None)
-        if (coef >= 0).all() or len(keep) == 1:
-            out = [0.0] * a.shape[1]
-            for i, c in zip(keep, coef, strict=True):
-                out[i] = max(0.0, float(c))
-            return out
-        keep.pop(int(np.argmin(coef)))
-
-
-def fit(
-    prefill: list[dict],
-    decode: list[dict],
-    kv_bytes_per_token: int,
-    link_bytes_per_s: float,
-    link_latency_s: float = 0.0,
-    router_s_per_token: float = 0.0,
-    corun: dict | None = None,
-) -> Costs:
-    p = _least_squares(
-        [[1, s["tokens"], s["tokens"] * (s["past"] + s["tokens"] / 2)] for s in prefill], [s["s"] for s in prefill]
-    )
-    d = _least_squares([[1, s["batch"], s["context"]] for s in decode], [s["s"] for s in decode])
-    slow = {role: (corun or {}).get(role, {}).get("slowdown", 1.0) for role in ("prefill", "decode")}
-    return Costs(
-        *p,
-        *d,
-        kv_bytes_per_token,
-        link_bytes_per_s,
-        link_latency_s,
-        router_s_per_token,
-        slow["prefill"],
-        slow["decode"],
-    )
-
-
-def kv_bytes_per_token(model: str) -> int:
+def kv_bytes_per_token(model: str | Target) -> int:
     engine = _engine(model, prefill_only=True, max_tokens_budget=16)
     return int(engine.layout.bytes_per_token())
+
+
+def measure_handoff(
+    model: str | Target, per_token: int, tokens: tuple = HANDOFF_TOKENS, repeats: int = 5
+) -> list[dict]:
+    """(tokens, median seconds) of copying `tokens` tokens' KV bytes (the pool's layout) from one buffer to another
+    on the device: the hand-off's own data movement on one device (two GPUs' link is `pdserve plan --link-gbps`)."""
+    import torch
+
+    target, samples = _target(model), []
+    for n in tokens:
+        src = torch.ones(n * per_token, dtype=torch.uint8, device=target.device)
+        dst = torch.empty_like(src)
+        times = []
+        for _ in range(repeats + 1):  # the first is a warm-up
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            target.sync()
+            times.append(time.perf_counter() - t0)
+        samples.append({"tokens": n, "bytes": n * per_token, "s": float(np.median(times[1:]))})
+    return samples
 
 
 def link_from(path: Path | None, key: str) -> float | None:
@@ -317,53 +307,82 @@ def link_from(path: Path | None, key: str) -> float | None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.costs", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="small")
-    p.add_argument("--core", type=int, default=0, help="pin to this core, one torch thread (as a node runs)")
-    p.add_argument("--link-gbps", type=float, default=None, help="KV link GB/s (default: from --kv-bandwidth)")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda[:N]: a GPU's steps (bfloat16 unless --dtype)")
+    p.add_argument("--dtype", default=None, help="the model's dtype (default: float32 on the CPU, bfloat16 on a GPU)")
+    p.add_argument("--sizes", choices=sorted(SIZES), default=None, help="the shapes (default: full, gpu on a GPU)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="the engine's (default: the largest decode batch)")
+    p.add_argument("--kv-cache-gb", type=float, default=None, help="the KV pool (default: 0.25 GiB, 16 on a GPU)")
+    p.add_argument("--core", type=int, default=0, help="on the CPU: pin to this core, one torch thread (as a node)")
+    p.add_argument(
+        "--link-gbps", type=float, default=None, help="KV link GB/s (default: --kv-bandwidth's, else the hand-off's)"
+    )
     p.add_argument("--kv-bandwidth", type=Path, default=RESULTS_DIR / "kv_bandwidth.json")
     p.add_argument("--link-key", default="zmq_tcp_GBps_consecutive")
     p.add_argument("--link-latency-s", type=float, default=0.0)
     p.add_argument("--router-us-per-token", type=float, default=0.0)
     p.add_argument("--corun-core", type=int, default=None, help="measure the co-run slowdowns beside this core")
-    p.add_argument("--quick", action="store_true", help="fewer shapes: costs measured right before a run")
+    p.add_argument("--quick", action="store_true", help="--sizes quick: costs measured right before a run")
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "costs-small.json")
     p.add_argument("--busy", choices=["prefill", "decode"], help=argparse.SUPPRESS)  # the co-run neighbour
     a = p.parse_args(argv)
+    gpu = a.device.startswith("cuda")
+    sizes = a.sizes or ("quick" if a.quick else "gpu" if gpu else "full")
+    shapes, repeats, batches, contexts, handoff_tokens = SIZES[sizes]
+    target = Target(
+        a.model,
+        a.device,
+        a.dtype or ("bfloat16" if gpu else "float32"),
+        a.max_num_seqs or max(16, *batches),
+        a.kv_cache_gb or (16.0 if gpu else 0.25),
+    )
     import torch
 
-    os.sched_setaffinity(0, {a.core})
-    torch.set_num_threads(1)
+    if not gpu:
+        os.sched_setaffinity(0, {a.core})
+        torch.set_num_threads(1)
     if a.busy:
         busy_loop(a.model, a.busy)
         return 0
-    link = a.link_gbps * 1e9 if a.link_gbps else link_from(a.kv_bandwidth, a.link_key)
-    if link is None:
-        print("bench.costs: give --link-gbps or a --kv-bandwidth JSON", file=sys.stderr)
-        return 2
     load_before = os.getloadavg()
-    if a.quick:
-        prefill = measure_prefill(a.model, 2, QUICK_PREFILL_SHAPES)
-        decode = measure_decode(a.model, QUICK_DECODE_BATCHES, QUICK_DECODE_CONTEXTS)
-    else:
-        prefill, decode = measure_prefill(a.model), measure_decode(a.model)
+    prefill = measure_prefill(target, repeats, shapes)
+    decode = measure_decode(target, batches, contexts)
+    per_token = kv_bytes_per_token(target)
+    handoff = measure_handoff(target, per_token, handoff_tokens)
+    measured_link = fit_link(handoff, per_token)
+    link, latency, source = _link(a, gpu, measured_link)
     corun = measure_corun(a.model, a.corun_core) if a.corun_core is not None else None
-    costs = fit(
-        prefill, decode, kv_bytes_per_token(a.model), link, a.link_latency_s, a.router_us_per_token / 1e6, corun
-    )
+    costs = fit(prefill, decode, per_token, link, latency, a.router_us_per_token / 1e6, corun)
     out = {
         "model": a.model,
+        "device": torch.cuda.get_device_name(a.device) if gpu else "cpu",
+        "dtype": target.dtype,
+        "sizes": sizes,
         "costs": asdict(costs),
         "prefill_samples": prefill,
         "decode_samples": decode,
+        "handoff_samples": handoff,
+        "handoff_fit": {"link_bytes_per_s": measured_link[0], "link_latency_s": measured_link[1]},
         "corun": corun,
         "loadavg_before": load_before,
         "loadavg_after": os.getloadavg(),
-        "link_source": a.link_key,
+        "link_source": source,
         "measured": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(out, indent=1))
     print(json.dumps(out["costs"], indent=1))
     return 0
+
+
+def _link(a: argparse.Namespace, gpu: bool, measured: tuple[float, float]) -> tuple[float, float, str]:
+    """(bytes/s, latency s, where from) of the KV link: --link-gbps, else on the CPU a --kv-bandwidth JSON, else the
+    hand-off measured here."""
+    if a.link_gbps:
+        return a.link_gbps * 1e9, a.link_latency_s, "--link-gbps"
+    from_json = None if gpu else link_from(a.kv_bandwidth, a.link_key)
+    if from_json:
+        return from_json, a.link_latency_s, a.link_key
+    return measured[0], measured[1], "hand-off measured on the device"
 
 
 if __name__ == "__main__":

@@ -38,12 +38,12 @@ from pathlib import Path
 
 import httpx
 
-from bench.costs import _least_squares
 from bench.http_client import HttpTarget, run_http
 from bench.metrics import SLO, cpu_per_token_us, summarize
 from bench.systems import Stack, StackOptions, child_pids, cpu_seconds, free_port, settled_counters
 from bench.systems import stack_argv as systems_stack_argv
 from bench.workloads import BenchRequest, Workload
+from pdserve.plan.costs import least_squares
 from pdserve.startup import READY_TIMEOUT_S
 
 RESULTS_DIR = Path(__file__).parent / "results"
@@ -306,7 +306,7 @@ def router_fit(runs: list[dict]) -> dict | None:
     ok = [r for r in runs if r["node_messages"] and r["router_cpu_s"] and not r["failed"]]
     if len(ok) < 2:
         return None
-    a, b = _least_squares([[r["node_messages"], r["tokens"]] for r in ok], [r["router_cpu_s"] for r in ok])
+    a, b = least_squares([[r["node_messages"], r["tokens"]] for r in ok], [r["router_cpu_s"] for r in ok])
     return {"us_per_message": a * 1e6, "us_per_token": b * 1e6, "runs": len(ok)}
 
 

@@ -9,7 +9,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from pdserve.config import ROLES, EngineConfig, NodeConfig, RouterConfig
+from pdserve.config import ROLES, EngineConfig, NodeConfig, PlanConfig, RouterConfig
 from pdserve.flags import GLOBAL_FLAGS, add_flags, add_verb_flags, from_args
 from pdserve.startup import check_checkpoint, check_device, check_port_free
 from pdserve.wire.params import Role
@@ -21,6 +21,7 @@ VERB_HELP = {
     **{role: f"run one {role} node" for role in ROLES},
     Role.ROUTER: "run the HTTP router",
     "scale": "change the node counts of a deployment on a Ray cluster while it serves",
+    "plan": "should I disaggregate, and how many of each? goodput a GPU of P:D splits against colocated replicas",
 }
 
 
@@ -107,7 +108,7 @@ def log_format(verb: str) -> str:
 def start(a: argparse.Namespace) -> Callable[[], object]:
     """The verb's start: its config built and checked, a node built and bound (ValueError: a mistake, said in one
     line). A node or router returns its serving, which runs outside that net: an error there is no config error.
-    `up`, `scale` and `keys` run whole here (their children and actors report their own failures)."""
+    `up`, `scale`, `plan` and `keys` run whole here (their children and actors report their own failures)."""
     if a.verb == Role.ROUTER:
         return start_router(a)
     if a.verb in ROLES:
@@ -120,6 +121,11 @@ def start(a: argparse.Namespace) -> Callable[[], object]:
         from pdserve.launcher import launch
 
         sys.exit(launch(a))
+    elif a.verb == "plan":
+        from pdserve.plan.plan import answer
+
+        print(answer(from_args(PlanConfig, a)))
+        sys.exit(0)
     elif a.verb == "scale":
         from pdserve.ray_cluster import scale
 

@@ -27,6 +27,7 @@ KV_FAULT_KINDS = ("drop", "delay", "truncate", "corrupt")
 LAUNCH_MODES = ("disagg", "colocated")
 PLACEMENTS = ("pack", "spread")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+PLAN_WORKLOADS = ("chat", "long-prompt", "long-answer")  # pdserve plan's (pdserve/plan/plan.py)
 ENGINES = ("model", "mock")  # model: run the checkpoint; mock: no model (engine/mock.py)
 MOCK_STEP_S = (0.003, 1e-5, 2e-5, 0.0)  # a mock step's seconds: a + b*tokens + c*requests (+ d*attended context)
 MOCK_KV_MODES = ("full", "header")  # mock KV transfers: the real bytes, or the headers only
@@ -473,6 +474,47 @@ class ScaleConfig:
     name: str = _deployment_name()
     prefill: int = option(0, "prefill nodes wanted (default: as now)", type=int)
     decode: int = option(0, "decode nodes wanted (default: as now)", type=int)
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """`pdserve plan`: should these GPUs serve disaggregated, and how many prefill and decode nodes?"""
+
+    costs: str | None = option(None, "a cost file written by python -m bench.costs (required)", metavar="FILE")
+    workload: str = option(
+        "chat", "chat, long-prompt (short answers) or long-answer (short prompts)", choices=PLAN_WORKLOADS
+    )
+    slo_ttft: float | None = option(None, "time-to-first-token SLO in seconds (required)", type=float, metavar="S")
+    slo_tpot: float | None = option(None, "time-per-output-token SLO in seconds (required)", type=float, metavar="S")
+    gpus: int | None = option(None, "GPUs to plan for, at least 2 (default: a table for 2, 4 and 8)", type=int)
+    link_gbps: float | None = option(
+        None, "GPU-to-GPU KV link in GB/s (default: the cost file's link)", type=float, metavar="B"
+    )
+    max_num_seqs: int = option(EngineConfig.max_num_seqs, "the most requests one node's step runs", type=int)
+    max_num_batched_tokens: int = option(EngineConfig.max_num_batched_tokens, "tokens one node's step runs", type=int)
+    num_requests: int = option(200, "requests simulated a GPU at each rate tried", type=int)
+    seed: int = option(0, "the simulated workload's seed", type=int)
+    out: str | None = option(None, "also write the answer (Markdown) to this file", metavar="FILE")
+
+    def __post_init__(self) -> None:
+        if self.gpus is not None and self.gpus < 2:
+            raise ValueError(f"--gpus must be at least 2 (one prefill and one decode node), not {self.gpus}")
+        for name in ("slo_ttft", "slo_tpot", "link_gbps"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, not {value}")
+        if min(self.max_num_seqs, self.max_num_batched_tokens) < 1 or self.num_requests < 10:
+            raise ValueError("--max-num-seqs and --max-num-batched-tokens must be at least 1, --num-requests 10")
+
+    def check_given(self) -> None:
+        """What the plan cannot do without (not checked at construction, so that the flags' defaults build)."""
+        missing = [
+            f
+            for f, v in (("--costs", self.costs), ("--slo-ttft", self.slo_ttft), ("--slo-tpot", self.slo_tpot))
+            if v is None
+        ]
+        if missing:
+            raise ValueError(f"pdserve plan needs {', '.join(missing)}")
 
 
 @dataclass(frozen=True)

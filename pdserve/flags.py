@@ -4,12 +4,12 @@ field it sets (pdserve/config.py).
 How to add a flag: add a field to the config it belongs to with `option(default, "help", type=..., ...)`
 (a field of plain `= value` is config only, no flag). Some groups take their dataclass whole, so the flag
 appears at once: an EngineConfig field on every node verb and on `up` (which passes it on to its nodes), a
-RouterConfig field on `pdserve router`, a LaunchConfig field on `up`, a ScaleConfig field on `scale`. Any
-other field is named in the tables below: a NodeConfig field in ENGINE_FLAGS (every node, and `up` passes it
-on) or NODE_FLAGS (the node verbs only); a router flag that `up` should take and pass on in UP_ROUTER_FLAGS.
-The verb's code reads it from the parsed args under the field's name, and `from_args(SomeConfig, args)`
-carries it into the config without a hand-written copy. tests/test_flags.py checks that every flag has help
-and that a verb given no flags builds each config as the dataclass's defaults.
+RouterConfig field on `pdserve router`, a LaunchConfig field on `up`, a ScaleConfig field on `scale`, a
+PlanConfig field on `plan`. Any other field is named in the tables below: a NodeConfig field in ENGINE_FLAGS
+(every node, and `up` passes it on) or NODE_FLAGS (the node verbs only); a router flag that `up` should take and
+pass on in UP_ROUTER_FLAGS. The verb's code reads it from the parsed args under the field's name, and
+`from_args(SomeConfig, args)` carries it into the config without a hand-written copy. tests/test_flags.py checks
+that every flag has help and that a verb given no flags builds each config as the dataclass's defaults.
 
 `to_argv` turns parsed (or given) values back into argv for a child process (`pdserve up` starting its nodes
 and router, the Ray launcher, bench, the tests' stacks). cli.py and launcher.py both import this module; it
@@ -26,7 +26,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.config import EngineConfig, LaunchConfig, LogConfig, NodeConfig, RouterConfig, ScaleConfig
+from pdserve.config import (
+    EngineConfig,
+    LaunchConfig,
+    LogConfig,
+    NodeConfig,
+    PlanConfig,
+    RouterConfig,
+    ScaleConfig,
+)
 from pdserve.wire.params import NODE_ROLES, Role
 
 
@@ -122,6 +130,7 @@ VERB_FLAGS: dict[str, Groups] = {
     },
     Role.ROUTER: (("router", flags_of(RouterConfig)),),
     "scale": (("deployment", flags_of(ScaleConfig)),),
+    "plan": (("plan", flags_of(PlanConfig)),),
 }
 GLOBAL_FLAGS = flags_of(LogConfig)  # before the verb
 

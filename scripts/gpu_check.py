@@ -29,6 +29,11 @@ two GPUs, else both on cuda:0; on the CPU, `--device cpu` and shm where the GPU 
     (seen on the CPU, on a top-k 1 request); the bf16 stack reports its differing seeds.
 (d) KV transfer: the prefill node's transfers (bytes over pull-to-ack time) beside a device-to-device
     copy between the same devices; every request's KV was transferred. Reported, not judged.
+(e) A clean stop, every stack: once the stack is stopped (SIGTERM), the pools its nodes mapped are released (on a
+    GPU, the device's memory that other processes hold is back to what it was before the stack started, within
+    `RELEASE_SLACK_MB`; on the CPU, every pdserve shared-memory segment its processes had mapped is gone), and its
+    log holds no traceback and not torch's cuda_ipc warning "Producer process has been terminated" (a pool freed
+    while another process still mapped it).
 
 Exit code 0 only if every check passes; the JSON report (`--out`) is rewritten after each stack, and
 each stack's log is kept in `--log-dir`.
@@ -64,6 +69,8 @@ SAMPLED_MAX_TOKENS = 16
 FP32_LOGIT_EPS = 1e-3  # fp32: the engine's and HF's logits differ by rounding only
 PROB_EPS = {"float32": 1e-4, "bfloat16": 0.05}  # slack on top-p's cumulative mass
 SETTLE_S = 1.2  # nodes report counters to the router every 0.5 s
+RELEASE_SLACK_MB = 64  # (e): the device's free memory after a stack stops may differ this much from before it
+STOP_WARNINGS = ("Producer process has been terminated", "Traceback (most recent call last)")
 
 
 @dataclass(frozen=True)
@@ -341,7 +348,7 @@ def kv_report(url: str, requests: int, device: str) -> dict:
 
 
 def run_stack(a, plan: StackPlan, ref: Reference, prompts, expected, sampled: list[dict]) -> dict:
-    t0 = time.perf_counter()
+    t0, free_before = time.perf_counter(), free_device_mb(a.device)
     stack, url = start(a, plan)
     try:
         r: dict = {
@@ -364,11 +371,72 @@ def run_stack(a, plan: StackPlan, ref: Reference, prompts, expected, sampled: li
                 sent += len(prompts)
         if plan.mode == "disagg":
             r["kv_transfer"] = kv_report(url, sent, a.device)
+        segments = mapped_segments(descendants(stack.proc.pid))
     finally:
         stack.stop()
+    r["clean_stop"] = check_clean_stop(stack.log_path, segments, a.device, free_before)
     r["seconds"] = time.perf_counter() - t0
     r["pass"] = all(v["pass"] for v in r.values() if isinstance(v, dict))
     return r
+
+
+# ---- (e) a clean stop -----------------------------------------------------------------------------
+
+
+def descendants(pid: int) -> list[int]:
+    """`pid` and every process below it (read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        todo += children.get(p, [])
+    return found
+
+
+def mapped_segments(pids: list[int]) -> set[str]:
+    """The pdserve shared-memory segments (/dev/shm/pdserve-*) these processes map."""
+    names = set()
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        names |= {line.split()[-1] for line in maps.splitlines() if "/dev/shm/pdserve-" in line}
+    return names
+
+
+def free_device_mb(device: str) -> float | None:
+    """The device's memory in MiB that no other process holds: its free memory plus what this process's allocator
+    has reserved (the reference model's logits grow it while a stack runs). None on the CPU."""
+    if not device.startswith("cuda"):
+        return None
+    free, _ = torch.cuda.mem_get_info(torch.device(device))
+    return (free + torch.cuda.memory_reserved(device)) / 2**20
+
+
+def check_clean_stop(log: Path, segments: set[str], device: str, free_before: float | None) -> dict:
+    """(e), after the stack stopped: its pools released, its log free of STOP_WARNINGS."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    warnings = {w: text.count(w) for w in STOP_WARNINGS if w in text}
+    left = sorted(s for s in segments if Path(s).exists())
+    free_after = free_device_mb(device)
+    moved = None if free_before is None or free_after is None else free_before - free_after
+    released = not left and (moved is None or moved <= RELEASE_SLACK_MB)
+    return {
+        "pass": released and not warnings,
+        "segments_mapped": len(segments),
+        "segments_left": left,
+        "device_free_mb_before": free_before,
+        "device_free_mb_after": free_after,
+        "warnings": warnings,
+    }
 
 
 def make_prompts(n: int, vocab: int, seed: int, lo: int, hi: int) -> list[list[int]]:

@@ -9,7 +9,9 @@ interface in backend.py (`KvBackend`).
 - `cuda_ipc`: the same as shm for GPU pools: a CUDA IPC handle of the prefill pool crosses once,
   then the decode node copies blocks device to device. The handle names the GPU by its UUID, so
   the two processes may see different `CUDA_VISIBLE_DEVICES`, and names the owning process, so the
-  decode node can tell when a restarted prefill node's old pool is gone and unmap it.
+  decode node can tell when a restarted prefill node's old pool is gone and unmap it. With the pools on two
+  GPUs (`--prefill-device cuda:0 --decode-device cuda:1`), the blocks go GPU to GPU where the decode GPU can
+  access the prefill GPU as a peer, else through host memory (`copy_route`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import mmap
 import os
 import uuid
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 from multiprocessing import shared_memory
 
 import torch
@@ -164,8 +167,50 @@ class ShmBackend(_SharedPoolBackend):
             self._owned = None
 
 
+COPY_ROUTES = ("same", "peer", "host")  # one GPU; GPU to GPU over peer access; staged through host memory
+
+
+def copy_route(src: int, dst: int, can_access_peer: Callable[[int, int], bool]) -> str:
+    """How the decode GPU `dst` reads blocks of a pool on GPU `src`: "same" (one GPU), "peer" (a direct copy: torch
+    enables peer access for a copy between two GPUs that have it), or "host" (no peer access: the blocks are
+    gathered on the source GPU and staged through host memory). `can_access_peer(dst, src)`: as
+    torch.cuda.can_device_access_peer."""
+    if src == dst:
+        return "same"
+    return "peer" if can_access_peer(dst, src) else "host"
+
+
 class CudaIpcBackend(_SharedPoolBackend):
     name = KvTransport.CUDA_IPC
+
+    def __init__(self) -> None:
+        self.routes: dict[tuple[int, int], str] = {}  # (source GPU, decode GPU) -> copy_route's answer
+
+    def route(self, src: torch.device, dst: torch.device) -> str:
+        key = (src.index, dst.index)
+        if key not in self.routes:
+            self.routes[key] = copy_route(*key, torch.cuda.can_device_access_peer)
+        return self.routes[key]
+
+    def unpack(
+        self,
+        pool: KVPool,
+        dst_blocks: list[int],
+        num_tokens: int,
+        header: KvData,
+        frames: list,
+        source: torch.Tensor | None,
+    ) -> int:
+        """As shm's, except that a pool on another GPU without peer access is read through host memory: the
+        request's blocks gathered on their GPU, copied to the host, then into the decode pool."""
+        bs, n = pool.block_size, blocks_for(num_tokens, pool.block_size)
+        src_blocks = list(header.src_blocks)
+        if source is None or len(src_blocks) != n or self.route(source.device, pool.data.device) != "host":
+            return super().unpack(pool, dst_blocks, num_tokens, header, frames, source)  # (which refuses a mistake)
+        if any(not 0 <= b < KVPool.num_blocks_of(source, bs) for b in src_blocks):
+            raise TransferError("a source block id is outside the prefill pool")
+        staged = torch.cat([source[..., b * bs : (b + 1) * bs, :] for b in src_blocks], dim=-2).cpu()
+        return super().unpack(pool, dst_blocks, num_tokens, replace(header, src_blocks=list(range(n))), [], staged)
 
     def storage(self, layout: KVLayout, num_blocks: int, device: str) -> torch.Tensor:
         self._pool = torch.zeros(KVPool.shape_for(layout, num_blocks), dtype=DTYPES[layout.dtype], device=device)

@@ -17,7 +17,15 @@ from pdserve.kv.faults import FaultInjector
 from pdserve.kv.mock import MockKvBackend
 from pdserve.kv.peers import KvPeer, KvTransfer, TransferState
 from pdserve.kv.pool import KVLayout, KVPool
-from pdserve.kv.transfer import BACKENDS, TransferError, local_device_index, make_backend, process_owner
+from pdserve.kv.transfer import (
+    BACKENDS,
+    CudaIpcBackend,
+    TransferError,
+    copy_route,
+    local_device_index,
+    make_backend,
+    process_owner,
+)
 from pdserve.wire import transport
 from pdserve.wire.messages import KvData
 from tests.helpers import export_tokens, import_tokens
@@ -267,3 +275,32 @@ def test_the_fault_schedule_is_fixed_by_the_seed_whatever_the_damage_draws():
             header = KvData("r", "float32", [2, 1, 16 * (i + 1), 4], layer=0)
             busy.damage("corrupt", [(header, [bytearray(16 * (i + 1) * 4 * 4 * 2)])], 3 + i % 7, 64)
     assert picked == schedule and sum(k is not None for k in schedule) >= 10
+
+
+@pytest.mark.parametrize(
+    ("src", "dst", "peers", "route"),
+    [(0, 0, set(), "same"), (0, 1, {(1, 0)}, "peer"), (0, 1, set(), "host"), (1, 0, {(1, 0)}, "host")],
+)
+def test_two_gpus_copy_peer_to_peer_only_where_the_decode_gpu_has_peer_access(src, dst, peers, route):
+    asked = []
+
+    def can_access_peer(a: int, b: int) -> bool:
+        asked.append((a, b))
+        return (a, b) in peers
+
+    assert copy_route(src, dst, can_access_peer) == route
+    assert asked == ([] if src == dst else [(dst, src)])  # the decode GPU's access to the prefill GPU
+
+
+def test_cuda_ipc_stages_blocks_through_the_host_where_the_gpus_are_no_peers():
+    """The host route's copy, run on CPU pools (the route given, as a GPU pair without peer access would give it)."""
+    backend, src, dst = CudaIpcBackend(), _filled_pool(), KVPool(LAYOUT, 16)
+    cpu = src.data.device
+    backend.routes[(cpu.index, cpu.index)] = "host"
+    header = KvData("r", LAYOUT.dtype, [2, 2, 10, 8], -1, [3, 8, 1])
+    assert backend.unpack(dst, [4, 12, 5], 10, header, [], src.data) == LAYOUT.num_layers
+    assert torch.equal(export_tokens(dst, [4, 12, 5], 10), export_tokens(src, [3, 8, 1], 10))
+    assert backend.route(cpu, cpu) == "host"
+    for blocks, error in (([3, 99, 1], "outside"), ([3, 8], "source blocks")):
+        with pytest.raises(TransferError, match=error):
+            backend.unpack(dst, [4, 12, 5], 10, KvData("r", LAYOUT.dtype, [2, 2, 10, 8], -1, blocks), [], src.data)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -96,6 +97,22 @@ def test_gpu_check_passes_on_the_cpu(tmp_path):
     assert fp32["top_k1_greedy"]["greedy"] == 4
     kv = fp32["kv_transfer"]  # every request shipped its KV, or was sent again and prefilled on the decode node
     assert kv["transfers"] >= 4 and kv["transfers"] + kv["local_prefills"] == kv["requests"] > 4
+    stop = fp32["clean_stop"]  # the prefill pool's shm segment was mapped, and is gone once the stack stopped
+    assert stop["pass"] and stop["segments_mapped"] >= 1 and not stop["segments_left"] and not stop["warnings"]
+
+
+def test_a_clean_stop_is_judged_by_the_segments_left_and_the_log(tmp_path):
+    gc = load_script()
+    log, segment = tmp_path / "stack.log", tmp_path / "pdserve-segment"
+    log.write_text("INFO started\nINFO stopped\n")
+    assert gc.check_clean_stop(log, {str(segment)}, "cpu", None)["pass"]
+    segment.write_bytes(b"")
+    assert gc.check_clean_stop(log, {str(segment)}, "cpu", None)["segments_left"] == [str(segment)]
+    segment.unlink()
+    log.write_text("UserWarning: Producer process has been terminated before all shared CUDA tensors released\n")
+    r = gc.check_clean_stop(log, set(), "cpu", None)
+    assert not r["pass"] and r["warnings"] == {"Producer process has been terminated": 1}
+    assert gc.descendants(os.getpid())[0] == os.getpid()
 
 
 @pytest.mark.gpu
