@@ -6,8 +6,8 @@ A 1P1D stack (`pdserve up --mode disagg`, each node pinned to its own core as `p
 router's /metrics, around the run: the mean hand-off (`pdserve:request_handoff_time_seconds`: the prefill node's
 first token → the decode node's first token) and the mean time per output token
 (`pdserve:request_time_per_output_token_seconds`), and their ratio; from the decode node's counters, the hand-off
-in parts where the KV was copied out of a shared pool (offer received → copy started, the copy, copy done → the
-request's first decode step), each as a mean and against the TPOT.
+in parts where the KV was copied out of a shared pool (offer received → copy started, the copy, the checksums of
+what landed, checked → the request's first decode step), each as a mean and against the TPOT.
 
     python -m bench.handoff --record        # bench/results/<day>-<commit>-handoff.{json,md}
 """
@@ -34,7 +34,8 @@ TPOT = "pdserve:request_time_per_output_token_seconds"
 PARTS = (
     ("handoff_wait_s", "offer received → copy started"),
     ("handoff_copy_s", "the copy"),
-    ("handoff_join_s", "copy done → first decode step"),
+    ("handoff_check_s", "checksums of what landed"),
+    ("handoff_join_s", "copy done and checked → first decode step"),
 )
 
 

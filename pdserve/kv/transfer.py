@@ -75,6 +75,7 @@ class _SharedPoolBackend:
     """Shared by shm and cuda_ipc: the prefill pool is mapped once, transfers copy blocks."""
 
     name = "shared"
+    shared_pool = True
 
     def alive(self, handle: dict) -> bool:
         return True
