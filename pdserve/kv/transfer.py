@@ -193,7 +193,9 @@ class CudaIpcBackend(_SharedPoolBackend):
         }
 
     def sync(self, pool: KVPool) -> None:
-        torch.cuda.synchronize(pool.data.device)  # the pool's device, whichever device is current
+        """Nothing to wait for, and no device-wide synchronize: the blocks a prefill node names were written by steps
+        its engine has finished, whose sampled tokens reached the host queued behind their KV writes on the same
+        stream (docs/handoff-edges.md, "Copies out of a shared pool")."""
 
     def attach(self, handle: dict, layout: KVLayout, device: str) -> torch.Tensor:
         index = local_device_index(str(handle["device_uuid"]), visible_device_uuids())
