@@ -8,6 +8,14 @@ Floors: raw ZeroMQ loopback (the same bytes as pre-built frames, tcp and ipc) an
 pinned to its own core, as in serving.
 
     python -m bench.kv_bandwidth --tokens 2048 --repeats 10
+
+`--shared-copy` measures instead the decode node's copy out of a shared pool as it serves (kv/copier.py: the
+copier's thread, one batched copy a request, on a GPU its own stream and event) between two processes: an owner
+process holds the pool (cuda_ipc on a GPU, shm on the CPU) and the measuring process maps it and copies one request's
+scattered blocks, against a plain device copy of the same bytes (read once, written once). On a GPU with the real
+model's layout (qwen3-0.6b, bf16: 112 KiB a token), for the GPU kit as a stage that writes JSON:
+
+    python -m bench.kv_bandwidth --shared-copy --device cuda --layout qwen3-0.6b --tokens 1024 --out DIR/kv_copy
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import torch
 import zmq
 
 from pdserve.kv.block_allocator import BlockAllocator, blocks_for
+from pdserve.kv.copier import BlockCopier, Copy
 from pdserve.kv.pool import KVLayout, KVPool
 from pdserve.kv.transfer import make_backend
 from pdserve.wire import transport
@@ -34,6 +43,12 @@ from pdserve.wire.messages import PROTOCOL_VERSION, Abort, Hello, KvAck, KvHello
 # the `small` built-in's KV layout: 8 layers, 4 KV heads, head dim 64, fp32 -> 16 KiB per token
 LAYOUT = KVLayout(8, 4, 64, 16, "float32", "bench")
 PLACEMENTS = ("consecutive", "scattered")
+# --shared-copy layouts: qwen3-0.6b is Qwen3-0.6B's KV in bf16 (28 layers, 8 KV heads, head dim 128: 112 KiB a token)
+LAYOUTS = {
+    "small": LAYOUT,
+    "qwen3-0.6b": KVLayout(28, 8, 128, 16, "bfloat16", "bench"),
+    "tiny": KVLayout(2, 2, 8, 4, "float32", "bench"),
+}
 
 
 def _blocks(num_blocks: int, n: int, seed: int, placement: str) -> list[int]:
@@ -229,12 +244,108 @@ def to_markdown(r: dict) -> str:
     return head + "\n\n" + "\n".join(rows)
 
 
+# ---- the decode node's copy out of a shared pool ------------------------------------------------------------
+
+
+def _pool_owner(conn, backend_name: str, layout: KVLayout, num_blocks: int, device: str) -> None:
+    """A prefill-like process: a shared pool of known values; its handle goes to the parent, which it outlives."""
+    backend = make_backend(backend_name)
+    pool = KVPool(layout, num_blocks, data=backend.storage(layout, num_blocks, device))
+    pool.data.copy_(torch.randn(pool.data.shape, dtype=torch.float32).to(pool.data.dtype))
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)  # (set-up only: the pool is written once, before its handle goes)
+    conn.send(backend.handle())
+    conn.recv()
+    backend.close()
+
+
+def measure_shared_copy(device: str, layout_name: str, tokens: int, repeats: int) -> dict:
+    """One request's copy out of another process's pool by the copier, against a device copy of the same bytes."""
+    layout = LAYOUTS[layout_name]
+    name = "cuda_ipc" if device.startswith("cuda") else "shm"
+    n = blocks_for(tokens, layout.block_size)
+    num_blocks = 4 * n
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    owner = ctx.Process(target=_pool_owner, args=(child, name, layout, num_blocks, device))
+    owner.start()
+    zctx = zmq.Context()
+    try:
+        if not parent.poll(300):
+            raise RuntimeError("the pool owner process sent no handle")
+        source = make_backend(name).attach(parent.recv(), layout, device)
+        dst = KVPool(layout, num_blocks, device=device)
+        src_blocks, dst_blocks = _blocks(num_blocks, n, 1, "scattered"), _blocks(num_blocks, n, 2, "scattered")
+        copier = BlockCopier(zctx, device)
+        copy_s = []
+        for i in range(repeats + 1):
+            copier.submit(Copy(f"r{i}", lambda: dst.copy_blocks_from(source, src_blocks, dst_blocks), list))
+            [done] = copier.wait_all()
+            if done.error is not None:
+                raise done.error
+            copy_s.append(done.copied - done.started)
+        copier.close()
+        nbytes = n * layout.block_size * layout.bytes_per_token()
+        device_s = _device_copy_s(nbytes, device, repeats)
+        source = None  # unmapped before its owner goes
+    finally:
+        parent.send("done")
+        owner.join(timeout=60)
+        zctx.destroy(linger=0)
+    best = min(copy_s[1:])
+    return {
+        "device": device,
+        "layout": layout_name,
+        "transport": name,
+        "tokens": tokens,
+        "bytes": nbytes,
+        "bytes_per_token": layout.bytes_per_token(),
+        "copy_s": best,
+        "copy_GBps": nbytes / best / 1e9,
+        "device_copy_s": device_s,
+        "device_copy_GBps": nbytes / device_s / 1e9,
+        "copy_vs_device_copy": device_s / best,
+    }
+
+
+def _device_copy_s(nbytes: int, device: str, repeats: int) -> float:
+    """The best time of a plain copy of `nbytes` on `device` (read once, written once), timed as the copier's."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return min(times[1:])
+
+
+def shared_copy_markdown(r: dict) -> str:
+    return (
+        f"{r['tokens']} tokens of `{r['layout']}` ({r['bytes'] / 2**20:.1f} MiB, scattered blocks) copied by the "
+        f"decode node's copier out of another process's pool over {r['transport']} on {r['device']}: "
+        f"{r['copy_s'] * 1e3:.3f} ms ({r['copy_GBps']:.1f} GB/s) against a device copy of the same bytes "
+        f"{r['device_copy_s'] * 1e3:.3f} ms ({r['device_copy_GBps']:.1f} GB/s): {r['copy_vs_device_copy']:.0%} of it."
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--out", default="bench/runs/kv_bandwidth")
+    ap.add_argument("--shared-copy", action="store_true", help="the decode node's copy out of a shared pool")
+    ap.add_argument("--device", default="cpu", help="--shared-copy: cpu (shm) or cuda[:i] (cuda_ipc)")
+    ap.add_argument("--layout", default="small", choices=sorted(LAYOUTS), help="--shared-copy: the KV layout")
     a = ap.parse_args()
+    if a.shared_copy:
+        result = measure_shared_copy(a.device, a.layout, a.tokens, a.repeats)
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out + ".json").write_text(json.dumps(result, indent=2))
+        print(shared_copy_markdown(result))
+        return
     result = run(a.tokens, a.repeats)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out + ".json").write_text(json.dumps(result, indent=2))

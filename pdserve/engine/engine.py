@@ -137,13 +137,15 @@ class Engine:
         blocks, num_tokens = self.prompt_kv(req, self.first_block_to_pull(req))
         return backend.unpack(self.pool, blocks, num_tokens, header, frames, source)
 
-    def kv_landed(self, req: Request, backend: KvBackend, checksums: list[int]) -> str:
+    def kv_landed(self, req: Request, backend: KvBackend, checksums: list[int], got: list[int] | None = None) -> str:
         """Every layer is in: once the copies have read the sender's memory, the KV is checked against the sender's
         per-layer `checksums` of what it sent ([]: none to check). If it matches, the request joins the queue and ""
         is returned; else why not, and the request stays RECEIVING_KV (then `kv_lost` or `abort`): never decoded
-        from."""
-        backend.wait_landed(self.pool)
-        why = checksum_mismatch(self.kv_checksums(req, self.first_block_to_pull(req)), checksums) if checksums else ""
+        from. `got`: the checksums of what landed, taken by a copy that is done (see kv/copier.py)."""
+        if got is None:
+            backend.wait_landed(self.pool)
+            got = self.kv_checksums(req, self.first_block_to_pull(req)) if checksums else []
+        why = checksum_mismatch(got, checksums) if checksums else ""
         if not why:
             self.scheduler.kv_landed(req)
         return why
@@ -156,6 +158,12 @@ class Engine:
         """A CRC-32 per layer of a request's prompt KV from block `first_block` on, as it lies in the pool ([] for a
         pool off the CPU)."""
         return self.pool.checksums(*self.prompt_kv(req, first_block))
+
+    def copied_checksums(self, req: Request, prefix: tuple[Any, list[int]]) -> list[int]:
+        """kv_checksums of a request whose KV from its first block to pull on was copied here, its blocks before (those
+        of our prefix cache) as another pool holds them (`prefix`: that pool's storage, its block ids)."""
+        copied = self.prompt_kv(req, self.first_block_to_pull(req))[0]
+        return self.pool.checksums_after(prefix, copied, len(req.prompt_token_ids))
 
     def kv_lost(self, req: Request) -> None:
         """A RECEIVING_KV request whose KV was lost or damaged: it waits to recompute its prompt here."""

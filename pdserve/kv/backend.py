@@ -36,6 +36,7 @@ class TransferError(ValueError):
 @runtime_checkable
 class KvBackend(Protocol):
     name: str  # the transport, as --kv-transport and the pairing name it
+    shared_pool: bool  # the decode node copies blocks out of the prefill pool (shm, cuda_ipc): offers name them
 
     def storage(self, layout: KVLayout, num_blocks: int, device: str) -> Any | None:
         """The prefill pool's storage tensor (shared where the backend shares it), or None for an ordinary one."""
@@ -71,6 +72,8 @@ class KvBackend(Protocol):
 
 class NoSharedPool:
     """The pairing side of a backend that maps nothing: the prefill pool is an ordinary tensor, its handle empty."""
+
+    shared_pool = False
 
     def storage(self, layout: KVLayout, num_blocks: int, device: str) -> None:
         return None

@@ -2,11 +2,12 @@
 
 A prefill node with a fault rate damages that share of its transfers on the real path of whichever
 backend carries them, after the backend packed them and before they reach the socket:
-- drop: one message never goes (zmq: one layer; shm: the whole transfer);
-- delay: the transfer goes DELAY_S late;
-- truncate: one message loses data (zmq: half a layer's frame; shm: the last source block id);
-- corrupt: one message's data is wrong (zmq: one byte of a layer's real rows flipped; shm: one source
-  block id names another block of the pool).
+- drop: one message never goes (zmq: one layer; a shared pool: the offer's block ids, so that the decode node
+  pulls them as over zmq);
+- delay: the transfer goes DELAY_S late (a shared pool: the whole offer);
+- truncate: one message loses data (zmq: half a layer's frame; a shared pool: the offer's last source block id);
+- corrupt: one message's data is wrong (zmq: one byte of a layer's real rows flipped; a shared pool: one of the
+  offer's source block ids names another block of the pool).
 The decode node must notice each (a missing layer by its wait for the KV, a wrong size by the backend,
 wrong data by the per-layer checksums of the offer) and never decode from such KV. Torch-free.
 """

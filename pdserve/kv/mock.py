@@ -20,6 +20,8 @@ from pdserve.wire.messages import KvData
 
 
 class MockKvBackend(NoSharedPool):
+    """(Never a shared pool: a mock node's offers are pulled, whatever the transport.)"""
+
     def __init__(self, name: str, header_only: bool) -> None:
         self.name, self.header_only = name, header_only
         self._zeros = memoryview(b"")

@@ -15,7 +15,7 @@ import zlib
 
 import torch
 
-from pdserve.kv.block_allocator import BlockAllocator, blocks_for
+from pdserve.kv.block_allocator import BlockAllocator
 from pdserve.kv.layout import KVLayout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -81,21 +81,55 @@ class KVPool:
         blocks hold them: two pools agree exactly when the request's KV is the same. [] for a pool off the CPU."""
         if self.data.device.type != "cpu":
             return []
-        runs = _token_runs(block_ids, self.block_size, num_tokens)
-        sums = []
-        for layer in self.data.view(torch.uint8):  # [2, nkv, S, d * itemsize]
-            crc = 0
-            for rows in layer.flatten(0, 1):  # [S, d], one K or V head
-                for start, n in runs:
-                    crc = zlib.crc32(rows[start : start + n].numpy(), crc)
-            sums.append(crc)
-        return sums
+        return kv_checksums([(self.data, block_ids)], self.block_size, num_tokens)
+
+    def checksums_after(
+        self, prefix: tuple[torch.Tensor, list[int]], block_ids: list[int], num_tokens: int
+    ) -> list[int]:
+        """As `checksums`, of tokens whose first whole blocks lie in another pool's storage (`prefix`: storage, block
+        ids) and the rest in `block_ids` here. [] for a pool off the CPU."""
+        if self.data.device.type != "cpu":
+            return []
+        return kv_checksums([prefix, (self.data, block_ids)], self.block_size, num_tokens)
 
     def copy_blocks_from(self, src: torch.Tensor, src_blocks: list[int], dst_blocks: list[int]) -> None:
-        """Copy whole blocks out of another pool's storage `src` (same layout), one slice per run."""
+        """Copy whole blocks out of another pool's storage `src` (same layout), every layer at once: one slice copy
+        when both sides are runs of consecutive blocks, else one gather and one scatter of their slots."""
         bs = self.block_size
-        for s, d, n in _runs(src_blocks, dst_blocks):
-            self.data[..., d * bs : (d + n) * bs, :].copy_(src[..., s * bs : (s + n) * bs, :])
+        if is_run(src_blocks) and is_run(dst_blocks):
+            s, d, n = src_blocks[0], dst_blocks[0], len(src_blocks)
+            self.data[..., d * bs : (d + n) * bs, :].copy_(src[..., s * bs : (s + n) * bs, :], non_blocking=True)
+            return
+        n = len(src_blocks) * bs
+        src_slots = _to_device(self.slots(src_blocks, 0, n), src.device)  # [n]
+        dst_slots = _to_device(self.slots(dst_blocks, 0, n), self.data.device)  # [n]
+        rows = src.index_select(3, src_slots).to(self.data.device, non_blocking=True)  # [L, 2, nkv, n, d]
+        self.data.index_copy_(3, dst_slots, rows)
+
+
+def kv_checksums(parts: list[tuple[torch.Tensor, list[int]]], block_size: int, num_tokens: int) -> list[int]:
+    """A CRC-32 per layer of the KV of tokens 0..num_tokens-1 held by `parts`, (pool storage, block ids) in token
+    order, each but the last holding whole blocks (a decode node's cached prefix as the prefill pool holds it, the
+    rest in its own pool, say): as `KVPool.checksums` of one pool holding them all. The KV is gathered once into
+    [L, 2, nkv, n, d], whose layers are each one run of bytes in that order: one CRC call a layer."""
+    pieces, left = [], num_tokens
+    for data, blocks in parts:
+        n = min(left, len(blocks) * block_size)
+        if n:
+            pieces.append(_gather(data, blocks, block_size, n))  # [L, 2, nkv, n, d]
+        left -= n
+    kv = torch.cat(pieces, dim=3) if len(pieces) > 1 else pieces[0]  # [L, 2, nkv, num_tokens, d]
+    return [zlib.crc32(layer.view(torch.uint8).numpy()) for layer in kv]
+
+
+def _gather(data: torch.Tensor, blocks: list[int], block_size: int, n: int) -> torch.Tensor:
+    """The first `n` token slots of `blocks` in pool storage `data`, contiguous: [L, 2, nkv, n, d]."""
+    if is_run(blocks):
+        first = blocks[0] * block_size
+        return data[:, :, :, first : first + n].contiguous()
+    pos = torch.arange(n)
+    slots = torch.tensor(blocks, dtype=torch.long)[pos // block_size] * block_size + pos % block_size
+    return data.index_select(3, slots)
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -111,26 +145,3 @@ def is_run(block_ids: list[int]) -> bool:
         and block_ids[-1] - block_ids[0] == len(block_ids) - 1
         and all(b - a == 1 for a, b in zip(block_ids, block_ids[1:], strict=False))
     )
-
-
-def _token_runs(block_ids: list[int], block_size: int, num_tokens: int) -> list[tuple[int, int]]:
-    """(first slot, length) of the pool runs holding tokens 0..num_tokens-1, in token order."""
-    runs: list[tuple[int, int]] = []
-    for i, block in enumerate(block_ids[: blocks_for(num_tokens, block_size)]):
-        start, n = block * block_size, min(block_size, num_tokens - i * block_size)
-        if runs and runs[-1][0] + runs[-1][1] == start:
-            runs[-1] = (runs[-1][0], runs[-1][1] + n)
-        else:
-            runs.append((start, n))
-    return runs
-
-
-def _runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
-    """Merge (src, dst) block pairs into runs that are consecutive on both sides."""
-    runs: list[tuple[int, int, int]] = []
-    for s, d in zip(src, dst, strict=True):
-        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((s, d, 1))
-    return runs

@@ -78,6 +78,7 @@ class _SharedPoolBackend:
     """Shared by shm and cuda_ipc: the prefill pool is mapped once, transfers copy blocks."""
 
     name = "shared"
+    shared_pool = True
 
     def alive(self, handle: dict) -> bool:
         return True
@@ -237,7 +238,9 @@ class CudaIpcBackend(_SharedPoolBackend):
         }
 
     def sync(self, pool: KVPool) -> None:
-        torch.cuda.synchronize(pool.data.device)  # the pool's device, whichever device is current
+        """Nothing to wait for, and no device-wide synchronize: the blocks a prefill node names were written by steps
+        its engine has finished, whose sampled tokens reached the host queued behind their KV writes on the same
+        stream (docs/handoff-edges.md, "Copies out of a shared pool")."""
 
     def attach(self, handle: dict, layout: KVLayout, device: str) -> torch.Tensor:
         index = local_device_index(str(handle["device_uuid"]), visible_device_uuids())

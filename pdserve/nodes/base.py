@@ -26,6 +26,7 @@ import logging
 import os
 import signal
 import time
+from collections import deque
 
 import zmq
 
@@ -110,6 +111,7 @@ class NodeBase:
         self.routers: dict[bytes, None] = {}  # the routing ids of the routers that said Hello, the latest last
         self.counters = {"requests": 0, "tokens_out": 0, "steps": 0, "step_time_s": 0.0, "busy_time_s": 0.0}
         self.held: list[TokenOutput] = []  # a step's outputs, not published yet
+        self.launches: deque[tuple[float, float]] = deque(maxlen=64)  # (start, end) of the latest steps' launch()
         self._next_stats = 0.0
         self._stop = False
         self._drain_announced = False
@@ -203,6 +205,8 @@ class NodeBase:
     def loop_once(self) -> None:
         t0 = time.perf_counter()
         step = self.engine.launch()  # on a GPU: returns while the device computes it
+        if step is not None:  # (on the CPU the step's whole computation)
+            self.launches.append((t0, time.perf_counter()))
         self.flush()  # the previous step's tokens, held back (GPU) to go out while this one computes
         idle = step is None and not (self.engine.has_work() or self.engine.in_flight or self.busy())
         ready = self.poller.poll(50 if idle else 0)

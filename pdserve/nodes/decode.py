@@ -20,6 +20,15 @@ A request's life here (the engine owns the request, its queue and its blocks; th
    lease of the pull is never decoded from: by --kv-failure the request recomputes its prompt here
    (`engine.kv_lost`: WAITING, computed up to its first block not shared from the prefix cache, whose
    blocks keep their KV; the prefill node gets a KvAck all the same), or it is refused, which fails it with the reason.
+   Over a shared pool (shm, cuda_ipc) there is no pull: the offer names the prompt's blocks in the prefill pool and
+   their checksums, and once the scheduler has reserved blocks here the copier's thread copies them (one batched
+   copy; on a GPU on its own stream, waited for by its event) while the node's steps go on; when it is done the loop
+   is woken, the landed KV is checked (`engine.kv_landed`) and the KvAck goes: only then does the prefill node free
+   its blocks. A request aborted while its copy runs is dropped when the copy is done (its blocks are not given to
+   another request before). Counters: kv_copies, kv_copies_overlapped (copies that ran while a step did), and the
+   hand-off in parts, summed over the copies whose request has decoded here (handoff_copies): handoff_wait_s (offer
+   taken → copy started), handoff_copy_s, handoff_check_s (the checksums of what landed), handoff_join_s (checked →
+   the end of the request's first step here).
 4. WAITING with its KV in place (num_computed_tokens = prompt length, the first token as output),
    the router told so (an event without tokens), admitted at the next iteration; RUNNING: one token
    an iteration, streamed to the router.
@@ -30,6 +39,7 @@ A request's life here (the engine owns the request, its queue and its blocks; th
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import OrderedDict
@@ -37,8 +47,10 @@ from collections import OrderedDict
 import zmq
 
 from pdserve.config import NodeConfig
+from pdserve.engine.engine import TokenOutput
 from pdserve.engine.request import Request, Status
 from pdserve.kv.backend import TransferError
+from pdserve.kv.copier import BlockCopier, Copy
 from pdserve.kv.peers import KvPeer, KvTransfer, TransferState, choose_transport
 from pdserve.nodes.base import NodeBase, kv_backends
 from pdserve.wire import transport
@@ -60,6 +72,10 @@ from pdserve.wire.params import ErrorCode, Role
 log = logging.getLogger("pdserve.decode")
 REMEMBER_ABORTS = 4096
 WAITING_NOTICE_S = 0.25
+KEEP_COPIES = 64
+# kv_copies: copies out of a shared pool done; kv_copies_overlapped: of those, the ones that ran while a step ran;
+# handoff_copies: copies whose request has decoded its first token here (handoff_*_s count their parts)
+HANDOFF_COUNTERS = ("kv_copies", "kv_copies_overlapped", "handoff_copies")
 
 
 PrefillPeer = KvPeer[bytes]  # linked by the routing id of its connection to our KV socket
@@ -83,6 +99,12 @@ class DecodeNode(NodeBase):
         self.counters.update(
             kv_offers=0, kv_received=0, kv_refused=0, kv_bad=0, kv_recomputed=0, local_prefill_requests=0
         )
+        self.counters.update(dict.fromkeys(HANDOFF_COUNTERS, 0))
+        self.counters.update(handoff_wait_s=0.0, handoff_copy_s=0.0, handoff_check_s=0.0, handoff_join_s=0.0)
+        self.copier = BlockCopier(self.ctx, cfg.engine.device)
+        self.poller.register(self.copier.wake, zmq.POLLIN)
+        self.copies: list[Copy] = []  # the latest copies taken, newest last (for tests and logs)
+        self.joining: dict[str, float] = {}  # copied, not decoded yet: time.perf_counter() of the copy's end
         self._next_notice = 0.0
 
     def ready_info(self) -> dict:
@@ -92,7 +114,7 @@ class DecodeNode(NodeBase):
         return f"{super().ready_words()}, KV from prefill nodes at {self.kv_addr} ({self.cfg.kv_transport})"
 
     def busy(self) -> bool:
-        return bool(self.incoming)
+        return bool(self.incoming) and not all(i.copying for i in self.incoming.values())  # a copy's end wakes us
 
     def num_held(self) -> int:
         return super().num_held() + len(self.incoming)
@@ -101,15 +123,24 @@ class DecodeNode(NodeBase):
         return super().holds_work() or bool(self.incoming)
 
     def fail_all(self, why: str) -> None:
+        self.copier.wait_all()  # no copy may write a block freed below
         for rid, inc in list(self.incoming.items()):  # the engine holds these too: super() ends them
             del self.incoming[rid]
             self._refuse(inc.peer.link, rid, why, ErrorCode.DRAINING)
         super().fail_all(why)
 
     def close(self) -> None:
+        if hasattr(self, "copier"):  # (a node that could not bind closes before it has one)
+            self.copier.close()
         for backend in self.backends.values():
             backend.close()
         super().close()
+
+    def drain(self, sock: zmq.Socket) -> None:
+        if sock is self.copier.wake:
+            self._copies_done()
+        else:
+            super().drain(sock)
 
     # ---- from prefill nodes --------------------------------------------------------------------
     def handle_kv(self, identity: bytes, msg, frames: list) -> None:
@@ -189,7 +220,9 @@ class DecodeNode(NodeBase):
         except ValueError as e:  # a grammar this node cannot use
             self._refuse(peer.link, rid, str(e), ErrorCode.INVALID_REQUEST)
             return
-        self.incoming[rid] = Incoming(req, peer)
+        inc = self.incoming[rid] = Incoming(req, peer)
+        if offer.kv is not None and peer.backend.shared_pool:  # copied once blocks are reserved, never pulled
+            inc.offered, inc.offered_at = offer.kv, time.perf_counter()
 
     def _on_data(self, peer: PrefillPeer, header: KvData, frames: list) -> None:
         inc = self.incoming.get(header.request_id)
@@ -254,9 +287,76 @@ class DecodeNode(NodeBase):
                 self.aborted.popitem(last=False)
 
     def _forget(self, request_id: str) -> bool:
-        """Drop a request wherever it is here; True if it was here."""
+        """Drop a request wherever it is here; True if it was here. One whose copy runs is dropped once it is done
+        (its blocks must not be given to another request while the copy writes them)."""
+        inc = self.incoming.get(request_id)
+        if inc is not None and inc.copying:
+            inc.cancelled = True
+            return True
         self.incoming.pop(request_id, None)
+        self.joining.pop(request_id, None)
         return self.engine.abort(request_id) is not None
+
+    # ---- copies out of a shared pool -----------------------------------------------------------
+    def _start_copy(self, inc: Incoming) -> None:
+        """Copy a request's offered blocks into those just reserved for it, on the copier's thread (beside the
+        steps); the blocks it holds from the prefix cache are not copied."""
+        req, engine, first = inc.request, self.engine, inc.first_block
+        src = list(inc.offered.src_blocks)
+        header = dataclasses.replace(inc.offered, src_blocks=src[first:])
+        prefix = (inc.peer.source, src[:first])  # the prompt's cached blocks, checked as the sender holds them
+
+        def run() -> int:
+            return engine.receive_kv(req, inc.peer.backend, header, [], inc.peer.source)
+
+        def check() -> list[int]:
+            return engine.copied_checksums(req, prefix) if header.kv_checksums else []
+
+        inc.copying = True
+        self.copier.submit(Copy(req.request_id, run, check))
+
+    def _copies_done(self) -> None:
+        for copy in self.copier.take():
+            self._copy_done(copy)
+
+    def _copy_done(self, copy: Copy) -> None:
+        self.copies = [*self.copies[-KEEP_COPIES + 1 :], copy]
+        inc = self.incoming.get(copy.key)
+        if inc is None:
+            return
+        inc.copying = False
+        if inc.cancelled:
+            self._forget(copy.key)
+            return
+        self.counters["kv_copies"] += 1
+        self.counters["kv_copies_overlapped"] += self._overlapped(copy)
+        if copy.error is not None:
+            self._kv_failed(inc, f"bad KV: {copy.error}")
+            return
+        why = self.engine.kv_landed(inc.request, inc.peer.backend, list(inc.offered.kv_checksums), copy.checksums)
+        if why:
+            self._kv_failed(inc, why)
+            return
+        del self.incoming[copy.key]
+        self.counters["kv_received"] += 1
+        self.counters["handoff_wait_s"] += copy.started - inc.offered_at
+        self.counters["handoff_copy_s"] += copy.copied - copy.started
+        self.counters["handoff_check_s"] += copy.done - copy.copied
+        self.joining[copy.key] = copy.done
+        self._let_prefill_go(inc, KvAck(copy.key, True, first_block=inc.first_block))  # the copy is done
+
+    def _overlapped(self, copy: Copy) -> bool:
+        """Whether a step's launch (on the CPU: its computation) ran while the copy did."""
+        return any(start < copy.done and end > copy.started for start, end in self.launches)
+
+    def on_outputs(self, outputs: list[TokenOutput]) -> None:
+        now = time.perf_counter()
+        for o in outputs:
+            done = self.joining.pop(o.request.request_id, None)
+            if done is not None:  # its first step here: the hand-off's last part
+                self.counters["handoff_join_s"] += now - done
+                self.counters["handoff_copies"] += 1
+        super().on_outputs(outputs)
 
     # ---- chores --------------------------------------------------------------------------------
     def tick(self) -> None:
@@ -265,9 +365,12 @@ class DecodeNode(NodeBase):
         for req in self.engine.reserve_remote():
             inc = self.incoming[req.request_id]
             inc.pulled(self.engine.first_block_to_pull(req))
-            transport.send(self.kv_sock, KvPull(req.request_id, inc.first_block), identity=inc.peer.link)
+            if inc.offered is not None:
+                self._start_copy(inc)
+            else:
+                transport.send(self.kv_sock, KvPull(req.request_id, inc.first_block), identity=inc.peer.link)
         wait = self.cfg.kv_lease_s / 2  # well before the prefill node's lease on the KV runs out
-        pulled = [i for i in self.incoming.values() if i.state is TransferState.PULLED]
+        pulled = [i for i in self.incoming.values() if i.state is TransferState.PULLED and not i.copying]
         for inc in [i for i in pulled if now - i.pulled_at > wait]:
             self._kv_failed(inc, f"not all of its KV arrived within {wait:g}s of the pull")
         if now >= self._next_notice:

@@ -17,6 +17,12 @@ A request's life here:
    `--kv-fault-rate` damages a share of the transfers on purpose (kv/faults.py), for tests and
    drills; a decode node that recomputes a damaged request's KV acknowledges it all the same (with the
    reason), and our copy is freed.
+   Over a shared pool (shm, cuda_ipc) there is no pull: the offer names the prompt's blocks in our pool, with the
+   checksums of their KV, and the decode node copies them as soon as it has reserved its own, beside its steps; its
+   KvAck says the copy is done, and only then are our blocks freed (docs/handoff-edges.md, "Copies out of a shared
+   pool"). The offer goes after the step that wrote the last of those blocks has finished (`Engine.finish` waited
+   for its sampled token, queued behind its KV writes), so the decode node never reads a block before our writes
+   to it are complete.
 5. An Abort from the router at any point frees the KV and cancels the transfer on the decode node.
 """
 
@@ -154,7 +160,25 @@ class PrefillNode(NodeBase):
         offer = KvOffer(
             req.request_id, req.prompt_token_ids, req.output_token_ids[0], req.params, len(req.prompt_token_ids)
         )
-        transport.send(t.peer.link.sock, offer)
+        if t.peer.backend.shared_pool:  # the decode node copies the blocks itself once it has reserved its own
+            t.pulled_at = t.started
+            offer = self._with_blocks(offer, t)
+        if offer is not None:
+            transport.send(t.peer.link.sock, offer)
+
+    def _with_blocks(self, offer: KvOffer, t: Transfer) -> KvOffer | None:
+        """The offer naming the prompt's blocks in our shared pool, with the checksums of their KV (a fault injected
+        may damage them, drop them, so that the decode node pulls, or delay the whole offer: then None). Our copy of
+        the blocks stays as it is until the decode node's KvAck says its copy is done."""
+        req = t.request
+        messages = list(self._with_checksums(self.engine.send_kv(req, t.peer.backend), req, 0))
+        kind = self.faults.pick()
+        if kind == "delay":
+            self._inject(kind, req.request_id, [(dataclasses.replace(offer, kv=messages[0][0]), [])], 0)
+            return None
+        if kind is not None:
+            messages = self._inject(kind, req.request_id, messages, len(req.prompt_token_ids))
+        return dataclasses.replace(offer, kv=messages[0][0] if messages else None)
 
     def _queued(self, peer: DecodePeer) -> list[Transfer]:
         """The transfers whose offer waits for the pairing with `peer`, oldest first."""
@@ -169,6 +193,9 @@ class PrefillNode(NodeBase):
         elif isinstance(msg, KvAck):
             t = self.transfers.get(msg.request_id)
             if t is not None:
+                if msg.ok and t.state is TransferState.OFFERED:  # copied out of our shared pool, never pulled
+                    t.move(TransferState.PULLED)
+                    t.first_block = msg.first_block
                 self._end_transfer(t, msg.ok, msg.reason, msg.error_code or ErrorCode.KV_TRANSFER_FAILED)
         elif isinstance(msg, KvWaiting):
             now = time.monotonic()

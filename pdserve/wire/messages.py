@@ -16,7 +16,9 @@ from pdserve.wire.params import MAX_LOGPROBS, ErrorCode, FinishReason, Id, Role,
 # 7: partial KV transfers (KvPull.first_block), the checksums travel with the KV (KvData.kv_checksums, not KvOffer),
 #    prefix cache events in Stats (cache_stored, cache_evicted, cache_reset)
 # 8: plain token events travel flat in TokenEvents.tokens
-PROTOCOL_VERSION = 8
+# 9: a shared pool's transfer is never pulled: the offer carries the prompt's source blocks and checksums
+#    (KvOffer.kv), the decode node copies them at once and its KvAck says from which block (KvAck.first_block)
+PROTOCOL_VERSION = 9
 
 
 # ---- router <-> node ---------------------------------------------------------------------------
@@ -191,13 +193,16 @@ class KvHello:
 
 @dataclass(frozen=True)
 class KvOffer:
-    """Prefill -> decode: a request whose prompt KV is ready; the decode node reserves blocks first."""
+    """Prefill -> decode: a request whose prompt KV is ready; the decode node reserves blocks first. Over a shared
+    pool (shm, cuda_ipc) `kv` names the prompt's blocks there, with the checksums of their KV: the decode node copies
+    them once its blocks are reserved, with no pull; None: it pulls (zmq)."""
 
     request_id: str
     prompt_token_ids: list[Id]
     first_token_id: Id
     params: SamplingParams
     num_tokens: Id  # tokens whose KV is shipped (the prompt)
+    kv: KvData | None = None
 
 
 @dataclass(frozen=True)
@@ -224,12 +229,14 @@ class KvData:
 
 @dataclass(frozen=True)
 class KvAck:
-    """Decode -> prefill: KV landed (ok) or was refused; either way the prefill node frees its copy."""
+    """Decode -> prefill: KV landed (ok) or was refused; either way the prefill node frees its copy. Over a shared
+    pool it goes once the decode node's copy is done (never before: the prefill node then frees the source blocks)."""
 
     request_id: str
     ok: bool
     reason: str = ""
     error_code: ErrorCode | None = None  # why it was refused (None when ok)
+    first_block: Id = 0  # a copy out of a shared pool: the first prompt block copied (those before were cached)
 
 
 @dataclass(frozen=True)

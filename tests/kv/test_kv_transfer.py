@@ -200,7 +200,7 @@ def _cuda_ipc_owner(conn, layout: KVLayout, num_blocks: int) -> None:
     backend = make_backend("cuda_ipc")
     pool = KVPool(layout, num_blocks, data=backend.storage(layout, num_blocks, "cuda:0"))
     pool.data.copy_(torch.arange(pool.data.numel(), dtype=torch.float32).view(pool.data.shape))
-    backend.sync(pool)
+    torch.cuda.synchronize()  # written before the handle goes (a prefill node's steps are finished before it offers)
     conn.send(backend.handle())
     conn.recv()  # keep the pool until the parent is done with it
 

@@ -1,0 +1,126 @@
+"""A shared pool's hand-off in-process: a prefill node and a decode node over shm, their loops driven by hand, the
+decode node's steps slowed. The offer names the prompt's blocks; the decode node copies them on its copier thread
+while a step runs (its recorded copy and step times overlap), the request then joins the batch through the engine's
+usual admission, and the prefill node frees its blocks only once the decode node's KvAck says the copy is done."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from pdserve.config import EngineConfig, NodeConfig
+from pdserve.engine.request import Status
+from pdserve.kv.layout import KVLayout
+from pdserve.kv.pool import KVPool, kv_checksums
+from pdserve.kv.transfer import ShmBackend
+from pdserve.nodes.decode import DecodeNode
+from pdserve.nodes.prefill import PrefillNode
+from pdserve.wire.messages import Generate, KvAck, KvOffer
+from pdserve.wire.params import SamplingParams
+from tests.helpers import export_tokens
+from tests.nodes.test_node_states import PROMPT, FakeRouter
+
+SLOW_STEP_S = 0.2  # a decode step's extra time
+SLOW_COPY_S = 0.1  # a copy's (as a large prompt's would take): it outlasts the prefill node's turn in the loop below
+MAX_LOOPS = 400
+
+
+@pytest.fixture
+def nodes(tiny_models):
+    engine = EngineConfig(model=str(tiny_models["qwen3"]), num_kv_blocks=32)
+    prefill = PrefillNode(NodeConfig("prefill", engine, kv_transport="shm", kv_lease_s=60.0))
+    decode = DecodeNode(NodeConfig("decode", engine, kv_transport="shm"))
+    yield prefill, decode
+    decode.close()
+    prefill.close()
+
+
+def _slowed(obj, name: str, delay_s: float, monkeypatch) -> None:
+    real = getattr(obj, name)
+
+    def slow(*args, **kwargs):
+        time.sleep(delay_s)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(obj, name, slow)
+
+
+def test_the_copy_runs_beside_a_step_and_the_prefill_blocks_wait_for_its_ack(nodes, monkeypatch):
+    prefill, decode = nodes
+    p_router, d_router = FakeRouter(prefill), FakeRouter(decode)
+    d_router.send(Generate("busy", [3, 4, 5], SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)))
+    _slowed(decode.engine.runner, "run", SLOW_STEP_S, monkeypatch)  # it has a request running, so it steps
+    _slowed(decode.engine, "receive_kv", SLOW_COPY_S, monkeypatch)  # run by the copier's thread
+    seen: list[tuple[str, float]] = []  # what the prefill node did with r1, in order
+    offers: list[KvOffer] = []
+    handle_kv, release = prefill.handle_kv, prefill.engine.release
+
+    def spy_handle(peer, msg, frames):
+        if isinstance(msg, KvAck) and msg.request_id == "r1":
+            seen.append(("ack", time.perf_counter()))
+        handle_kv(peer, msg, frames)
+
+    def spy_release(req, status):
+        if req.request_id == "r1":
+            kv = export_tokens(prefill.engine.pool, req.block_ids, len(PROMPT))
+            seen.append(("freed", time.perf_counter()))
+            held.append(kv.clone())
+        release(req, status)
+
+    decode_offer = decode._on_offer
+
+    def spy_offer(peer, offer):
+        offers.append(offer)
+        decode_offer(peer, offer)
+
+    held: list[torch.Tensor] = []
+    monkeypatch.setattr(prefill, "handle_kv", spy_handle)
+    monkeypatch.setattr(prefill.engine, "release", spy_release)
+    monkeypatch.setattr(decode, "_on_offer", spy_offer)
+    # the prefill node's socket to the decode node dispatches to handle_kv through a lambda made at connect time
+    p_router.send(Generate("r1", PROMPT, SamplingParams(max_tokens=4, temperature=0), decode_addr=decode.kv_addr))
+    for _ in range(MAX_LOOPS):
+        prefill.loop_once()
+        decode.loop_once()
+        if decode.counters["handoff_copies"]:
+            break
+    assert decode.counters["handoff_copies"] == 1, decode.counters
+    for _ in range(20):  # the ack reaches the prefill node
+        prefill.loop_once()
+        if "r1" not in prefill.transfers:
+            break
+
+    [offer] = offers
+    assert offer.kv is not None and offer.kv.src_blocks and offer.kv.kv_checksums, "the offer named no blocks"
+    [copy] = [c for c in decode.copies if c.key == "r1"]
+    assert copy.error is None and decode.counters["kv_bad"] == 0  # the checksums of what landed matched
+    assert decode.counters["kv_copies"] == decode.counters["kv_copies_overlapped"] == 1
+    assert any(s < copy.done and e > copy.started for s, e in decode.launches), "no step ran while the copy did"
+    assert [what for what, _ in seen] == ["ack", "freed"], seen
+    assert seen[1][1] > copy.done, "the prefill node freed its blocks before the copy was done"
+    landed = export_tokens(decode.engine.pool, decode.engine.requests["r1"].block_ids, len(PROMPT))
+    assert torch.equal(landed, held[0]), "the decode node's KV is not the prefill node's"
+    assert decode.engine.requests["r1"].status is Status.RUNNING  # it joined the batch as any request does
+    assert prefill.engine.kv_stats()[0] == 0
+
+
+def test_checksums_of_a_prompt_split_over_two_pools_are_those_of_one_pool():
+    """A decode node checks a copy whose first blocks came from its prefix cache against the sender's checksums of
+    the whole prompt: the cached blocks as the sender holds them, the rest as they landed here."""
+    owner = ShmBackend()
+    try:
+        layout = KVLayout(2, 2, 8, 4, "float32", "t")
+        src = KVPool(layout, 8, data=owner.storage(layout, 8, "cpu"))
+        src.data.copy_(torch.randn(src.data.shape))
+        dst = KVPool(layout, 8)
+        src_blocks, num_tokens = [6, 1, 3, 4], 14
+        dst.copy_blocks_from(src.data, src_blocks[2:], [0, 5])
+        whole = src.checksums(src_blocks, num_tokens)
+        assert kv_checksums([(src.data, src_blocks[:2]), (dst.data, [0, 5])], layout.block_size, num_tokens) == whole
+        assert dst.checksums_after((src.data, src_blocks[:2]), [0, 5], num_tokens) == whole
+        dst.data[..., 5 * 4, :] += 1  # one landed token wrong
+        assert dst.checksums_after((src.data, src_blocks[:2]), [0, 5], num_tokens) != whole
+    finally:
+        owner.close()
