@@ -25,7 +25,10 @@ import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from itertools import compress, count
 from typing import Any
+
+import numpy as np
 
 from pdserve.config import EngineConfig
 from pdserve.engine.draws import Drawn, TokenLogprob, finish_reason
@@ -41,7 +44,7 @@ log = logging.getLogger("pdserve.engine")
 RUN_COUNTERS = tuple(f"{kind}_{n}" for kind in ("graph", "eager") for n in ("steps", "tokens", "decode_tokens"))
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class TokenOutput:
     request: Request
     token_id: int | None  # None when the step failed
@@ -63,10 +66,17 @@ class Step:
     members: set[Request] = field(init=False)  # the batch's requests
     sampled: dict[Request, int] = field(init=False)  # each sampling request's row in the draw
     parked: list[list[int]] = field(default_factory=list)  # blocks of members released while it runs: freed at finish
+    rows: np.ndarray = field(init=False)  # [S] the persistent row of each sampling request (engine/rows.py)
+    owners: np.ndarray = field(init=False)  # [S] who held those rows at launch
 
     def __post_init__(self) -> None:
-        self.members = {s.request for s in self.batch.scheduled}
-        self.sampled = {s.request: i for i, s in enumerate(s for s in self.batch.scheduled if s.samples)}
+        reqs, samples = self.batch.requests, self.batch.samples
+        self.members = set(reqs)
+        self.sampled = dict(zip(compress(reqs, samples), count()))
+        table = self.batch.table
+        rows = np.asarray(self.batch.rows, dtype=np.int64)[np.array(samples, dtype=bool)] if table is not None else ()
+        self.rows = np.asarray(rows, dtype=np.int64)
+        self.owners = table.owner[self.rows] if table is not None else self.rows
 
 
 def pin_process(cfg: EngineConfig) -> None:
@@ -239,7 +249,7 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch:
             return None
-        sampled = [s.request for s in batch.scheduled if s.samples]
+        sampled = list(compress(batch.requests, batch.samples))
         scored = [(req, req.prompt_token_ids[pos + 1]) for _, req, pos in batch.prompt_logprob_rows()]
         step = Step(batch, [req for req, _ in scored], None)
         try:
@@ -297,6 +307,8 @@ class Engine:
             self.pool.allocator.free(blocks)
         if drawn is None:
             return self.fail(step.batch, step.error)
+        if step.batch.table is not None:  # every sampling row learns its token at once
+            step.batch.table.take_tokens(step.rows, step.owners, np.asarray(drawn.tokens, dtype=np.int64))
         return self.update(step.batch, drawn, step.scored)
 
     def step_error(self, batch: Batch, e: Exception) -> str:
@@ -317,11 +329,12 @@ class Engine:
         self.scheduler.commit_computed(batch)
         for req, lp in zip(scored, drawn.prompt_logprobs, strict=True):
             req.prompt_logprobs.append(lp)
-        sampled = [s.request for s in batch.scheduled if s.samples]
+        sampled = compress(batch.requests, batch.samples)
         outputs = []
+        ended = (Status.FINISHED, Status.ABORTED)
         for req, token, lp in zip(sampled, drawn.tokens, drawn.logprobs, strict=True):
             req.num_pending -= 1
-            if req.is_finished:  # aborted while the step ran, or ended by the step before: the token is dropped
+            if req.status in ended:  # aborted while the step ran, or ended by the step before: the token is dropped
                 continue
             req.output_token_ids.append(token)
             if req.guide is not None:
