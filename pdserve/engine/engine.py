@@ -73,10 +73,12 @@ class Step:
         reqs, samples = self.batch.requests, self.batch.samples
         self.members = set(reqs)
         self.sampled = dict(zip(compress(reqs, samples), count()))
-        table = self.batch.table
-        rows = np.asarray(self.batch.rows, dtype=np.int64)[np.array(samples, dtype=bool)] if table is not None else ()
-        self.rows = np.asarray(rows, dtype=np.int64)
-        self.owners = table.owner[self.rows] if table is not None else self.rows
+        if self.batch.table is None:  # a batch built by hand: no rows
+            self.rows = self.owners = np.zeros(0, dtype=np.int64)
+            return
+        mask = np.array(samples, dtype=bool)  # [R]
+        self.rows = np.asarray(self.batch.rows, dtype=np.int64)[mask]
+        self.owners = self.batch.owners[mask]
 
 
 def pin_process(cfg: EngineConfig) -> None:
@@ -105,7 +107,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.in_flight: list[Step] = []  # launched, not finished, oldest first (two at most, scheduling ahead)
         self.overlapped = parts.overlapped  # launch() returns before the device (or the mock's step) is done
-        self.ahead = cfg.async_scheduling and parts.feeds and not prefill_only  # schedule N+1 before N's tokens
+        self.ahead = cfg.schedules_ahead and parts.feeds and not prefill_only  # schedule N+1 before N's tokens
         self.steps_ahead = 0  # since start: steps launched while another was in flight
         self.run_counts = dict.fromkeys(RUN_COUNTERS, 0)  # since start: steps and tokens, by how the forward ran
 
@@ -279,6 +281,9 @@ class Engine:
         """The runner's extra argument: the rows whose input token is pending, read from the step in flight's
         sampled ids on the device (`DeviceFeed`); () when there are none."""
         prev = self.in_flight[-1] if self.in_flight else None
+        if batch.table is not None and prev is not None and prev.draw is not None:
+            rows, index = self.pending_rows(batch, prev)
+            return (self.runner.feed(prev.draw, rows, index),) if len(rows) else ()
         rows, index, row = [], [], 0
         for s in batch.scheduled:
             row += s.num_new_tokens
@@ -290,6 +295,20 @@ class Engine:
         if prev.draw is None:
             raise RuntimeError("the step in flight failed to launch: its tokens cannot feed the next")
         return (self.runner.feed(prev.draw, rows, index),)
+
+    @staticmethod
+    def pending_rows(batch: Batch, prev: Step) -> tuple[np.ndarray, np.ndarray]:
+        """(input rows of `batch`, their index in `prev`'s draw) of the requests `prev` (the step in flight) samples,
+        matched by their persistent rows, vectorised: a request sampled by the step in flight is the one whose token
+        is pending (it cannot leave and come back while it is)."""
+        table = batch.table
+        draw_of = np.full(table.capacity, -1, dtype=np.int64)  # [rows] each row's index in prev's draw
+        held = table.owner[prev.rows] == prev.owners  # [S'] rows still held by the request prev sampled
+        draw_of[prev.rows[held]] = np.flatnonzero(held)
+        index = draw_of[np.asarray(batch.rows, dtype=np.int64)]  # [R]
+        ends = np.cumsum(batch.columns[1])  # [R] each request's last input row, + 1
+        fed = index >= 0
+        return ends[fed] - 1, index[fed]
 
     def finish(self, step: Step | None) -> list[TokenOutput]:
         """Wait for a launched step's tokens and take them in: an output per sampled request still here. Steps
@@ -331,20 +350,22 @@ class Engine:
             req.prompt_logprobs.append(lp)
         sampled = compress(batch.requests, batch.samples)
         outputs = []
-        ended = (Status.FINISHED, Status.ABORTED)
-        for req, token, lp in zip(sampled, drawn.tokens, drawn.logprobs, strict=True):
+        ended, max_len, prefill_only = (Status.FINISHED, Status.ABORTED), self.max_model_len, self.prefill_only
+        for req, token, lp in zip(sampled, drawn.tokens, drawn.logprobs, strict=True):  # one lean pass
             req.num_pending -= 1
             if req.status in ended:  # aborted while the step ran, or ended by the step before: the token is dropped
                 continue
             req.output_token_ids.append(token)
             if req.guide is not None:
                 req.guide.advance(token)
-            reason = finish_reason(req, req.params, self.max_model_len)
+            params = req.params
+            reason = finish_reason(req, params, max_len)
             if reason:
                 self.release(req, Status.FINISHED)
-            elif self.prefill_only:
+            elif prefill_only:
                 self.scheduler.hold_for_transfer(req)
-            first = req.params.prompt_logprobs is not None and len(req.output_token_ids) == 1
-            echo = req.prompt_logprobs if first else None
-            outputs.append(TokenOutput(req, token, reason, logprob=lp, prompt_logprobs=echo))
+            echo = None
+            if params.prompt_logprobs is not None and len(req.output_token_ids) == 1:
+                echo = req.prompt_logprobs  # the prompt's scores, with the first token
+            outputs.append(TokenOutput(req, token, reason, "", lp, echo))
         return outputs

@@ -9,6 +9,7 @@ What a row holds, one entry per array, indexed by the row:
   stale id of a row's previous owner is never in reach of a kernel);
 - `last[row]`: its last token the host knows (a decode step's input; a pending one comes from the device);
 - `prompt_len[row]`: its prompt's length (which of a step's rows decode);
+- `cached[row]`: its first blocks in the prefix cache (which rows may have filled a block to name);
 - `owner[row]`: a number that changes whenever the row changes hands, so that a step's tokens, taken in
   after the request that sampled them left, never land in the row of the request that took its place.
 
@@ -18,6 +19,7 @@ The interface (the scheduler is its only writer, and every request reaches it th
   all of them join here and only here, at admission);
 - `grow(req)`: its block list grew (the scheduler reserved blocks for its next tokens): the new ids are
   written, nothing else;
+- `cached_changed(req)`: the scheduler named more of its blocks in the prefix cache;
 - `remove(req)`: it stops running (finished, aborted, preempted, held for a KV transfer); its row is free;
 - `take_tokens(rows, owners, tokens)`: a step's sampled tokens, in bulk: `last` of every row still held by
   the request that sampled it.
@@ -41,6 +43,7 @@ class BatchRows:
         self.num_blocks = np.zeros(capacity, dtype=np.int64)  # [R] block ids held in `table`
         self.last = np.zeros(capacity, dtype=np.int64)  # [R] last known token
         self.prompt_len = np.zeros(capacity, dtype=np.int64)  # [R] prompt tokens
+        self.cached = np.zeros(capacity, dtype=np.int64)  # [R] its first blocks in the prefix cache
         self.owner = np.zeros(capacity, dtype=np.int64)  # [R] changes each time the row changes hands
         self.row_of: dict[Request, int] = {}
         self.scoring: set[Request] = set()  # those whose prompt positions are scored (echo with logprobs)
@@ -69,6 +72,7 @@ class BatchRows:
         known = req.output_token_ids or req.prompt_token_ids
         self.last[row] = known[-1] if known else 0
         self.prompt_len[row] = len(req.prompt_token_ids)
+        self.cached[row] = req.num_cached_blocks
         self.num_blocks[row] = 0
         self._write_blocks(req, row)
         return row
@@ -78,6 +82,12 @@ class BatchRows:
         row = self.row_of.get(req)
         if row is not None and len(req.block_ids) != self.num_blocks[row]:
             self._write_blocks(req, row)
+
+    def cached_changed(self, req: Request) -> None:
+        """More of a request's first blocks are in the prefix cache (no-op for one without a row)."""
+        row = self.row_of.get(req)
+        if row is not None:
+            self.cached[row] = req.num_cached_blocks
 
     def remove(self, req: Request) -> None:
         """A request stops running; its row is cleared and free (no-op for one without a row)."""

@@ -62,6 +62,7 @@ class Batch:
     preempted: list[Request] = field(default_factory=list)
     table: BatchRows | None = None  # the running requests' rows (None: a batch built by hand, without rows)
     rows: list[int] = field(default_factory=list)  # with `table`: the row of each scheduled request
+    owners: np.ndarray | None = None  # with `table`: who held each of those rows when it was scheduled
 
     @functools.cached_property
     def columns(self) -> tuple[tuple, tuple, tuple, tuple]:
@@ -216,6 +217,7 @@ class Scheduler:
             budget = self._admit(batch, budget)
         row_of = self.rows.row_of
         batch.table, batch.rows = self.rows, [row_of[s.request] for s in batch.scheduled]
+        batch.owners = self.rows.owner[batch.rows]
         return batch
 
     @staticmethod
@@ -316,6 +318,7 @@ class Scheduler:
         for i in range(req.num_cached_blocks, len(hashes)):
             self.allocator.commit(req.block_ids[i], hashes[i])
         req.num_cached_blocks = max(req.num_cached_blocks, len(hashes))
+        self.rows.cached_changed(req)
 
     def _grow_head(self, req: Request, n: int) -> bool:
         """Blocks for the head of the queue. With nothing running, waiting requests that hold KV (imported
@@ -374,9 +377,16 @@ class Scheduler:
     def commit_computed(self, batch: Batch) -> None:
         """A step finished and its sampled tokens are known: name the full blocks it computed in the prefix cache
         (not those of a request preempted since: its KV is gone)."""
-        if self.cache_seed is None:
+        if self.cache_seed is None or not batch.scheduled:
             return
-        bs = self.allocator.block_size
-        for req, n, _, past in batch.scheduled:
-            if (past + n) // bs > req.num_cached_blocks and req.status is not Status.WAITING:  # a new full block
-                self._commit(req, past + n)
+        bs, reqs, (_, lens, _, pasts) = self.allocator.block_size, batch.scheduled, batch.columns
+        upto = np.array(pasts) + np.array(lens)  # [R]
+        maybe = range(len(reqs))
+        if batch.table is not None:  # only the rows that may have filled a block, or changed hands since
+            rows = np.asarray(batch.rows, dtype=np.int64)
+            changed = batch.table.owner[rows] != batch.owners
+            maybe = np.flatnonzero(changed | (upto // bs > batch.table.cached[rows])).tolist()
+        for i in maybe:
+            req = reqs[i].request
+            if upto[i] // bs > req.num_cached_blocks and req.status is not Status.WAITING:  # a new full block
+                self._commit(req, int(upto[i]))
