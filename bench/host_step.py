@@ -13,9 +13,10 @@ requests of `--prompt` tokens; the forward and the sampling are stubbed: a stub 
   the CPU time the process spent per step (on a shared host the wall time also counts time others held the core);
 - device_wait_ms: per step, how long the stub device sat idle between two steps, waiting for the host.
 Variants, each in its own process, interleaved over `--repeats` rounds (the best round of each is reported; a
-shared host is noisy): `before` (the engine of the commit before asynchronous scheduling, checked out into a
-temporary folder), `sync` (this tree, one step at a time) and `async` (this tree, `--async-scheduling`: step N+1
-is scheduled and packed while step N runs).
+shared host is noisy): `before` and `before-async` (the engine of `--before`, by default the commit before the
+persistent batch, checked out into a temporary folder), `sync` (this tree, one step at a time) and `async` (this
+tree, `--async-scheduling`: step N+1 is scheduled and packed while step N runs). Each tree's own `ModelRunner.run`
+prepares the inputs (its real input preparation, as on a GPU without graphs); only the forward is a stub.
 """
 
 from __future__ import annotations
@@ -32,22 +33,18 @@ import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-VARIANTS = ("before", "sync", "async")
+VARIANTS = ("before", "before-async", "sync", "async")  # the tree before, then this tree; each sync and async
 
 
 # ---- the worker: one variant, one process -----------------------------------------------------------------------
 class StubDraw:
     """A step on the stub device: it ends `device_s` after the device is free and the step was submitted."""
 
-    def __init__(self, device: StubDevice, tokens: list[int]) -> None:
-        import torch
-
-        from pdserve.engine.draws import Drawn
-
+    def __init__(self, device: StubDevice, drawn, ids) -> None:
         self.device = device
         self.done_at = device.submit()
-        self.drawn = Drawn(tokens, [None] * len(tokens), [])
-        self.ids = torch.tensor(tokens)  # [S]: "on the device", for the next step's inputs
+        self.drawn = drawn
+        self.ids = ids  # [S]: "on the device", for the next step's inputs
 
     def wait(self):
         left = self.done_at - time.perf_counter()
@@ -71,44 +68,48 @@ class StubDevice:
         return self.free_at
 
 
-class StubRunner:
-    """The runner's host work (flatten, pack) with no forward."""
+def stub_runner(backend, pool):
+    """The tree's own `ModelRunner` with no model: its `run` prepares the step's inputs as it does on a GPU without
+    graphs (the tree's input preparation, whatever it is: flatten and pack, or the persistent rows' gathers), then
+    the stub forward returns at once; the packed inputs are copied to the "device" (a host tensor) as on a GPU."""
+    from pdserve.runner.model import ModelRunner
 
-    graph_captures = 0
+    class StubRunner(ModelRunner):
+        graph_captures = 0
 
-    def __init__(self, backend, block_size: int) -> None:
-        self.backend, self.block_size = backend, block_size
+        def __init__(self) -> None:
+            self.backend, self.pool, self.graphs = backend, pool, None
 
-    def run(self, batch, feed=None):
-        """No logits, and no graph ran the step (an engine before graph counting hands the pair to the stub sampler,
-        which ignores it)."""
-        from pdserve.runner.model import ModelRunner
+        def forward(self, inp, out=None):
+            return None
 
-        inp = self.backend.inputs(*ModelRunner.flatten(batch, self.block_size))
-        if feed is not None:
-            feed.into(inp.input_ids)
-        return None, False
-
-    @staticmethod
-    def feed(draw, rows, index):
-        from pdserve.runner.model import DeviceFeed
-
-        return DeviceFeed(draw.ids, rows, index)
+    return StubRunner()
 
 
 class StubSampler:
+    """Made-up tokens (never a stop), made once per step size and turn parity: the stub costs the host next to
+    nothing, so that the host time measured is the engine's."""
+
     def __init__(self, device: StubDevice) -> None:
-        self.device, self.turn = device, 0
+        self.device, self.turn, self.made = device, 0, {}
 
     def launch(self, _logits, requests, _prompt_rows=()):
         self.turn += 1
-        return StubDraw(self.device, [1000 + (self.turn + i) % 1000 for i in range(len(requests))])
+        key = (len(requests), self.turn % 2)
+        if key not in self.made:
+            import torch
+
+            from pdserve.engine.draws import Drawn
+
+            tokens = [1000 + (self.turn + i) % 1000 for i in range(len(requests))]
+            self.made[key] = (Drawn(tokens, [None] * len(tokens), []), torch.tensor(tokens))
+        return StubDraw(self.device, *self.made[key])
 
 
 def triton_backend(pool):
     """The Triton backend's host side (packing); its kernel modules are not needed, nor imported."""
     for name in ("triton_attention", "triton_layers"):
-        sys.modules.setdefault(f"pdserve.engine.{name}", types.ModuleType(name))
+        sys.modules.setdefault(f"pdserve.runner.{name}", types.ModuleType(name))
     import torch
 
     from pdserve.runner.backends import TritonBackend
@@ -134,7 +135,7 @@ def stub_engine(n: int, prompt: int, steps: int, device: StubDevice, ahead: bool
         types.SimpleNamespace(attach=lambda req: None),
         layout,
         pool,
-        StubRunner(triton_backend(pool), bs),
+        stub_runner(triton_backend(pool), pool),
         StubSampler(device),
         1 << 20,
         True,
@@ -180,11 +181,11 @@ def measure(n: int, prompt: int, steps: int, device_ms: float, ahead: bool) -> d
 
 # ---- the driver ---------------------------------------------------------------------------------------------------
 def before_commit() -> str:
-    """The commit before asynchronous scheduling came in (the parent of the commit that added its flag)."""
-    cmd = ["git", "log", "--format=%H", "--reverse", "-S", "async_scheduling", "--", "pdserve/config.py"]
+    """The commit before the persistent batch came in (the parent of the commit that added engine/rows.py)."""
+    cmd = ["git", "log", "--format=%H", "--reverse", "--diff-filter=A", "--", "pdserve/engine/rows.py"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     if not out:
-        raise SystemExit("no commit adds --async-scheduling in this checkout's history: give --before")
+        raise SystemExit("no commit adds pdserve/engine/rows.py in this checkout's history: give --before")
     return out[0] + "^"
 
 
@@ -220,7 +221,7 @@ def compare(a: argparse.Namespace) -> dict:
     results: dict[int, dict[str, list[dict]]] = {n: {v: [] for v in VARIANTS} for n in a.sizes}
     with tempfile.TemporaryDirectory() as tmp:
         checkout(rev, Path(tmp))
-        trees = {"before": Path(tmp), "sync": ROOT, "async": ROOT}
+        trees = {"before": Path(tmp), "before-async": Path(tmp), "sync": ROOT, "async": ROOT}
         for r in range(a.repeats):
             for n in a.sizes:
                 for v in VARIANTS:
@@ -248,13 +249,16 @@ def markdown(res: dict, commit: str) -> str:
         f"Stub device step {res['device_ms']} ms; {res['steps']} decode steps of requests with "
         f"{res['prompt']}-token prompts; best of {res['repeats']} interleaved rounds.",
         "",
+        "Ratios are against the tree before in the same mode (sync against `before`, async against `before-async`).",
+        "",
         "| requests | variant | host ms/step | host CPU ms/step | device waits ms/step | host CPU × before | "
         "wait × before host |",
         "|---|---|---|---|---|---|---|",
     ]
     for n, by in res["best"].items():
-        base, cpu = by["before"]["host_ms"], by["before"]["host_cpu_ms"]
         for v, m in by.items():
+            ref = by["before-async" if v.endswith("async") else "before"]
+            base, cpu = ref["host_ms"], ref["host_cpu_ms"]
             lines.append(
                 f"| {n} | {v} | {m['host_ms']:.3f} | {m['host_cpu_ms']:.3f} | {m['device_wait_ms']:.3f} | "
                 f"{m['host_cpu_ms'] / cpu:.2f} | {m['device_wait_ms'] / base:.2f} |"
@@ -269,14 +273,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=100, help="decode steps measured")
     p.add_argument("--device-ms", type=float, default=3.0, help="the stub device's time per step")
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds; the best is reported")
-    p.add_argument("--before", default="", help="the commit compared with (default: the one before --async-scheduling)")
+    p.add_argument(
+        "--before", default="", help="the commit compared with (default: the one before the persistent batch)"
+    )
     p.add_argument("--record", action="store_true", help="write the result under bench/results")
     p.add_argument("--label", default="host-step", help="the recorded file's label (after the day and commit)")
     p.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     p.add_argument("--requests", type=int, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:
-        print(json.dumps(measure(a.requests, a.prompt, a.steps, a.device_ms, a.worker == "async")))
+        print(json.dumps(measure(a.requests, a.prompt, a.steps, a.device_ms, a.worker.endswith("async"))))
         return
     res = compare(a)
     from bench.run_bench import git_commit, recorded_name

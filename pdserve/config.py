@@ -6,6 +6,7 @@ nowhere else (pdserve/flags.py builds every verb's parser from these fields).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -169,11 +170,11 @@ class EngineConfig:
     enforce_eager: bool = option(
         False, "no CUDA graphs: every step runs eagerly (docs/gpu-step.md)", action="store_true"
     )
-    async_scheduling: bool = option(
-        False,
-        "schedule and pack step N+1 while step N runs, its input tokens read on "
-        "the device (docs/async-scheduling.md; model engines, not prefill nodes)",
-        action="store_true",
+    async_scheduling: bool | None = option(
+        None,
+        "schedule and pack step N+1 while step N runs, its input tokens read on the device "
+        "(docs/async-scheduling.md; model engines, not prefill nodes); default: on for a cuda device, off on the cpu",
+        action=argparse.BooleanOptionalAction,
     )
     prefix_caching: bool = option(
         True,
@@ -225,6 +226,12 @@ class EngineConfig:
             raise ValueError("--kv-cache-gb must be positive")
         if self.cpu_cores and os.cpu_count() and max(self.cpu_cores) >= os.cpu_count():
             raise ValueError(f"--cpu-cores {self.cpu_cores} names a core this machine lacks ({os.cpu_count()} cores)")
+
+    @property
+    def schedules_ahead(self) -> bool:
+        """--async-scheduling as given, else by device: on a GPU the host's step overlaps the device's; on the CPU a
+        launch computes its step before it returns, so there is nothing to overlap (docs/async-scheduling.md)."""
+        return self.device.startswith("cuda") if self.async_scheduling is None else self.async_scheduling
 
     def _check_mock(self) -> None:
         if self.engine not in ENGINES:

@@ -37,6 +37,8 @@ from pdserve.config import (
 )
 from pdserve.wire.params import NODE_ROLES, Role
 
+SWITCHES = ("store_true", "store_false", argparse.BooleanOptionalAction)  # flags that take no value
+
 
 @dataclass(frozen=True)
 class Flag:
@@ -59,7 +61,12 @@ class Flag:
 
     @property
     def switch(self) -> bool:
-        return self.options.get("action") in ("store_true", "store_false")
+        return self.options.get("action") in SWITCHES
+
+    @property
+    def either_way(self) -> bool:
+        """A switch with a --no-... twin (argparse.BooleanOptionalAction): True, False, or None (not given)."""
+        return self.options.get("action") is argparse.BooleanOptionalAction
 
     def given(self, value: Any) -> bool:
         """Whether a switch must appear on the command line for the field to get `value`."""
@@ -69,7 +76,7 @@ class Flag:
 def _flag(config: type, f: dataclasses.Field) -> Flag:
     meta = f.metadata
     name = meta["flag"] or "--" + f.name.replace("_", "-")
-    switch = meta["argparse"].get("action") in ("store_true", "store_false")
+    switch = meta["argparse"].get("action") in SWITCHES
     help = meta["help"] if switch else _with_default(meta["help"], f.default)  # a switch is off unless given
     return Flag(name, config, dict(dest=f.name, default=f.default, help=help, **meta["argparse"]), meta["env"])
 
@@ -163,7 +170,9 @@ def to_argv(flags: Iterable[Flag], values: dict) -> list[str]:
     argv = []
     for f in flags:
         value = values.get(f.dest)
-        if f.switch:
+        if f.either_way:
+            argv += [] if value is None else [f.name if value else "--no-" + f.name[2:]]
+        elif f.switch:
             argv += [f.name] if f.given(value) else []
         elif value is not None and value != "":
             argv += [f.name, _argv_value(value)]

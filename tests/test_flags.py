@@ -139,3 +139,17 @@ def test_no_access_log_reaches_the_router_of_up(parser):
         up = parser.parse_args(["up", *given])
         argv = router_command("tiny", [{"role": "colocated", "listen": "tcp://c"}], router_options(up))
         assert from_args(RouterConfig, parser.parse_args(argv[3:])).access_log is logged
+
+
+def test_async_scheduling_defaults_by_device_and_is_passed_on_either_way(parser):
+    """--async-scheduling is on by default on a cuda device, off on the cpu; given either way it wins, and a child
+    node gets it as given (nothing when it was not)."""
+    from pdserve.flags import engine_argv
+
+    assert not EngineConfig().schedules_ahead and EngineConfig(device="cuda:0").schedules_ahead
+    assert EngineConfig(async_scheduling=True).schedules_ahead
+    assert not EngineConfig(device="cuda:0", async_scheduling=False).schedules_ahead
+    for given, want in (([], None), (["--async-scheduling"], True), (["--no-async-scheduling"], False)):
+        a = parser.parse_args(["decode", *given])
+        assert from_args(EngineConfig, a).async_scheduling is want
+        assert [x for x in engine_argv(a) if "async" in x] == given

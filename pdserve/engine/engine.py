@@ -25,7 +25,10 @@ import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from itertools import compress, count
 from typing import Any
+
+import numpy as np
 
 from pdserve.config import EngineConfig
 from pdserve.engine.draws import Drawn, TokenLogprob, finish_reason
@@ -42,7 +45,7 @@ log = logging.getLogger("pdserve.engine")
 RUN_COUNTERS = tuple(f"{kind}_{n}" for kind in ("graph", "eager") for n in ("steps", "tokens", "decode_tokens"))
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class TokenOutput:
     request: Request
     token_id: int | None  # None when the step failed
@@ -64,10 +67,19 @@ class Step:
     members: set[Request] = field(init=False)  # the batch's requests
     sampled: dict[Request, int] = field(init=False)  # each sampling request's row in the draw
     parked: list[list[int]] = field(default_factory=list)  # blocks of members released while it runs: freed at finish
+    rows: np.ndarray = field(init=False)  # [S] the persistent row of each sampling request (engine/rows.py)
+    owners: np.ndarray = field(init=False)  # [S] who held those rows at launch
 
     def __post_init__(self) -> None:
-        self.members = {s.request for s in self.batch.scheduled}
-        self.sampled = {s.request: i for i, s in enumerate(s for s in self.batch.scheduled if s.samples)}
+        reqs, samples = self.batch.requests, self.batch.samples
+        self.members = set(reqs)
+        self.sampled = dict(zip(compress(reqs, samples), count()))
+        if self.batch.table is None:  # a batch built by hand: no rows
+            self.rows = self.owners = np.zeros(0, dtype=np.int64)
+            return
+        mask = np.array(samples, dtype=bool)  # [R]
+        self.rows = np.asarray(self.batch.rows, dtype=np.int64)[mask]
+        self.owners = self.batch.owners[mask]
 
 
 def pin_process(cfg: EngineConfig) -> None:
@@ -96,7 +108,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.in_flight: list[Step] = []  # launched, not finished, oldest first (two at most, scheduling ahead)
         self.overlapped = parts.overlapped  # launch() returns before the device (or the mock's step) is done
-        self.ahead = cfg.async_scheduling and parts.feeds and not prefill_only  # schedule N+1 before N's tokens
+        self.ahead = cfg.schedules_ahead and parts.feeds and not prefill_only  # schedule N+1 before N's tokens
         self.steps_ahead = 0  # since start: steps launched while another was in flight
         self.run_counts = dict.fromkeys(RUN_COUNTERS, 0)  # since start: steps and tokens, by how the forward ran
 
@@ -248,7 +260,7 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch:
             return None
-        sampled = [s.request for s in batch.scheduled if s.samples]
+        sampled = list(compress(batch.requests, batch.samples))
         scored = [(req, req.prompt_token_ids[pos + 1]) for _, req, pos in batch.prompt_logprob_rows()]
         step = Step(batch, [req for req, _ in scored], None)
         try:
@@ -278,6 +290,9 @@ class Engine:
         """The runner's extra argument: the rows whose input token is pending, read from the step in flight's
         sampled ids on the device (`DeviceFeed`); () when there are none."""
         prev = self.in_flight[-1] if self.in_flight else None
+        if batch.table is not None and prev is not None and prev.draw is not None:
+            rows, index = self.pending_rows(batch, prev)
+            return (self.runner.feed(prev.draw, rows, index),) if len(rows) else ()
         rows, index, row = [], [], 0
         for s in batch.scheduled:
             row += s.num_new_tokens
@@ -289,6 +304,20 @@ class Engine:
         if prev.draw is None:
             raise RuntimeError("the step in flight failed to launch: its tokens cannot feed the next")
         return (self.runner.feed(prev.draw, rows, index),)
+
+    @staticmethod
+    def pending_rows(batch: Batch, prev: Step) -> tuple[np.ndarray, np.ndarray]:
+        """(input rows of `batch`, their index in `prev`'s draw) of the requests `prev` (the step in flight) samples,
+        matched by their persistent rows, vectorised: a request sampled by the step in flight is the one whose token
+        is pending (it cannot leave and come back while it is)."""
+        table = batch.table
+        draw_of = np.full(table.capacity, -1, dtype=np.int64)  # [rows] each row's index in prev's draw
+        held = table.owner[prev.rows] == prev.owners  # [S'] rows still held by the request prev sampled
+        draw_of[prev.rows[held]] = np.flatnonzero(held)
+        index = draw_of[np.asarray(batch.rows, dtype=np.int64)]  # [R]
+        ends = np.cumsum(batch.columns[1])  # [R] each request's last input row, + 1
+        fed = index >= 0
+        return ends[fed] - 1, index[fed]
 
     def finish(self, step: Step | None) -> list[TokenOutput]:
         """Wait for a launched step's tokens and take them in: an output per sampled request still here. Steps
@@ -306,6 +335,8 @@ class Engine:
             self.pool.allocator.free(blocks)
         if drawn is None:
             return self.fail(step.batch, step.error)
+        if step.batch.table is not None:  # every sampling row learns its token at once
+            step.batch.table.take_tokens(step.rows, step.owners, np.asarray(drawn.tokens, dtype=np.int64))
         return self.update(step.batch, drawn, step.scored)
 
     def step_error(self, batch: Batch, e: Exception) -> str:
@@ -326,21 +357,24 @@ class Engine:
         self.scheduler.commit_computed(batch)
         for req, lp in zip(scored, drawn.prompt_logprobs, strict=True):
             req.prompt_logprobs.append(lp)
-        sampled = [s.request for s in batch.scheduled if s.samples]
+        sampled = compress(batch.requests, batch.samples)
         outputs = []
-        for req, token, lp in zip(sampled, drawn.tokens, drawn.logprobs, strict=True):
+        ended, max_len, prefill_only = (Status.FINISHED, Status.ABORTED), self.max_model_len, self.prefill_only
+        for req, token, lp in zip(sampled, drawn.tokens, drawn.logprobs, strict=True):  # one lean pass
             req.num_pending -= 1
-            if req.is_finished:  # aborted while the step ran, or ended by the step before: the token is dropped
+            if req.status in ended:  # aborted while the step ran, or ended by the step before: the token is dropped
                 continue
             req.output_token_ids.append(token)
             if req.guide is not None:
                 req.guide.advance(token)
-            reason = finish_reason(req, req.params, self.max_model_len)
+            params = req.params
+            reason = finish_reason(req, params, max_len)
             if reason:
                 self.release(req, Status.FINISHED)
-            elif self.prefill_only:
+            elif prefill_only:
                 self.scheduler.hold_for_transfer(req)
-            first = req.params.prompt_logprobs is not None and len(req.output_token_ids) == 1
-            echo = req.prompt_logprobs if first else None
-            outputs.append(TokenOutput(req, token, reason, logprob=lp, prompt_logprobs=echo))
+            echo = None
+            if params.prompt_logprobs is not None and len(req.output_token_ids) == 1:
+                echo = req.prompt_logprobs  # the prompt's scores, with the first token
+            outputs.append(TokenOutput(req, token, reason, "", lp, echo))
         return outputs

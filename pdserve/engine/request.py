@@ -77,6 +77,8 @@ class Request:
         n = len(self.prompt_token_ids)
         if end <= n:
             return self.prompt_token_ids[start:end]
+        if start >= n:  # outputs only (a decoding request's new block): no copy of the lists before
+            return self.output_token_ids[start - n : end - n]
         return (self.prompt_token_ids[start:] + self.output_token_ids[: end - n])[max(0, start - n) :]
 
     @property

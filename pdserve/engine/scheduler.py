@@ -24,10 +24,15 @@ the host knows every token in them.
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
 
 from pdserve.engine.request import Request, Status
+from pdserve.engine.rows import BatchRows
 from pdserve.kv.block_allocator import BlockAllocator
 from pdserve.wire.params import block_hashes
 
@@ -35,8 +40,9 @@ from pdserve.wire.params import block_hashes
 WAIT_FOR_PREFIX_BLOCKS = 4
 
 
-@dataclass(frozen=True)
-class ScheduledRequest:
+class ScheduledRequest(NamedTuple):
+    """A request's part of an iteration (a tuple: one is made per running request per step)."""
+
     request: Request
     num_new_tokens: int
     samples: bool  # this chunk reaches the request's last token, so a new token is sampled
@@ -44,7 +50,8 @@ class ScheduledRequest:
 
     @classmethod
     def of(cls, req: Request, n: int) -> ScheduledRequest:
-        return cls(req, n, req.num_computed_tokens + n == req.num_tokens, req.num_computed_tokens)
+        past = req.num_computed_tokens
+        return cls(req, n, past + n == req.num_tokens, past)
 
 
 @dataclass
@@ -53,19 +60,43 @@ class Batch:
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    table: BatchRows | None = None  # the running requests' rows (None: a batch built by hand, without rows)
+    rows: list[int] = field(default_factory=list)  # with `table`: the row of each scheduled request
+    owners: np.ndarray | None = None  # with `table`: who held each of those rows when it was scheduled
+
+    @functools.cached_property
+    def columns(self) -> tuple[tuple, tuple, tuple, tuple]:
+        """(requests, new tokens, samples, past) of the scheduled requests, in order, each a tuple (once scheduled)."""
+        return tuple(zip(*self.scheduled, strict=True)) if self.scheduled else ((), (), (), ())
+
+    @property
+    def requests(self) -> tuple[Request, ...]:
+        """The scheduled requests, in order."""
+        return self.columns[0]
+
+    @property
+    def samples(self) -> tuple[bool, ...]:
+        """Whether each scheduled request samples a token."""
+        return self.columns[2]
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return sum(self.columns[1])
 
     @property
     def num_decode_tokens(self) -> int:
         """Requests with one new token after their whole prompt (not a one-token prompt, nor a recomputed chunk)."""
+        if self.table is not None and self.scheduled:  # from the rows, vectorised
+            _, lens, _, pasts = self.columns
+            prompt = self.table.prompt_len[self.rows]
+            return int(np.count_nonzero((np.array(lens) == 1) & (np.array(pasts) >= prompt)))
         return sum(1 for s in self.scheduled if s.num_new_tokens == 1 and s.past >= len(s.request.prompt_token_ids))
 
     def prompt_logprob_rows(self) -> list[tuple[int, Request, int]]:
         """(row of the iteration's flat tokens, request, position) of every prompt position whose logits score
         the next prompt token (echo with logprobs), in batch order. Before `advance`."""
+        if self.table is not None and not self.table.scoring:
+            return []  # no running request is scored (the common case): no look at each
         rows, start = [], 0
         for s in self.scheduled:
             req, past = s.request, s.request.num_computed_tokens
@@ -87,6 +118,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.rows = BatchRows(max_num_seqs)  # a row per running request (engine/rows.py)
         self.waiting_for_kv: deque[Request] = deque()  # decode node: prompts computed elsewhere, no blocks yet
         self.receiving_kv: dict[str, Request] = {}  # decode node: blocks reserved, KV on its way
         self.num_preemptions = 0  # since start, for the node's counters
@@ -108,6 +140,7 @@ class Scheduler:
         """Take a request out of the queues for good and free its KV at once."""
         if request in self.running:
             self.running.remove(request)
+            self.rows.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         elif request in self.waiting_for_kv:
@@ -160,24 +193,31 @@ class Scheduler:
     def hold_for_transfer(self, req: Request) -> None:
         """Prefill node: a request whose first token is out leaves the batch, its KV held for shipping."""
         self.running.remove(req)
+        self.rows.remove(req)
         req.move_to(Status.TRANSFERRING)
 
     # ---- one iteration ------------------------------------------------------------------------
     def schedule(self) -> Batch:
         batch = Batch()
         budget = self.max_num_batched_tokens
-        for req in list(self.running):
+        bs, running = self.allocator.block_size, Status.RUNNING
+        for req in list(self.running):  # one lean pass: it runs for every running request at every step
             if budget == 0:
                 break
-            if req.status is not Status.RUNNING or not self._runs_ahead(req):  # preempted earlier in this loop
+            if req.status is not running or (req.num_pending and not self._runs_ahead(req)):  # preempted in this loop
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self._reserve(req, n, batch):
+            past, total = req.num_computed_tokens, len(req.prompt_token_ids) + len(req.output_token_ids)
+            total += req.num_pending
+            n = total - past if total - past < budget else budget
+            if past + n > len(req.block_ids) * bs and not self._reserve(req, n, batch):  # its blocks lack room
                 continue
-            batch.scheduled.append(ScheduledRequest.of(req, n))
+            batch.scheduled.append(ScheduledRequest(req, n, past + n == total, past))
             budget -= n
         if not batch.preempted:
             budget = self._admit(batch, budget)
+        row_of = self.rows.row_of
+        batch.table, batch.rows = self.rows, [row_of[s.request] for s in batch.scheduled]
+        batch.owners = self.rows.owner[batch.rows]
         return batch
 
     @staticmethod
@@ -214,6 +254,7 @@ class Scheduler:
             del self.waiting[i]
             req.move_to(Status.RUNNING)
             self.running.append(req)
+            self.rows.add(req)
             if in_flight is not None:
                 in_flight.update(self._blocks_to_name(req))
             batch.scheduled.append(ScheduledRequest.of(req, n))
@@ -277,6 +318,7 @@ class Scheduler:
         for i in range(req.num_cached_blocks, len(hashes)):
             self.allocator.commit(req.block_ids[i], hashes[i])
         req.num_cached_blocks = max(req.num_cached_blocks, len(hashes))
+        self.rows.cached_changed(req)
 
     def _grow_head(self, req: Request, n: int) -> bool:
         """Blocks for the head of the queue. With nothing running, waiting requests that hold KV (imported
@@ -301,10 +343,12 @@ class Scheduler:
             self._preempt(victim, batch)
             if victim is req:
                 return False
+        self.rows.grow(req)
         return True
 
     def _preempt(self, req: Request, batch: Batch) -> None:
         self.running.remove(req)
+        self.rows.remove(req)
         self._drop_kv(req)
         req.move_to(Status.WAITING)
         self.waiting.appendleft(req)
@@ -333,6 +377,16 @@ class Scheduler:
     def commit_computed(self, batch: Batch) -> None:
         """A step finished and its sampled tokens are known: name the full blocks it computed in the prefix cache
         (not those of a request preempted since: its KV is gone)."""
-        for s in batch.scheduled:
-            if s.request.status is not Status.WAITING:
-                self._commit(s.request, s.past + s.num_new_tokens)
+        if self.cache_seed is None or not batch.scheduled:
+            return
+        bs, reqs, (_, lens, _, pasts) = self.allocator.block_size, batch.scheduled, batch.columns
+        upto = np.array(pasts) + np.array(lens)  # [R]
+        maybe = range(len(reqs))
+        if batch.table is not None:  # only the rows that may have filled a block, or changed hands since
+            rows = np.asarray(batch.rows, dtype=np.int64)
+            changed = batch.table.owner[rows] != batch.owners
+            maybe = np.flatnonzero(changed | (upto // bs > batch.table.cached[rows])).tolist()
+        for i in maybe:
+            req = reqs[i].request
+            if upto[i] // bs > req.num_cached_blocks and req.status is not Status.WAITING:  # a new full block
+                self._commit(req, int(upto[i]))

@@ -43,6 +43,7 @@ class BlockAllocator:
         self._by_name: dict[int, int] = {}  # hash -> block
         self._evictable: OrderedDict[int, None] = OrderedDict()  # named blocks no request holds, least recent first
         self._num_free = num_blocks  # free or evictable
+        self._longest_open = num_blocks  # at least as long as the longest run of open blocks (taking only shortens)
         self.num_evicted = 0  # since start
         self.changes: dict[int, bool] | None = None  # set to {} to follow the cache: name -> stored (True) or evicted
 
@@ -105,10 +106,13 @@ class BlockAllocator:
     def _first_run(self, length: int) -> tuple[int, int]:
         """(start, length) of the first open run of `length` blocks, or of a shorter one, or any free block
         ((-1, 1) when none is free)."""
+        while length > min(self._num_free, self._longest_open):  # no run that long exists: the same answer, unsought
+            length //= 2
         while length >= 1:
             at = self._open.find(b"\x01" * length)
             if at != -1:
                 return at, length
+            self._longest_open = length - 1
             length //= 2
         return self._free.find(1), 1
 
@@ -136,6 +140,7 @@ class BlockAllocator:
     def free(self, block_ids: list[int]) -> None:
         """Release every block of `block_ids` and empty the list: a block no request holds any more goes back to
         the pool, or, named, stays cached (evictable)."""
+        self._longest_open = self.num_blocks  # blocks may open again
         if block_ids and block_ids[0] in self._promises and self._refs[block_ids[0]] == 1:
             start = block_ids[0]
             end = self._promises.pop(start)

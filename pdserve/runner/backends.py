@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import math
 import os
 from dataclasses import dataclass
 
@@ -46,6 +47,38 @@ class Chunk:
     length: int  # new tokens this iteration
     past: int  # tokens already in the KV before this iteration
     block_ids: list[int]  # its KV blocks (at least those covering past + length)
+
+
+@dataclass
+class StepInputs:
+    """One iteration's flat inputs as host arrays (int64): what `TritonBackend.pack_step` lays out. Built from the
+    persistent rows with vectorised gathers (`ModelRunner.gather`), or from lists and chunks (`of_chunks`)."""
+
+    ids: np.ndarray  # [T]
+    positions: np.ndarray  # [T]
+    slots: np.ndarray  # [T]
+    sample: np.ndarray  # [S] rows of [T] whose logits are computed
+    q_start: np.ndarray  # [R] each request's first row
+    q_len: np.ndarray  # [R] its new tokens
+    past: np.ndarray  # [R] its tokens in the KV before this iteration
+    tables: np.ndarray  # [R, W] int32 block ids, W >= the columns the longest request uses; 0 past a request's own
+
+    @classmethod
+    def of_chunks(cls, ids, positions, slots, sample, chunks: list[Chunk], block_size: int) -> StepInputs:
+        width = max((blocks_for(c.past + c.length, block_size) for c in chunks), default=1)
+        tables = np.zeros((len(chunks), width), dtype=np.int32)  # [R, W]
+        for r, c in enumerate(chunks):
+            n = blocks_for(c.past + c.length, block_size)
+            tables[r, :n] = c.block_ids[:n]
+
+        def arr(values) -> np.ndarray:
+            return np.asarray(values, dtype=np.int64).reshape(-1)
+
+        return cls(
+            *(arr(v) for v in (ids, positions, slots, sample)),
+            *(arr([getattr(c, f) for c in chunks]) for f in ("start", "length", "past")),
+            tables,
+        )
 
 
 @dataclass
@@ -289,7 +322,7 @@ class PackLayout:
         out, off = {}, 0
         for name, shape in self.segments():
             out[name] = off
-            off += cdiv(int(np.prod(shape)), SEGMENT_ALIGN) * SEGMENT_ALIGN
+            off += cdiv(math.prod(shape), SEGMENT_ALIGN) * SEGMENT_ALIGN
         return out
 
     def size(self) -> int:
@@ -349,32 +382,39 @@ class TritonBackend(TorchBackend):
         tiles but its last, so sum(ceil(L_r * G / M)) < rows * G / M + requests."""
         return cdiv(rows * self.group, self.tile) + requests
 
+    def layout_of(self, step: StepInputs) -> PackLayout:
+        """The exact layout of an eager step, from its arrays."""
+        width = int(blocks_for(step.past + step.q_len, self.pool.block_size).max(initial=1))
+        tiles = int(self.tiles(step.q_len).sum())  # a token: one tile
+        return PackLayout(len(step.ids), len(step.sample), len(step.q_len), width, tiles)
+
     def pack(self, lay: PackLayout, ids, positions, slots, sample, chunks: list[Chunk]) -> torch.Tensor:
+        """`pack_step` of inputs given as lists and chunks."""
+        return self.pack_step(lay, StepInputs.of_chunks(ids, positions, slots, sample, chunks, self.pool.block_size))
+
+    def pack_step(self, lay: PackLayout, step: StepInputs) -> torch.Tensor:
         """The iteration's inputs in one int32 host buffer (pinned on a GPU host), laid out as `lay`; only
         the block-table columns in use are returned (a prefix of the layout). Padding rows store nothing
         (slot -1) and form one request with no context, whose attention output is 0 (so that they stay finite);
-        padding requests have no rows (q_len 0); padding sampled rows read row 0 (their logits are not used)."""
+        padding requests have no rows (q_len 0); padding sampled rows read row 0 (their logits are not used).
+        Vectorised: no Python per request."""
         buf = self._staging_of(lay.size())
         seg = _views(buf.numpy(), lay)
-        T, S = len(ids), len(sample)
-        for name, values, pad in (("ids", ids, 0), ("positions", positions, 0), ("slots", slots, -1)):
+        T, S = len(step.ids), len(step.sample)
+        for name, values, pad in (("ids", step.ids, 0), ("positions", step.positions, 0), ("slots", step.slots, -1)):
             seg[name][:T], seg[name][T:] = values, pad
-        seg["sample"][:S], seg["sample"][S:] = sample, 0
-        n = self._pack_requests(seg, chunks, T, lay.rows)
+        seg["sample"][:S], seg["sample"][S:] = step.sample, 0
+        n = self._pack_requests(seg, step, lay.rows)
         self._pack_work(seg["work"], seg["q_len"][:n])
-        width = self._pack_tables(seg["block_tables"], chunks)
+        width = self._pack_tables(seg["block_tables"], step)
         return buf[: lay.prefix(width)]
 
     @staticmethod
-    def _pack_requests(seg: dict, chunks: list[Chunk], T: int, rows: int) -> int:
+    def _pack_requests(seg: dict, step: StepInputs, rows: int) -> int:
         """Per request: its first row, rows and context length; the padding rows past the step's T (up to `rows`) as
         one more request, with no context. Returns the requests with rows."""
-        n = len(chunks)
-        for name, values in (
-            ("q_start", [c.start for c in chunks]),
-            ("q_len", [c.length for c in chunks]),
-            ("ctx_len", [c.past + c.length for c in chunks]),
-        ):
+        n, T = len(step.q_len), len(step.ids)
+        for name, values in (("q_start", step.q_start), ("q_len", step.q_len), ("ctx_len", step.past + step.q_len)):
             seg[name][:n], seg[name][n:] = values, 0
         if rows > T:
             seg["q_start"][n], seg["q_len"][n] = T, rows - T
@@ -391,14 +431,13 @@ class TritonBackend(TorchBackend):
         work[:total, 1] = np.arange(total) - np.repeat(starts, counts)
         work[total:] = (0, -1)
 
-    def _pack_tables(self, tables, chunks: list[Chunk]) -> int:
-        """Block ids into the column-major tables [W, R]; return the columns in use."""
-        bs = self.pool.block_size
-        used = [blocks_for(c.past + c.length, bs) for c in chunks]
-        width = max(used, default=1)
-        tables[:width] = 0  # a stale block id must never be in reach of a kernel
-        for r, (c, n_blocks) in enumerate(zip(chunks, used, strict=True)):
-            tables[:n_blocks, r] = c.block_ids[:n_blocks]
+    def _pack_tables(self, tables: np.ndarray, step: StepInputs) -> int:
+        """Block ids into the column-major tables [W, R]; return the columns in use. The columns past a request's
+        own are 0 in `step.tables`: a stale block id is never in reach of a kernel."""
+        width = int(blocks_for(step.past + step.q_len, self.pool.block_size).max(initial=1))
+        R = len(step.q_len)
+        tables[:width, R:] = 0
+        tables[:width, :R] = step.tables[:, :width].T  # [W, R]
         return width
 
     def _staging_of(self, size: int) -> torch.Tensor:
@@ -419,9 +458,12 @@ class TritonBackend(TorchBackend):
         return ForwardInputs(seg["ids"], seg["positions"], seg["slots"], seg["sample"], meta)
 
     def inputs(self, ids, positions, slots, sample, chunks) -> ForwardInputs:
-        lay = self.layout(len(ids), len(sample), chunks)
-        host = self.pack(lay, ids, positions, slots, sample, chunks)
-        return self.views(host.to(self.device, non_blocking=True), lay)
+        return self.step_inputs(StepInputs.of_chunks(ids, positions, slots, sample, chunks, self.pool.block_size))
+
+    def step_inputs(self, step: StepInputs) -> ForwardInputs:
+        """The iteration's inputs on the device: one packed copy."""
+        lay = self.layout_of(step)
+        return self.views(self.pack_step(lay, step).to(self.device, non_blocking=True), lay)
 
     # ---- the layer's small ops: fused kernels ----------------------------------------------------
     def norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -485,7 +527,7 @@ def _views(buf, lay: PackLayout) -> dict:
     out = {}
     for name, shape in lay.segments():
         off = lay.offsets[name]
-        out[name] = buf[off : off + int(np.prod(shape))].reshape(shape)
+        out[name] = buf[off : off + math.prod(shape)].reshape(shape)
     return out
 
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.runner.backends import Chunk, ForwardInputs, PackLayout
+from pdserve.runner.backends import ForwardInputs, PackLayout, StepInputs
 
 log = logging.getLogger("pdserve.graphs")
 
@@ -151,15 +151,15 @@ class StepGraphs:
             [b.tokens for b in self.buckets],
         )
 
-    def run(self, ids, positions, slots, sample, chunks: list[Chunk], feed=None) -> torch.Tensor | None:
-        """Logits [len(sample), V] of a step by replay, or None when no bucket holds it. `feed` (a model.DeviceFeed):
-        input tokens taken from the previous step's sampled ids on the device."""
-        b = pick(self.buckets, len(ids), len(chunks), len(sample))
+    def run(self, step: StepInputs, feed=None) -> torch.Tensor | None:
+        """Logits [len(step.sample), V] of a step by replay, or None when no bucket holds it. `feed` (a
+        model.DeviceFeed): input tokens taken from the previous step's sampled ids on the device."""
+        b = pick(self.buckets, len(step.ids), len(step.q_len), len(step.sample))
         if b is None:
             return None
-        host = self.backend.pack(self.layouts[b], ids, positions, slots, sample, chunks)  # a prefix of the layout
+        host = self.backend.pack_step(self.layouts[b], step)  # a prefix of the layout
         self.buffer[: host.numel()].copy_(host, non_blocking=True)
         if feed is not None:
             feed.into(self.inputs[b].input_ids)
         self.replays[b]()
-        return self.logits[: len(sample)]
+        return self.logits[: len(step.sample)]

@@ -20,6 +20,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,7 +30,7 @@ from pdserve.config import max_model_len
 from pdserve.engine.scheduler import Batch
 from pdserve.kv.block_allocator import blocks_for, cdiv
 from pdserve.kv.pool import DTYPES, KVLayout, KVPool
-from pdserve.runner.backends import Chunk, ForwardInputs, make_backend
+from pdserve.runner.backends import Chunk, ForwardInputs, StepInputs, make_backend
 from pdserve.runner.copies import to_device
 
 log = logging.getLogger("pdserve.model")
@@ -262,8 +263,44 @@ class ModelRunner:
         sample.extend(row for row, _, _ in batch.prompt_logprob_rows())
         return ids, positions, slots, sample, chunks
 
+    @staticmethod
+    def gather(batch: Batch, block_size: int) -> StepInputs:
+        """The iteration's flat inputs gathered from the running requests' persistent rows (`engine/rows.py`) with
+        vectorised numpy: the same values as `flatten`, in the same order. A decode row's token is its row's last
+        known token (a pending one: fed from the device); only the prompt chunks' tokens are copied from lists."""
+        sched, rows, table = batch.scheduled, np.asarray(batch.rows, dtype=np.int64), batch.table  # rows: [R]
+        _, lens, samples, pasts = batch.columns
+        q_len, past = np.array(lens, dtype=np.int64), np.array(pasts, dtype=np.int64)  # [R]
+        samples = np.array(samples, dtype=bool)  # [R]
+        ends = np.cumsum(q_len)  # [R]
+        q_start = ends - q_len
+        T = int(ends[-1]) if len(sched) else 0
+        if T == len(sched):  # one token each (a decode step)
+            tok_rows, positions = rows, past.copy()  # [T]
+        else:
+            of_token = np.repeat(np.arange(len(sched)), q_len)  # [T] each token's request
+            tok_rows, positions = rows[of_token], past[of_token] + np.arange(T) - q_start[of_token]
+        slots = table.table[tok_rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
+        ids = table.last[tok_rows]  # [T]: right for a request's newest token, the one a decode row computes
+        for i in np.flatnonzero((q_len > 1) | ~samples):  # prompt chunks: their tokens from the lists
+            s = sched[i]
+            ids[q_start[i] : ends[i]] = _token_ids(s.request, s.past, s.past + s.num_new_tokens)
+        scored = [row for row, _, _ in batch.prompt_logprob_rows()]
+        sample = np.concatenate([ends[samples] - 1, np.asarray(scored, dtype=np.int64)])  # [S]
+        width = int(table.num_blocks[rows].max(initial=1))
+        return StepInputs(ids, positions, slots, sample, q_start, q_len, past, table.table[rows, :width])
+
+    def step_inputs(self, batch: Batch) -> StepInputs:
+        """The iteration's flat inputs as arrays: gathered from the rows, or (a batch built by hand) from lists."""
+        bs = self.pool.block_size
+        if batch.table is not None:
+            return self.gather(batch, bs)
+        return StepInputs.of_chunks(*self.flatten(batch, bs), bs)
+
     def prepare(self, batch: Batch) -> ForwardInputs:
         """The iteration's inputs on the device (one tensor each, or one packed copy on a GPU)."""
+        if self.backend.name == "triton":
+            return self.backend.step_inputs(self.step_inputs(batch))
         return self.backend.inputs(*self.flatten(batch, self.pool.block_size))
 
     def run(self, batch: Batch, feed: DeviceFeed | None = None) -> tuple[torch.Tensor, bool]:
@@ -271,10 +308,10 @@ class ModelRunner:
         of the rows `flatten` names, [S, V] float32, and whether a graph computed them. `feed`: input rows whose token
         the host does not know yet, read from the previous step's sampled ids on the device."""
         if self.graphs is not None:
-            logits = self.graphs.run(*self.flatten(batch, self.pool.block_size), feed=feed)
+            logits = self.graphs.run(self.step_inputs(batch), feed=feed)
             if logits is not None:
                 return logits, True
-        inp = self.prepare(batch)  # outside every bucket (rare): flattened once more
+        inp = self.prepare(batch)  # outside every bucket (rare): gathered once more
         if feed is not None:
             feed.into(inp.input_ids)
         return self.forward(inp), False

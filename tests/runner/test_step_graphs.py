@@ -60,9 +60,10 @@ class StepLog:
         self.inner = graphs.run
         graphs.run = self
 
-    def __call__(self, ids, positions, slots, sample, chunks, feed=None):
-        logits = self.inner(ids, positions, slots, sample, chunks, feed=feed)
-        self.steps.append(([(c.past, c.length) for c in chunks], len(sample), logits is not None))
+    def __call__(self, step, feed=None):
+        logits = self.inner(step, feed=feed)
+        chunks = list(zip(step.past.tolist(), step.q_len.tolist(), strict=True))
+        self.steps.append((chunks, len(step.sample), logits is not None))
         return logits
 
 
@@ -99,6 +100,7 @@ def test_a_bucketed_step_gives_the_eager_logits(engine):
     """The same mixed step (decodes, a one-token prompt, a chunk after a cached past, with echo rows), padded into a
     larger bucket and replayed over the fixed buffers, and run eagerly at its own sizes: the same logits."""
     from bench.kernels import flat_inputs
+    from pdserve.runner.backends import StepInputs
     from pdserve.runner.cuda_graphs import Bucket
 
     runner, graphs = engine.runner, engine.runner.graphs
@@ -107,7 +109,7 @@ def test_a_bucketed_step_gives_the_eager_logits(engine):
     sample += [3, 4, 5]  # the chunk's first rows, scored as an echo would
     eager = runner.forward(runner.backend.inputs(ids, positions, slots, sample, chunks))
     log = StepLog(graphs)
-    replayed = graphs.run(ids, positions, slots, sample, chunks)
+    replayed = graphs.run(StepInputs.of_chunks(ids, positions, slots, sample, chunks, engine.pool.block_size))
     assert log.steps == [([(20, 1), (0, 1), (16, 7), (33, 1)], 7, True)]
     assert graphs.layouts[Bucket(16, 8, 8)].rows == 16  # 10 tokens padded to 16, 7 rows to 8
     torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)  # bitwise equal on the development host

@@ -1,0 +1,99 @@
+"""The persistent batch (engine/rows.py): the row interface by itself, and the scheduler's use of it (a steady
+decode step writes no row; a step writes only the rows of the requests that joined, left or grew a block), and the
+runner's gathered inputs against its list-built ones."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pdserve.engine.request import Request, Status
+from pdserve.engine.rows import BatchRows
+from pdserve.engine.scheduler import Scheduler
+from pdserve.kv.block_allocator import BlockAllocator
+from pdserve.wire.params import SamplingParams
+
+BS = 4
+
+
+def request(rid: str, prompt: int, max_tokens: int = 64) -> Request:
+    return Request(rid, list(range(10, 10 + prompt)), SamplingParams(max_tokens=max_tokens, temperature=0))
+
+
+def test_rows_add_grow_remove_and_tokens():
+    rows = BatchRows(2, width=2)
+    a, b = request("a", 5), request("b", 3)
+    a.block_ids, b.block_ids = [7, 8], [3]
+    ra, rb = rows.add(a), rows.add(b)
+    assert (ra, rb) == (0, 1) and len(rows) == 2 and rows.writes == 2
+    assert rows.table[ra, :2].tolist() == [7, 8] and rows.last[ra] == 14 and rows.last[rb] == 12
+    a.block_ids.append(9)  # wider than the table: it doubles
+    rows.grow(a)
+    assert rows.table.shape[1] == 4 and rows.table[ra, :3].tolist() == [7, 8, 9] and rows.table[rb, 0] == 3
+    rows.grow(a)  # nothing new: no write
+    assert rows.writes == 3
+    owners = rows.owner[[ra, rb]].copy()
+    rows.remove(a)  # its row is cleared: no stale block id left in reach
+    assert rows.table[ra].tolist() == [0, 0, 0, 0] and a not in rows and rows.writes == 4
+    c = request("c", 2)
+    c.block_ids = [5]
+    assert rows.add(c) == ra  # the freed row, to a new owner
+    rows.take_tokens(np.array([ra, rb]), owners, np.array([99, 42]))  # a step launched before a left
+    assert rows.last[ra] == 11 and rows.last[rb] == 42  # c keeps its own last token; b learns its token
+
+
+def test_a_steady_step_writes_no_row():
+    """Requests decoding within their blocks: the scheduler writes no row; one crossing into a new block writes its
+    row once; one that ends frees its row; a new one takes a row at admission."""
+    s = Scheduler(BlockAllocator(64, BS), max_num_seqs=4, max_num_batched_tokens=64)
+    reqs = [request(f"r{i}", 5) for i in range(3)]
+    for r in reqs:
+        s.add(r)
+    batch = s.schedule()  # the prompts: every request joins, one row each
+    assert s.rows.writes == 3 and sorted(batch.rows) == [0, 1, 2]
+    s.advance(batch)
+    for r in reqs:
+        r.output_token_ids.append(1)
+    writes = s.rows.writes
+    batch = s.schedule()  # positions 5 of blocks [0, 8): no block grows
+    assert s.rows.writes == writes and all(x.num_new_tokens == 1 for x in batch.scheduled)
+    s.advance(batch)
+    for _ in range(2):  # positions 6, 7: still in their second block
+        for r in reqs:
+            r.output_token_ids.append(1)
+        s.advance(s.schedule())
+    assert s.rows.writes == writes
+    for r in reqs:
+        r.output_token_ids.append(1)
+    s.advance(s.schedule())  # position 8: each request grows a block, each row is written once
+    assert s.rows.writes == writes + 3
+    s.finish(reqs[0], Status.FINISHED)
+    late = request("late", 2)
+    s.add(late)
+    batch = s.schedule()
+    assert s.rows.writes == writes + 5 and reqs[0] not in s.rows and s.rows.row_of[late] in batch.rows
+
+
+def test_gathered_inputs_equal_the_flattened_ones():
+    """A mixed step (decodes, a prompt chunk after a past, a new prompt): the rows' vectorised gathers give the
+    values the per-request lists give."""
+    from pdserve.runner.backends import StepInputs
+    from pdserve.runner.model import ModelRunner
+
+    s = Scheduler(BlockAllocator(64, BS), max_num_seqs=4, max_num_batched_tokens=12)
+    first = [request("a", 3), request("b", 14)]
+    for r in first:
+        s.add(r)
+    batch = s.schedule()  # a's prompt, b's first 9 tokens
+    s.advance(batch)
+    first[0].output_token_ids.append(77)  # a's token, taken in as the engine does: by its row
+    row = np.array([s.rows.row_of[first[0]]])
+    s.rows.take_tokens(row, s.rows.owner[row], np.array([77]))
+    s.add(request("c", 6))
+    batch = s.schedule()  # a decodes, b's last 5, c's first 6
+    assert [x.num_new_tokens for x in batch.scheduled] == [1, 5, 6]
+    got = ModelRunner.gather(batch, BS)
+    want = StepInputs.of_chunks(*ModelRunner.flatten(batch, BS), BS)
+    for name in ("ids", "positions", "slots", "sample", "q_start", "q_len", "past"):
+        assert getattr(got, name).tolist() == getattr(want, name).tolist(), name
+    width = want.tables.shape[1]
+    assert got.tables[:, :width].tolist() == want.tables.tolist()
