@@ -37,13 +37,12 @@ import os
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from pdserve.config import RouterConfig
 from pdserve.router import routing
+from pdserve.router.flight import Flight
 from pdserve.router.metrics import NodeCollector, RouterMetrics
-from pdserve.router.nodes import NodeConn, NodeLinks, StartupError
+from pdserve.router.nodes import NodeConn, NodeLinks, StartupError, leaves_cached
 from pdserve.router.routing import NoNodeAvailable, Policy
 from pdserve.wire.messages import ROUTER_ID_END, Abort, Generate, TokenEvent, TokenEvents
 from pdserve.wire.params import ErrorCode, FinishReason, Role, SamplingParams, block_hashes, chain_seed
@@ -54,7 +53,7 @@ EXPIRY_S = 0.25  # how often requests waiting for a first token are checked agai
 # the enum members of the per-token path, looked up once (on its class, an enum member costs about a microsecond)
 ERROR, DECODE, PREFILL = FinishReason.ERROR, Role.DECODE, Role.PREFILL
 NODE_FAILED = ErrorCode.NODE_FAILED
-__all__ = ["Flight", "Inbox", "NoNodeAvailable", "Overloaded", "RouterCore", "StartupError"]
+__all__ = ["NoNodeAvailable", "Overloaded", "RouterCore", "StartupError"]  # what the API takes from here
 
 
 class Overloaded(RuntimeError):
@@ -63,92 +62,6 @@ class Overloaded(RuntimeError):
     def __init__(self, message: str, retry_after: int) -> None:
         super().__init__(message)
         self.retry_after = retry_after
-
-
-class Inbox:
-    """A request's events on their way from the core to what streams them. Pulled: `put` appends without waking
-    anything but the task that waits in `take`, which hands over every event that came since the last take (one node
-    message's, unless the stream fell behind), so a task switch serves them all. Pushed (after `attach`): `put` hands
-    each event straight to a callback, on the node reader's stack, with no task switch at all."""
-
-    __slots__ = ("events", "waiter", "push", "push_tokens")
-
-    def __init__(self) -> None:
-        self.events: list[TokenEvent] = []
-        self.waiter: asyncio.Future | None = None
-        self.push: Callable[[TokenEvent], None] | None = None
-        self.push_tokens: Callable[[list[int]], None] | None = None  # plain events' tokens, where the pusher takes them
-
-    def put(self, ev: TokenEvent) -> None:
-        if self.push is not None:
-            self.push(ev)
-            return
-        self.events.append(ev)
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(None)
-
-    def attach(
-        self, push: Callable[[TokenEvent], None], push_tokens: Callable[[list[int]], None] | None = None
-    ) -> None:
-        """From now on hand every event to `push` (which must not raise), those that came already first; a plain
-        event's tokens to `push_tokens`, where given."""
-        self.push, self.push_tokens = push, push_tokens
-        events, self.events = self.events, []
-        for ev in events:
-            push(ev)
-
-    async def take(self) -> list[TokenEvent]:
-        while not self.events:
-            self.waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self.waiter
-            finally:
-                self.waiter = None
-        events, self.events = self.events, []
-        return events
-
-
-@dataclass(eq=False)
-class Flight:
-    """One request in flight. `request_id` changes when the request is dispatched again."""
-
-    request_id: str
-    prompt: list[int]
-    params: SamplingParams
-    inbox: Inbox = field(default_factory=Inbox)
-    nodes: list[NodeConn] = field(default_factory=list)  # [colocated] or [prefill, decode]
-    start: float = field(default_factory=time.perf_counter)
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    decode_started: bool = False  # disaggregated: the decode node has sent a token
-    output: list[int] = field(default_factory=list)  # token ids streamed so far
-    attempts: int = 0
-    ended: bool = False
-    early: list[TokenEvent] = field(default_factory=list)  # decode events that beat the first token
-    names: list[int] = field(default_factory=list)  # its block names at the latest dispatch ([]: none taken)
-    steady: NodeConn | None = None  # the node whose next plain events are only tokens (RouterCore._deliver_tokens)
-
-    @property
-    def handed_off(self) -> bool:
-        """Whether its prompt is computed on a prefill node and its KV shipped to its decode node."""
-        return bool(self.nodes) and self.nodes[0].role is PREFILL  # [prefill, decode]: once a token, kept cheap
-
-
-def leaves_cached(node: NodeConn, flight: Flight, layout: dict) -> None:
-    """A request that ended well on `node` (the one that sent its last token: colocated, decode, or a prefill node
-    for a one-token answer) left its computed full blocks in the node's cache: its prompt's and its output's but the
-    last token's, whose KV was never computed. Add their names to the router's view now, rather than when the
-    node's next Stats tells (the next turn of a conversation comes at once); that Stats then removes any the node
-    has evicted since."""
-    if not node.info.get("prefix_caching"):
-        return
-    bs, names = layout["block_size"], flight.names
-    tokens = flight.prompt + flight.output
-    full = (len(tokens) - 1) // bs
-    if full > len(names):
-        parent = names[-1] if names else chain_seed(layout["model_fingerprint"])
-        names = names + block_hashes(tokens[len(names) * bs : full * bs], bs, parent)
-    node.cached.update(names[:full])
 
 
 class RouterCore:
@@ -389,7 +302,7 @@ class RouterCore:
             elif source is not None and ev.finish_reason is not FinishReason.ABORT:
                 layout = self._names_layout()
                 if layout is not None:
-                    leaves_cached(source, flight, layout)
+                    leaves_cached(source, flight.prompt + flight.output, flight.names, layout)
             self._end(flight, ev.finish_reason)
         flight.inbox.put(ev)
 

@@ -30,7 +30,7 @@ from pdserve.router.routing import NodeView
 from pdserve.wire import transport
 from pdserve.wire.codec import ProtocolError, encode
 from pdserve.wire.messages import PROTOCOL_VERSION, Hello, HelloAck, Pending, Stats, TokenEvents
-from pdserve.wire.params import Role
+from pdserve.wire.params import Role, block_hashes, chain_seed
 
 log = logging.getLogger("pdserve.router")
 MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | transport.HANDSHAKE_FAILED
@@ -88,6 +88,22 @@ def follow_cache(node: NodeConn, stats: Stats) -> None:
         return
     node.cached.update(stats.cache_stored)
     node.cached.difference_update(stats.cache_evicted)
+
+
+def leaves_cached(node: NodeConn, tokens: list[int], names: list[int], layout: dict) -> None:
+    """A request that ended well on `node` (the one that sent its last token: colocated, decode, or a prefill node
+    for a one-token answer) left its computed full blocks in the node's cache: those of its `tokens` (prompt, then
+    output) but the last token's, whose KV was never computed; `names`: its prompt's block names, as dispatched. Add
+    their names to the router's view now, rather than when the node's next Stats tells (the next turn of a
+    conversation comes at once); that Stats then removes any the node has evicted since."""
+    if not node.info.get("prefix_caching"):
+        return
+    bs = layout["block_size"]
+    full = (len(tokens) - 1) // bs
+    if full > len(names):
+        parent = names[-1] if names else chain_seed(layout["model_fingerprint"])
+        names = names + block_hashes(tokens[len(names) * bs : full * bs], bs, parent)
+    node.cached.update(names[:full])
 
 
 class NodeLinks:

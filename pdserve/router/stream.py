@@ -1,6 +1,6 @@
 """What a client sees of its choices' events: text deltas, and for a streamed answer, events pushed as they come.
 
-A streamed response attaches itself to its requests' inboxes (`core.Inbox.attach`), so the node reader that
+A streamed response attaches itself to its requests' inboxes (`flight.Inbox.attach`), so the node reader that
 delivers an event calls it: it detokenizes, builds the choice's chunk and writes it to the connection
 (`http.RawChunks`) in that same call, with no task, queue or ASGI send per token. Each token event is one SSE event
 (a node sends one per request per step), then the usage chunk when asked for, then `data: [DONE]`.
@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING
 from starlette.responses import Response
 
 from pdserve.router import sse
-from pdserve.router.core import Flight, RouterCore
+from pdserve.router.core import RouterCore
 from pdserve.router.errors import HTTP_STATUS, ApiError, api_error_body
+from pdserve.router.flight import Flight
 from pdserve.router.http import RAW_CHUNKS
 from pdserve.router.sse import ChunkFormat
 from pdserve.router.text import Detokenizer, ModelInfo
