@@ -24,9 +24,10 @@ import json
 import time
 from types import SimpleNamespace
 
-from pdserve.config import TOKEN_PATHS, RouterConfig
+from pdserve.config import RouterConfig
 from pdserve.router import api
-from pdserve.router.core import NodeConn, RouterCore
+from pdserve.router.core import RouterCore
+from pdserve.router.nodes import NodeConn
 from pdserve.router.stream import Outbox, SseStream
 from pdserve.router.text import load_model_info
 from pdserve.wire.codec import encode
@@ -54,13 +55,9 @@ class _NodeSock:
         return [self.queue.pop(0)]
 
 
-def _core(token_path: str) -> RouterCore:
-    core = RouterCore(
-        RouterConfig(
-            model="tiny", prefill=("tcp://p0",), decode=("tcp://d0",), decode_kv=("tcp://k0",), token_path=token_path
-        )
-    )
-    for m in core.membership._members:
+def _core() -> RouterCore:
+    core = RouterCore(RouterConfig(model="tiny", prefill=("tcp://p0",), decode=("tcp://d0",), decode_kv=("tcp://k0",)))
+    for m in core.links.membership._members:
         core.nodes.append(NodeConn(m.role, m.addr, m.kv_addr, sock=_NodeSock(), up=True))
     return core
 
@@ -80,8 +77,8 @@ async def one_round(core: RouterCore, info, streams: int, steps: int, cold: list
         flight = core.submit(job.prompt_ids, job.params)
         stream = SseStream(core, info, [job], False, [flight], SimpleNamespace(usage=None), "stream", outbox)
         stream.attach(written.append)
-        core._on_message(decode, [encode(TokenEvents.of([TokenEvent(flight.request_id, [])]))])
-        core._on_message(prefill, [encode(TokenEvents.of([TokenEvent(flight.request_id, [300])]))])
+        core.links._on_message(decode, [encode(TokenEvents.of([TokenEvent(flight.request_id, [])]))])
+        core.links._on_message(prefill, [encode(TokenEvents.of([TokenEvent(flight.request_id, [300])]))])
         flights.append(flight)
     messages = [
         encode(TokenEvents.of([TokenEvent(f.request_id, [256 + (k * 7 + i) % 250]) for i, f in enumerate(flights)]))
@@ -94,7 +91,7 @@ async def one_round(core: RouterCore, info, streams: int, steps: int, cold: list
             cold.reverse()  # every element's reference count written: the caches hold this list, not the router
         decode.sock.queue.append(message)
         t0 = time.process_time()
-        core._read_batch(decode)
+        core.links._read_batch(decode)
         await asyncio.sleep(0)  # the loop's next pass: the outbox flushes
         spent += time.process_time() - t0
     for f in flights:
@@ -104,20 +101,17 @@ async def one_round(core: RouterCore, info, streams: int, steps: int, cold: list
     return spent / (streams * steps) * 1e6
 
 
-async def measure(
-    streams: int, steps: int, rounds: int, cold_mb: int, token_path: str = RouterConfig.token_path
-) -> dict:
-    info, core = load_model_info("tiny"), _core(token_path)
+async def measure(streams: int, steps: int, rounds: int, cold_mb: int) -> dict:
+    info, core = load_model_info("tiny"), _core()
     cold = list(range(cold_mb * 1024 * 1024 // 8))  # 8 bytes a reference
     try:
         runs = [await one_round(core, info, streams, steps, cold) for _ in range(rounds)]
     finally:
-        core.ctx.destroy(linger=0)
+        core.links.ctx.destroy(linger=0)
     return {
         "streams": streams,
         "steps": steps,
         "cold_mb": cold_mb,
-        "token_path": "c" if core.native else "python",
         "us_per_token": min(runs),
         "rounds": runs,
     }
@@ -129,20 +123,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=1000, help="node messages a round")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--cold-mb", type=int, default=0, help="memory walked before each message (0: none)")
-    ap.add_argument(
-        "--token-path", choices=TOKEN_PATHS, default=RouterConfig.token_path, help="the router's --token-path"
-    )
     a = ap.parse_args(argv)
     if not 1 <= a.steps <= MAX_STEPS or a.streams < 1 or a.rounds < 1:
         ap.error(
             f"--streams and --rounds must be at least 1, --steps between 1 and {MAX_STEPS} (a request's tokens "
             "within tiny's context)"
         )
-    result = asyncio.run(measure(a.streams, a.steps, a.rounds, a.cold_mb, a.token_path))
+    result = asyncio.run(measure(a.streams, a.steps, a.rounds, a.cold_mb))
     print(json.dumps(result))
     print(
         f"{result['us_per_token']:.2f} µs of CPU a token (least of {a.rounds} rounds; {a.streams} streams, "
-        f"{a.cold_mb} MB walked before each message; the {result['token_path']} token path)"
+        f"{a.cold_mb} MB walked before each message)"
     )
     return 0
 

@@ -1,5 +1,5 @@
 """Building pdserve's C sources with the system's C compiler, on first use, into the pdserve cache folder: the engine's
-CPU kernels (runner/kernels.py) and the router's token path (router/native.py). No torch here: the router uses it."""
+CPU kernels (runner/kernels.py). No torch here."""
 
 from __future__ import annotations
 

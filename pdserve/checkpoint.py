@@ -67,7 +67,7 @@ BUILTIN_MODELS: dict[str, ModelSpec] = {
 
 def cache_dir(kind: str = "models") -> Path:
     """Where pdserve keeps what it builds, by kind: "models" (built-in checkpoints), "kernels" (the engine's compiled
-    C), "native" (the router's C token path)."""
+    C)."""
     return Path(os.environ.get("PDSERVE_CACHE", CACHE_ENV_DEFAULT)) / kind
 
 

@@ -18,7 +18,6 @@ from pdserve.wire.params import NODE_ROLES, KvTransport, Role
 
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 CPU_KERNELS = ("auto", "on", "off")
-TOKEN_PATHS = ("auto", "python")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
 KV_TRANSPORTS = tuple(KvTransport)
 ROLES = NODE_ROLES
@@ -387,12 +386,6 @@ class RouterConfig:
         type=int,
         metavar="TOKENS",
     )
-    token_path: str = option(
-        "auto",
-        "a streamed token's way through the router: auto (in C, built on first use with "
-        "the system's C compiler, where it builds; else Python) or python",
-        choices=TOKEN_PATHS,
-    )
     max_prefill_queue: int = option(
         0,
         "disaggregated: when every prefill node holds at least this many of the "
@@ -416,8 +409,6 @@ class RouterConfig:
             raise ValueError("--max-queued-requests must be at least 1")
         if self.router_workers < 1:
             raise ValueError("--router-workers must be at least 1")
-        if self.token_path not in TOKEN_PATHS:
-            raise ValueError(f"--token-path must be one of {', '.join(TOKEN_PATHS)}")
         for name in ("queue_timeout_s", "drain_timeout_s", "node_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")

@@ -113,7 +113,6 @@ UP_ROUTER_FLAGS = (
         "local_prefill_max_tokens",
         "max_prefill_queue",
         "router_workers",
-        "token_path",
     )
     + ROUTER_LIMIT_FLAGS
 )

@@ -47,7 +47,7 @@ ALLOWED = {  # package or module -> the pdserve modules (or packages) it may imp
         "pdserve.cbuild",
     ),
     "nodes": ("pdserve.engine", "pdserve.runner", "pdserve.kv", "pdserve.wire", "pdserve.config", "pdserve.checkpoint"),
-    "router": ("pdserve.wire", "pdserve.config", "pdserve.checkpoint", "pdserve.cbuild", "pdserve.process"),
+    "router": ("pdserve.wire", "pdserve.config", "pdserve.checkpoint", "pdserve.process"),
 }
 
 
@@ -142,3 +142,34 @@ def test_the_import_graph_has_no_circle():
     for module in sorted(graph):
         visit(module, [])
     assert not circles, circles
+
+
+def _closure(module: str) -> set[str]:
+    """`module` and every pdserve module it reaches through its imports."""
+    modules = {_module(p): p for p in PACKAGE.rglob("*.py")}
+    seen, todo = set(), [module]
+    while todo:
+        m = todo.pop()
+        if m in seen or m not in modules:
+            continue
+        seen.add(m)
+        todo += _imports(modules[m])
+    return {m for m in seen if m in modules}
+
+
+def test_the_routing_policy_reaches_no_socket():
+    """routing.py is pure functions over node views: neither it nor anything it imports imports zmq."""
+    reached = _closure("pdserve.router.routing")
+    assert "pdserve.wire.params" in reached  # the walk follows imports
+    path = {_module(p): p for p in PACKAGE.rglob("*.py")}
+    assert not [m for m in sorted(reached) if "zmq" in _third_party(path[m]) or m == "pdserve.wire.transport"]
+
+
+def test_the_router_core_creates_no_socket():
+    """The node sockets are nodes.py's: the core imports neither zmq nor the transport, and opens no socket."""
+    path = PACKAGE / "router" / "core.py"
+    assert "zmq" not in _third_party(path)
+    assert not {m for m in _imports(path) if m.startswith("pdserve.wire.transport")}
+    assert "pdserve.router.nodes" in _imports(path)
+    source = path.read_text()
+    assert ".socket(" not in source and "Context(" not in source

@@ -1,23 +1,17 @@
-"""The router's state: its connections to the nodes, and every request in flight.
+"""The router's requests in flight: their dispatch, their re-dispatch when a node they depend on is lost, and the
+delivery of their tokens to the streams.
 
-Everything here runs on the router's one event loop, so one task at a time owns the state: HTTP
-handlers call `submit` / `abort` and take events from the request's inbox (or have them pushed); the event loop
-watches each node's socket and its monitor, and reads them (`_read`, `_read_monitor`) when they wake; one watchdog
-marks silent or disconnected nodes down and fails their requests.
+Everything here runs on the router's one event loop, so one task at a time owns the state: HTTP handlers call
+`submit` / `abort` and take events from the request's inbox (or have them pushed). The nodes, their sockets and their
+health are nodes.py's (`NodeLinks`), which hands this core each node's token messages and tells it when a node is
+lost; where a request goes is routing.py's, a policy over a view of the nodes taken at each dispatch.
 
 A request's life in the router:
 1. admission: refused (429, Retry-After) while --max-queued-requests requests wait for a first token.
-2. submit: pick a live node of each role it needs, draining ones excepted: the one whose prefix cache
-   holds the longest prefix of the prompt (the router names the prompt's blocks as the nodes do, and
-   follows each node's cache through the changes its Stats carry, and adds the blocks a request that ended
-   well leaves on its node at once: `leaves_cached`), unless it holds more than
-   --cache-balance-margin requests above the least loaded; among equals the least loaded (fewest
-   requests, then fewest KV blocks used; ties go to the node listed first: command-line or
-   registration order); send Generate (the prefill node also learns the decode node's KV address).
-   Disaggregated, the decode node is picked first: when its cache holds all but at most
-   --local-prefill-max-tokens tokens of the prompt (and at least its first block), the Generate goes
-   to it alone and it computes the rest of the prompt itself (conditional disaggregation: no prefill
-   node, no KV transfer); otherwise a prefill node is picked too.
+2. submit: the nodes routing.py picks (cache-aware, least loaded; disaggregated, a decode node that holds most
+   of the prompt may compute it itself); the router names the prompt's blocks as the nodes do, follows each
+   node's cache through its Stats (nodes.py) and adds the blocks a request that ended well leaves on its node at
+   once (`leaves_cached`); send Generate (a prefill node also learns the decode node's KV address).
 3. events: the colocated or prefill node sends the first token, the decode node an empty "KV
    landed" event and then the rest; a decode node that prefilled the prompt itself sends them all,
    as a colocated node does.
@@ -30,10 +24,6 @@ A request's life in the router:
 5. end: a final event (stop, length, error), an abort from the client side (disconnect or stop
    string: Abort goes to every node the request touched), no first token within --queue-timeout-s
    (503), or a lost node as above.
-
-Which nodes there are comes from a membership source (membership.py): a fixed list, read once, or a
-Ray deployment's registry, read every `membership_interval_s`: new nodes join, gone ones leave (their
-requests fail as a dead node's do).
 """
 
 from __future__ import annotations
@@ -46,49 +36,24 @@ import math
 import os
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, field
-
-import zmq
-from zmq.utils.monitor import parse_monitor_message
+from collections import Counter
 
 from pdserve.config import RouterConfig
-from pdserve.router import native
-from pdserve.router.membership import Member, make_membership
+from pdserve.router import routing
+from pdserve.router.flight import Flight
 from pdserve.router.metrics import NodeCollector, RouterMetrics
-from pdserve.wire import transport
-from pdserve.wire.codec import ProtocolError, encode
-from pdserve.wire.messages import (
-    PROTOCOL_VERSION,
-    ROUTER_ID_END,
-    Abort,
-    Generate,
-    Hello,
-    HelloAck,
-    Pending,
-    Stats,
-    TokenEvent,
-    TokenEvents,
-)
+from pdserve.router.nodes import NodeConn, NodeLinks, StartupError, leaves_cached
+from pdserve.router.routing import NoNodeAvailable, Policy
+from pdserve.wire.messages import ROUTER_ID_END, Abort, Generate, TokenEvent, TokenEvents
 from pdserve.wire.params import ErrorCode, FinishReason, Role, SamplingParams, block_hashes, chain_seed
 
 log = logging.getLogger("pdserve.router")
 MAX_ATTEMPTS = 3  # dispatches of one request, the first included, before a lost node fails it
-MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | transport.HANDSHAKE_FAILED
-GOODBYE_LINGER_MS = 200  # how long a stopping router's last message to each node may take to go out
-READ_BATCH = 256  # messages read from one socket before the other callbacks and tasks get a turn
+EXPIRY_S = 0.25  # how often requests waiting for a first token are checked against --queue-timeout-s
 # the enum members of the per-token path, looked up once (on its class, an enum member costs about a microsecond)
 ERROR, DECODE, PREFILL = FinishReason.ERROR, Role.DECODE, Role.PREFILL
 NODE_FAILED = ErrorCode.NODE_FAILED
-EVENTS, POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: pyzmq's enums cost a Python call per use
-
-
-class NoNodeAvailable(RuntimeError):
-    pass
-
-
-class StartupError(RuntimeError):
-    """The router cannot start serving: its nodes did not answer in time, or it was stopped before they did."""
+__all__ = ["NoNodeAvailable", "Overloaded", "RouterCore", "StartupError"]  # what the API takes from here
 
 
 class Overloaded(RuntimeError):
@@ -99,160 +64,12 @@ class Overloaded(RuntimeError):
         self.retry_after = retry_after
 
 
-@dataclass(eq=False)
-class NodeConn:
-    role: Role
-    addr: str
-    kv_addr: str = ""
-    sock: zmq.Socket | None = None
-    monitor: zmq.Socket | None = None  # the socket's connection events
-    up: bool = False
-    greeted: bool = False  # a Hello went out: the node may count this router among its routers
-    draining: bool = False  # shutting down: finishes what it holds, takes nothing new
-    last_seen: float = 0.0
-    stats: Stats | None = None
-    reports: int = 0  # Stats messages received since the router started
-    info: dict = field(default_factory=dict)
-    requests: set[str] = field(default_factory=set)
-    cached: set[int] = field(default_factory=set)  # the block names its prefix cache holds, as its Stats tell
-    ever_up: asyncio.Event = field(default_factory=asyncio.Event)
-
-    @property
-    def name(self) -> str:
-        return f"{self.role}@{self.addr}"
-
-    @property
-    def member(self) -> Member:
-        return Member(self.role, self.addr, self.kv_addr)
-
-    @property
-    def usable(self) -> bool:
-        return self.up and not self.draining
-
-
-class Inbox:
-    """A request's events on their way from the core to what streams them. Pulled: `put` appends without waking
-    anything but the task that waits in `take`, which hands over every event that came since the last take (one node
-    message's, unless the stream fell behind), so a task switch serves them all. Pushed (after `attach`): `put` hands
-    each event straight to a callback, on the node reader's stack, with no task switch at all."""
-
-    __slots__ = ("events", "waiter", "push", "push_tokens")
-
-    def __init__(self) -> None:
-        self.events: list[TokenEvent] = []
-        self.waiter: asyncio.Future | None = None
-        self.push: Callable[[TokenEvent], None] | None = None
-        self.push_tokens: Callable[[list[int]], None] | None = None  # plain events' tokens, where the pusher takes them
-
-    def put(self, ev: TokenEvent) -> None:
-        if self.push is not None:
-            self.push(ev)
-            return
-        self.events.append(ev)
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(None)
-
-    def attach(
-        self, push: Callable[[TokenEvent], None], push_tokens: Callable[[list[int]], None] | None = None
-    ) -> None:
-        """From now on hand every event to `push` (which must not raise), those that came already first; a plain
-        event's tokens to `push_tokens`, where given."""
-        self.push, self.push_tokens = push, push_tokens
-        events, self.events = self.events, []
-        for ev in events:
-            push(ev)
-
-    async def take(self) -> list[TokenEvent]:
-        while not self.events:
-            self.waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self.waiter
-            finally:
-                self.waiter = None
-        events, self.events = self.events, []
-        return events
-
-
-@dataclass(eq=False)
-class Flight:
-    """One request in flight. `request_id` changes when the request is dispatched again."""
-
-    request_id: str
-    prompt: list[int]
-    params: SamplingParams
-    inbox: Inbox = field(default_factory=Inbox)
-    nodes: list[NodeConn] = field(default_factory=list)  # [colocated] or [prefill, decode]
-    start: float = field(default_factory=time.perf_counter)
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    decode_started: bool = False  # disaggregated: the decode node has sent a token
-    output: list[int] = field(default_factory=list)  # token ids streamed so far
-    attempts: int = 0
-    ended: bool = False
-    early: list[TokenEvent] = field(default_factory=list)  # decode events that beat the first token
-    names: list[int] = field(default_factory=list)  # its block names at the latest dispatch ([]: none taken)
-    steady: NodeConn | None = None  # the node whose next plain events are only tokens (RouterCore._deliver_tokens)
-
-    @property
-    def handed_off(self) -> bool:
-        """Whether its prompt is computed on a prefill node and its KV shipped to its decode node."""
-        return bool(self.nodes) and self.nodes[0].role is PREFILL  # [prefill, decode]: once a token, kept cheap
-
-
-def _put_tokens(inbox: Inbox, request_id: str, token_ids: list[int]) -> None:
-    """A steady request's tokens, to an inbox whose stream does not take them bare: as an event."""
-    inbox.put(TokenEvent(request_id, token_ids))
-
-
-def leaves_cached(node: NodeConn, flight: Flight, layout: dict) -> None:
-    """A request that ended well on `node` (the one that sent its last token: colocated, decode, or a prefill node
-    for a one-token answer) left its computed full blocks in the node's cache: its prompt's and its output's but the
-    last token's, whose KV was never computed. Add their names to the router's view now, rather than when the
-    node's next Stats tells (the next turn of a conversation comes at once); that Stats then removes any the node
-    has evicted since."""
-    if not node.info.get("prefix_caching"):
-        return
-    bs, names = layout["block_size"], flight.names
-    tokens = flight.prompt + flight.output
-    full = (len(tokens) - 1) // bs
-    if full > len(names):
-        parent = names[-1] if names else chain_seed(layout["model_fingerprint"])
-        names = names + block_hashes(tokens[len(names) * bs : full * bs], bs, parent)
-    node.cached.update(names[:full])
-
-
-def follow_cache(node: NodeConn, stats: Stats) -> None:
-    """Apply a node's prefix cache changes (or, after a Hello, its whole cache) to the router's view of it."""
-    if stats.cache_reset:
-        node.cached = set(stats.cache_stored)
-        return
-    node.cached.update(stats.cache_stored)
-    node.cached.difference_update(stats.cache_evicted)
-
-
-def cached_prefix(cached: set[int], names: list[int]) -> int:
-    """How many of `names`, from the first, are in `cached`."""
-    n = 0
-    while n < len(names) and names[n] in cached:
-        n += 1
-    return n
-
-
-def tokens_to_compute(num_tokens: int, cached_blocks: int, block_size: int) -> int:
-    """The tokens of a prompt of `num_tokens` a node computes when its cache holds the prompt's first `cached_blocks`
-    blocks: those after the blocks it shares, which never include the block of the last token (its logits give the
-    first token), as the scheduler shares them."""
-    return num_tokens - min(cached_blocks, (num_tokens - 1) // block_size) * block_size
-
-
 class RouterCore:
     def __init__(self, cfg: RouterConfig) -> None:
         self.cfg = cfg
-        self.started = time.monotonic()  # a node's join is logged with its time since then
-        self.ctx = zmq.Context()
-        self.membership = make_membership(cfg)
-        self.keys = transport.load_keys(cfg.zmq_keys) if cfg.zmq_keys else None
-        self.nodes: list[NodeConn] = []  # changed in place only: the metrics collector holds this list
+        self.routing_id = f"router-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # on every node connection; leads our ids
+        self.links = NodeLinks(cfg, self.routing_id, self._on_events, self._node_lost)
+        self.nodes = self.links.nodes  # changed in place only: the metrics collector holds this list
         self.flights: dict[str, Flight] = {}
         self.waiting: set[Flight] = set()  # admitted, no first token yet
         self.draining = False
@@ -263,66 +80,22 @@ class RouterCore:
         self._ttft_recent = 1.0  # seconds, a moving average: the Retry-After of a refused request
         self._tasks: list[asyncio.Task] = []
         self._ids = itertools.count()
-        self.routing_id = f"router-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # on every node connection; leads our ids
-        self.start_cancelled = asyncio.Event()  # set by a SIGTERM that comes before the nodes answered
-        self.native = native.load() if cfg.token_path == "auto" else None  # the per-token path in C (None: Python)
+
+    @property
+    def start_cancelled(self) -> asyncio.Event:
+        """Set by a SIGTERM that comes before the nodes answered."""
+        return self.links.start_cancelled
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
-        await self._sync_members()
-        self._tasks.append(asyncio.create_task(self._watchdog()))
-        if self.cfg.ray_address:
-            self._tasks.append(asyncio.create_task(self._follow_members()))
-        await self._await_nodes()
-        self._check_pairing()
-
-    async def _await_nodes(self) -> None:
-        """Wait until every node has answered once; a StartupError past --connect-timeout-s, or once the start is
-        cancelled (a SIGTERM before the nodes answered)."""
-        log.info(
-            "waiting up to %g s for the nodes to answer: %s",
-            self.cfg.connect_timeout_s,
-            ", ".join(n.name for n in self.nodes),
-        )
-        answered = asyncio.ensure_future(asyncio.gather(*(n.ever_up.wait() for n in self.nodes)))
-        cancelled = asyncio.ensure_future(self.start_cancelled.wait())
-        await asyncio.wait(
-            {answered, cancelled}, timeout=self.cfg.connect_timeout_s, return_when=asyncio.FIRST_COMPLETED
-        )
-        all_answered = answered.done()
-        for waiter in (answered, cancelled):
-            waiter.cancel()
-        await asyncio.gather(answered, cancelled, return_exceptions=True)
-        if self.start_cancelled.is_set():
-            raise StartupError("stopped before the nodes answered")
-        if not all_answered:
-            down = ", ".join(n.name for n in self.nodes if not n.up)
-            raise StartupError(
-                f"nodes did not answer within {self.cfg.connect_timeout_s:g} s: {down} "
-                "(are they running, at these addresses?)"
-            )
+        self._tasks.append(asyncio.create_task(self._expire_waiting_often()))
+        await self.links.start()
 
     async def stop(self) -> None:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for node in self.nodes:
-            self._unwatch(node, linger_ms=GOODBYE_LINGER_MS if self._say_goodbye(node) else 0)
-        self.ctx.destroy(linger=0)
-        self.membership.close()
-
-    def _say_goodbye(self, node: NodeConn) -> bool:
-        """Tell a node this router greeted that it routes nothing there any more (an empty Pending, unasked), so that
-        the node, draining later, does not wait for its answer (node.ROUTER_ANSWER_S); greeted, not only answered: the
-        node counts a router once it has its Hello. True where it was sent: its socket then closes with a short
-        linger, for it to go out."""
-        if not node.greeted or node.sock is None or node.sock.closed:  # greeted, even if not answered yet
-            return False
-        try:
-            node.sock.send(encode(Pending([])), zmq.NOBLOCK)
-        except zmq.ZMQError:
-            return False  # its connection is gone: nothing to tell
-        return True
+        await self.links.stop()
 
     async def drain(self, grace_s: float) -> None:
         """Take no new requests; wait up to `grace_s` for those in flight, then fail the rest (503)."""
@@ -335,164 +108,9 @@ class RouterCore:
                 flight, f"the router is shutting down and its drain period of {grace_s}s ran out", ErrorCode.DRAINING
             )
 
-    def _check_pairing(self) -> None:
-        """Every node must serve the same model layout, or outputs would be garbage."""
-        layouts = {n.name: n.info.get("layout", {}) for n in self.nodes}
-        if not layouts:
-            return
-        first_name, first = next(iter(layouts.items()))
-        for name, layout in layouts.items():
-            if layout.get("model_fingerprint") != first.get("model_fingerprint"):
-                raise RuntimeError(f"{name} serves a different model than {first_name}")
-
-    # ---- membership ---------------------------------------------------------------------------
-    async def _follow_members(self) -> None:
+    async def _expire_waiting_often(self) -> None:
         while True:
-            await asyncio.sleep(self.cfg.membership_interval_s)
-            try:
-                await self._sync_members()
-            except Exception as e:  # the registry may be out of reach for a while: keep the nodes we have
-                log.warning("cannot read the node list: %s", e)
-
-    async def _sync_members(self) -> None:
-        listed = await self.membership.members()
-        wanted = set(listed)
-        for node in [n for n in self.nodes if n.member not in wanted]:
-            self._leave(node)
-        have = {n.member for n in self.nodes}
-        for m in dict.fromkeys(m for m in listed if m not in have):  # in the order listed: ties in _pick go first
-            self._join(NodeConn(m.role, m.addr, m.kv_addr))
-
-    def _join(self, node: NodeConn) -> None:
-        node.sock = self.ctx.socket(zmq.DEALER)
-        node.sock.setsockopt(zmq.ROUTING_ID, self.routing_id.encode())
-        transport.configure(node.sock)
-        transport.secure_client(node.sock, self.keys)
-        node.sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        node.monitor = node.sock.get_monitor_socket(MONITORED)
-        node.sock.connect(node.addr)
-        loop = asyncio.get_running_loop()
-        loop.add_reader(node.sock.FD, self._read, node)
-        loop.add_reader(node.monitor.FD, self._read_monitor, node)
-        loop.call_soon(self._read_monitor, node)  # what came before the loop watched: its wake-up may be past
-        self.nodes.append(node)
-        log.info("%s joined", node.name)
-
-    def _leave(self, node: NodeConn) -> None:
-        self._node_down(node, "it left the cluster")
-        self.nodes.remove(node)
-        log.info("%s left", node.name)
-        self._unwatch(node)
-
-    def _unwatch(self, node: NodeConn, linger_ms: int = 0) -> None:
-        """Stop reading the node's sockets, and close them (what is still to send there may take `linger_ms`)."""
-        loop = asyncio.get_running_loop()
-        for sock in (node.sock, node.monitor):
-            if sock is not None and not sock.closed:
-                loop.remove_reader(sock.FD)
-        if node.sock is not None and not node.sock.closed:
-            node.sock.disable_monitor()
-            node.monitor.close(linger=0)
-            node.sock.close(linger=linger_ms)
-
-    def _same_model(self, node: NodeConn, info: dict) -> bool:
-        """A node that joins must serve the model the others serve, or outputs would be garbage."""
-        theirs = [n.info.get("layout", {}).get("model_fingerprint") for n in self.nodes if n.up and n is not node]
-        return not theirs or info.get("layout", {}).get("model_fingerprint") == theirs[0]
-
-    # ---- node I/O -----------------------------------------------------------------------------
-    def _hello(self, node: NodeConn) -> None:
-        self._send(node, Hello(PROTOCOL_VERSION, Role.ROUTER))
-        node.greeted = True
-
-    def _send(self, node: NodeConn, msg: object) -> None:
-        """Send `msg` to the node (its socket's send queue has no bound: this never waits). A zmq socket's descriptor
-        wakes only on a change, and a send may take in the change that a message from the node made: so look for
-        messages after it, or one could wait unread until the node sends the next (seen: a prefill node's first
-        tokens read 0.6 s late, after the decode node's next hundred tokens)."""
-        node.sock.send(encode(msg), zmq.NOBLOCK)
-        if node.sock.get(EVENTS) & POLLIN:
-            asyncio.get_running_loop().call_soon(self._read, node)
-
-    def _read(self, node: NodeConn) -> None:
-        """Every message the node's socket holds (READ_BATCH at a time), when its descriptor wakes or a send may have
-        hidden a wake-up."""
-        if self._read_batch(node):
-            asyncio.get_running_loop().call_soon(self._read, node)
-
-    def _read_all(self, node: NodeConn) -> None:
-        """Every message the node's socket holds now. After its peer disconnects a socket still holds what the peer
-        sent before; the monitor's event may be read first."""
-        while self._read_batch(node):
-            pass
-
-    def _read_batch(self, node: NodeConn) -> bool:
-        """Up to READ_BATCH of the node's messages; True when that many were read (more may wait)."""
-        sock = node.sock
-        for _ in range(READ_BATCH):
-            if sock.closed or not sock.get(EVENTS) & POLLIN:  # cheaper than the exception of an empty read
-                return False
-            self._on_message(node, sock.recv_multipart(zmq.NOBLOCK))  # bytes: cheaper than frames for small messages
-        return True
-
-    def _on_message(self, node: NodeConn, parts: list) -> None:
-        try:
-            _, msg, _ = transport.split(parts, routed=False)
-        except ProtocolError as e:
-            log.warning("%s sent a malformed message: %s", node.name, e)
-            return
-        node.last_seen = time.monotonic()
-        if not node.up and isinstance(msg, Stats):
-            self._hello(node)  # marked down for silence, yet alive: pair again
-        if isinstance(msg, TokenEvents):
-            self._deliver_tokens(msg.tokens, node)  # each request is in a message once: the plain events first
-            for ev in msg.events:
-                self._deliver(ev, node)
-        elif isinstance(msg, Stats):
-            node.stats, node.draining = msg, msg.draining
-            node.reports += 1
-            follow_cache(node, msg)
-            if msg.draining:  # it may exit once nothing routed to it is left
-                self._send(node, Pending(sorted(node.requests)))
-        elif isinstance(msg, HelloAck):
-            self._on_hello_ack(node, msg)
-
-    def _on_hello_ack(self, node: NodeConn, msg: HelloAck) -> None:
-        if not msg.ok or msg.role != node.role:
-            log.error("%s refused the router: %s (role %s)", node.name, msg.reason, msg.role)
-            return
-        if not isinstance(msg.info, dict) or not self._same_model(node, msg.info):
-            log.error("%s serves a different model than the other nodes; not using it", node.name)
-            return
-        node.info = msg.info
-        node.up, node.draining = True, False
-        node.ever_up.set()
-        log.info("%s is up (joined %.1f s after the router started)", node.name, time.monotonic() - self.started)
-
-    def _read_monitor(self, node: NodeConn) -> None:
-        """Every connection event the node's monitor holds."""
-        while not node.monitor.closed:
-            try:
-                event = parse_monitor_message(node.monitor.recv_multipart(zmq.NOBLOCK))["event"]
-            except zmq.Again:
-                return
-            if event == zmq.EVENT_CONNECTED:
-                node.last_seen = time.monotonic()
-                self._hello(node)
-            elif event == zmq.EVENT_DISCONNECTED:
-                self._read_all(node)  # what it sent before it went comes first (a drained node's last errors)
-                self._node_down(node, "disconnected")
-            elif event & transport.HANDSHAKE_FAILED:
-                log.error("%s: the CurveZMQ handshake failed; do both sides use the same --zmq-keys?", node.name)
-
-    async def _watchdog(self) -> None:
-        while True:
-            await asyncio.sleep(0.25)
-            now = time.monotonic()
-            for node in self.nodes:
-                if node.up and now - node.last_seen > self.cfg.node_timeout_s:
-                    self._node_down(node, f"silent for {self.cfg.node_timeout_s}s")
-                    self._hello(node)  # if it serves another peer now, win it back
+            await asyncio.sleep(EXPIRY_S)
             self._expire_waiting()
 
     def _expire_waiting(self) -> None:
@@ -506,15 +124,17 @@ class RouterCore:
                 ErrorCode.CAPACITY,
             )
 
-    def _node_down(self, node: NodeConn, why: str) -> None:
-        if node.up:
-            log.error("%s is down (%s); %d requests in flight there", node.name, why, len(node.requests))
-        node.up = False
-        node.cached.clear()  # it sends its whole cache again once it is back
+    def _node_lost(self, node: NodeConn, why: str) -> None:
+        """A node was marked down (nodes.py): its requests are dispatched again."""
         for rid in list(node.requests):
             flight = self.flights.get(rid)
             if flight is not None:
                 self._lost(flight, f"{node.role} node {node.addr} failed ({why})", ErrorCode.NODE_FAILED)
+
+    def _on_events(self, msg: TokenEvents, node: NodeConn) -> None:
+        self._deliver_tokens(msg.tokens, node)  # each request is in a message once: the plain events first
+        for ev in msg.events:
+            self._deliver(ev, node)
 
     # ---- requests -----------------------------------------------------------------------------
     def check_admission(self) -> None:
@@ -537,32 +157,12 @@ class RouterCore:
         self.metrics.prompt_tokens.inc(len(flight.prompt))
         return flight
 
-    def _pick(self, role: Role, names: list[int] = ()) -> NodeConn:
-        """The live node of `role` holding the longest cached prefix of the prompt whose block names are `names`,
-        among those within --cache-balance-margin requests of the least loaded (-1: by load only); the least loaded
-        among equals (fewest requests, then fewest KV blocks used; ties go to the node listed first)."""
-        live = [n for n in self.nodes if n.role == role and n.usable]
-        if not live:
-            raise NoNodeAvailable(f"no {role} node is up")
-        margin = self.cfg.cache_balance_margin
-        names = names if margin >= 0 else []
-        least = min(len(n.requests) for n in live)
-        near = [n for n in live if len(n.requests) <= least + margin] if names else live
-        return min(
-            near,
-            key=lambda n: (-cached_prefix(n.cached, names), len(n.requests), n.stats.kv_blocks_used if n.stats else 0),
-        )
-
-    def _layout(self) -> dict | None:
-        """The nodes' KV layout (block size, model fingerprint), as their HelloAck gave it."""
-        return next((n.info.get("layout") for n in self.nodes if isinstance(n.info.get("layout"), dict)), None)
-
     def _names_layout(self) -> dict | None:
         """The nodes' layout, by which blocks are named, when routing looks at the nodes' caches (cache-aware picks,
         or conditional disaggregation); None when it does not, or no node has told it yet."""
         cfg = self.cfg
         used = cfg.cache_balance_margin >= 0 or (cfg.mode == "disagg" and cfg.local_prefill_max_tokens != 0)
-        return self._layout() if used else None
+        return self.links.layout() if used else None
 
     def _block_names(self, prompt: list[int]) -> list[int]:
         """The prompt's block names as the nodes name them ([] when no node caches, or nothing here uses them)."""
@@ -571,34 +171,14 @@ class RouterCore:
             return []
         return block_hashes(prompt, layout["block_size"], chain_seed(layout["model_fingerprint"]))
 
-    def _local_prefill_limit(self, decode: NodeConn) -> int:
-        """The most prompt tokens `decode` may compute itself (--local-prefill-max-tokens; by default its own
-        --max-num-batched-tokens, one chunk; 0: none)."""
-        limit = self.cfg.local_prefill_max_tokens
-        return int(decode.info.get("max_num_batched_tokens", 0)) if limit is None else limit
-
-    def _prefills_locally(self, decode: NodeConn, prompt: list[int], names: list[int], params: SamplingParams) -> bool:
-        """Conditional disaggregation: whether `decode` holds (as its Stats tell) the prompt's first block and all but
-        at most its limit of tokens, so that it computes the rest itself. A request scored at every prompt position
-        (echo with logprobs) shares no cached block: never."""
-        hit, layout = cached_prefix(decode.cached, names), self._layout()
-        if not hit or layout is None or params.prompt_logprobs is not None:
-            return False
-        return tokens_to_compute(len(prompt), hit, layout["block_size"]) <= self._local_prefill_limit(decode)
-
-    def _takes_a_queued_prefill(self, decode: NodeConn, params: SamplingParams) -> bool:
-        """Conditional disaggregation by load (--max-prefill-queue): whether every live prefill node holds at least
-        that many of this router's requests not yet handed to their decode node, while `decode` holds fewer prompts
-        of its own still waiting for their first token, so that it takes the next prompt as a prefill node would.
-        Never for a request scored at every prompt position (echo with logprobs)."""
-        limit = self.cfg.max_prefill_queue
-        if not limit or params.prompt_logprobs is not None:
-            return False
-        shortest = min((len(n.requests) for n in self.nodes if n.role is PREFILL and n.usable), default=0)
-        if shortest < limit:
-            return False
-        own = sum(1 for f in self.waiting if len(f.nodes) == 1 and f.nodes[0] is decode)
-        return own < shortest
+    def _route(self, prompt: list[int], names: list[int], params: SamplingParams) -> list[NodeConn]:
+        """The nodes the request goes to (routing.py decides, on a view of the nodes taken now)."""
+        cfg, layout = self.cfg, self.links.layout() or {}
+        policy = Policy(cfg.mode, cfg.cache_balance_margin, cfg.max_prefill_queue, layout.get("block_size", 0))
+        own = Counter(f.nodes[0] for f in self.waiting if len(f.nodes) == 1) if cfg.max_prefill_queue else Counter()
+        views = [n.view(cfg.local_prefill_max_tokens, own[n]) for n in self.nodes]
+        picked = routing.route(views, policy, len(prompt), names, scored=params.prompt_logprobs is not None)
+        return [self.nodes[i] for i in picked.nodes]
 
     def _dispatch(self, flight: Flight) -> None:
         """Send the request, from where its stream stands, to the nodes that cache most of it or are least loaded,
@@ -607,22 +187,15 @@ class RouterCore:
         prompt = flight.prompt + flight.output
         params = self._resumed_params(flight)
         names = self._block_names(prompt)
-        if self.cfg.mode == "colocated":
-            nodes = [self._pick(Role.COLOCATED, names)]
-            msg = Generate(rid, prompt, params)
-        else:
-            decode = self._pick(Role.DECODE, names)
-            if self._prefills_locally(decode, prompt, names, params) or self._takes_a_queued_prefill(decode, params):
-                nodes, msg = [decode], Generate(rid, prompt, params)
-            else:
-                nodes = [self._pick(Role.PREFILL, names), decode]
-                msg = Generate(rid, prompt, params, decode_addr=decode.kv_addr)
+        nodes = self._route(prompt, names, params)
+        decode_addr = nodes[1].kv_addr if len(nodes) == 2 else ""
+        msg = Generate(rid, prompt, params, decode_addr=decode_addr)
         flight.request_id, flight.nodes, flight.names, flight.steady = rid, nodes, names, None
         flight.attempts += 1
         self.flights[rid] = flight
         for n in nodes:
             n.requests.add(rid)
-        self._send(nodes[0], msg)
+        self.links.send(nodes[0], msg)
 
     @staticmethod
     def _resumed_params(flight: Flight) -> SamplingParams:
@@ -663,27 +236,17 @@ class RouterCore:
     def _deliver_tokens(self, tokens: list, source: NodeConn) -> None:
         """A node message's plain events (new tokens, nothing else; flat: request id, token ids, ...), the commonest by
         far. A steady request's (`Flight.steady`) are only tokens to count (the gap since its last, one clock reading
-        a message) and hand over; any other goes the long way, as an event. The loop runs in C where built
-        (native.py), else here."""
-        now, gaps = time.perf_counter(), []
+        a message) and hand over; any other goes the long way, as an event."""
+        now, gaps, count, flights = time.perf_counter(), [], 0, self.flights
         try:
-            if self.native is not None:
-                count = self.native.deliver(tokens, self.flights, source, now, gaps, self._deliver_plain, _put_tokens)
-            else:
-                count = self._deliver_tokens_here(tokens, source, now, gaps)
-        finally:  # the gaps of the clocks already moved on, even where a stream's push raised
-            self.metrics.itl.observe_all(gaps)
-        self.metrics.generation_tokens.inc(count)
-
-    def _deliver_tokens_here(self, tokens: list, source: NodeConn, now: float, gaps: list[float]) -> int:
-        """The loop of _deliver_tokens in Python (native.deliver's twin): the tokens handed over the short way."""
-        flights, count = self.flights, 0
-        for k in range(0, len(tokens), 2):
-            request_id, token_ids = tokens[k], tokens[k + 1]
-            flight = flights.get(request_id)
-            if flight is None:
-                continue  # already ended (aborted, failed, or dispatched again under a new id)
-            if flight.steady is source and token_ids:
+            for k in range(0, len(tokens), 2):
+                request_id, token_ids = tokens[k], tokens[k + 1]
+                flight = flights.get(request_id)
+                if flight is None:
+                    continue  # already ended (aborted, failed, or dispatched again under a new id)
+                if flight.steady is not source or not token_ids:
+                    self._deliver(TokenEvent(request_id, token_ids), source)  # the long way
+                    continue
                 gaps.append(now - flight.last_token_at)
                 flight.last_token_at = now
                 flight.output += token_ids
@@ -692,14 +255,10 @@ class RouterCore:
                 if inbox.push_tokens is not None:  # a plain event's tokens, where its stream takes them so
                     inbox.push_tokens(token_ids)
                 else:
-                    _put_tokens(inbox, request_id, token_ids)
-            else:
-                self._deliver_plain(request_id, token_ids, source)
-        return count
-
-    def _deliver_plain(self, request_id: str, token_ids: list[int], source: NodeConn) -> None:
-        """A plain event of a request that is not steady: the long way."""
-        self._deliver(TokenEvent(request_id, token_ids), source)
+                    inbox.put(TokenEvent(request_id, token_ids))
+        finally:  # the gaps of the clocks already moved on, even where a stream's push raised
+            self.metrics.itl.observe_all(gaps)
+        self.metrics.generation_tokens.inc(count)
 
     def _deliver(self, ev: TokenEvent, source: NodeConn) -> None:
         flight = self.flights.get(ev.request_id)
@@ -743,7 +302,7 @@ class RouterCore:
             elif source is not None and ev.finish_reason is not FinishReason.ABORT:
                 layout = self._names_layout()
                 if layout is not None:
-                    leaves_cached(source, flight, layout)
+                    leaves_cached(source, flight.prompt + flight.output, flight.names, layout)
             self._end(flight, ev.finish_reason)
         flight.inbox.put(ev)
 
@@ -795,7 +354,7 @@ class RouterCore:
     def _abort_on_nodes(self, flight: Flight) -> None:
         for n in flight.nodes:
             if n.up:
-                self._send(n, Abort(flight.request_id))
+                self.links.send(n, Abort(flight.request_id))
 
     def kv_capacity_tokens(self, role: Role) -> int | None:
         """The most tokens one request's KV can take on every node of `role`."""

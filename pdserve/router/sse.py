@@ -29,10 +29,6 @@ class ChunkFormat:
         self.after_text = '}, "logprobs": null, "finish_reason": ' if chat else ', "logprobs": null, "finish_reason": '
         self.with_token_ids = with_token_ids
 
-    def plain_ends(self) -> tuple[bytes, bytes]:
-        """The bytes of an event with no finish reason before its text and after it (up to its token ids)."""
-        return self.head.encode(), f"{self.after_text}{_REASONS[None]}".encode()
-
     def event(self, text: str, token_ids: list[int], reason: FinishReason | None) -> str:
         ids = f', "token_ids": [{", ".join(map(str, token_ids))}]' if self.with_token_ids else ""
         return f"{self.head}{encode_basestring_ascii(text)}{self.after_text}{_REASONS[reason]}{ids}}}]}}\n\n"

@@ -1,6 +1,6 @@
 """What a client sees of its choices' events: text deltas, and for a streamed answer, events pushed as they come.
 
-A streamed response attaches itself to its requests' inboxes (`core.Inbox.attach`), so the node reader that
+A streamed response attaches itself to its requests' inboxes (`flight.Inbox.attach`), so the node reader that
 delivers an event calls it: it detokenizes, builds the choice's chunk and writes it to the connection
 (`http.RawChunks`) in that same call, with no task, queue or ASGI send per token. Each token event is one SSE event
 (a node sends one per request per step), then the usage chunk when asked for, then `data: [DONE]`.
@@ -28,11 +28,12 @@ from typing import TYPE_CHECKING
 from starlette.responses import Response
 
 from pdserve.router import sse
-from pdserve.router.core import Flight, RouterCore
+from pdserve.router.core import RouterCore
 from pdserve.router.errors import HTTP_STATUS, ApiError, api_error_body
+from pdserve.router.flight import Flight
 from pdserve.router.http import RAW_CHUNKS
 from pdserve.router.sse import ChunkFormat
-from pdserve.router.text import ByteText, Detokenizer, ModelInfo
+from pdserve.router.text import Detokenizer, ModelInfo
 from pdserve.wire.messages import TokenEvent
 from pdserve.wire.params import FinishReason
 
@@ -197,16 +198,7 @@ class SseStream:
         self.write, self.last = write, last or write
         for i, flight in enumerate(self.flights):
             plain = self.views[i].plain_text is not None
-            flight.inbox.attach(partial(self._on_event, i), self._plain_push(i) if plain else None)
-
-    def _plain_push(self, i: int) -> Callable[[list[int]], None]:
-        """What takes a plain choice's tokens: `_on_tokens` in C (native.py) where built and its text is a ByteText's,
-        else `_on_tokens`."""
-        source, tokenpath = self.views[i].detok.source, self.core.native
-        if tokenpath is None or not isinstance(source, ByteText) or self.views[i].plain_text != source.add:
-            return partial(self._on_tokens, i)
-        head, after = self.formats[i].plain_ends()
-        return tokenpath.Plain(self, source, head, after, self.formats[i].with_token_ids, partial(self._fault, i))
+            flight.inbox.attach(partial(self._on_event, i), partial(self._on_tokens, i) if plain else None)
 
     def flush(self, write: Callable[[bytes], object] | None = None) -> None:
         """Send what is held (with `write`, where given)."""
@@ -236,8 +228,7 @@ class SseStream:
             self._fault(i)
 
     def _on_tokens(self, i: int, token_ids: list[int]) -> None:
-        """A plain choice's event before its end (the commonest by far): its tokens' text, its chunk; no Delta.
-        native.Plain is its twin in C."""
+        """A plain choice's event before its end (the commonest by far): its tokens' text, its chunk; no Delta."""
         if self.done.done():
             return
         try:

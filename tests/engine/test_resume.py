@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from pdserve.engine.request import Request
-from pdserve.router.core import Flight, RouterCore
+from pdserve.router.core import RouterCore
+from pdserve.router.flight import Flight
 from pdserve.runner.sampling import Sampler, apply_processors
 from pdserve.wire.params import SamplingParams
 

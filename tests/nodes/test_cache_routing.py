@@ -9,7 +9,8 @@ from pdserve.config import EngineConfig, NodeConfig, RouterConfig
 from pdserve.engine.request import Request
 from pdserve.kv.block_allocator import BlockAllocator
 from pdserve.nodes.colocated import ColocatedNode
-from pdserve.router.core import NodeConn, RouterCore, follow_cache
+from pdserve.router.core import RouterCore
+from pdserve.router.nodes import NodeConn, follow_cache
 from pdserve.wire.messages import PROTOCOL_VERSION, Generate, Hello, Stats, TokenEvent
 from pdserve.wire.params import FinishReason, Role, SamplingParams, block_hashes, chain_seed
 from tests.helpers import FakeNodeSock
@@ -28,10 +29,10 @@ def names(prompt: list[int]) -> list[int]:
 @pytest.fixture
 def colocated():
     c = RouterCore(RouterConfig(model="tiny", colocated=("tcp://c0", "tcp://c1", "tcp://c2")))
-    for m in c.membership._members:
+    for m in c.links.membership._members:
         c.nodes.append(NodeConn(m.role, m.addr, m.kv_addr, sock=FakeNodeSock(), up=True, info={"layout": LAYOUT}))
     yield c
-    c.ctx.destroy(linger=0)
+    c.links.ctx.destroy(linger=0)
 
 
 def submit(core: RouterCore, prompt: list[int]) -> str:
@@ -84,12 +85,12 @@ def test_a_loaded_node_is_passed_over_beyond_the_margin(colocated):
 def test_margin_minus_one_routes_by_load_only():
     c = RouterCore(RouterConfig(model="tiny", colocated=("tcp://c0", "tcp://c1"), cache_balance_margin=-1))
     try:
-        for m in c.membership._members:
+        for m in c.links.membership._members:
             c.nodes.append(NodeConn(m.role, m.addr, sock=FakeNodeSock(), up=True, info={"layout": LAYOUT}))
         follow_cache(c.nodes[1], stats(Role.COLOCATED, stored=names(list(range(40)))))
         assert submit(c, list(range(40))) == "tcp://c0"
     finally:
-        c.ctx.destroy(linger=0)
+        c.links.ctx.destroy(linger=0)
 
 
 def test_disagg_picks_the_prefill_and_the_decode_node_by_their_caches():
@@ -102,17 +103,17 @@ def test_disagg_picks_the_prefill_and_the_decode_node_by_their_caches():
         )
     )
     try:
-        for m in c.membership._members:
+        for m in c.links.membership._members:
             c.nodes.append(NodeConn(m.role, m.addr, m.kv_addr, sock=FakeNodeSock(), up=True, info={"layout": LAYOUT}))
         prompt = list(range(40))
         follow_cache(c.nodes[1], stats(Role.PREFILL, stored=names(prompt)[:2]))
         follow_cache(c.nodes[3], stats(Role.DECODE, stored=names(prompt)[:8]))
         flight = c.submit(prompt, SamplingParams(max_tokens=4))
         assert [n.addr for n in flight.nodes] == ["tcp://p1", "tcp://d1"]
-        c._node_down(c.nodes[3], "test")
+        c.links.node_down(c.nodes[3], "test")
         assert not c.nodes[3].cached  # a node that is back sends its whole cache again
     finally:
-        c.ctx.destroy(linger=0)
+        c.links.ctx.destroy(linger=0)
 
 
 def test_a_nodes_stats_carry_its_whole_cache_after_a_hello_then_its_changes(tiny_models, monkeypatch):
@@ -142,7 +143,7 @@ def disagg_core(**cfg) -> RouterCore:
     """A disaggregated router over fake nodes p0 and d0; d0 says it runs 64 tokens a step."""
     cfg.setdefault("prefill", ("tcp://p0",))
     c = RouterCore(RouterConfig(model="tiny", decode=("tcp://d0",), decode_kv=("tcp://k0",), **cfg))
-    for m in c.membership._members:
+    for m in c.links.membership._members:
         info = {"layout": LAYOUT, "max_num_batched_tokens": 64}
         c.nodes.append(NodeConn(m.role, m.addr, m.kv_addr, sock=FakeNodeSock(), up=True, info=info))
     return c
@@ -168,7 +169,7 @@ def test_a_decode_node_holding_all_but_a_few_tokens_prefills_them_itself(margin)
             follow_cache(c.nodes[1], stats(Role.DECODE, stored=names(prompt)[:8]))
             assert routed(c, prompt) == want, limit
         finally:
-            c.ctx.destroy(linger=0)
+            c.links.ctx.destroy(linger=0)
 
 
 def test_local_prefill_counts_the_tokens_the_node_computes_and_needs_a_cached_block():
@@ -182,7 +183,7 @@ def test_local_prefill_counts_the_tokens_the_node_computes_and_needs_a_cached_bl
         assert routed(c, list(range(100, 110))) == ["tcp://p0", "tcp://d0"]  # short, but nothing of it is cached
         assert routed(c, prompt, prompt_logprobs=1) == ["tcp://p0", "tcp://d0"]  # echo scores every position
     finally:
-        c.ctx.destroy(linger=0)
+        c.links.ctx.destroy(linger=0)
 
 
 def test_local_prefill_off_with_zero():
@@ -192,7 +193,7 @@ def test_local_prefill_off_with_zero():
         follow_cache(c.nodes[1], stats(Role.DECODE, stored=names(prompt)))
         assert routed(c, prompt) == ["tcp://p0", "tcp://d0"]
     finally:
-        c.ctx.destroy(linger=0)
+        c.links.ctx.destroy(linger=0)
 
 
 def test_a_decode_node_takes_prompts_while_every_prefill_node_holds_the_queue_limit():
@@ -216,7 +217,7 @@ def test_a_decode_node_takes_prompts_while_every_prefill_node_holds_the_queue_li
             c._deliver(TokenEvent(f.request_id, [], None), d)  # the KV landed: handed off
         assert not p.requests and routed(c, next(prompts)) == ["tcp://p0", "tcp://d0"]
     finally:
-        c.ctx.destroy(linger=0)
+        c.links.ctx.destroy(linger=0)
 
 
 @pytest.mark.parametrize(
@@ -235,7 +236,7 @@ def test_a_prefill_queue_below_the_limit_keeps_the_prompt_on_the_prefill_nodes(l
         routed(c, list(range(40)))
         assert routed(c, list(range(100, 140))) == want
     finally:
-        c.ctx.destroy(linger=0)
+        c.links.ctx.destroy(linger=0)
 
 
 @pytest.mark.parametrize("case", ["caching", "ended by the client", "node without caching", "one-token answer"])
@@ -271,7 +272,7 @@ def test_a_conversations_next_turn_finds_the_last_turns_blocks_on_its_decode_nod
         else:
             assert not d.cached and routed(c, history + list(range(300, 320))) == ["tcp://p0", "tcp://d0"]
     finally:
-        c.ctx.destroy(linger=0)
+        c.links.ctx.destroy(linger=0)
 
 
 def test_a_locally_prefilled_request_streams_from_its_decode_node_alone():
@@ -286,11 +287,11 @@ def test_a_locally_prefilled_request_streams_from_its_decode_node_alone():
         assert flight.nodes == [decode] and not flight.handed_off
         c._deliver(TokenEvent(flight.request_id, [7], None), decode)
         assert flight.output == [7] and flight.first_token_at is not None and not flight.early
-        c._node_down(c.nodes[0], "test")
+        c.links.node_down(c.nodes[0], "test")
         assert not flight.ended and flight.attempts == 1
         c._deliver(TokenEvent(flight.request_id, [8], FinishReason.LENGTH), decode)
         assert flight.output == [7, 8] and flight.ended
         assert c.metrics.registry.get_sample_value("pdserve:request_handoff_time_seconds_count") == 0
         assert decode.requests == set()
     finally:
-        c.ctx.destroy(linger=0)
+        c.links.ctx.destroy(linger=0)

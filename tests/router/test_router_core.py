@@ -9,8 +9,9 @@ import pytest
 import zmq
 
 from pdserve.config import RouterConfig
-from pdserve.router.core import NodeConn, RouterCore
+from pdserve.router.core import RouterCore
 from pdserve.router.errors import HTTP_STATUS
+from pdserve.router.nodes import NodeConn
 from pdserve.wire.codec import encode
 from pdserve.wire.messages import Abort, Generate, TokenEvent, TokenEvents
 from pdserve.wire.params import ErrorCode, FinishReason, Role, SamplingParams
@@ -23,10 +24,10 @@ ERROR, STOP, LENGTH = FinishReason.ERROR, FinishReason.STOP, FinishReason.LENGTH
 def core():
     cfg = RouterConfig(model="tiny", prefill=("tcp://p0", "tcp://p1"), decode=("tcp://d0",), decode_kv=("tcp://k0",))
     c = RouterCore(cfg)
-    for m in c.membership._members:  # what _sync_members would connect, with fake sockets, marked up
+    for m in c.links.membership._members:  # what _sync_members would connect, with fake sockets, marked up
         c.nodes.append(NodeConn(m.role, m.addr, m.kv_addr, sock=FakeNodeSock(), up=True))
     yield c
-    c.ctx.destroy(linger=0)
+    c.links.ctx.destroy(linger=0)
 
 
 def _node(core: RouterCore, addr: str):
@@ -74,7 +75,7 @@ def test_a_lost_prefill_node_before_the_first_token_dispatches_again_and_drops_t
     flight, prefill, decode = _submit(core)
     old = flight.request_id
     core._deliver(TokenEvent(old, []), decode)  # held until the first token, which never comes from there
-    core._node_down(prefill, "test")
+    core.links.node_down(prefill, "test")
     new = flight.request_id
     assert new != old and flight.attempts == 2 and flight.nodes[0] is not prefill
     assert Abort(old) in decode.sock.sent, "the decode node still holds the old id"
@@ -90,7 +91,7 @@ def test_a_lost_prefill_node_after_the_kv_landed_does_not_concern_the_request(co
     rid = flight.request_id
     core._deliver(TokenEvent(rid, [10]), prefill)
     core._deliver(TokenEvent(rid, []), decode)  # "KV landed": the prefill node is no longer needed
-    core._node_down(prefill, "test")
+    core.links.node_down(prefill, "test")
     assert flight.request_id == rid and flight.attempts == 1
     core._deliver(TokenEvent(rid, [11], STOP), decode)
     assert [ev.token_ids for ev in _events(flight)] == [[10], [11]]
@@ -103,7 +104,7 @@ def test_a_request_resumes_from_the_streamed_tokens_when_its_decode_node_is_lost
     core._deliver(TokenEvent(rid, [10]), prefill)
     core._deliver(TokenEvent(rid, []), decode)
     core._deliver(TokenEvent(rid, [11]), decode)
-    core._node_down(decode, "test")
+    core.links.node_down(decode, "test")
     resent = flight.nodes[0].sock.sent[-1]
     assert isinstance(resent, Generate) and resent.request_id == flight.request_id != rid
     assert resent.prompt_token_ids == [1, 2, 3, 10, 11] and resent.params.max_tokens == 3
@@ -134,7 +135,7 @@ def test_a_prefill_node_that_saw_its_decode_peer_go_dispatches_the_request_again
 
 def test_with_no_node_left_the_request_fails_with_a_typed_error(core):
     flight, prefill, decode = _submit(core)
-    core._node_down(decode, "test")
+    core.links.node_down(decode, "test")
     [ev] = _events(flight)
     assert ev.finish_reason == ERROR and ev.error_code == ErrorCode.NODE_FAILED and "decode" in ev.error
     assert HTTP_STATUS[ev.error_code] == 503
@@ -154,9 +155,9 @@ def test_what_a_node_sent_before_it_disconnected_is_read_before_it_is_marked_dow
     the monitor reports the disconnect, which the router may read first. The client gets the node's error, not "the
     node failed (disconnected)". Real sockets for the decode node."""
     flight, prefill, decode = _submit(core)
-    peer = core.ctx.socket(zmq.ROUTER)
+    peer = core.links.ctx.socket(zmq.ROUTER)
     port = peer.bind_to_random_port("tcp://127.0.0.1")
-    decode.sock = core.ctx.socket(zmq.DEALER)
+    decode.sock = core.links.ctx.socket(zmq.DEALER)
     decode.monitor = decode.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     decode.sock.connect(f"tcp://127.0.0.1:{port}")
     decode.sock.send(b"hello")
@@ -165,7 +166,7 @@ def test_what_a_node_sent_before_it_disconnected_is_read_before_it_is_marked_dow
     peer.send_multipart([identity, encode(TokenEvents([error]))])
     peer.close(linger=5000)
     assert decode.monitor.poll(30_000), "no disconnect reported"
-    core._read_monitor(decode)
+    core.links._read_monitor(decode)
     [ev] = _events(flight)
     assert not decode.up and ev.error == "its drain period ran out", ev.error
 
@@ -182,12 +183,12 @@ def test_nodes_join_in_the_order_listed_and_ties_go_to_the_first(monkeypatch):
     addrs, kv = ("tcp://h:9", "tcp://h:10", "tcp://h:8"), ("tcp://h:19", "tcp://h:20", "tcp://h:18")
     c = RouterCore(RouterConfig(model="tiny", prefill=("tcp://h:5",), decode=addrs, decode_kv=kv))
     try:
-        monkeypatch.setattr(c, "_join", lambda node: c.nodes.append(node))
-        asyncio.run(c._sync_members())
+        monkeypatch.setattr(c.links, "_join", lambda node: c.nodes.append(node))
+        asyncio.run(c.links._sync_members())
         assert [n.addr for n in c.nodes] == ["tcp://h:5", *addrs]
         for n in c.nodes:
             n.sock, n.up = FakeNodeSock(), True
         picked = [c.submit([1, 2], SamplingParams(max_tokens=4)).nodes[1].addr for _ in range(4)]
         assert picked == [*addrs, addrs[0]]
     finally:
-        c.ctx.destroy(linger=0)
+        c.links.ctx.destroy(linger=0)

@@ -10,9 +10,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from pdserve.config import TOKEN_PATHS, RouterConfig
+from pdserve.config import RouterConfig
 from pdserve.router import api
-from pdserve.router.core import NodeConn, RouterCore
+from pdserve.router.core import RouterCore
+from pdserve.router.nodes import NodeConn
 from pdserve.router.stream import Outbox, SseStream
 from pdserve.router.text import load_model_info
 from pdserve.wire.codec import encode
@@ -23,32 +24,30 @@ from tests.helpers import FakeNodeSock
 LENGTH = FinishReason.LENGTH
 
 
-def _core(token_path: str, **addrs) -> RouterCore:
-    core = RouterCore(RouterConfig(model="tiny", token_path=token_path, **addrs))
-    for m in core.membership._members:
+def _core(**addrs) -> RouterCore:
+    core = RouterCore(RouterConfig(model="tiny", **addrs))
+    for m in core.links.membership._members:
         core.nodes.append(NodeConn(m.role, m.addr, m.kv_addr, sock=FakeNodeSock(), up=True))
     return core
 
 
-@pytest.fixture(params=TOKEN_PATHS)  # the C path where it builds, and its Python twin
-def disagg(request):
-    core = _core(
-        request.param, prefill=("tcp://p0",), decode=("tcp://d0", "tcp://d1"), decode_kv=("tcp://k0", "tcp://k1")
-    )
+@pytest.fixture
+def disagg():
+    core = _core(prefill=("tcp://p0",), decode=("tcp://d0", "tcp://d1"), decode_kv=("tcp://k0", "tcp://k1"))
     yield core
-    core.ctx.destroy(linger=0)
+    core.links.ctx.destroy(linger=0)
 
 
-@pytest.fixture(params=TOKEN_PATHS)
-def colocated(request):
-    core = _core(request.param, colocated=("tcp://c0",))
+@pytest.fixture
+def colocated():
+    core = _core(colocated=("tcp://c0",))
     yield core
-    core.ctx.destroy(linger=0)
+    core.links.ctx.destroy(linger=0)
 
 
 def _step(core: RouterCore, node: NodeConn, *events: TokenEvent) -> None:
     """A node's message of one step, as it comes off the wire."""
-    core._on_message(node, [encode(TokenEvents.of(list(events)))])
+    core.links._on_message(node, [encode(TokenEvents.of(list(events)))])
 
 
 def _long_way_calls(core: RouterCore, monkeypatch) -> list[str]:
@@ -116,7 +115,7 @@ def test_a_request_dispatched_again_leaves_the_short_way_until_its_new_nodes_tok
     _step(disagg, decode, TokenEvent(old, []))
     _step(disagg, decode, TokenEvent(old, [11]))
     assert flight.steady is decode
-    disagg._node_down(decode, "test")
+    disagg.links.node_down(decode, "test")
     new, (prefill2, decode2) = flight.request_id, flight.nodes
     assert new != old and flight.steady is None and decode2 is not decode
     long_way = _long_way_calls(disagg, monkeypatch)

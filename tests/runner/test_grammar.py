@@ -167,7 +167,8 @@ def test_a_grammar_cannot_go_with_ignore_eos_or_min_tokens():
 
 def test_a_redispatched_guided_request_replays_what_was_streamed():
     """The router sends a request again as prompt + streamed tokens: its grammar must take those as matched."""
-    from pdserve.router.core import Flight, RouterCore
+    from pdserve.router.core import RouterCore
+    from pdserve.router.flight import Flight
 
     grammar = compile_schema({"type": "object"})
     flight = Flight("", [1, 2], SamplingParams(max_tokens=10, grammar=grammar), None, output=[5, 6, 7])
