@@ -386,7 +386,8 @@ class TritonBackend(TorchBackend):
         """The exact layout of an eager step, from its arrays."""
         width = int(blocks_for(step.past + step.q_len, self.pool.block_size).max(initial=1))
         tiles = int(self.tiles(step.q_len).sum())  # a token: one tile
-        return PackLayout(len(step.ids), len(step.sample), len(step.q_len), width, tiles)
+        context = int((step.past + step.q_len).max(initial=0))
+        return PackLayout(len(step.ids), len(step.sample), len(step.q_len), width, tiles, self.splits(tiles, context))
 
     def pack(self, lay: PackLayout, ids, positions, slots, sample, chunks: list[Chunk]) -> torch.Tensor:
         """`pack_step` of inputs given as lists and chunks."""
