@@ -24,8 +24,10 @@ A request's life here (the engine owns the request, its queue and its blocks; th
    their checksums, and once the scheduler has reserved blocks here the copier's thread copies them (one batched
    copy; on a GPU on its own stream, waited for by its event) while the node's steps go on; when it is done the loop
    is woken, the landed KV is checked (`engine.kv_landed`) and the KvAck goes: only then does the prefill node free
-   its blocks. A request aborted while its copy runs is dropped when the copy is done (its blocks are not given to
-   another request before). Counters: kv_copies, kv_copies_overlapped (copies that ran while a step did); and the
+   its blocks. On the CPU (an engine that computes a step in its launch, not overlapped) the loop waits for the copies
+   it has just started before its next step, so that their requests join that step. A request aborted while its
+   copy runs is dropped when the copy is done (its blocks are not given to another request before). Counters:
+   kv_copies, kv_copies_overlapped (copies that ran while a step did); and the
    hand-off in parts as histograms (Stats.histograms, observed once the request has decoded here): handoff_wait
    (offer taken → copy started), handoff_copy, handoff_check (the checksums of what landed), handoff_join (checked →
    the end of the request's first step here).
@@ -104,6 +106,10 @@ class DecodeNode(NodeBase):
         self.counters.update(dict.fromkeys(HANDOFF_COUNTERS, 0))
         self.handoff = {name: Buckets(HANDOFF_BOUNDS) for name in HANDOFF_PARTS}
         self.copier = BlockCopier(self.ctx, cfg.engine.device)
+        # an engine whose launch returns before the step is computed (a GPU's) copies beside its steps; one that
+        # computes the step in launch (the CPU's, on the node's one core) would only share that core with the copy,
+        # and a copy that ends during step N lets its request join step N + 2: it waits for its copies before the next
+        self.copy_beside_steps = self.engine.overlapped
         self.poller.register(self.copier.wake, zmq.POLLIN)
         self.copies: list[Copy] = []  # the latest copies taken, newest last (for tests and logs)
         self.joining: dict[str, Copy] = {}  # copied, not decoded yet, with its offer's time in copy.offered
@@ -374,13 +380,18 @@ class DecodeNode(NodeBase):
     def tick(self) -> None:
         super().tick()
         now = time.monotonic()
+        copying = False
         for req in self.engine.reserve_remote():
             inc = self.incoming[req.request_id]
             inc.pulled(self.engine.first_block_to_pull(req))
             if inc.offered is not None:
                 self._start_copy(inc)
+                copying = True
             else:
                 transport.send(self.kv_sock, KvPull(req.request_id, inc.first_block), identity=inc.peer.link)
+        if copying and not self.copy_beside_steps:  # they join the very next step
+            for copy in self.copier.wait_all():
+                self._copy_done(copy)
         wait = self.cfg.kv_lease_s / 2  # well before the prefill node's lease on the KV runs out
         pulled = [i for i in self.incoming.values() if i.state is TransferState.PULLED and not i.copying]
         for inc in [i for i in pulled if now - i.pulled_at > wait]:

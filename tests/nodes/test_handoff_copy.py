@@ -52,6 +52,7 @@ def _slowed(obj, name: str, delay_s: float, monkeypatch) -> None:
 
 def test_the_copy_runs_beside_a_step_and_the_prefill_blocks_wait_for_its_ack(nodes, monkeypatch):
     prefill, decode = nodes
+    decode.copy_beside_steps = True  # as on a GPU, whose launch returns before the step is computed
     p_router, d_router = FakeRouter(prefill), FakeRouter(decode)
     d_router.send(Generate("busy", [3, 4, 5], SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)))
     _slowed(decode.engine.runner, "run", SLOW_STEP_S, monkeypatch)  # it has a request running, so it steps
@@ -123,6 +124,27 @@ def _the_router_shows_the_parts(decode: DecodeNode, copy) -> None:
     assert value("pdserve:node_handoff_copy_seconds_bucket", {**labels, "le": "+Inf"}) == 1
     for part in ("wait", "check", "join"):
         assert value(f"pdserve:node_handoff_{part}_seconds_count", labels) == 1
+
+
+def test_on_the_cpu_a_copy_lands_before_the_next_step_and_its_request_joins_it(nodes):
+    """A CPU engine computes its step in launch(): the node waits for the copies it just started, so the request
+    joins the very next step (not the one after the step its copy ran beside)."""
+    prefill, decode = nodes
+    assert not decode.copy_beside_steps
+    p_router, d_router = FakeRouter(prefill), FakeRouter(decode)
+    d_router.send(Generate("busy", [3, 4, 5], SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)))
+    p_router.send(Generate("r1", PROMPT, SamplingParams(max_tokens=4, temperature=0), decode_addr=decode.kv_addr))
+    for _ in range(MAX_LOOPS):
+        prefill.loop_once()
+        decode.loop_once()
+        if decode.counters["kv_copies"]:
+            break
+    assert decode.counters["kv_copies"] == 1 and decode.counters["kv_copies_overlapped"] == 0, decode.counters
+    assert decode.engine.requests["r1"].status is Status.WAITING  # landed in the loop that reserved its blocks
+    assert decode.handoff["handoff_join"].count == 0
+    decode.loop_once()
+    assert decode.handoff["handoff_join"].count == 1  # decoded in the next step
+    assert decode.engine.requests["r1"].status is Status.RUNNING
 
 
 def test_checksums_of_a_prompt_split_over_two_pools_are_those_of_one_pool():
