@@ -5,9 +5,10 @@ A 1P1D stack (`pdserve up --mode disagg`, each node pinned to its own core as `p
 --per-stream requests one after another (--prompt-len random prompt tokens, --output-len tokens out). From the
 router's /metrics, around the run: the mean hand-off (`pdserve:request_handoff_time_seconds`: the prefill node's
 first token → the decode node's first token) and the mean time per output token
-(`pdserve:request_time_per_output_token_seconds`), and their ratio; from the decode node's counters, the hand-off
-in parts where the KV was copied out of a shared pool (offer received → copy started, the copy, the checksums of
-what landed, checked → the request's first decode step), each as a mean and against the TPOT.
+(`pdserve:request_time_per_output_token_seconds`), and their ratio; from the decode node's histograms
+(`pdserve:node_handoff_{wait,copy,check,join}_seconds`), the hand-off in parts where the KV was copied out of a
+shared pool (offer received → copy started, the copy, the checksums of what landed, checked → the request's first
+decode step), each as a mean and against the TPOT.
 
     python -m bench.handoff --record        # bench/results/<day>-<commit>-handoff.{json,md}
 """
@@ -30,13 +31,18 @@ from bench.workloads import NUM_SPECIAL_TOKENS, BenchRequest, Workload
 RESULTS = Path(__file__).parent / "results"
 HANDOFF = "pdserve:request_handoff_time_seconds"
 TPOT = "pdserve:request_time_per_output_token_seconds"
-# the decode node's hand-off parts: (counter of seconds summed, what it measures)
+# the decode node's hand-off parts: (its histogram on the router's /metrics, what it measures)
 PARTS = (
-    ("handoff_wait_s", "offer received → copy started"),
-    ("handoff_copy_s", "the copy"),
-    ("handoff_check_s", "checksums of what landed"),
-    ("handoff_join_s", "copy done and checked → first decode step"),
+    ("pdserve:node_handoff_wait_seconds", "offer received → copy started"),
+    ("pdserve:node_handoff_copy_seconds", "the copy"),
+    ("pdserve:node_handoff_check_seconds", "checksums of what landed"),
+    ("pdserve:node_handoff_join_seconds", "copy done and checked → first decode step"),
 )
+
+
+def part_key(name: str) -> str:
+    """A part's key in the result: pdserve:node_handoff_copy_seconds -> handoff_copy."""
+    return name.removeprefix("pdserve:node_").removesuffix("_seconds")
 
 
 @dataclass(frozen=True)
@@ -77,17 +83,17 @@ def mean_between(after: str, before: str, name: str) -> float | None:
     return (s1 - s0) / (c1 - c0) if c1 > c0 else None
 
 
-def summarize(after: str, before: str, counters: dict[str, float]) -> dict:
+def summarize(after: str, before: str) -> dict:
     """The run's means (seconds) and ratios to the mean TPOT, from /metrics before and after it."""
     handoff, tpot = mean_between(after, before, HANDOFF), mean_between(after, before, TPOT)
     out = {"handoff_mean_s": handoff, "tpot_mean_s": tpot}
     out["handoff_over_tpot"] = handoff / tpot if handoff and tpot else None
-    copies = counters.get("handoff_copies", 0.0)
-    for key, _ in PARTS:
-        mean = counters[key] / copies if copies else None
-        out[f"{key.removesuffix('_s')}_mean_s"] = mean
-        out[f"{key.removesuffix('_s')}_over_tpot"] = mean / tpot if mean is not None and tpot else None
-    out["handoff_copies"] = copies
+    for name, _ in PARTS:
+        mean = mean_between(after, before, name)
+        out[f"{part_key(name)}_mean_s"] = mean
+        out[f"{part_key(name)}_over_tpot"] = mean / tpot if mean is not None and tpot else None
+    copies = PARTS[1][0]  # every part is observed once a copy's request has decoded
+    out["handoff_copies"] = histogram_sums(after, copies)[1] - histogram_sums(before, copies)[1]
     return out
 
 
@@ -105,16 +111,15 @@ def run(cfg: HandoffConfig, log_prefix: Path, progress: bool) -> dict:
     w = workload(cfg)
     with systems.pdserve_stack(opts, "disagg", progress) as runner:
         runner(Workload("warm-up", w.requests[:2]), "warm-up")
-        before_counters = systems.settled_counters(runner)
+        systems.settled_counters(runner)  # the nodes' latest Stats (and histograms) reached the router
         before = runner.metrics()
         t0 = time.perf_counter()
         _, records = runner(w, "handoff")
         wall = time.perf_counter() - t0
-        after_counters = systems.settled_counters(runner)
+        systems.settled_counters(runner)
         after = runner.metrics()
-    decode = systems.counters_diff(after_counters, before_counters).get("decode", {})
     failed = sum(1 for r in records if r.error)
-    return {"config": asdict(cfg), "wall_s": wall, "failed": failed, **summarize(after, before, decode)}
+    return {"config": asdict(cfg), "wall_s": wall, "failed": failed, **summarize(after, before)}
 
 
 def table(result: dict) -> str:
@@ -130,8 +135,8 @@ def table(result: dict) -> str:
         f"| hand-off (router: prefill first token → decode first token) | {ms(result['handoff_mean_s'])} | "
         f"{x(result['handoff_over_tpot'])} |",
     ]
-    for key, words in PARTS:
-        k = key.removesuffix("_s")
+    for name, words in PARTS:
+        k = part_key(name)
         rows.append(f"| {words} (decode node) | {ms(result[f'{k}_mean_s'])} | {x(result[f'{k}_over_tpot'])} |")
     rows.append(f"| time per output token (router) | {ms(result['tpot_mean_s'])} | 1.00x |")
     return "\n".join(rows)

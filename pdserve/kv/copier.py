@@ -26,6 +26,7 @@ class Copy:
     key: str
     run: Callable[[], object]  # copies the blocks
     check: Callable[[], list[int]]  # the checksums of what landed ([]: none to compare)
+    offered: float = 0.0  # (set by the node: when the request's offer was taken)
     started: float = 0.0
     copied: float = 0.0  # the blocks are in (on a GPU: the copy's event has completed)
     done: float = 0.0  # and checked

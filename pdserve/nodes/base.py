@@ -21,6 +21,7 @@ clear error first. A second SIGTERM stops at once.
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import os
@@ -85,6 +86,26 @@ def kv_backends(cfg: NodeConfig) -> dict[str, KvBackend]:
 
 def wire_logprobs(scores: list[TokenLogprob]) -> Logprobs:
     return Logprobs([s.logprob for s in scores], [s.top_ids for s in scores], [s.top_logprobs for s in scores])
+
+
+class Buckets:
+    """A histogram a node observes and ships in its Stats (the router exposes it as a Prometheus histogram)."""
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = list(bounds)
+        self.counts = [0] * (len(bounds) + 1)  # per bucket, not cumulative; the last is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def to_wire(self) -> dict:
+        return {"bounds": self.bounds, "counts": list(self.counts), "sum": self.sum}
 
 
 class NodeBase:
@@ -366,8 +387,23 @@ class NodeBase:
         stored, evicted = self.engine.cache_changes(whole=self._cache_reset)
         reset, self._cache_reset = self._cache_reset, False
         return Stats(
-            self.role, running, waiting, used, free, counters, self.draining, self.num_held(), stored, evicted, reset
+            self.role,
+            running,
+            waiting,
+            used,
+            free,
+            counters,
+            self.draining,
+            self.num_held(),
+            stored,
+            evicted,
+            reset,
+            self.histograms(),
         )
+
+    def histograms(self) -> dict:
+        """This node's histograms for Stats.histograms (none but the decode node's)."""
+        return {}
 
     def num_held(self) -> int:
         """Entries in this node's request tables (the engine's, and its role's own)."""

@@ -24,10 +24,12 @@ A request's life here (the engine owns the request, its queue and its blocks; th
    their checksums, and once the scheduler has reserved blocks here the copier's thread copies them (one batched
    copy; on a GPU on its own stream, waited for by its event) while the node's steps go on; when it is done the loop
    is woken, the landed KV is checked (`engine.kv_landed`) and the KvAck goes: only then does the prefill node free
-   its blocks. A request aborted while its copy runs is dropped when the copy is done (its blocks are not given to
-   another request before). Counters: kv_copies, kv_copies_overlapped (copies that ran while a step did), and the
-   hand-off in parts, summed over the copies whose request has decoded here (handoff_copies): handoff_wait_s (offer
-   taken → copy started), handoff_copy_s, handoff_check_s (the checksums of what landed), handoff_join_s (checked →
+   its blocks. On the CPU (an engine that computes a step in its launch, not overlapped) the loop waits for the copies
+   it has just started before its next step, so that their requests join that step. A request aborted while its
+   copy runs is dropped when the copy is done (its blocks are not given to another request before). Counters:
+   kv_copies, kv_copies_overlapped (copies that ran while a step did); and the
+   hand-off in parts as histograms (Stats.histograms, observed once the request has decoded here): handoff_wait
+   (offer taken → copy started), handoff_copy, handoff_check (the checksums of what landed), handoff_join (checked →
    the end of the request's first step here).
 4. WAITING with its KV in place (num_computed_tokens = prompt length, the first token as output),
    the router told so (an event without tokens), admitted at the next iteration; RUNNING: one token
@@ -52,7 +54,7 @@ from pdserve.engine.request import Request, Status
 from pdserve.kv.backend import TransferError
 from pdserve.kv.copier import BlockCopier, Copy
 from pdserve.kv.peers import KvPeer, KvTransfer, TransferState, choose_transport
-from pdserve.nodes.base import NodeBase, kv_backends
+from pdserve.nodes.base import Buckets, NodeBase, kv_backends
 from pdserve.wire import transport
 from pdserve.wire.messages import (
     PROTOCOL_VERSION,
@@ -73,9 +75,11 @@ log = logging.getLogger("pdserve.decode")
 REMEMBER_ABORTS = 4096
 WAITING_NOTICE_S = 0.25
 KEEP_COPIES = 64
-# kv_copies: copies out of a shared pool done; kv_copies_overlapped: of those, the ones that ran while a step ran;
-# handoff_copies: copies whose request has decoded its first token here (handoff_*_s count their parts)
-HANDOFF_COUNTERS = ("kv_copies", "kv_copies_overlapped", "handoff_copies")
+# kv_copies: copies out of a shared pool done; kv_copies_overlapped: of those, the ones that ran while a step ran
+HANDOFF_COUNTERS = ("kv_copies", "kv_copies_overlapped")
+# the hand-off's parts on this node, histograms by name (seconds)
+HANDOFF_PARTS = ("handoff_wait", "handoff_copy", "handoff_check", "handoff_join")
+HANDOFF_BOUNDS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
 
 
 PrefillPeer = KvPeer[bytes]  # linked by the routing id of its connection to our KV socket
@@ -100,11 +104,15 @@ class DecodeNode(NodeBase):
             kv_offers=0, kv_received=0, kv_refused=0, kv_bad=0, kv_recomputed=0, local_prefill_requests=0
         )
         self.counters.update(dict.fromkeys(HANDOFF_COUNTERS, 0))
-        self.counters.update(handoff_wait_s=0.0, handoff_copy_s=0.0, handoff_check_s=0.0, handoff_join_s=0.0)
+        self.handoff = {name: Buckets(HANDOFF_BOUNDS) for name in HANDOFF_PARTS}
         self.copier = BlockCopier(self.ctx, cfg.engine.device)
+        # an engine whose launch returns before the step is computed (a GPU's) copies beside its steps; one that
+        # computes the step in launch (the CPU's, on the node's one core) would only share that core with the copy,
+        # and a copy that ends during step N lets its request join step N + 2: it waits for its copies before the next
+        self.copy_beside_steps = self.engine.overlapped
         self.poller.register(self.copier.wake, zmq.POLLIN)
         self.copies: list[Copy] = []  # the latest copies taken, newest last (for tests and logs)
-        self.joining: dict[str, float] = {}  # copied, not decoded yet: time.perf_counter() of the copy's end
+        self.joining: dict[str, Copy] = {}  # copied, not decoded yet, with its offer's time in copy.offered
         self._next_notice = 0.0
 
     def ready_info(self) -> dict:
@@ -339,10 +347,8 @@ class DecodeNode(NodeBase):
             return
         del self.incoming[copy.key]
         self.counters["kv_received"] += 1
-        self.counters["handoff_wait_s"] += copy.started - inc.offered_at
-        self.counters["handoff_copy_s"] += copy.copied - copy.started
-        self.counters["handoff_check_s"] += copy.done - copy.copied
-        self.joining[copy.key] = copy.done
+        copy.offered = inc.offered_at
+        self.joining[copy.key] = copy
         self._let_prefill_go(inc, KvAck(copy.key, True, first_block=inc.first_block))  # the copy is done
 
     def _overlapped(self, copy: Copy) -> bool:
@@ -352,23 +358,40 @@ class DecodeNode(NodeBase):
     def on_outputs(self, outputs: list[TokenOutput]) -> None:
         now = time.perf_counter()
         for o in outputs:
-            done = self.joining.pop(o.request.request_id, None)
-            if done is not None:  # its first step here: the hand-off's last part
-                self.counters["handoff_join_s"] += now - done
-                self.counters["handoff_copies"] += 1
+            copy = self.joining.pop(o.request.request_id, None)
+            if copy is not None:  # its first step here: the hand-off's last part
+                self._observe_handoff(copy, now)
         super().on_outputs(outputs)
+
+    def _observe_handoff(self, copy: Copy, first_step: float) -> None:
+        parts = (
+            copy.started - copy.offered,
+            copy.copied - copy.started,
+            copy.done - copy.copied,
+            first_step - copy.done,
+        )
+        for name, seconds in zip(HANDOFF_PARTS, parts, strict=True):
+            self.handoff[name].observe(seconds)
+
+    def histograms(self) -> dict:
+        return {name: b.to_wire() for name, b in self.handoff.items()}
 
     # ---- chores --------------------------------------------------------------------------------
     def tick(self) -> None:
         super().tick()
         now = time.monotonic()
+        copying = False
         for req in self.engine.reserve_remote():
             inc = self.incoming[req.request_id]
             inc.pulled(self.engine.first_block_to_pull(req))
             if inc.offered is not None:
                 self._start_copy(inc)
+                copying = True
             else:
                 transport.send(self.kv_sock, KvPull(req.request_id, inc.first_block), identity=inc.peer.link)
+        if copying and not self.copy_beside_steps:  # they join the very next step
+            for copy in self.copier.wait_all():
+                self._copy_done(copy)
         wait = self.cfg.kv_lease_s / 2  # well before the prefill node's lease on the KV runs out
         pulled = [i for i in self.incoming.values() if i.state is TransferState.PULLED and not i.copying]
         for inc in [i for i in pulled if now - i.pulled_at > wait]:

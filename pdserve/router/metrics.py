@@ -213,8 +213,23 @@ class NodeCollector:
                 if key in n.stats.counters:
                     c.add_metric([n.role, n.addr], n.stats.counters[key])
             yield c
+        yield from _histograms(reporting)
         yield _reports(reporting)
         yield GaugeMetricFamily("pdserve:nodes_up", "Nodes the router sees up.", value=sum(n.up for n in self.nodes))
+
+
+def _histograms(nodes: list) -> Iterator[Metric]:
+    """The nodes' histograms (Stats.histograms, e.g. the decode node's hand-off in parts) as Prometheus histograms,
+    `pdserve:node_<name>_seconds` labelled by role and node."""
+    for key in sorted({k for n in nodes for k in n.stats.histograms}):
+        h = HistogramMetricFamily(f"pdserve:node_{key}_seconds", f"{key} on each node", labels=["role", "node"])
+        for n in nodes:
+            if key in n.stats.histograms:
+                wire = n.stats.histograms[key]
+                bounds = [*map(floatToGoString, wire["bounds"]), "+Inf"]
+                cumulative = list(itertools.accumulate(wire["counts"]))
+                h.add_metric([n.role, n.addr], list(zip(bounds, cumulative, strict=True)), wire["sum"])
+        yield h
 
 
 def _reports(nodes: list) -> Metric:

@@ -18,7 +18,8 @@ from pdserve.wire.params import MAX_LOGPROBS, ErrorCode, FinishReason, Id, Role,
 # 8: plain token events travel flat in TokenEvents.tokens
 # 9: a shared pool's transfer is never pulled: the offer carries the prompt's source blocks and checksums
 #    (KvOffer.kv), the decode node copies them at once and its KvAck says from which block (KvAck.first_block)
-PROTOCOL_VERSION = 9
+# 10: histograms in Stats (Stats.histograms: the decode node's hand-off in parts)
+PROTOCOL_VERSION = 10
 
 
 # ---- router <-> node ---------------------------------------------------------------------------
@@ -164,6 +165,8 @@ class Stats:
     cache_stored: list[Id] = field(default_factory=list)  # prefix cache: block names stored since the last Stats
     cache_evicted: list[Id] = field(default_factory=list)  # and evicted
     cache_reset: bool = False  # cache_stored is the whole cache (the first Stats after a Hello)
+    # name -> {"bounds": upper bounds (seconds, +Inf implied), "counts": per bucket (len(bounds) + 1), "sum": total}
+    histograms: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

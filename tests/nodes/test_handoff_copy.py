@@ -6,9 +6,11 @@ usual admission, and the prefill node frees its blocks only once the decode node
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
 from pdserve.config import EngineConfig, NodeConfig
 from pdserve.engine.request import Status
@@ -17,6 +19,7 @@ from pdserve.kv.pool import KVPool, kv_checksums
 from pdserve.kv.transfer import ShmBackend
 from pdserve.nodes.decode import DecodeNode
 from pdserve.nodes.prefill import PrefillNode
+from pdserve.router.metrics import NodeCollector
 from pdserve.wire.messages import Generate, KvAck, KvOffer
 from pdserve.wire.params import SamplingParams
 from tests.helpers import export_tokens
@@ -49,6 +52,7 @@ def _slowed(obj, name: str, delay_s: float, monkeypatch) -> None:
 
 def test_the_copy_runs_beside_a_step_and_the_prefill_blocks_wait_for_its_ack(nodes, monkeypatch):
     prefill, decode = nodes
+    decode.copy_beside_steps = True  # as on a GPU, whose launch returns before the step is computed
     p_router, d_router = FakeRouter(prefill), FakeRouter(decode)
     d_router.send(Generate("busy", [3, 4, 5], SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)))
     _slowed(decode.engine.runner, "run", SLOW_STEP_S, monkeypatch)  # it has a request running, so it steps
@@ -84,9 +88,9 @@ def test_the_copy_runs_beside_a_step_and_the_prefill_blocks_wait_for_its_ack(nod
     for _ in range(MAX_LOOPS):
         prefill.loop_once()
         decode.loop_once()
-        if decode.counters["handoff_copies"]:
+        if decode.handoff["handoff_join"].count:
             break
-    assert decode.counters["handoff_copies"] == 1, decode.counters
+    assert decode.handoff["handoff_join"].count == 1, decode.counters
     for _ in range(20):  # the ack reaches the prefill node
         prefill.loop_once()
         if "r1" not in prefill.transfers:
@@ -104,6 +108,43 @@ def test_the_copy_runs_beside_a_step_and_the_prefill_blocks_wait_for_its_ack(nod
     assert torch.equal(landed, held[0]), "the decode node's KV is not the prefill node's"
     assert decode.engine.requests["r1"].status is Status.RUNNING  # it joined the batch as any request does
     assert prefill.engine.kv_stats()[0] == 0
+    _the_router_shows_the_parts(decode, copy)
+
+
+def _the_router_shows_the_parts(decode: DecodeNode, copy) -> None:
+    """The hand-off's parts reach the router's /metrics as histograms through the node's Stats."""
+    node = SimpleNamespace(role="decode", addr="d0", up=True, stats=decode.stats(), reports=1)
+    registry = CollectorRegistry()
+    registry.register(NodeCollector([node]))
+    labels = {"role": "decode", "node": "d0"}
+    value = registry.get_sample_value
+    assert value("pdserve:node_handoff_copy_seconds_count", labels) == 1
+    assert value("pdserve:node_handoff_copy_seconds_sum", labels) == pytest.approx(copy.copied - copy.started)
+    assert value("pdserve:node_handoff_copy_seconds_bucket", {**labels, "le": "0.05"}) == 0  # slowed to SLOW_COPY_S
+    assert value("pdserve:node_handoff_copy_seconds_bucket", {**labels, "le": "+Inf"}) == 1
+    for part in ("wait", "check", "join"):
+        assert value(f"pdserve:node_handoff_{part}_seconds_count", labels) == 1
+
+
+def test_on_the_cpu_a_copy_lands_before_the_next_step_and_its_request_joins_it(nodes):
+    """A CPU engine computes its step in launch(): the node waits for the copies it just started, so the request
+    joins the very next step (not the one after the step its copy ran beside)."""
+    prefill, decode = nodes
+    assert not decode.copy_beside_steps
+    p_router, d_router = FakeRouter(prefill), FakeRouter(decode)
+    d_router.send(Generate("busy", [3, 4, 5], SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)))
+    p_router.send(Generate("r1", PROMPT, SamplingParams(max_tokens=4, temperature=0), decode_addr=decode.kv_addr))
+    for _ in range(MAX_LOOPS):
+        prefill.loop_once()
+        decode.loop_once()
+        if decode.counters["kv_copies"]:
+            break
+    assert decode.counters["kv_copies"] == 1 and decode.counters["kv_copies_overlapped"] == 0, decode.counters
+    assert decode.engine.requests["r1"].status is Status.WAITING  # landed in the loop that reserved its blocks
+    assert decode.handoff["handoff_join"].count == 0
+    decode.loop_once()
+    assert decode.handoff["handoff_join"].count == 1  # decoded in the next step
+    assert decode.engine.requests["r1"].status is Status.RUNNING
 
 
 def test_checksums_of_a_prompt_split_over_two_pools_are_those_of_one_pool():
