@@ -1,0 +1,356 @@
+"""The GPU kit's stages: a plan that fits the window, each stage under its own budget (docs/gpu.md).
+
+    python scripts/kit.py --device cuda:0 --out OUT              # the default plan: the stages that fit 300 s
+    python scripts/kit.py --device cuda:0 --stages smoke bench-colocated --window 200
+    python scripts/kit.py --device cpu --out OUT                 # CPU mode: every stage, tiny sizes
+
+1. The plan: the stages named (`--stages`); by default on a GPU, the stages of this tree in order of value
+   while their budgets fit the window; in CPU mode, every stage. A plan whose budgets add up past `--window`
+   is refused, in one line, before anything runs (exit code 2).
+2. Each stage runs in order of value, as its own process group under its own budget: a stage past its
+   budget is stopped (SIGTERM, then SIGKILL) and reported "over budget"; the next stage still runs.
+3. A stage whose module is not in this tree (`importlib.util.find_spec`, or its option missing) is
+   reported "not present in this tree"; a stage left out of the default plan by the window is reported
+   "not in plan (window)". Every stage of STAGES appears in the report.
+4. The report: `kit.md` and `kit.json` in `--out`; each stage's output and JSON under `--work`
+   (`logs/<stage>.out`, `stages/<stage>.json`), packed by gpu_run.sh into one tarball.
+
+Adding a stage is one entry in STAGES.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GPU_WINDOW_S = 300.0
+CPU_WINDOW_S = 1500.0
+KILL_GRACE_S = 15.0  # after SIGTERM, time for a stage's stacks to stop before SIGKILL
+PY = sys.executable
+
+
+@dataclass(frozen=True)
+class Run:
+    """What a stage's command sees: the device, the sizes, where to write."""
+
+    device: str
+    tiny: bool
+    work: Path
+
+    @property
+    def ipc(self) -> str:
+        return "shm" if self.tiny else "cuda_ipc"
+
+    @property
+    def model(self) -> str:
+        return "tiny" if self.tiny else "qwen3-0.6b"
+
+    @property
+    def check_model(self) -> str:
+        return "tiny" if self.tiny else "small"
+
+    def json(self, name: str) -> Path:
+        return self.work / "stages" / f"{name}.json"
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    budget_s: float  # on a GPU
+    cpu_budget_s: float  # in CPU mode (tiny sizes, a shared CPU)
+    value: int  # higher runs first and enters the default plan first
+    argv: Callable[[Run, float], list[str]]  # (the run, this stage's budget) -> the command
+    present: Callable[[], bool] = field(default=lambda: True)
+
+    def budget(self, run: Run) -> float:
+        return self.cpu_budget_s if run.tiny else self.budget_s
+
+
+def has_module(name: str, option: str | None = None) -> Callable[[], bool]:
+    """The stage's module is in this tree (and its source names `option`, when given)."""
+
+    def present() -> bool:
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.origin is None:
+            return False
+        return option is None or option in Path(spec.origin).read_text()
+
+    return present
+
+
+def has_option(script: str, option: str) -> Callable[[], bool]:
+    return lambda: option in (ROOT / script).read_text()
+
+
+# ---- the stages ------------------------------------------------------------------------------------
+
+
+def check(name: str, stack: str, requests: int, sampled: int, max_tokens: int, tiny: tuple[int, int, int]):
+    """gpu_check.py on one stack (`{ipc}` in the name: cuda_ipc on a GPU, shm on the CPU)."""
+
+    def argv(run: Run, budget: float) -> list[str]:
+        r, s, m = tiny if run.tiny else (requests, sampled, max_tokens)
+        sizes = ["--requests", str(r), "--sampled", str(s), "--max-tokens", str(m)]
+        where = ["--out", str(run.json(name)), "--log-dir", str(run.work / "logs")]
+        return [
+            PY,
+            "scripts/gpu_check.py",
+            "--device",
+            run.device,
+            "--model",
+            run.check_model,
+            "--stacks",
+            stack.format(ipc=run.ipc),
+            *sizes,
+            *where,
+        ]
+
+    return argv
+
+
+def bench(system: str, requests: int, concurrency: int, tiny: tuple[int, int]):
+    """bench.gpu on one system; `large` is its 1,024-request run alone."""
+
+    def argv(run: Run, budget: float) -> list[str]:
+        n, c = tiny if run.tiny else (requests, concurrency)
+        if system == "large":  # colocated on one request, then the large run
+            sizes = ["--systems", "colocated", "--requests", "1", "--concurrency", "1", "--large-run", str(n), str(c)]
+        else:
+            sizes = ["--systems", system, "--requests", str(n), "--concurrency", str(c), "--large-run", "0", "0"]
+        where = ["--out-dir", str(run.work / "stages"), "--name", f"bench-{system}", "--no-progress"]
+        budget_s = str(int(budget - KILL_GRACE_S))
+        return [
+            PY,
+            "-m",
+            "bench.gpu",
+            "--model",
+            run.model,
+            "--device",
+            run.device,
+            *sizes,
+            "--budget-s",
+            budget_s,
+            *where,
+        ]
+
+    return argv
+
+
+def checkpoint(run: Run, budget: float) -> list[str]:
+    code = f"from pdserve.checkpoint import resolve_model; print(resolve_model({run.model!r}))"
+    return [PY, "-c", code]
+
+
+def kv_shared_copy(run: Run, budget: float) -> list[str]:
+    tokens = "256" if run.tiny else "2048"
+    out = str(run.work / "stages" / "kv-shared-copy")
+    return [PY, "-m", "bench.kv_bandwidth", "--shared-copy", "--tokens", tokens, "--out", out]
+
+
+def costs(run: Run, budget: float) -> list[str]:
+    model = run.check_model
+    return [
+        PY,
+        "-m",
+        "bench.costs",
+        "--device",
+        run.device,
+        "--model",
+        model,
+        "--quick",
+        "--out",
+        str(run.json("costs")),
+    ]
+
+
+def faults(run: Run, budget: float) -> list[str]:
+    where = ["--out", str(run.json("faults")), "--log-dir", str(run.work / "logs")]
+    return [PY, "scripts/gpu_check.py", "--device", run.device, "--model", run.check_model, "--faults", *where]
+
+
+def attention(run: Run, budget: float) -> list[str]:
+    return [PY, "-m", "bench.attention", "--device", run.device, "--out", str(run.json("attention"))]
+
+
+def profile(run: Run, budget: float) -> list[str]:
+    return [PY, "-m", "bench.profile", "--device", run.device, "--model", run.model, "--out", str(run.json("profile"))]
+
+
+STAGES: tuple[Stage, ...] = (
+    Stage("smoke", 60, 90, 100, check("smoke", "fp32-colocated", 3, 4, 8, (2, 2, 4))),
+    Stage("check-fp32-ipc", 45, 90, 95, check("check-fp32-ipc", "fp32-{ipc}", 16, 64, 32, (4, 12, 6))),
+    Stage("check-bf16-ipc", 45, 90, 90, check("check-bf16-ipc", "bf16-{ipc}", 16, 64, 32, (2, 2, 4))),
+    Stage("checkpoint", 45, 60, 88, checkpoint),
+    Stage("bench-colocated", 60, 90, 85, bench("colocated", 256, 128, (6, 3))),
+    Stage("bench-disagg", 60, 90, 80, bench("disagg", 256, 128, (6, 3))),
+    Stage("profile", 40, 60, 75, profile, has_module("bench.profile")),
+    Stage("faults", 60, 90, 70, faults, has_option("scripts/gpu_check.py", "--faults")),
+    Stage("kv-shared-copy", 20, 60, 65, kv_shared_copy, has_module("bench.kv_bandwidth", "--shared-copy")),
+    Stage("check-fp32-zmq", 40, 90, 60, check("check-fp32-zmq", "fp32-zmq", 16, 0, 32, (2, 0, 4))),
+    Stage("check-fp32-colocated", 40, 90, 55, check("check-fp32-colocated", "fp32-colocated", 16, 200, 32, (2, 2, 4))),
+    Stage("bench-hf_cb", 60, 90, 50, bench("hf_cb", 256, 128, (4, 2))),
+    Stage("bench-static", 45, 90, 45, bench("static", 64, 32, (4, 2))),
+    Stage("attention", 30, 60, 40, attention, has_module("bench.attention")),
+    Stage("costs", 40, 60, 35, costs, has_module("bench.costs", "--device")),
+    Stage("bench-large", 90, 90, 30, bench("large", 1024, 256, (8, 4))),
+)
+
+
+def names() -> list[str]:
+    return [s.name for s in STAGES]
+
+
+# ---- the plan --------------------------------------------------------------------------------------
+
+
+def plan(stages: tuple[Stage, ...], run: Run, window: float, names: list[str] | None) -> tuple[list, dict]:
+    """(the stages to run, in order of value; {stage name: why it is not run}). Raises ValueError, in one line,
+    when the stages named do not exist or their budgets do not fit the window."""
+    by_value = sorted(stages, key=lambda s: -s.value)
+    absent = {s.name: "not present in this tree" for s in by_value if not s.present()}
+    if names is not None:
+        unknown = sorted(set(names) - {s.name for s in stages})
+        if unknown:
+            raise ValueError(f"no such stage: {', '.join(unknown)} (stages: {', '.join(s.name for s in stages)})")
+        chosen = [s for s in by_value if s.name in names and s.name not in absent]
+        total = sum(s.budget(run) for s in chosen)
+        if total > window:
+            raise ValueError(f"plan refused: its budgets add up to {total:.0f} s, past the {window:.0f} s window")
+        left = {s.name: "not in plan (not named)" for s in by_value if s.name not in names and s.name not in absent}
+        return chosen, absent | left
+    chosen, used, left = [], 0.0, {}
+    for s in by_value:
+        if s.name in absent:
+            continue
+        if used + s.budget(run) <= window:
+            chosen.append(s)
+            used += s.budget(run)
+        else:
+            left[s.name] = "not in plan (window)"
+    return chosen, absent | left
+
+
+# ---- running a stage -------------------------------------------------------------------------------
+
+
+def run_stage(stage: Stage, run: Run, env: dict) -> dict:
+    """Runs one stage's command in its own process group, stopped at its budget."""
+    budget = stage.budget(run)
+    argv = stage.argv(run, budget)
+    log = run.work / "logs" / f"{stage.name}.out"
+    t0 = time.monotonic()
+    with log.open("w") as f:
+        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=budget)
+            status = "passed" if rc == 0 else "failed"
+        except subprocess.TimeoutExpired:
+            stop(proc)
+            rc, status = None, "over budget"
+    r = {"name": stage.name, "value": stage.value, "budget_s": budget, "seconds": round(time.monotonic() - t0, 1)}
+    r |= {"status": status, "exit_code": rc, "command": " ".join(argv[1:]), "summary": summary(run, stage.name)}
+    return r
+
+
+def stop(proc: subprocess.Popen) -> None:
+    for sig, wait in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=wait)
+            return
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def summary(run: Run, name: str) -> dict:
+    """The scalar fields of the stage's JSON (stages/<name>.json), if it wrote one."""
+    path = run.json(name)
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except ValueError:
+        return {"unreadable": path.name}
+    return {k: v for k, v in data.items() if isinstance(v, str | int | float | bool)}
+
+
+# ---- the report ------------------------------------------------------------------------------------
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        f"# GPU kit: {report['device']}, window {report['window_s']:.0f} s, {report['total_s']:.0f} s in all",
+        "",
+        "| stage | value | budget s | seconds | result |",
+        "|---|---|---|---|---|",
+    ]
+    for r in report["stages"]:
+        secs = f"{r['seconds']:.1f}" if "seconds" in r else ""
+        lines.append(f"| {r['name']} | {r['value']} | {r['budget_s']:.0f} | {secs} | {r['status']} |")
+    return "\n".join(lines) + "\n"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda:0", help="cuda:N, or cpu: CPU mode (tiny sizes, shm for cuda_ipc)")
+    p.add_argument("--window", type=float, default=None, help=f"seconds; default {GPU_WINDOW_S:.0f} on a GPU")
+    p.add_argument("--stages", nargs="+", default=None, help="run these stages (default: what fits, by value)")
+    p.add_argument("--out", type=Path, default=Path("kit-out"), help="kit.md and kit.json go here")
+    p.add_argument("--work", type=Path, default=Path("kit-work"), help="each stage's log and JSON go here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    run = Run(a.device, not a.device.startswith("cuda"), a.work.resolve())
+    window = a.window or (CPU_WINDOW_S if run.tiny else GPU_WINDOW_S)
+    try:
+        chosen, left = plan(STAGES, run, window, a.stages or (names() if run.tiny else None))
+    except ValueError as e:
+        print(f"kit: {e}")
+        return 2
+    for d in (a.out, run.work / "logs", run.work / "stages"):
+        d.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))}
+    report = {"device": a.device, "window_s": window, "planned_s": sum(s.budget(run) for s in chosen), "stages": []}
+    print(f"kit: {len(chosen)} stages, {report['planned_s']:.0f} s of a {window:.0f} s window", flush=True)
+    t0 = time.monotonic()
+    for stage in chosen:
+        r = run_stage(stage, run, env)
+        report["stages"].append(r)
+        print(f"== [{time.monotonic() - t0:.0f} s] {r['name']}: {r['status']} in {r['seconds']:.0f} s", flush=True)
+        write(report, a.out, t0, stage_list(report["stages"], left, run))
+    report = write(report, a.out, t0, stage_list(report["stages"], left, run))
+    return 0 if all(r["status"] == "passed" for r in report["stages"] if r["name"] in {s.name for s in chosen}) else 1
+
+
+def stage_list(ran: list[dict], left: dict, run: Run) -> list[dict]:
+    """Every stage: those run, in their order, then the rest with why they did not run."""
+    by_name = {s.name: s for s in STAGES}
+    rest = [
+        {"name": n, "value": by_name[n].value, "budget_s": by_name[n].budget(run), "status": w} for n, w in left.items()
+    ]
+    return ran + rest
+
+
+def write(report: dict, out: Path, t0: float, stages: list[dict]) -> dict:
+    full = {**report, "stages": stages, "total_s": time.monotonic() - t0}
+    (out / "kit.json").write_text(json.dumps(full, indent=2))
+    (out / "kit.md").write_text(markdown(full))
+    return full
+
+
+if __name__ == "__main__":
+    sys.exit(main())
