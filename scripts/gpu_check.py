@@ -30,7 +30,8 @@ two GPUs, else both on cuda:0; on the CPU, `--device cpu` and shm where the GPU 
 (d) KV transfer: the prefill node's transfers (bytes over pull-to-ack time) beside a device-to-device
     copy between the same devices; every request's KV was transferred. Reported, not judged.
 
-Exit code 0 only if every check passes; the JSON report (`--out`) is rewritten after each stack, and
+`--url` checks a stack already running (the GPU kit starts one and shares it between its stages) instead of
+starting one. Exit code 0 only if every check passes; the JSON report (`--out`) is rewritten after each stack, and
 each stack's log is kept in `--log-dir`.
 """
 
@@ -342,7 +343,7 @@ def kv_report(url: str, requests: int, device: str) -> dict:
 
 def run_stack(a, plan: StackPlan, ref: Reference, prompts, expected, sampled: list[dict]) -> dict:
     t0 = time.perf_counter()
-    stack, url = start(a, plan)
+    stack, url = (None, a.url) if a.url else start(a, plan)
     try:
         r: dict = {
             "dtype": plan.dtype,
@@ -365,7 +366,8 @@ def run_stack(a, plan: StackPlan, ref: Reference, prompts, expected, sampled: li
         if plan.mode == "disagg":
             r["kv_transfer"] = kv_report(url, sent, a.device)
     finally:
-        stack.stop()
+        if stack is not None:
+            stack.stop()
     r["seconds"] = time.perf_counter() - t0
     r["pass"] = all(v["pass"] for v in r.values() if isinstance(v, dict))
     return r
@@ -386,6 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--logit-tol", type=float, default=0.5)
     ap.add_argument("--kv-cache-gb", type=float, default=None, help="per node; default 1 on CUDA, 0.25 on the CPU")
     ap.add_argument("--stacks", nargs="*", default=None, help="run only these stacks (by name)")
+    ap.add_argument("--url", default=None, help="check this running stack (one of --stacks) instead of starting it")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp"))
     return ap
@@ -394,6 +397,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     exit_on_sigterm()
+    if a.url and (a.stacks is None or len(a.stacks) != 1):
+        print("gpu_check: --url checks one stack: name it with --stacks")
+        return 2
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         print("gpu_check: no CUDA device; nothing to check (try --device cpu)")
         return 2

@@ -71,6 +71,7 @@ class Stage:
     value: int  # higher runs first and enters the default plan first
     argv: Callable[[Run, float], list[str]]  # (the run, this stage's budget) -> the command
     present: Callable[[], bool] = field(default=lambda: True)
+    stack: str | None = None  # the gpu_check stack it checks (`--url`): the stages naming one stack share it
 
     def budget(self, run: Run) -> float:
         return self.cpu_budget_s if run.tiny else self.budget_s
@@ -96,7 +97,7 @@ def has_option(script: str, option: str) -> Callable[[], bool]:
 
 
 def check(name: str, stack: str, requests: int, sampled: int, max_tokens: int, tiny: tuple[int, int, int]):
-    """gpu_check.py on one stack (`{ipc}` in the name: cuda_ipc on a GPU, shm on the CPU)."""
+    """gpu_check.py on one stack (`{ipc}` in the name: cuda_ipc on a GPU, shm on the CPU), the kit's shared one."""
 
     def argv(run: Run, budget: float) -> list[str]:
         r, s, m = tiny if run.tiny else (requests, sampled, max_tokens)
@@ -175,7 +176,8 @@ def costs(run: Run, budget: float) -> list[str]:
 
 def faults(run: Run, budget: float) -> list[str]:
     where = ["--out", str(run.json("faults")), "--log-dir", str(run.work / "logs")]
-    return [PY, "scripts/gpu_check.py", "--device", run.device, "--model", run.check_model, "--faults", *where]
+    stack = ["--stacks", f"fp32-{run.ipc}"]
+    return [PY, "scripts/gpu_check.py", "--device", run.device, "--model", run.check_model, "--faults", *stack, *where]
 
 
 def attention(run: Run, budget: float) -> list[str]:
@@ -186,18 +188,29 @@ def profile(run: Run, budget: float) -> list[str]:
     return [PY, "-m", "bench.profile", "--device", run.device, "--model", run.model, "--out", str(run.json("profile"))]
 
 
-STAGES: tuple[Stage, ...] = (
-    Stage("smoke", 60, 90, 100, check("smoke", "fp32-colocated", 3, 4, 8, (2, 2, 4))),
-    Stage("check-fp32-ipc", 45, 90, 95, check("check-fp32-ipc", "fp32-{ipc}", 16, 64, 32, (4, 12, 6))),
-    Stage("check-bf16-ipc", 45, 90, 90, check("check-bf16-ipc", "bf16-{ipc}", 16, 64, 32, (2, 2, 4))),
+STAGES: tuple[Stage, ...] = (  # name, GPU budget s, CPU budget s, value, command; the stages of a stack in a row
+    Stage("smoke", 60, 90, 100, check("smoke", "fp32-colocated", 3, 4, 8, (2, 2, 4)), stack="fp32-colocated"),
+    Stage(
+        "check-fp32-colocated",
+        25,
+        60,
+        98,
+        check("check-fp32-colocated", "fp32-colocated", 16, 200, 32, (2, 2, 4)),
+        stack="fp32-colocated",
+    ),
+    Stage(
+        "check-fp32-ipc", 45, 90, 95, check("check-fp32-ipc", "fp32-{ipc}", 16, 64, 32, (4, 12, 6)), stack="fp32-{ipc}"
+    ),
+    Stage("faults", 45, 90, 93, faults, has_option("scripts/gpu_check.py", "--faults"), "fp32-{ipc}"),
+    Stage(
+        "check-bf16-ipc", 45, 90, 90, check("check-bf16-ipc", "bf16-{ipc}", 16, 64, 32, (2, 2, 4)), stack="bf16-{ipc}"
+    ),
     Stage("checkpoint", 45, 60, 88, checkpoint),
     Stage("bench-colocated", 60, 90, 85, bench("colocated", 256, 128, (6, 3))),
     Stage("bench-disagg", 60, 90, 80, bench("disagg", 256, 128, (6, 3))),
     Stage("profile", 40, 60, 75, profile, has_module("bench.profile")),
-    Stage("faults", 60, 90, 70, faults, has_option("scripts/gpu_check.py", "--faults")),
     Stage("kv-shared-copy", 20, 60, 65, kv_shared_copy, has_module("bench.kv_bandwidth", "--shared-copy")),
-    Stage("check-fp32-zmq", 40, 90, 60, check("check-fp32-zmq", "fp32-zmq", 16, 0, 32, (2, 0, 4))),
-    Stage("check-fp32-colocated", 40, 90, 55, check("check-fp32-colocated", "fp32-colocated", 16, 200, 32, (2, 2, 4))),
+    Stage("check-fp32-zmq", 40, 90, 60, check("check-fp32-zmq", "fp32-zmq", 16, 0, 32, (2, 0, 4)), stack="fp32-zmq"),
     Stage("bench-hf_cb", 60, 90, 50, bench("hf_cb", 256, 128, (4, 2))),
     Stage("bench-static", 45, 90, 45, bench("static", 64, 32, (4, 2))),
     Stage("attention", 30, 60, 40, attention, has_module("bench.attention")),
@@ -240,26 +253,89 @@ def plan(stages: tuple[Stage, ...], run: Run, window: float, names: list[str] | 
     return chosen, absent | left
 
 
+# ---- the shared stacks ----------------------------------------------------------------------------
+
+
+class Stacks:
+    """The gpu_check stacks the planned stages share: each starts before the first stage that names it (within that
+    stage's budget) and stops after the last one."""
+
+    def __init__(self, run: Run, chosen: list[Stage]) -> None:
+        self.run, self.open = run, {}
+        self.last = {s.stack.format(ipc=run.ipc): i for i, s in enumerate(chosen) if s.stack}
+        self.gc = None
+
+    def url(self, name: str, timeout: float) -> str:
+        if name not in self.open:
+            self.open[name] = self.start(name, timeout)
+        return self.open[name][1]
+
+    def start(self, name: str, timeout: float):
+        gc = self.gc = self.gc or load_gpu_check()
+        run = self.run
+        a = gc.build_parser().parse_args(["--device", run.device, "--model", run.check_model])
+        a.kv_cache_gb, a.log_dir = (0.25 if run.tiny else 1.0), run.work / "logs"
+        plan = next(p for p in gc.plans(run.device) if p.name == name)
+        port = gc.free_port()
+        stack = gc.Stack(gc.stack_argv(a, plan, port), a.log_dir / f"kit.{name}.log")
+        try:
+            stack.wait_ready(timeout)
+        except BaseException:
+            stack.stop()
+            raise
+        return stack, f"http://127.0.0.1:{port}"
+
+    def done(self, index: int) -> None:
+        for name in [n for n in self.open if self.last[n] <= index]:
+            self.open.pop(name)[0].stop()
+
+    def close(self) -> None:
+        self.done(len(self.last) + 10**6)
+
+
+def load_gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
 # ---- running a stage -------------------------------------------------------------------------------
 
 
-def run_stage(stage: Stage, run: Run, env: dict) -> dict:
-    """Runs one stage's command in its own process group, stopped at its budget."""
+def run_stage(stage: Stage, run: Run, env: dict, stacks: Stacks) -> dict:
+    """Runs one stage's command in its own process group, stopped at its budget (its stack's start included)."""
     budget = stage.budget(run)
     argv = stage.argv(run, budget)
-    log = run.work / "logs" / f"{stage.name}.out"
     t0 = time.monotonic()
+    r = {"name": stage.name, "value": stage.value, "budget_s": budget}
+    if stage.stack:
+        name = stage.stack.format(ipc=run.ipc)
+        try:
+            argv += ["--url", stacks.url(name, budget)]
+        except Exception as e:  # a stack that does not start fails the stage; the next stage still runs
+            status = "over budget" if isinstance(e, TimeoutError) else "failed"
+            return r | {"seconds": round(time.monotonic() - t0, 1), "status": status, "error": f"stack {name}: {e}"}
+        r["stack"] = name
+    rc, status = command(argv, env, run.work / "logs" / f"{stage.name}.out", budget - (time.monotonic() - t0))
+    r |= {"seconds": round(time.monotonic() - t0, 1), "status": status, "exit_code": rc}
+    return r | {"command": " ".join(argv[1:]), "summary": summary(run, stage.name)}
+
+
+def command(argv: list[str], env: dict, log: Path, budget: float) -> tuple[int | None, str]:
+    """(exit code, status) of one command in its own process group, stopped at `budget` seconds."""
     with log.open("w") as f:
         proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            rc = proc.wait(timeout=budget)
-            status = "passed" if rc == 0 else "failed"
+            rc = proc.wait(timeout=max(budget, 0.1))
         except subprocess.TimeoutExpired:
             stop(proc)
-            rc, status = None, "over budget"
-    r = {"name": stage.name, "value": stage.value, "budget_s": budget, "seconds": round(time.monotonic() - t0, 1)}
-    r |= {"status": status, "exit_code": rc, "command": " ".join(argv[1:]), "summary": summary(run, stage.name)}
-    return r
+            return None, "over budget"
+        except BaseException:  # the kit itself is stopped: so is its stage
+            stop(proc)
+            raise
+    return rc, "passed" if rc == 0 else "failed"
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -314,6 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds: the running stage and the stacks stop
     run = Run(a.device, not a.device.startswith("cuda"), a.work.resolve())
     window = a.window or (CPU_WINDOW_S if run.tiny else GPU_WINDOW_S)
     try:
@@ -326,12 +403,16 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))}
     report = {"device": a.device, "window_s": window, "planned_s": sum(s.budget(run) for s in chosen), "stages": []}
     print(f"kit: {len(chosen)} stages, {report['planned_s']:.0f} s of a {window:.0f} s window", flush=True)
-    t0 = time.monotonic()
-    for stage in chosen:
-        r = run_stage(stage, run, env)
-        report["stages"].append(r)
-        print(f"== [{time.monotonic() - t0:.0f} s] {r['name']}: {r['status']} in {r['seconds']:.0f} s", flush=True)
-        write(report, a.out, t0, stage_list(report["stages"], left, run))
+    t0, stacks = time.monotonic(), Stacks(run, chosen)
+    try:
+        for i, stage in enumerate(chosen):
+            r = run_stage(stage, run, env, stacks)
+            stacks.done(i)
+            report["stages"].append(r)
+            print(f"== [{time.monotonic() - t0:.0f} s] {r['name']}: {r['status']} in {r['seconds']:.0f} s", flush=True)
+            write(report, a.out, t0, stage_list(report["stages"], left, run))
+    finally:
+        stacks.close()
     report = write(report, a.out, t0, stage_list(report["stages"], left, run))
     return 0 if all(r["status"] == "passed" for r in report["stages"] if r["name"] in {s.name for s in chosen}) else 1
 

@@ -60,6 +60,7 @@ def test_a_stage_past_its_budget_is_stopped_and_the_next_one_runs(tmp_path, monk
     code = {"slow": "import time; time.sleep(60)", "bad": "raise SystemExit(3)", "good": ""}
     st = stages(kit, code, {"slow": 1, "bad": 5, "good": 5}, {"slow": 3, "bad": 2, "good": 1})
     monkeypatch.setattr(kit, "STAGES", st)
+    monkeypatch.setattr(kit.signal, "signal", lambda *_: None)  # the kit's SIGTERM handler: not in this process
     out = tmp_path / "out"
     rc = kit.main(["--device", "cpu", "--out", str(out), "--work", str(tmp_path / "work")])
     report = json.loads((out / "kit.json").read_text())
