@@ -208,7 +208,7 @@ STAGES: tuple[Stage, ...] = (  # name, GPU budget s, CPU budget s, value, comman
     Stage("checkpoint", 45, 60, 88, checkpoint),
     Stage("bench-colocated", 60, 90, 85, bench("colocated", 256, 128, (6, 3))),
     Stage("bench-disagg", 60, 90, 80, bench("disagg", 256, 128, (6, 3))),
-    Stage("profile", 40, 60, 75, profile, has_module("bench.profile")),
+    Stage("profile", 60, 60, 75, profile, has_module("bench.profile")),
     Stage("kv-shared-copy", 20, 60, 65, kv_shared_copy, has_module("bench.kv_bandwidth", "--shared-copy")),
     Stage("check-fp32-zmq", 40, 90, 60, check("check-fp32-zmq", "fp32-zmq", 16, 0, 32, (2, 0, 4)), stack="fp32-zmq"),
     Stage("bench-hf_cb", 60, 90, 50, bench("hf_cb", 256, 128, (4, 2))),
