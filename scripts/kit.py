@@ -271,7 +271,7 @@ class Stacks:
         return self.open[name][1]
 
     def start(self, name: str, timeout: float):
-        gc = self.gc = self.gc or load_gpu_check()
+        gc = self.gc = self.gc or load_script(ROOT / "scripts" / "gpu_check.py")
         run = self.run
         a = gc.build_parser().parse_args(["--device", run.device, "--model", run.check_model])
         a.kv_cache_gb, a.log_dir = (0.25 if run.tiny else 1.0), run.work / "logs"
@@ -293,10 +293,11 @@ class Stacks:
         self.done(len(self.last) + 10**6)
 
 
-def load_gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+def load_script(path: Path):
+    """A script beside this one as a module (its dataclasses look their module up in sys.modules)."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
 
@@ -312,6 +313,7 @@ def run_stage(stage: Stage, run: Run, env: dict, stacks: Stacks) -> dict:
     r = {"name": stage.name, "value": stage.value, "budget_s": budget}
     if stage.stack:
         name = stage.stack.format(ipc=run.ipc)
+        r["stack_started"] = name not in stacks.open  # else the stack an earlier stage started serves this one too
         try:
             argv += ["--url", stacks.url(name, budget)]
         except Exception as e:  # a stack that does not start fails the stage; the next stage still runs

@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
 
+from scripts.kit import load_script
+
 SCRIPT = Path(__file__).parents[1] / "scripts" / "kit.py"
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("kit", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 def stages(kit, code: dict[str, str], budgets: dict[str, float], values: dict[str, int]):

@@ -4,7 +4,6 @@ on the CPU (a float32 disaggregated stack over shm) is checked in the GPU kit's 
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -12,15 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from scripts.kit import load_script as load
+
 SCRIPT = Path(__file__).parents[2] / "scripts" / "gpu_check.py"
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load(SCRIPT)
 
 
 class FixedLogits:

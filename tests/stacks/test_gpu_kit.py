@@ -12,7 +12,6 @@ once (all but one, into a site folder the gpu_run.sh runs start from: each insta
 from __future__ import annotations
 
 import importlib.metadata as md
-import importlib.util
 import json
 import os
 import re
@@ -23,16 +22,14 @@ from pathlib import Path
 
 import pytest
 
+from scripts.kit import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 BOX_HAS = ("torch", "transformers", "triton", "pip")
 
 
 def load_kit():
-    spec = importlib.util.spec_from_file_location("kit", ROOT / "scripts" / "kit.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "scripts" / "kit.py")
 
 
 def _requires(dist: md.Distribution) -> list[str]:
@@ -205,10 +202,16 @@ def test_gpu_run_cpu_mode_passes_in_the_box_venv(box, site, tmp_path):
     assert [s["value"] for s in kit["stages"] if s["status"] == "passed"] == sorted(
         (s["value"] for s in kit["stages"] if s["status"] == "passed"), reverse=True
     )
+    shared = {s["name"]: s.get("stack_started") for s in kit["stages"] if s.get("stack") == "fp32-colocated"}
+    assert shared == {"smoke": True, "check-fp32-colocated": False}  # one stack served both stages
     fp32 = json.loads((tmp_path / "work" / "stages" / "check-fp32-ipc.json").read_text())["stacks"]["fp32-shm"]
     assert fp32["greedy_exact"]["exact"] == 4 and fp32["sampling"]["seeds_judged"]
     assert fp32["top_k1_greedy"]["greedy"] == 4
     kv = fp32["kv_transfer"]  # every request shipped its KV, or was sent again and prefilled on the decode node
     assert kv["transfers"] >= 4 and kv["transfers"] + kv["local_prefills"] == kv["requests"] > 4
+    profile = json.loads((tmp_path / "work" / "stages" / "profile.json").read_text())
+    assert list(profile["steps"]) == ["decode-4", "decode-8", "chunk-64"]
+    assert [profile["steps"][k]["record"]["decode_tokens"] for k in ("decode-4", "decode-8")] == [4, 8]
+    assert profile["step_floors"]["decode 1-8"]["steps"] > 0 and profile["step_floors"]["prompt chunks"]["steps"] > 0
     assert (folder / "prometheus_client").is_dir()  # the serving dependencies came from the wheels, installed there
     shutil.rmtree(tmp_path / "work", ignore_errors=True)
