@@ -206,8 +206,8 @@ STAGES: tuple[Stage, ...] = (  # name, GPU budget s, CPU budget s, value, comman
         "check-bf16-ipc", 45, 90, 90, check("check-bf16-ipc", "bf16-{ipc}", 16, 64, 32, (2, 2, 4)), stack="bf16-{ipc}"
     ),
     Stage("checkpoint", 45, 60, 88, checkpoint),
-    Stage("bench-colocated", 60, 90, 85, bench("colocated", 256, 128, (6, 3))),
-    Stage("bench-disagg", 60, 90, 80, bench("disagg", 256, 128, (6, 3))),
+    Stage("bench-colocated", 60, 90, 85, bench("colocated", 256, 128, (3, 3))),
+    Stage("bench-disagg", 60, 90, 80, bench("disagg", 256, 128, (3, 3))),
     Stage("profile", 60, 60, 75, profile, has_module("bench.profile")),
     Stage("kv-shared-copy", 20, 60, 65, kv_shared_copy, has_module("bench.kv_bandwidth", "--shared-copy")),
     Stage("check-fp32-zmq", 40, 90, 60, check("check-fp32-zmq", "fp32-zmq", 16, 0, 32, (2, 0, 4)), stack="fp32-zmq"),
@@ -215,7 +215,7 @@ STAGES: tuple[Stage, ...] = (  # name, GPU budget s, CPU budget s, value, comman
     Stage("bench-static", 45, 90, 45, bench("static", 64, 32, (4, 2))),
     Stage("attention", 30, 60, 40, attention, has_module("bench.attention")),
     Stage("costs", 40, 60, 35, costs, has_module("bench.costs", "--device")),
-    Stage("bench-large", 90, 90, 30, bench("large", 1024, 256, (8, 4))),
+    Stage("bench-large", 90, 90, 30, bench("large", 1024, 256, (4, 4))),
 )
 
 
