@@ -120,7 +120,8 @@ def check(name: str, stack: str, requests: int, sampled: int, max_tokens: int, t
 
 
 def bench(system: str, requests: int, concurrency: int, tiny: tuple[int, int]):
-    """bench.gpu on one system; `large` is its 1,024-request run alone."""
+    """bench.gpu on one system; `large` is its 1,024-request run alone. Its budget must hold bench.gpu's setup and
+    the MIN_SYSTEM_S it wants left to start a system (else it skips the system, and the stage fails)."""
 
     def argv(run: Run, budget: float) -> list[str]:
         n, c = tiny if run.tiny else (requests, concurrency)
@@ -189,7 +190,7 @@ def profile(run: Run, budget: float) -> list[str]:
 
 
 STAGES: tuple[Stage, ...] = (  # name, GPU budget s, CPU budget s, value, command; the stages of a stack in a row
-    Stage("smoke", 60, 90, 100, check("smoke", "fp32-colocated", 3, 4, 8, (2, 2, 4)), stack="fp32-colocated"),
+    Stage("smoke", 50, 90, 100, check("smoke", "fp32-colocated", 3, 4, 8, (2, 2, 4)), stack="fp32-colocated"),
     Stage(
         "check-fp32-colocated",
         25,
@@ -206,16 +207,16 @@ STAGES: tuple[Stage, ...] = (  # name, GPU budget s, CPU budget s, value, comman
         "check-bf16-ipc", 45, 90, 90, check("check-bf16-ipc", "bf16-{ipc}", 16, 64, 32, (2, 2, 4)), stack="bf16-{ipc}"
     ),
     Stage("checkpoint", 45, 60, 88, checkpoint),
-    Stage("bench-colocated", 60, 90, 85, bench("colocated", 256, 128, (3, 3))),
-    Stage("bench-disagg", 60, 90, 80, bench("disagg", 256, 128, (3, 3))),
+    Stage("bench-colocated", 90, 120, 85, bench("colocated", 256, 128, (3, 3))),
+    Stage("bench-disagg", 90, 120, 80, bench("disagg", 256, 128, (3, 3))),
     Stage("profile", 60, 60, 75, profile, has_module("bench.profile")),
     Stage("kv-shared-copy", 20, 60, 65, kv_shared_copy, has_module("bench.kv_bandwidth", "--shared-copy")),
     Stage("check-fp32-zmq", 40, 90, 60, check("check-fp32-zmq", "fp32-zmq", 16, 0, 32, (2, 0, 4)), stack="fp32-zmq"),
-    Stage("bench-hf_cb", 60, 90, 50, bench("hf_cb", 256, 128, (4, 2))),
-    Stage("bench-static", 45, 90, 45, bench("static", 64, 32, (4, 2))),
+    Stage("bench-hf_cb", 90, 120, 50, bench("hf_cb", 256, 128, (4, 2))),
+    Stage("bench-static", 90, 120, 45, bench("static", 64, 32, (4, 2))),
     Stage("attention", 30, 60, 40, attention, has_module("bench.attention")),
     Stage("costs", 40, 60, 35, costs, has_module("bench.costs", "--device")),
-    Stage("bench-large", 90, 90, 30, bench("large", 1024, 256, (4, 4))),
+    Stage("bench-large", 90, 120, 30, bench("large", 1024, 256, (4, 4))),
 )
 
 
