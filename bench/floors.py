@@ -120,3 +120,44 @@ def _overhead_summary(workload: Workload, steps: list[tuple[float, float, float]
         "prepare_share_of_bare": float(a[:, 1].sum() / bare.sum()),
         "floor_output_throughput": workload.num_output_tokens / float(bare.sum()),
     }
+
+
+# ---- each step beside its own floor ----------------------------------------------------------------
+
+BATCH_GROUPS = ((1, 8), (9, 32), (33, 128), (129, 256))
+
+
+def memory_floor_s(record: dict, weight_bytes: int, kv_bytes_per_token: int, copy_gbps: float) -> float:
+    """A decode-only step's floor: its weights and its batch's KV read once, at the device copy's bandwidth (a copy
+    reads and writes each byte: `copy_gbps` counts the bytes copied, so read+write moves twice them)."""
+    return (weight_bytes + record["context"] * kv_bytes_per_token) / (2 * copy_gbps * 1e9)
+
+
+def compute_floor_s(record: dict, flops_per_token: float, peak_flops: float) -> float:
+    """A step with prompt chunks: its FLOPs (`flops_per_token` x its tokens) at the measured bf16 GEMM peak."""
+    return record["tokens"] * flops_per_token / peak_flops
+
+
+def step_floors(records: list[dict], weights: tuple[int, int], kv_bytes_per_token: int, copy_gbps: float, peak: float):
+    """Decode-only steps against the memory floor, grouped by batch size (BATCH_GROUPS); steps with prompt chunks
+    against the compute floor (2 FLOPs per weight per token). `weights`: (their bytes, their count). Each group: its
+    steps, mean seconds, mean floor, and their ratio."""
+    weight_bytes, flops_per_token = weights[0], 2 * weights[1]
+    decode = [r for r in records if r["decode_tokens"] == r["tokens"]]
+    chunked = [r for r in records if r["decode_tokens"] != r["tokens"]]
+    groups = {}
+    for lo, hi in BATCH_GROUPS:
+        rows = [r for r in decode if lo <= r["requests"] <= hi]
+        floors = [memory_floor_s(r, weight_bytes, kv_bytes_per_token, copy_gbps) for r in rows]
+        groups[f"decode {lo}-{hi}"] = _group(rows, floors, "memory")
+    floors = [compute_floor_s(r, flops_per_token, peak) for r in chunked]
+    groups["prompt chunks"] = _group(chunked, floors, "compute")
+    return groups
+
+
+def _group(rows: list[dict], floors: list[float], floor: str) -> dict:
+    if not rows:
+        return {"floor": floor, "steps": 0}
+    mean_s = sum(r["seconds"] for r in rows) / len(rows)
+    mean_floor = sum(floors) / len(floors)
+    return {"floor": floor, "steps": len(rows), "mean_s": mean_s, "floor_s": mean_floor, "ratio": mean_s / mean_floor}

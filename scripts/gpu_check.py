@@ -35,7 +35,8 @@ two GPUs, else both on cuda:0; on the CPU, `--device cpu` and shm where the GPU 
     log holds no traceback and not torch's cuda_ipc warning "Producer process has been terminated" (a pool freed
     while another process still mapped it).
 
-Exit code 0 only if every check passes; the JSON report (`--out`) is rewritten after each stack, and
+`--url` checks a stack already running (the GPU kit starts one and shares it between its stages) instead of
+starting one. Exit code 0 only if every check passes; the JSON report (`--out`) is rewritten after each stack, and
 each stack's log is kept in `--log-dir`.
 """
 
@@ -349,7 +350,7 @@ def kv_report(url: str, requests: int, device: str) -> dict:
 
 def run_stack(a, plan: StackPlan, ref: Reference, prompts, expected, sampled: list[dict]) -> dict:
     t0, free_before = time.perf_counter(), free_device_mb(a.device)
-    stack, url = start(a, plan)
+    stack, url = (None, a.url) if a.url else start(a, plan)  # a stack of this run, or one the kit shares
     try:
         r: dict = {
             "dtype": plan.dtype,
@@ -371,10 +372,12 @@ def run_stack(a, plan: StackPlan, ref: Reference, prompts, expected, sampled: li
                 sent += len(prompts)
         if plan.mode == "disagg":
             r["kv_transfer"] = kv_report(url, sent, a.device)
-        segments = mapped_segments(descendants(stack.proc.pid))
+        segments = mapped_segments(descendants(stack.proc.pid)) if stack is not None else set()
     finally:
-        stack.stop()
-    r["clean_stop"] = check_clean_stop(stack.log_path, segments, a.device, free_before)
+        if stack is not None:
+            stack.stop()
+    if stack is not None:  # a shared stack is judged by whoever stops it
+        r["clean_stop"] = check_clean_stop(stack.log_path, segments, a.device, free_before)
     r["seconds"] = time.perf_counter() - t0
     r["pass"] = all(v["pass"] for v in r.values() if isinstance(v, dict))
     return r
@@ -454,6 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--logit-tol", type=float, default=0.5)
     ap.add_argument("--kv-cache-gb", type=float, default=None, help="per node; default 1 on CUDA, 0.25 on the CPU")
     ap.add_argument("--stacks", nargs="*", default=None, help="run only these stacks (by name)")
+    ap.add_argument("--url", default=None, help="check this running stack (one of --stacks) instead of starting it")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp"))
     return ap
@@ -462,6 +466,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     exit_on_sigterm()
+    if a.url and (a.stacks is None or len(a.stacks) != 1):
+        print("gpu_check: --url checks one stack: name it with --stacks")
+        return 2
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         print("gpu_check: no CUDA device; nothing to check (try --device cpu)")
         return 2

@@ -1,9 +1,9 @@
-"""The GPU check (scripts/gpu_check.py): its logic on the CPU, and the whole script where CUDA is present."""
+"""The GPU check (scripts/gpu_check.py): its logic on the CPU, and the whole script where CUDA is present. Its flow
+on the CPU (a float32 disaggregated stack over shm) is checked in the GPU kit's CPU mode (tests/stacks/test_gpu_kit.py).
+"""
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import os
 import subprocess
 import sys
@@ -12,15 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from scripts.kit import load_script as load
+
 SCRIPT = Path(__file__).parents[2] / "scripts" / "gpu_check.py"
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load(SCRIPT)
 
 
 class FixedLogits:
@@ -83,38 +81,6 @@ def test_sampled_bodies_give_each_setting_seeded_and_unseeded():
     assert len({b["seed"] for b in bodies if "seed" in b}) == 100
 
 
-def test_gpu_check_passes_on_the_cpu(tmp_path):
-    """The check's flow on the CPU (tiny model; shm where the GPU uses cuda_ipc), on its fp32 disagg stack."""
-    out = tmp_path / "gpu_check.json"
-    small = "--device cpu --model tiny --requests 4 --max-tokens 6 --sampled 12 --stacks fp32-shm".split()
-    argv = [sys.executable, str(SCRIPT), *small, "--out", str(out), "--log-dir", str(tmp_path)]
-    r = subprocess.run(argv, timeout=600, capture_output=True, text=True)
-    report = json.loads(out.read_text())
-    assert r.returncode == 0, json.dumps(report, indent=1)
-    assert list(report["stacks"]) == ["fp32-shm"]
-    fp32 = report["stacks"]["fp32-shm"]
-    assert fp32["greedy_exact"]["exact"] == 4 and fp32["sampling"]["seeds_judged"]
-    assert fp32["top_k1_greedy"]["greedy"] == 4
-    kv = fp32["kv_transfer"]  # every request shipped its KV, or was sent again and prefilled on the decode node
-    assert kv["transfers"] >= 4 and kv["transfers"] + kv["local_prefills"] == kv["requests"] > 4
-    stop = fp32["clean_stop"]  # the prefill pool's shm segment was mapped, and is gone once the stack stopped
-    assert stop["pass"] and stop["segments_mapped"] >= 1 and not stop["segments_left"] and not stop["warnings"]
-
-
-def test_a_clean_stop_is_judged_by_the_segments_left_and_the_log(tmp_path):
-    gc = load_script()
-    log, segment = tmp_path / "stack.log", tmp_path / "pdserve-segment"
-    log.write_text("INFO started\nINFO stopped\n")
-    assert gc.check_clean_stop(log, {str(segment)}, "cpu", None)["pass"]
-    segment.write_bytes(b"")
-    assert gc.check_clean_stop(log, {str(segment)}, "cpu", None)["segments_left"] == [str(segment)]
-    segment.unlink()
-    log.write_text("UserWarning: Producer process has been terminated before all shared CUDA tensors released\n")
-    r = gc.check_clean_stop(log, set(), "cpu", None)
-    assert not r["pass"] and r["warnings"] == {"Producer process has been terminated": 1}
-    assert gc.descendants(os.getpid())[0] == os.getpid()
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_check_script_passes(tmp_path):
@@ -135,3 +101,17 @@ def test_gpu_check_script_passes(tmp_path):
         timeout=900,
     )
     assert r.returncode == 0, out.read_text() if out.exists() else "no report"
+
+
+def test_a_clean_stop_is_judged_by_the_segments_left_and_the_log(tmp_path):
+    gc = load_script()
+    log, segment = tmp_path / "stack.log", tmp_path / "pdserve-segment"
+    log.write_text("INFO started\nINFO stopped\n")
+    assert gc.check_clean_stop(log, {str(segment)}, "cpu", None)["pass"]
+    segment.write_bytes(b"")
+    assert gc.check_clean_stop(log, {str(segment)}, "cpu", None)["segments_left"] == [str(segment)]
+    segment.unlink()
+    log.write_text("UserWarning: Producer process has been terminated before all shared CUDA tensors released\n")
+    r = gc.check_clean_stop(log, set(), "cpu", None)
+    assert not r["pass"] and r["warnings"] == {"Producer process has been terminated": 1}
+    assert gc.descendants(os.getpid())[0] == os.getpid()

@@ -12,6 +12,7 @@ once (all but one, into a site folder the gpu_run.sh runs start from: each insta
 from __future__ import annotations
 
 import importlib.metadata as md
+import json
 import os
 import re
 import shutil
@@ -21,8 +22,14 @@ from pathlib import Path
 
 import pytest
 
+from scripts.kit import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 BOX_HAS = ("torch", "transformers", "triton", "pip")
+
+
+def load_kit():
+    return load_script(ROOT / "scripts" / "kit.py")
 
 
 def _requires(dist: md.Distribution) -> list[str]:
@@ -165,7 +172,7 @@ def test_a_missing_dependency_stops_gpu_run_before_anything_starts(box, site, tm
     assert r.returncode == 3, r.stdout[-2000:]
     assert re.search(r"deps install: 0 of \d+ wheels needed here", r.stdout), r.stdout[-2000:]  # the site holds them
     assert "prometheus_client is not installed" in r.stdout
-    assert "smoke" not in r.stdout  # no stack was started
+    assert "kit:" not in r.stdout  # no stage was started
 
 
 def test_gpu_run_cpu_mode_passes_in_the_box_venv(box, site, tmp_path):
@@ -180,14 +187,31 @@ def test_gpu_run_cpu_mode_passes_in_the_box_venv(box, site, tmp_path):
         text=True,
         cwd=ROOT,
         env=_env(bin_dir, tmp_path, wheels, folder),
-        timeout=1500,
+        timeout=1800,
     )
     log = r.stdout
     assert r.returncode == 0, log[-4000:]
     assert re.search(r"deps install: 1 of \d+ wheels needed here", log), log[-4000:]  # prometheus_client, not the rest
     assert re.search(r"dependencies: \d+ import", log)
-    assert "smoke: exit code 0" in log and "gpu_check: exit code 0" in log and "bench.gpu: exit code 0" in log
     out = tmp_path / "out"
-    assert {"gpu_run.log", "gpu_check.json", "gpu.json", "gpu.md", "logs.tar.gz"} <= {p.name for p in out.iterdir()}
+    assert {p.name for p in out.iterdir()} == {"gpu_run.log", "kit.md", "kit.json", "logs.tar.gz"}
+    kit = json.loads((out / "kit.json").read_text())
+    status = {s["name"]: s["status"] for s in kit["stages"]}
+    assert set(status) == set(load_kit().names()), status  # every stage is reported
+    assert all(v in ("passed", "not present in this tree") for v in status.values()), status  # none left for time
+    assert [s["value"] for s in kit["stages"] if s["status"] == "passed"] == sorted(
+        (s["value"] for s in kit["stages"] if s["status"] == "passed"), reverse=True
+    )
+    shared = {s["name"]: s.get("stack_started") for s in kit["stages"] if s.get("stack") == "fp32-colocated"}
+    assert shared == {"smoke": True, "check-fp32-colocated": False}  # one stack served both stages
+    fp32 = json.loads((tmp_path / "work" / "stages" / "check-fp32-ipc.json").read_text())["stacks"]["fp32-shm"]
+    assert fp32["greedy_exact"]["exact"] == 4 and fp32["sampling"]["seeds_judged"]
+    assert fp32["top_k1_greedy"]["greedy"] == 4
+    kv = fp32["kv_transfer"]  # every request shipped its KV, or was sent again and prefilled on the decode node
+    assert kv["transfers"] >= 4 and kv["transfers"] + kv["local_prefills"] == kv["requests"] > 4
+    profile = json.loads((tmp_path / "work" / "stages" / "profile.json").read_text())
+    assert list(profile["steps"]) == ["decode-4", "decode-8", "chunk-64"]
+    assert [profile["steps"][k]["record"]["decode_tokens"] for k in ("decode-4", "decode-8")] == [4, 8]
+    assert profile["step_floors"]["decode 1-8"]["steps"] > 0 and profile["step_floors"]["prompt chunks"]["steps"] > 0
     assert (folder / "prometheus_client").is_dir()  # the serving dependencies came from the wheels, installed there
     shutil.rmtree(tmp_path / "work", ignore_errors=True)

@@ -1,0 +1,440 @@
+"""The GPU kit's stages: a plan that fits the window, each stage under its own budget (docs/gpu.md).
+
+    python scripts/kit.py --device cuda:0 --out OUT              # the default plan: the stages that fit 300 s
+    python scripts/kit.py --device cuda:0 --stages smoke bench-colocated --window 200
+    python scripts/kit.py --device cpu --out OUT                 # CPU mode: every stage, tiny sizes
+
+1. The plan: the stages named (`--stages`); by default on a GPU, the stages of this tree in order of value
+   while their budgets fit the window; in CPU mode, every stage. A plan whose budgets add up past `--window`
+   is refused, in one line, before anything runs (exit code 2).
+2. Each stage runs in order of value, as its own process group under its own budget: a stage past its
+   budget is stopped (SIGTERM, then SIGKILL) and reported "over budget"; the next stage still runs.
+3. A stage whose module is not in this tree (`importlib.util.find_spec`, or its option missing) is
+   reported "not present in this tree"; a stage left out of the default plan by the window is reported
+   "not in plan (window)". Every stage of STAGES appears in the report.
+4. The report: `kit.md` and `kit.json` in `--out`; each stage's output and JSON under `--work`
+   (`logs/<stage>.out`, `stages/<stage>.json`), packed by gpu_run.sh into one tarball.
+
+Adding a stage is one entry in STAGES.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GPU_WINDOW_S = 300.0
+CPU_WINDOW_S = 1500.0
+KILL_GRACE_S = 15.0  # after SIGTERM, time for a stage's stacks to stop before SIGKILL
+PY = sys.executable
+
+
+@dataclass(frozen=True)
+class Run:
+    """What a stage's command sees: the device, the sizes, where to write."""
+
+    device: str
+    tiny: bool
+    work: Path
+
+    @property
+    def ipc(self) -> str:
+        return "shm" if self.tiny else "cuda_ipc"
+
+    @property
+    def model(self) -> str:
+        return "tiny" if self.tiny else "qwen3-0.6b"
+
+    @property
+    def check_model(self) -> str:
+        return "tiny" if self.tiny else "small"
+
+    def json(self, name: str) -> Path:
+        return self.work / "stages" / f"{name}.json"
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    budget_s: float  # on a GPU
+    cpu_budget_s: float  # in CPU mode (tiny sizes, a shared CPU)
+    value: int  # higher runs first and enters the default plan first
+    argv: Callable[[Run, float], list[str]]  # (the run, this stage's budget) -> the command
+    present: Callable[[], bool] = field(default=lambda: True)
+    stack: str | None = None  # the gpu_check stack it checks (`--url`): the stages naming one stack share it
+
+    def budget(self, run: Run) -> float:
+        return self.cpu_budget_s if run.tiny else self.budget_s
+
+
+def has_module(name: str, option: str | None = None) -> Callable[[], bool]:
+    """The stage's module is in this tree (and its source names `option`, when given)."""
+
+    def present() -> bool:
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.origin is None:
+            return False
+        return option is None or option in Path(spec.origin).read_text()
+
+    return present
+
+
+def has_option(script: str, option: str) -> Callable[[], bool]:
+    return lambda: option in (ROOT / script).read_text()
+
+
+# ---- the stages ------------------------------------------------------------------------------------
+
+
+def check(name: str, stack: str, requests: int, sampled: int, max_tokens: int, tiny: tuple[int, int, int]):
+    """gpu_check.py on one stack (`{ipc}` in the name: cuda_ipc on a GPU, shm on the CPU), the kit's shared one."""
+
+    def argv(run: Run, budget: float) -> list[str]:
+        r, s, m = tiny if run.tiny else (requests, sampled, max_tokens)
+        sizes = ["--requests", str(r), "--sampled", str(s), "--max-tokens", str(m)]
+        where = ["--out", str(run.json(name)), "--log-dir", str(run.work / "logs")]
+        return [
+            PY,
+            "scripts/gpu_check.py",
+            "--device",
+            run.device,
+            "--model",
+            run.check_model,
+            "--stacks",
+            stack.format(ipc=run.ipc),
+            *sizes,
+            *where,
+        ]
+
+    return argv
+
+
+def bench(system: str, requests: int, concurrency: int, tiny: tuple[int, int]):
+    """bench.gpu on one system; `large` is its 1,024-request run alone. Its budget must hold bench.gpu's setup and
+    the MIN_SYSTEM_S it wants left to start a system (else it skips the system, and the stage fails)."""
+
+    def argv(run: Run, budget: float) -> list[str]:
+        n, c = tiny if run.tiny else (requests, concurrency)
+        if system == "large":  # colocated on one request, then the large run
+            sizes = ["--systems", "colocated", "--requests", "1", "--concurrency", "1", "--large-run", str(n), str(c)]
+        else:
+            sizes = ["--systems", system, "--requests", str(n), "--concurrency", str(c), "--large-run", "0", "0"]
+        where = ["--out-dir", str(run.work / "stages"), "--name", f"bench-{system}", "--no-progress"]
+        budget_s = str(int(budget - KILL_GRACE_S))
+        return [
+            PY,
+            "-m",
+            "bench.gpu",
+            "--model",
+            run.model,
+            "--device",
+            run.device,
+            *sizes,
+            "--budget-s",
+            budget_s,
+            *where,
+        ]
+
+    return argv
+
+
+def checkpoint(run: Run, budget: float) -> list[str]:
+    code = f"from pdserve.checkpoint import resolve_model; print(resolve_model({run.model!r}))"
+    return [PY, "-c", code]
+
+
+def kv_shared_copy(run: Run, budget: float) -> list[str]:
+    tokens = "256" if run.tiny else "2048"
+    out = str(run.work / "stages" / "kv-shared-copy")
+    return [PY, "-m", "bench.kv_bandwidth", "--shared-copy", "--tokens", tokens, "--out", out]
+
+
+def costs(run: Run, budget: float) -> list[str]:
+    model = run.check_model
+    return [
+        PY,
+        "-m",
+        "bench.costs",
+        "--device",
+        run.device,
+        "--model",
+        model,
+        "--quick",
+        "--out",
+        str(run.json("costs")),
+    ]
+
+
+def faults(run: Run, budget: float) -> list[str]:
+    where = ["--out", str(run.json("faults")), "--log-dir", str(run.work / "logs")]
+    stack = ["--stacks", f"fp32-{run.ipc}"]
+    return [PY, "scripts/gpu_check.py", "--device", run.device, "--model", run.check_model, "--faults", *stack, *where]
+
+
+def attention(run: Run, budget: float) -> list[str]:
+    return [PY, "-m", "bench.attention", "--device", run.device, "--out", str(run.json("attention"))]
+
+
+def profile(run: Run, budget: float) -> list[str]:
+    return [PY, "-m", "bench.profile", "--device", run.device, "--model", run.model, "--out", str(run.json("profile"))]
+
+
+STAGES: tuple[Stage, ...] = (  # name, GPU budget s, CPU budget s, value, command; the stages of a stack in a row
+    Stage("smoke", 50, 90, 100, check("smoke", "fp32-colocated", 3, 4, 8, (2, 2, 4)), stack="fp32-colocated"),
+    Stage(
+        "check-fp32-colocated",
+        25,
+        60,
+        98,
+        check("check-fp32-colocated", "fp32-colocated", 16, 200, 32, (2, 2, 4)),
+        stack="fp32-colocated",
+    ),
+    Stage(
+        "check-fp32-ipc", 45, 90, 95, check("check-fp32-ipc", "fp32-{ipc}", 16, 64, 32, (4, 12, 6)), stack="fp32-{ipc}"
+    ),
+    Stage("faults", 45, 90, 93, faults, has_option("scripts/gpu_check.py", "--faults"), "fp32-{ipc}"),
+    Stage(
+        "check-bf16-ipc", 45, 90, 90, check("check-bf16-ipc", "bf16-{ipc}", 16, 64, 32, (2, 2, 4)), stack="bf16-{ipc}"
+    ),
+    Stage("checkpoint", 45, 60, 88, checkpoint),
+    Stage("bench-colocated", 90, 120, 85, bench("colocated", 256, 128, (3, 3))),
+    Stage("bench-disagg", 90, 120, 80, bench("disagg", 256, 128, (3, 3))),
+    Stage("profile", 60, 60, 75, profile, has_module("bench.profile")),
+    Stage("kv-shared-copy", 20, 60, 65, kv_shared_copy, has_module("bench.kv_bandwidth", "--shared-copy")),
+    Stage("check-fp32-zmq", 40, 90, 60, check("check-fp32-zmq", "fp32-zmq", 16, 0, 32, (2, 0, 4)), stack="fp32-zmq"),
+    Stage("bench-hf_cb", 90, 120, 50, bench("hf_cb", 256, 128, (4, 2))),
+    Stage("bench-static", 90, 120, 45, bench("static", 64, 32, (4, 2))),
+    Stage("attention", 30, 60, 40, attention, has_module("bench.attention")),
+    Stage("costs", 40, 60, 35, costs, has_module("bench.costs", "--device")),
+    Stage("bench-large", 90, 120, 30, bench("large", 1024, 256, (4, 4))),
+)
+
+
+def names() -> list[str]:
+    return [s.name for s in STAGES]
+
+
+# ---- the plan --------------------------------------------------------------------------------------
+
+
+def plan(stages: tuple[Stage, ...], run: Run, window: float, names: list[str] | None) -> tuple[list, dict]:
+    """(the stages to run, in order of value; {stage name: why it is not run}). Raises ValueError, in one line,
+    when the stages named do not exist or their budgets do not fit the window."""
+    by_value = sorted(stages, key=lambda s: -s.value)
+    absent = {s.name: "not present in this tree" for s in by_value if not s.present()}
+    if names is not None:
+        unknown = sorted(set(names) - {s.name for s in stages})
+        if unknown:
+            raise ValueError(f"no such stage: {', '.join(unknown)} (stages: {', '.join(s.name for s in stages)})")
+        chosen = [s for s in by_value if s.name in names and s.name not in absent]
+        total = sum(s.budget(run) for s in chosen)
+        if total > window:
+            raise ValueError(f"plan refused: its budgets add up to {total:.0f} s, past the {window:.0f} s window")
+        left = {s.name: "not in plan (not named)" for s in by_value if s.name not in names and s.name not in absent}
+        return chosen, absent | left
+    chosen, used, left = [], 0.0, {}
+    for s in by_value:
+        if s.name in absent:
+            continue
+        if used + s.budget(run) <= window:
+            chosen.append(s)
+            used += s.budget(run)
+        else:
+            left[s.name] = "not in plan (window)"
+    return chosen, absent | left
+
+
+# ---- the shared stacks ----------------------------------------------------------------------------
+
+
+class Stacks:
+    """The gpu_check stacks the planned stages share: each starts before the first stage that names it (within that
+    stage's budget) and stops after the last one."""
+
+    def __init__(self, run: Run, chosen: list[Stage]) -> None:
+        self.run, self.open = run, {}
+        self.last = {s.stack.format(ipc=run.ipc): i for i, s in enumerate(chosen) if s.stack}
+        self.gc = None
+
+    def url(self, name: str, timeout: float) -> str:
+        if name not in self.open:
+            self.open[name] = self.start(name, timeout)
+        return self.open[name][1]
+
+    def start(self, name: str, timeout: float):
+        gc = self.gc = self.gc or load_script(ROOT / "scripts" / "gpu_check.py")
+        run = self.run
+        a = gc.build_parser().parse_args(["--device", run.device, "--model", run.check_model])
+        a.kv_cache_gb, a.log_dir = (0.25 if run.tiny else 1.0), run.work / "logs"
+        plan = next(p for p in gc.plans(run.device) if p.name == name)
+        port = gc.free_port()
+        stack = gc.Stack(gc.stack_argv(a, plan, port), a.log_dir / f"kit.{name}.log")
+        try:
+            stack.wait_ready(timeout)
+        except BaseException:
+            stack.stop()
+            raise
+        return stack, f"http://127.0.0.1:{port}"
+
+    def done(self, index: int) -> None:
+        for name in [n for n in self.open if self.last[n] <= index]:
+            self.open.pop(name)[0].stop()
+
+    def close(self) -> None:
+        self.done(len(self.last) + 10**6)
+
+
+def load_script(path: Path):
+    """A script beside this one as a module (its dataclasses look their module up in sys.modules)."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+# ---- running a stage -------------------------------------------------------------------------------
+
+
+def run_stage(stage: Stage, run: Run, env: dict, stacks: Stacks) -> dict:
+    """Runs one stage's command in its own process group, stopped at its budget (its stack's start included)."""
+    budget = stage.budget(run)
+    argv = stage.argv(run, budget)
+    t0 = time.monotonic()
+    r = {"name": stage.name, "value": stage.value, "budget_s": budget}
+    if stage.stack:
+        name = stage.stack.format(ipc=run.ipc)
+        r["stack_started"] = name not in stacks.open  # else the stack an earlier stage started serves this one too
+        try:
+            argv += ["--url", stacks.url(name, budget)]
+        except Exception as e:  # a stack that does not start fails the stage; the next stage still runs
+            status = "over budget" if isinstance(e, TimeoutError) else "failed"
+            return r | {"seconds": round(time.monotonic() - t0, 1), "status": status, "error": f"stack {name}: {e}"}
+        r["stack"] = name
+    rc, status = command(argv, env, run.work / "logs" / f"{stage.name}.out", budget - (time.monotonic() - t0))
+    r |= {"seconds": round(time.monotonic() - t0, 1), "status": status, "exit_code": rc}
+    return r | {"command": " ".join(argv[1:]), "summary": summary(run, stage.name)}
+
+
+def command(argv: list[str], env: dict, log: Path, budget: float) -> tuple[int | None, str]:
+    """(exit code, status) of one command in its own process group, stopped at `budget` seconds."""
+    with log.open("w") as f:
+        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=max(budget, 0.1))
+        except subprocess.TimeoutExpired:
+            stop(proc)
+            return None, "over budget"
+        except BaseException:  # the kit itself is stopped: so is its stage
+            stop(proc)
+            raise
+    return rc, "passed" if rc == 0 else "failed"
+
+
+def stop(proc: subprocess.Popen) -> None:
+    for sig, wait in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=wait)
+            return
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def summary(run: Run, name: str) -> dict:
+    """The scalar fields of the stage's JSON (stages/<name>.json), if it wrote one."""
+    path = run.json(name)
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except ValueError:
+        return {"unreadable": path.name}
+    return {k: v for k, v in data.items() if isinstance(v, str | int | float | bool)}
+
+
+# ---- the report ------------------------------------------------------------------------------------
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        f"# GPU kit: {report['device']}, window {report['window_s']:.0f} s, {report['total_s']:.0f} s in all",
+        "",
+        "| stage | value | budget s | seconds | result |",
+        "|---|---|---|---|---|",
+    ]
+    for r in report["stages"]:
+        secs = f"{r['seconds']:.1f}" if "seconds" in r else ""
+        lines.append(f"| {r['name']} | {r['value']} | {r['budget_s']:.0f} | {secs} | {r['status']} |")
+    return "\n".join(lines) + "\n"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda:0", help="cuda:N, or cpu: CPU mode (tiny sizes, shm for cuda_ipc)")
+    p.add_argument("--window", type=float, default=None, help=f"seconds; default {GPU_WINDOW_S:.0f} on a GPU")
+    p.add_argument("--stages", nargs="+", default=None, help="run these stages (default: what fits, by value)")
+    p.add_argument("--out", type=Path, default=Path("kit-out"), help="kit.md and kit.json go here")
+    p.add_argument("--work", type=Path, default=Path("kit-work"), help="each stage's log and JSON go here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds: the running stage and the stacks stop
+    run = Run(a.device, not a.device.startswith("cuda"), a.work.resolve())
+    window = a.window or (CPU_WINDOW_S if run.tiny else GPU_WINDOW_S)
+    try:
+        chosen, left = plan(STAGES, run, window, a.stages or (names() if run.tiny else None))
+    except ValueError as e:
+        print(f"kit: {e}")
+        return 2
+    for d in (a.out, run.work / "logs", run.work / "stages"):
+        d.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))}
+    report = {"device": a.device, "window_s": window, "planned_s": sum(s.budget(run) for s in chosen), "stages": []}
+    print(f"kit: {len(chosen)} stages, {report['planned_s']:.0f} s of a {window:.0f} s window", flush=True)
+    t0, stacks = time.monotonic(), Stacks(run, chosen)
+    try:
+        for i, stage in enumerate(chosen):
+            r = run_stage(stage, run, env, stacks)
+            stacks.done(i)
+            report["stages"].append(r)
+            print(f"== [{time.monotonic() - t0:.0f} s] {r['name']}: {r['status']} in {r['seconds']:.0f} s", flush=True)
+            write(report, a.out, t0, stage_list(report["stages"], left, run))
+    finally:
+        stacks.close()
+    report = write(report, a.out, t0, stage_list(report["stages"], left, run))
+    return 0 if all(r["status"] == "passed" for r in report["stages"] if r["name"] in {s.name for s in chosen}) else 1
+
+
+def stage_list(ran: list[dict], left: dict, run: Run) -> list[dict]:
+    """Every stage: those run, in their order, then the rest with why they did not run."""
+    by_name = {s.name: s for s in STAGES}
+    rest = [
+        {"name": n, "value": by_name[n].value, "budget_s": by_name[n].budget(run), "status": w} for n, w in left.items()
+    ]
+    return ran + rest
+
+
+def write(report: dict, out: Path, t0: float, stages: list[dict]) -> dict:
+    full = {**report, "stages": stages, "total_s": time.monotonic() - t0}
+    (out / "kit.json").write_text(json.dumps(full, indent=2))
+    (out / "kit.md").write_text(markdown(full))
+    return full
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""scripts/kit.py: the plan against its window, stages in order of value, a stage stopped at its budget."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from scripts.kit import load_script
+
+SCRIPT = Path(__file__).parents[1] / "scripts" / "kit.py"
+
+
+def load():
+    return load_script(SCRIPT)
+
+
+def stages(kit, code: dict[str, str], budgets: dict[str, float], values: dict[str, int]):
+    def argv(src):
+        return lambda run, budget: [sys.executable, "-c", src]
+
+    return tuple(kit.Stage(n, budgets[n], budgets[n], values[n], argv(c)) for n, c in code.items())
+
+
+def test_named_stages_past_the_window_are_refused_in_one_line(tmp_path):
+    kit = load()
+    run = kit.Run("cuda:0", False, tmp_path)
+    st = stages(kit, {"a": "", "b": ""}, {"a": 200, "b": 150}, {"a": 1, "b": 2})
+    with pytest.raises(ValueError, match="350 s, past the 300 s window"):
+        kit.plan(st, run, 300, ["a", "b"])
+    chosen, left = kit.plan(st, run, 300, ["a"])
+    assert [s.name for s in chosen] == ["a"] and left == {"b": "not in plan (not named)"}
+
+
+def test_the_default_plan_takes_stages_by_value_while_they_fit(tmp_path):
+    kit = load()
+    run = kit.Run("cuda:0", False, tmp_path)
+    st = stages(kit, {"a": "", "b": "", "c": ""}, {"a": 100, "b": 250, "c": 150}, {"a": 1, "b": 2, "c": 3})
+    chosen, left = kit.plan(st, run, 300, None)
+    assert [s.name for s in chosen] == ["c", "a"] and left == {"b": "not in plan (window)"}
+
+
+def test_a_stage_absent_from_the_tree_is_reported_so(tmp_path):
+    kit = load()
+    run = kit.Run("cpu", True, tmp_path)
+    st = (kit.Stage("x", 1, 1, 1, lambda r, b: [], kit.has_module("bench.no_such_module")),)
+    chosen, left = kit.plan(st, run, 10, None)
+    assert chosen == [] and left == {"x": "not present in this tree"}
+    assert kit.has_module("bench.gpu", "--large-run")() and not kit.has_module("bench.gpu", "--no-such-flag")()
+
+
+def test_a_stage_past_its_budget_is_stopped_and_the_next_one_runs(tmp_path, monkeypatch):
+    kit = load()
+    monkeypatch.setattr(kit, "KILL_GRACE_S", 2.0)
+    code = {"slow": "import time; time.sleep(60)", "bad": "raise SystemExit(3)", "good": ""}
+    st = stages(kit, code, {"slow": 1, "bad": 5, "good": 5}, {"slow": 3, "bad": 2, "good": 1})
+    monkeypatch.setattr(kit, "STAGES", st)
+    monkeypatch.setattr(kit.signal, "signal", lambda *_: None)  # the kit's SIGTERM handler: not in this process
+    out = tmp_path / "out"
+    rc = kit.main(["--device", "cpu", "--out", str(out), "--work", str(tmp_path / "work")])
+    report = json.loads((out / "kit.json").read_text())
+    assert rc == 1
+    assert [(r["name"], r["status"]) for r in report["stages"]] == [
+        ("slow", "over budget"),
+        ("bad", "failed"),
+        ("good", "passed"),
+    ]
+    assert report["stages"][0]["seconds"] < 30  # stopped, not waited for
+    assert "| slow | 3 | 1 |" in (out / "kit.md").read_text()
+
+
+def test_every_stage_of_the_kit_has_a_cpu_command(tmp_path):
+    kit = load()
+    run = kit.Run("cpu", True, tmp_path)
+    assert len({s.name for s in kit.STAGES}) == len(kit.STAGES)
+    for s in kit.STAGES:
+        argv = s.argv(run, s.budget(run))
+        assert argv[0] == sys.executable and "cuda" not in " ".join(argv), s.name
