@@ -190,6 +190,7 @@ def measure(n: int, prompt: int, steps: int, device_ms: float, ahead: bool, temp
     import random
 
     from pdserve.engine.request import Request
+
     try:
         from pdserve.wire.params import SamplingParams
     except ImportError:  # a tree from before the parameters had their own module
