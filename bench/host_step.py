@@ -6,8 +6,10 @@
 
 The real engine (scheduler, block allocator with prefix caching, `ModelRunner.flatten`, the Triton backend's
 packing of the inputs into one host buffer, the engine's update) runs decode steps of `--requests` running
-requests of `--prompt` tokens; the forward and the sampling are stubbed: a stub device runs each step for
-`--device-ms`, in launch order, one after the other, and hands back made-up tokens (never a stop). Measured over
+requests of `--prompt` tokens (half of them greedy, the other half sampling with `--temperature` and top-p 0.95,
+every other one seeded); the forward is stubbed, and so is the sampling's device work (the host side of the tree's
+own sampler runs: the sampling parameters' building): a stub device runs each step for `--device-ms`, in launch
+order, one after the other, and hands back made-up tokens (never a stop). Measured over
 `--steps` steps, once every request decodes:
 - host_ms: the host's wall time per step (launch and finish, the wait for the device taken out), and host_cpu_ms
   the CPU time the process spent per step (on a shared host the wall time also counts time others held the core);
@@ -87,13 +89,17 @@ def stub_runner(backend, pool):
 
 
 class StubSampler:
-    """Made-up tokens (never a stop), made once per step size and turn parity: the stub costs the host next to
-    nothing, so that the host time measured is the engine's."""
+    """The host side of the tree's own sampler (`sampler_host`: which rows are greedy, processed or guided, and the
+    sampling rows' parameters, packed and made a tensor), then made-up tokens (never a stop), made once per step
+    size and turn parity. The draw's device work, a few kernel launches on a GPU, is left out."""
 
     def __init__(self, device: StubDevice) -> None:
-        self.device, self.turn, self.made = device, 0, {}
+        from pdserve.runner.sampling import Sampler
 
-    def launch(self, _logits, requests, _prompt_rows=()):
+        self.device, self.turn, self.made, self.sampler = device, 0, {}, Sampler()
+
+    def launch(self, _logits, requests, _prompt_rows=(), rows=None):
+        sampler_host(self.sampler, requests, rows)
         self.turn += 1
         key = (len(requests), self.turn % 2)
         if key not in self.made:
@@ -106,10 +112,40 @@ class StubSampler:
         return StubDraw(self.device, *self.made[key])
 
 
+def sampler_host(sampler, requests, rows, V: int = 32000) -> None:
+    """What the tree's `Sampler.draw` does on the host for a step: from the persistent rows (a tree whose sampler
+    gathers) or request by request (the tree before: its `draw` and `sample`'s host lines, as they are there)."""
+    import numpy as np
+    import torch
+
+    mod = sys.modules[type(sampler).__module__]
+    if hasattr(sampler, "gather"):
+        sampler.asked(requests, rows)
+        greedy, processed, guided = sampler.flags(requests, rows)
+        pick = np.flatnonzero(~greedy)
+        params = sampler.gather(requests, rows, pick) if rows is not None else sampler.params(requests, pick)
+        host = mod._packed(params, pick, V)
+        mod._masks(host, V)
+        torch.as_tensor(host)
+        return
+    [i for i, req in enumerate(requests) if req.params.logprobs is not None]  # launch
+    [i for i, req in enumerate(requests) if req.params.processed]  # process_rows
+    [i for i, req in enumerate(requests) if req.guide is not None]  # mask_rows
+    picked = [i for i, req in enumerate(requests) if not req.params.greedy]
+    torch.as_tensor(picked, dtype=torch.long)
+    params = [(*row, 0.0)[:5] for row in [sampler.row_params(requests[i]) for i in picked]]
+    f32 = mod._f32_bits
+    torch.as_tensor([[f32(t), k if k > 0 else V, f32(p), key, f32(m)] for t, k, p, key, m in params], dtype=torch.int64)
+    any(m > 0 for *_, m in params)
+    any(0 < k < V or p < 1.0 for _, k, p, _, _ in params)
+
+
 def triton_backend(pool):
     """The Triton backend's host side (packing); its kernel modules are not needed, nor imported."""
     for name in ("triton_attention", "triton_layers"):
-        sys.modules.setdefault(f"pdserve.runner.{name}", types.ModuleType(name))
+        stub = types.ModuleType(name)
+        stub.build_combine = lambda *a, **k: None  # split-K's kernel, built ahead on a GPU
+        sys.modules.setdefault(f"pdserve.runner.{name}", stub)
     import torch
 
     from pdserve.runner.backends import TritonBackend
@@ -150,17 +186,22 @@ def stub_engine(n: int, prompt: int, steps: int, device: StubDevice, ahead: bool
     return engine_mod.Engine(EngineConfig(**cfg))
 
 
-def measure(n: int, prompt: int, steps: int, device_ms: float, ahead: bool) -> dict:
+def measure(n: int, prompt: int, steps: int, device_ms: float, ahead: bool, temperature: float) -> dict:
     import random
 
     from pdserve.engine.request import Request
-    from pdserve.wire.params import SamplingParams
+
+    try:
+        from pdserve.wire.params import SamplingParams
+    except ImportError:  # a tree from before the parameters had their own module
+        from pdserve.wire.protocol import SamplingParams
 
     device = StubDevice(device_ms / 1000)
     engine = stub_engine(n, prompt, steps, device, ahead)
     rng = random.Random(0)
     for i in range(n):
-        params = SamplingParams(max_tokens=1 << 20, temperature=0, ignore_eos=True)
+        sampling = {"temperature": temperature, "top_p": 0.95, "seed": i if i % 4 == 1 else None} if i % 2 else {}
+        params = SamplingParams(max_tokens=1 << 20, ignore_eos=True, **{"temperature": 0, **sampling})
         engine.add(Request(str(i), [rng.randrange(1000) for _ in range(prompt)], params))
     iterate = (lambda: engine.finish(engine.due(engine.launch()))) if ahead else engine.step
     while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.requests.values()):
@@ -208,6 +249,8 @@ def run_worker(tree: Path, variant: str, a: argparse.Namespace, n: int) -> dict:
         str(a.steps),
         "--device-ms",
         str(a.device_ms),
+        "--temperature",
+        str(a.temperature),
     ]
     env = {**os.environ, "PYTHONPATH": str(tree)}
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
@@ -236,6 +279,7 @@ def compare(a: argparse.Namespace) -> dict:
         "device_ms": a.device_ms,
         "steps": a.steps,
         "prompt": a.prompt,
+        "temperature": a.temperature,
         "repeats": a.repeats,
         "best": best,
         "runs": results,
@@ -247,7 +291,8 @@ def markdown(res: dict, commit: str) -> str:
         f"# Host time per decode step, forward stubbed ({commit}, before: {res['before']})",
         "",
         f"Stub device step {res['device_ms']} ms; {res['steps']} decode steps of requests with "
-        f"{res['prompt']}-token prompts; best of {res['repeats']} interleaved rounds.",
+        f"{res['prompt']}-token prompts, half greedy, half sampling at temperature {res.get('temperature', 0)} "
+        f"(top-p 0.95, every other one seeded); best of {res['repeats']} interleaved rounds.",
         "",
         "Ratios are against the tree before in the same mode (sync against `before`, async against `before-async`).",
         "",
@@ -272,6 +317,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt", type=int, default=700, help="prompt tokens of each request")
     p.add_argument("--steps", type=int, default=100, help="decode steps measured")
     p.add_argument("--device-ms", type=float, default=3.0, help="the stub device's time per step")
+    p.add_argument("--temperature", type=float, default=0.8, help="the sampling half's temperature")
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds; the best is reported")
     p.add_argument(
         "--before", default="", help="the commit compared with (default: the one before the persistent batch)"
@@ -282,7 +328,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--requests", type=int, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:
-        print(json.dumps(measure(a.requests, a.prompt, a.steps, a.device_ms, a.worker.endswith("async"))))
+        print(
+            json.dumps(measure(a.requests, a.prompt, a.steps, a.device_ms, a.worker.endswith("async"), a.temperature))
+        )
         return
     res = compare(a)
     from bench.run_bench import git_commit, recorded_name

@@ -40,6 +40,7 @@ ALLOWED = {  # package or module -> the pdserve modules (or packages) it may imp
         "pdserve.engine.scheduler",  # what a step runs: the scheduler's Batch, the requests in it, the draws' types
         "pdserve.engine.request",
         "pdserve.engine.draws",
+        "pdserve.engine.rows",  # the persistent rows a step's inputs and sampling parameters are gathered from
         "pdserve.kv",
         "pdserve.wire",
         "pdserve.config",

@@ -34,6 +34,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.draws import Drawn, TokenLogprob, finish_reason
 from pdserve.engine.parts import EngineParts
 from pdserve.engine.request import Request, Status
+from pdserve.engine.rows import DrawRows
 from pdserve.engine.scheduler import Batch, Scheduler
 from pdserve.kv.backend import KvBackend, Message
 from pdserve.kv.block_allocator import blocks_for
@@ -69,6 +70,7 @@ class Step:
     parked: list[list[int]] = field(default_factory=list)  # blocks of members released while it runs: freed at finish
     rows: np.ndarray = field(init=False)  # [S] the persistent row of each sampling request (engine/rows.py)
     owners: np.ndarray = field(init=False)  # [S] who held those rows at launch
+    draw_rows: DrawRows | None = field(init=False, default=None)  # where the sampler finds their parameters
 
     def __post_init__(self) -> None:
         reqs, samples = self.batch.requests, self.batch.samples
@@ -80,6 +82,8 @@ class Step:
         mask = np.array(samples, dtype=bool)  # [R]
         self.rows = np.asarray(self.batch.rows, dtype=np.int64)[mask]
         self.owners = self.batch.owners[mask]
+        _, lens, _, pasts = self.batch.columns
+        self.draw_rows = DrawRows(self.batch.table, self.rows, (np.array(pasts) + np.array(lens))[mask])
 
 
 def pin_process(cfg: EngineConfig) -> None:
@@ -265,7 +269,7 @@ class Engine:
         step = Step(batch, [req for req, _ in scored], None)
         try:
             logits, graphed = self.runner.run(batch, *self.feed(batch))
-            step.draw = self.sampler.launch(logits, sampled, scored)
+            step.draw = self.sampler.launch(logits, sampled, scored, step.draw_rows)
         except Exception as e:  # noqa: BLE001 - one bad step must not take the node down
             step.error = self.step_error(batch, e)
         else:

@@ -176,7 +176,9 @@ class MockDraw:
 
 
 class MockSampler:
-    def launch(self, done_at: float, requests: list[Request], prompt_rows: list[tuple[Request, int]] = ()) -> MockDraw:
+    def launch(
+        self, done_at: float, requests: list[Request], prompt_rows: list[tuple[Request, int]] = (), _rows=None
+    ) -> MockDraw:
         tokens = [mock_token(_last(r), r.num_tokens) for r in requests]
         logprobs = [made_up_logprob(t, r.params.logprobs) for t, r in zip(tokens, requests, strict=True)]
         scored = [made_up_logprob(token, req.params.prompt_logprobs) for req, token in prompt_rows]

@@ -11,7 +11,13 @@ What a row holds, one entry per array, indexed by the row:
 - `prompt_len[row]`: its prompt's length (which of a step's rows decode);
 - `cached[row]`: its first blocks in the prefix cache (which rows may have filled a block to name);
 - `owner[row]`: a number that changes whenever the row changes hands, so that a step's tokens, taken in
-  after the request that sampled them left, never land in the row of the request that took its place.
+  after the request that sampled them left, never land in the row of the request that took its place;
+- its sampling parameters, written once when it takes the row (the sampler gathers a step's from them,
+  `runner/sampling.py`): `temperature`, `top_k`, `top_p`, `min_p` (float32 as the device draws with them),
+  `greedy`, `key_base` (its seed, or for an unseeded request its id's hash, which the sampler salts) and
+  `seeded`, `draw_base` (its prompt's length less its `resumed` tokens: its i-th draw is made with
+  `draw_base + i` tokens), `asks` (log-probabilities), and the flags of the rows the per-request path still
+  serves: `processed` (logits processors) and `guided` (a grammar).
 
 The interface (the scheduler is its only writer, and every request reaches it through the same path):
 - `add(req) -> row`: the request starts running (the scheduler admits it to RUNNING: a new request, a
@@ -29,6 +35,8 @@ Torch-free: the engine's control core and the mock engine use it too.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from pdserve.engine.request import Request
@@ -45,6 +53,17 @@ class BatchRows:
         self.prompt_len = np.zeros(capacity, dtype=np.int64)  # [R] prompt tokens
         self.cached = np.zeros(capacity, dtype=np.int64)  # [R] its first blocks in the prefix cache
         self.owner = np.zeros(capacity, dtype=np.int64)  # [R] changes each time the row changes hands
+        self.temperature = np.zeros(capacity, dtype=np.float32)  # [R] sampling parameters, from here on
+        self.top_k = np.zeros(capacity, dtype=np.int64)
+        self.top_p = np.ones(capacity, dtype=np.float32)
+        self.min_p = np.zeros(capacity, dtype=np.float32)
+        self.greedy = np.ones(capacity, dtype=bool)
+        self.key_base = np.zeros(capacity, dtype=np.uint64)
+        self.seeded = np.zeros(capacity, dtype=bool)
+        self.draw_base = np.zeros(capacity, dtype=np.int64)
+        self.processed = np.zeros(capacity, dtype=bool)
+        self.guided = np.zeros(capacity, dtype=bool)
+        self.asks = np.zeros(capacity, dtype=bool)  # [R] it asks for its tokens' log-probabilities
         self.row_of: dict[Request, int] = {}
         self.scoring: set[Request] = set()  # those whose prompt positions are scored (echo with logprobs)
         self._free = list(range(capacity - 1, -1, -1))  # the lowest row first
@@ -74,6 +93,7 @@ class BatchRows:
         self.prompt_len[row] = len(req.prompt_token_ids)
         self.cached[row] = req.num_cached_blocks
         self.num_blocks[row] = 0
+        self._write_params(req, row)
         self._write_blocks(req, row)
         return row
 
@@ -107,6 +127,19 @@ class BatchRows:
         same = self.owner[rows] == owners
         self.last[rows[same]] = tokens[same]
 
+    def _write_params(self, req: Request, row: int) -> None:
+        p = req.params
+        self.temperature[row], self.top_k[row], self.top_p[row], self.min_p[row] = (
+            p.temperature,
+            p.top_k,
+            p.top_p,
+            p.min_p,
+        )
+        self.greedy[row], self.processed[row], self.guided[row] = p.greedy, p.processed, req.guide is not None
+        self.seeded[row], self.asks[row] = p.seed is not None, p.logprobs is not None
+        self.key_base[row] = (p.seed if p.seed is not None else hash(req.request_id)) & 0xFFFFFFFFFFFFFFFF
+        self.draw_base[row] = len(req.prompt_token_ids) - p.resumed
+
     def _write_blocks(self, req: Request, row: int) -> None:
         blocks, have = req.block_ids, int(self.num_blocks[row])
         if len(blocks) > self.table.shape[1]:
@@ -119,3 +152,13 @@ class BatchRows:
         self.table[row, have : len(blocks)] = blocks[have:]
         self.num_blocks[row] = len(blocks)
         self.writes += 1
+
+
+@dataclass
+class DrawRows:
+    """A step's sampling requests in the persistent batch: the sampler reads their parameters from the rows' arrays,
+    vectorised, instead of from each request."""
+
+    table: BatchRows
+    rows: np.ndarray  # [S] each sampling request's row
+    num_tokens: np.ndarray  # [S] its tokens (prompt, output, pending) when its draw is made

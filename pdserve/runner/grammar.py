@@ -112,9 +112,11 @@ class Guide:
         return allowed
 
 
-def mask_rows(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """logits [S, V] with the tokens each guided row's grammar forbids set to -inf (a copy; the input is kept)."""
-    rows = [i for i, req in enumerate(requests) if req.guide is not None]
+def mask_rows(logits: torch.Tensor, requests: list[Request], rows: list[int] | None = None) -> torch.Tensor:
+    """logits [S, V] with the tokens each guided row's grammar (rows `rows`, if known) forbids set to -inf (a copy;
+    the input is kept)."""
+    if rows is None:
+        rows = [i for i, req in enumerate(requests) if req.guide is not None]
     if not rows:
         return logits
     S, V = logits.shape

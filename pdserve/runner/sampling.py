@@ -28,14 +28,16 @@ without waiting either (`copies.py`), so launching a step never waits for the de
 
 from __future__ import annotations
 
+import functools
 import random
-import struct
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pdserve.engine.draws import Drawn, TokenLogprob
 from pdserve.engine.request import Request
+from pdserve.engine.rows import DrawRows
 from pdserve.runner.copies import HostCopy, to_device
 from pdserve.runner.grammar import mask_rows
 
@@ -79,14 +81,18 @@ class Sampler:
         return self.launch(logits, requests, prompt_rows).wait()
 
     def launch(
-        self, logits: torch.Tensor, requests: list[Request], prompt_rows: list[tuple[Request, int]] = ()
+        self,
+        logits: torch.Tensor,
+        requests: list[Request],
+        prompt_rows: list[tuple[Request, int]] = (),
+        rows: DrawRows | None = None,
     ) -> PendingDraw:
         """logits: [S + P, V], the S sampling requests' rows then P prompt rows, each given as (request, the prompt
         token its logits score) -> one token id per request, and the log-probabilities asked for, queued on the
-        logits' device with their one copy to the host."""
+        logits' device with their one copy to the host. `rows`: where the requests' parameters are kept, if any."""
         S = len(requests)
-        tokens = self.draw(logits[:S], requests)  # [S]
-        asked = [i for i, req in enumerate(requests) if req.params.logprobs is not None]
+        tokens = self.draw(logits[:S], requests, rows)  # [S]
+        asked = self.asked(requests, rows)
         if not asked and not prompt_rows:
             return PendingDraw(HostCopy.of(tokens), S, [], [], tokens)
         ks = [requests[i].params.logprobs for i in asked] + [req.params.prompt_logprobs for req, _ in prompt_rows]
@@ -97,16 +103,44 @@ class Sampler:
         packed = _pack_scores(tokens, logits.index_select(0, rows), targets, max(ks))
         return PendingDraw(HostCopy.of(packed), S, asked, ks, tokens)  # the one copy
 
-    def draw(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """logits: [S, V] -> one token id per request, [S] on the device."""
-        logits = mask_rows(process_rows(logits, requests), requests)  # guided rows: what their grammar allows
+    def draw(self, logits: torch.Tensor, requests: list[Request], rows: DrawRows | None = None) -> torch.Tensor:
+        """logits: [S, V] -> one token id per request, [S] on the device. Only the rows with logits processors or
+        a grammar are looked at one by one."""
+        greedy, processed, guided = self.flags(requests, rows)  # [S] bool each
+        if processed.any():
+            logits = process_rows(logits, requests, np.flatnonzero(processed).tolist())
+        if guided.any():  # guided rows: what their grammar allows
+            logits = mask_rows(logits, requests, np.flatnonzero(guided).tolist())
         tokens = logits.argmax(dim=-1)  # [S]
-        rows = [i for i, req in enumerate(requests) if not req.params.greedy]
-        if rows:
-            idx = to_device(rows, logits.device, torch.long)
-            drawn = self.sample(logits.index_select(0, idx), [self.row_params(requests[i]) for i in rows])
+        pick = np.flatnonzero(~greedy)  # [R] the rows that sample
+        if len(pick):
+            params = self.gather(requests, rows, pick) if rows is not None else self.params(requests, pick)
+            host = _packed(params, pick, logits.shape[1])  # [R, 6]
+            packed = to_device(host, logits.device)  # one copy
+            idx = packed[:, 5]
+            drawn = self.sample(logits.index_select(0, idx), packed, *_masks(host, logits.shape[1]))
             tokens = tokens.index_copy(0, idx, drawn)
         return tokens
+
+    @staticmethod
+    def asked(requests: list[Request], rows: DrawRows | None) -> list[int]:
+        """The requests that ask for log-probabilities."""
+        if rows is not None:
+            return np.flatnonzero(rows.table.asks[rows.rows]).tolist()
+        return [i for i, req in enumerate(requests) if req.params.logprobs is not None]
+
+    @staticmethod
+    def flags(requests: list[Request], rows: DrawRows | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(greedy, processed, guided) of each request: [S] bool each."""
+        if rows is not None:
+            t, r = rows.table, rows.rows
+            return t.greedy[r], t.processed[r], t.guided[r]
+        ps = [req.params for req in requests]
+        return (
+            np.array([p.greedy for p in ps], dtype=bool),
+            np.array([p.processed for p in ps], dtype=bool),
+            np.array([req.guide is not None for req in requests], dtype=bool),
+        )
 
     def row_params(self, req: Request) -> tuple[float, int, float, int, float]:
         """(temperature, top_k, top_p, noise key, min_p) of a request's next draw."""
@@ -115,25 +149,33 @@ class Sampler:
         base = p.seed if p.seed is not None else (hash(req.request_id) ^ self._salt)
         return p.temperature, p.top_k, p.top_p, draw_key(base, step), p.min_p
 
-    def sample(self, logits: torch.Tensor, params: list[tuple]) -> torch.Tensor:
-        """logits [R, V], one (temperature, top_k, top_p, key[, min_p]) per row -> token ids [R] (on the device)."""
+    def params(self, requests: list[Request], pick: np.ndarray) -> tuple[np.ndarray, ...]:
+        """(temperature, top_k, top_p, key, min_p) of requests `pick`'s next draws, one by one: [R] each."""
+        t, k, p, key, m = zip(*(self.row_params(requests[i]) for i in pick), strict=True)
+        f32 = functools.partial(np.array, dtype=np.float32)
+        return f32(t), np.array(k, dtype=np.int64), f32(p), np.array(key, dtype=np.int64), f32(m)
+
+    def gather(self, requests: list[Request], rows: DrawRows, pick: np.ndarray) -> tuple[np.ndarray, ...]:
+        """`params`, gathered from the persistent rows at once: the same values."""
+        t, r = rows.table, rows.rows[pick]
+        base = t.key_base[r] ^ np.where(t.seeded[r], np.uint64(0), np.uint64(self._salt))  # [R] uint64
+        keys = draw_keys(base, (rows.num_tokens[pick] - t.draw_base[r]).astype(np.uint64))
+        return t.temperature[r], t.top_k[r], t.top_p[r], keys, t.min_p[r]
+
+    def sample(self, logits: torch.Tensor, packed: torch.Tensor, min_p_on: bool, ranked_on: bool) -> torch.Tensor:
+        """logits [R, V]; packed [R, 5+] (`_packed`: temperature, top_k, top_p, key, min_p) -> token ids [R] (on the
+        device). `min_p_on`, `ranked_on`: whether any row sets min-p, and top-k or top-p (known on the host)."""
         R, V = logits.shape
-        params = [(*row, 0.0)[:5] for row in params]
-        packed = to_device(
-            [[_f32_bits(t), k if k > 0 else V, _f32_bits(p), key, _f32_bits(m)] for t, k, p, key, m in params],
-            logits.device,
-            torch.int64,
-        )  # [R, 5]: one copy
         as_f32 = packed.to(torch.int32).view(torch.float32)  # temperature, top_p, min_p travelled as their bits
         temperature, top_p, min_p = as_f32[:, 0], as_f32[:, 2], as_f32[:, 4]
         top_k, keys = packed[:, 1], packed[:, 3]
         scores = logits.float() / temperature[:, None]  # [R, V]
-        if any(m > 0 for *_, m in params):  # min-p: p < min_p * p_max  <=>  score < max score + log(min_p)
+        if min_p_on:  # min-p: p < min_p * p_max  <=>  score < max score + log(min_p)
             floor = scores.max(-1, keepdim=True).values + torch.log(min_p)[:, None]  # [R, 1]; log 0 = -inf
             scores = scores.masked_fill(scores < floor, float("-inf"))
         noise = self.log_exponential(keys, V, logits.device)  # [R, V]: log E
         # argmax(log p - log E): log p is the scores less a per-row constant, which the argmax ignores
-        if not any(0 < k < V or p < 1.0 for _, k, p, _, _ in params):
+        if not ranked_on:
             return (scores - noise).argmax(-1)
         ranked, order = scores.sort(dim=-1, descending=True)  # [R, V]
         rank = torch.arange(V, device=logits.device)
@@ -153,9 +195,38 @@ class Sampler:
         return torch.log(-torch.log(u))
 
 
-def process_rows(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """logits [S, V] with the processors of the rows that set any applied (a copy; the input is left as is)."""
-    rows = [i for i, req in enumerate(requests) if req.params.processed]
+def _packed(params: tuple[np.ndarray, ...], pick: np.ndarray, V: int) -> np.ndarray:
+    """(temperature, top_k, top_p, key, min_p) of rows `pick`, [R] each -> [R, 6] int64: the floats as their float32
+    bits (signed 32-bit, so that int64 -> int32 keeps them), top_k 0 (off) as V, then the rows themselves."""
+    t, k, p, key, m = params
+    bits = [np.asarray(x, dtype=np.float32).view(np.int32).astype(np.int64) for x in (t, p, m)]
+    return np.stack([bits[0], np.where(k > 0, k, V), bits[1], key.astype(np.int64), bits[2], pick], axis=1)
+
+
+def _masks(packed: np.ndarray, V: int) -> tuple[bool, bool]:
+    """Whether any row of `_packed`'s array sets min-p, and top-k or top-p."""
+    as_f32 = packed[:, [2, 4]].astype(np.int32).view(np.float32)  # [R, 2] top_p, min_p
+    return bool((as_f32[:, 1] > 0).any()), bool(((packed[:, 1] < V) | (as_f32[:, 0] < 1.0)).any())
+
+
+def draw_keys(base: np.ndarray, step: np.ndarray) -> np.ndarray:
+    """`draw_key` of uint64 arrays, elementwise: [R] int64 in [0, 2**32)."""
+    with np.errstate(over="ignore"):
+        return (_splitmix64_np(base ^ _splitmix64_np(step)) & np.uint64(_M32)).astype(np.int64)
+
+
+def _splitmix64_np(x: np.ndarray) -> np.ndarray:
+    x = x + np.uint64(0x9E3779B97F4A7C15)  # uint64 arithmetic wraps modulo 2**64
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def process_rows(logits: torch.Tensor, requests: list[Request], rows: list[int] | None = None) -> torch.Tensor:
+    """logits [S, V] with the processors of the rows that set any (`rows`, if known) applied (a copy; the input is
+    left as is)."""
+    if rows is None:
+        rows = [i for i, req in enumerate(requests) if req.params.processed]
     if not rows:
         return logits
     idx = to_device(rows, logits.device, torch.long)
@@ -248,8 +319,3 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     x = ((x ^ (x >> 16)) * _K1) & _M32
     x = ((x ^ (x >> 15)) * _K2) & _M32
     return x ^ (x >> 16)
-
-
-def _f32_bits(x: float) -> int:
-    """A float32's bit pattern as a signed 32-bit int (so that int64 -> int32 keeps it exactly)."""
-    return struct.unpack("<i", struct.pack("<f", x))[0]

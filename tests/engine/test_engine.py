@@ -12,6 +12,7 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.request import Request
 from pdserve.nodes.parts import build_engine
 from pdserve.runner.model import UNPADDED_ROWS, Linear, padded_rows
+from pdserve.runner.sampling import Sampler
 from pdserve.wire.params import SamplingParams
 from tests.helpers import hf_greedy, mixed_workload, optional
 
@@ -126,8 +127,10 @@ def test_abort_frees_kv_at_once(tiny_models):
     assert engine.pool.allocator.num_free == 64 and not engine.has_work()
 
 
-def test_seeded_sampling_repeats_and_stops(tiny_models):
+def test_seeded_sampling_repeats_and_stops(tiny_models, monkeypatch):
     engine = build_engine(EngineConfig(model=str(tiny_models["qwen3"])))
+    asked = []  # requests whose parameters the sampler read one by one: none, it gathers them from the rows
+    monkeypatch.setattr(Sampler, "row_params", lambda self, req: asked.append(req))
     params = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, top_k=50, seed=7, ignore_eos=True)
     prompt = list(range(10, 30))
     a = run_engine(engine, [Request("a", prompt, params), Request("x", prompt[:5], params)])["a"]
@@ -140,6 +143,7 @@ def test_seeded_sampling_repeats_and_stops(tiny_models):
     stop = dataclasses.replace(params, stop_token_ids=(a[3],))
     e = run_engine(engine, [Request("e", prompt, stop)])["e"]
     assert e == a[: a.index(a[3]) + 1]
+    assert asked == []
 
 
 def test_eos_stops_unless_ignored(tiny_models):
