@@ -8,7 +8,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -38,7 +38,6 @@ from pdserve.router.response_format import grammar_for, schema_size
 from pdserve.router.stream import (
     SSE_HEADERS,
     ChoiceView,
-    Delta,
     Outbox,
     SseResponse,
     SseStream,
@@ -83,41 +82,44 @@ def admission_errors():
         raise ApiError(503, str(e)) from None
 
 
-async def run_job(core: RouterCore, info: ModelInfo, job: Job, flight=None) -> AsyncIterator[list[Delta]]:
-    """Dispatch `job` (unless `flight` is given) and yield its text deltas, a list at a time: those of the events that
-    came since the last list (one node message's, unless the stream fell behind). Aborts it everywhere if the consumer
-    leaves."""
-    flight = flight or submit(core, job)
+async def collect(core: RouterCore, info: ModelInfo, job: Job) -> tuple[str, list[int], str | None, dict | None]:
+    """Dispatch `job` and gather its whole answer (text, token ids, finish reason, log-probabilities): its events are
+    pushed into its choice's view as they come, and the handler wakes once, at the end. Aborts it everywhere if the
+    caller is cancelled (the client left)."""
+    flight = submit(core, job)
     view = ChoiceView(info, job)
-    try:
-        while view.reason is None:
-            deltas, error = view.deltas(await flight.inbox.take())
-            if deltas:
-                yield deltas
-            if error is not None:
-                raise error
-    finally:
-        if view.reason is None or flight.request_id in core.flights:
-            core.abort(flight.request_id, view.reason or FinishReason.ABORT)
+    ended = asyncio.get_running_loop().create_future()
+    texts, ids, logprobs, reason = [], [], [], [None]
 
-
-async def _collect(core, info, job: Job) -> tuple[str, list[int], str | None, dict | None]:
-    texts, ids, reason, logprobs = [], [], None, []
-    async for deltas in run_job(core, info, job):
+    def on_event(ev) -> None:
+        if ended.done():
+            return
+        deltas, error = view.deltas([ev])
         for d in deltas:
             texts.append(d.text)
             ids.extend(d.token_ids)
-            reason = d.finish_reason
-            logprobs += [d.logprobs] if d.logprobs is not None else []
-    return "".join(texts), ids, reason, merge_pieces(logprobs)
+            logprobs.extend([d.logprobs] if d.logprobs is not None else [])
+            reason[0] = d.finish_reason
+        if error is not None:
+            ended.set_exception(error)
+        elif view.reason is not None:
+            ended.set_result(None)
+
+    flight.inbox.attach(on_event)
+    try:
+        await ended
+    finally:
+        if view.reason is None or flight.request_id in core.flights:
+            core.abort(flight.request_id, view.reason or FinishReason.ABORT)
+    return "".join(texts), ids, reason[0], merge_pieces(logprobs)
 
 
 async def _complete(core, info, jobs: list[Job], chat: bool, call: Call) -> dict:
-    task = asyncio.create_task(gather_all(_collect(core, info, job) for job in jobs))
+    task = asyncio.create_task(gather_all(collect(core, info, job) for job in jobs))
     while not task.done():
         await asyncio.wait({task}, timeout=0.5)
         if not task.done() and await call.is_disconnected():
-            task.cancel()  # run_job's finally aborts each request on its nodes
+            task.cancel()  # collect's finally aborts each request on its nodes
     await asyncio.gather(task, return_exceptions=True)
     results = task.result()
     body = envelope(jobs[0], chat, stream=False)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,26 +14,22 @@ PREFILL = Role.PREFILL  # looked up once: on its class, an enum member costs abo
 
 
 class Inbox:
-    """A request's events on their way from the core to what streams them. Pulled: `put` appends without waking
-    anything but the task that waits in `take`, which hands over every event that came since the last take (one node
-    message's, unless the stream fell behind), so a task switch serves them all. Pushed (after `attach`): `put` hands
-    each event straight to a callback, on the node reader's stack, with no task switch at all."""
+    """A request's events on their way from the core to what consumes them: held until a consumer attaches, then
+    handed to it one by one as `put` gets them, on the node reader's stack, with no task switch (a streamed answer
+    writes its SSE chunk there; a whole answer gathers its deltas and wakes its handler once, at its end)."""
 
-    __slots__ = ("events", "waiter", "push", "push_tokens")
+    __slots__ = ("events", "push", "push_tokens")
 
     def __init__(self) -> None:
-        self.events: list[TokenEvent] = []
-        self.waiter: asyncio.Future | None = None
+        self.events: list[TokenEvent] = []  # those that came before a consumer attached
         self.push: Callable[[TokenEvent], None] | None = None
         self.push_tokens: Callable[[list[int]], None] | None = None  # plain events' tokens, where the pusher takes them
 
     def put(self, ev: TokenEvent) -> None:
         if self.push is not None:
             self.push(ev)
-            return
-        self.events.append(ev)
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(None)
+        else:
+            self.events.append(ev)
 
     def attach(
         self, push: Callable[[TokenEvent], None], push_tokens: Callable[[list[int]], None] | None = None
@@ -45,16 +40,6 @@ class Inbox:
         events, self.events = self.events, []
         for ev in events:
             push(ev)
-
-    async def take(self) -> list[TokenEvent]:
-        while not self.events:
-            self.waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self.waiter
-            finally:
-                self.waiter = None
-        events, self.events = self.events, []
-        return events
 
 
 @dataclass(eq=False)

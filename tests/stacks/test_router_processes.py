@@ -51,13 +51,14 @@ def _router(stack: Stack) -> RouterCore:
 
 async def _stream(core: RouterCore, prompt: list[int], n: int) -> tuple[str, list[int]]:
     flight = core.submit(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
-    rid, tokens = flight.request_id, []
+    rid, tokens, events = flight.request_id, [], asyncio.Queue()
+    flight.inbox.attach(events.put_nowait)
     while True:
-        for ev in await asyncio.wait_for(flight.inbox.take(), 60):
-            assert ev.finish_reason != FinishReason.ERROR, ev.error
-            tokens += ev.token_ids
-            if ev.finish_reason is not None:
-                return rid, tokens
+        ev = await asyncio.wait_for(events.get(), 60)
+        assert ev.finish_reason != FinishReason.ERROR, ev.error
+        tokens += ev.token_ids
+        if ev.finish_reason is not None:
+            return rid, tokens
 
 
 def test_each_router_gets_the_events_of_its_own_requests_and_every_heartbeat(disagg):
