@@ -154,9 +154,11 @@ def checkpoint(run: Run, budget: float) -> list[str]:
 
 
 def kv_shared_copy(run: Run, budget: float) -> list[str]:
-    tokens = "256" if run.tiny else "2048"
+    """The decode node's copy out of a shared pool between two processes (cuda_ipc on a GPU, in Qwen3-0.6B's KV
+    layout; shm on the CPU), beside a device copy of the same bytes."""
+    sizes = ["--tokens", "256"] if run.tiny else ["--tokens", "1024", "--layout", "qwen3-0.6b"]
     out = str(run.work / "stages" / "kv-shared-copy")
-    return [PY, "-m", "bench.kv_bandwidth", "--shared-copy", "--tokens", tokens, "--out", out]
+    return [PY, "-m", "bench.kv_bandwidth", "--shared-copy", "--device", run.device, *sizes, "--out", out]
 
 
 def costs(run: Run, budget: float) -> list[str]:
@@ -169,7 +171,7 @@ def costs(run: Run, budget: float) -> list[str]:
         run.device,
         "--model",
         model,
-        "--quick",
+        *(["--sizes", "tiny"] if run.tiny else ["--quick"]),
         "--out",
         str(run.json("costs")),
     ]
@@ -182,7 +184,7 @@ def faults(run: Run, budget: float) -> list[str]:
 
 
 def attention(run: Run, budget: float) -> list[str]:
-    return [PY, "-m", "bench.attention", "--device", run.device, "--out", str(run.json("attention"))]
+    return [PY, "-m", "bench.attention", "--device", run.device, "--json", str(run.json("attention"))]
 
 
 def profile(run: Run, budget: float) -> list[str]:
