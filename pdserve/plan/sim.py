@@ -374,6 +374,23 @@ class RouterLoop:
 class Node:
     """A node's loop: drain, step, chores. `step` returns the step's duration and what to do at its end."""
 
+    def _fcfs_chunks(self, wants: Callable[[SimRequest], int]) -> list[tuple[SimRequest, int]]:
+        """(request, new tokens) of one iteration: each running request's `wants(req)` tokens first, then waiting
+        requests' prompts FCFS, within the token budget and `max_num_seqs`."""
+        chunks, budget = [], self.topo.max_num_batched_tokens
+        for req in self.running:
+            n = min(wants(req), budget)
+            if n:
+                chunks.append((req, n))
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.topo.max_num_seqs:
+            req = self.waiting.popleft()
+            self.running.append(req)
+            n = min(req.prompt_len, budget)
+            chunks.append((req, n))
+            budget -= n
+        return chunks
+
     def __init__(self, clock: Clock, costs: Costs, topo: Topology, router: Router, cores: Cores, core: int) -> None:
         self.clock, self.costs, self.topo, self.router = clock, costs, topo, router
         self.cores, self.core = cores, core
@@ -445,20 +462,8 @@ class PrefillNode(Node):
             req.decode.receive_kv(req)
 
     def _schedule(self) -> list[tuple[SimRequest, int]]:
-        """(request, new tokens) of one iteration: running first, then waiting FCFS, within the budgets."""
-        chunks, budget = [], self.topo.max_num_batched_tokens
-        for req in self.running:
-            n = min(req.prompt_len - req.computed, budget)
-            if n:
-                chunks.append((req, n))
-                budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.topo.max_num_seqs:
-            req = self.waiting.popleft()
-            self.running.append(req)
-            n = min(req.prompt_len, budget)
-            chunks.append((req, n))
-            budget -= n
-        return chunks
+        """(request, new tokens) of one iteration: running prompts' next chunks first, then waiting FCFS."""
+        return self._fcfs_chunks(lambda req: req.prompt_len - req.computed)
 
     def step(self) -> tuple[float | None, Callable[[], None]]:
         chunks = self._schedule()
@@ -536,20 +541,8 @@ class ColocatedNode(Node):
 
     def _schedule(self) -> list[tuple[SimRequest, int]]:
         """(request, new tokens) of one iteration: running first (a decode token, or the prompt's next chunk), then
-        waiting FCFS, within the token budget and `max_num_seqs`."""
-        chunks, budget = [], self.topo.max_num_batched_tokens
-        for req in self.running:
-            n = min(max(1, req.prompt_len - req.computed), budget)
-            if n:
-                chunks.append((req, n))
-                budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.topo.max_num_seqs:
-            req = self.waiting.popleft()
-            self.running.append(req)
-            n = min(req.prompt_len, budget)
-            chunks.append((req, n))
-            budget -= n
-        return chunks
+        waiting FCFS."""
+        return self._fcfs_chunks(lambda req: max(1, req.prompt_len - req.computed))
 
     def step(self) -> tuple[float | None, Callable[[], None]]:
         chunks = self._schedule()
