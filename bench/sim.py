@@ -203,21 +203,7 @@ def validate_colocated(run: dict, costs: Costs) -> list[dict]:
     for res in _disagg_results(run, "colocated"):
         base, measured = replace(costs, **_host_cpu(res)), _measured(res)
         sim, cal = _simulated(res, base, topo, slo), _simulated(res, _colocated_fit(res, base, topo), topo, slo)
-        for label, key, stat in COMPARED[:5]:
-            pred, meas, calib = _stat(sim, key, stat), _stat(measured, key, stat), _stat(cal, key, stat)
-            if pred is None or not meas or calib is None:
-                continue
-            rows.append(
-                {
-                    "workload": res["label"],
-                    "metric": label,
-                    "predicted": pred,
-                    "measured": meas,
-                    "error": pred / meas - 1,
-                    "calibrated": calib,
-                    "calibrated_error": calib / meas - 1,
-                }
-            )
+        rows += _compared(res["label"], COMPARED[:5], sim, measured, cal)
     return rows
 
 
@@ -275,23 +261,29 @@ def validate(
         sim = _simulated(res, predict_with or base, topo, slo)
         fitted, factor = _fitted(res, base, topo, slo, measured)
         cal = _simulated(res, fitted, topo, slo)
-        for label, key, stat in COMPARED:
-            pred, meas, calib = _stat(sim, key, stat), _stat(measured, key, stat), _stat(cal, key, stat)
-            if pred is None or not meas or calib is None:
-                continue
-            rows.append(
-                {
-                    "workload": res["label"],
-                    "metric": label,
-                    "predicted": pred,
-                    "measured": meas,
-                    "error": pred / meas - 1,
-                    "calibrated": calib,
-                    "calibrated_error": calib / meas - 1,
-                    "router_us_per_token": host["router_s_per_token"] * 1e6,
-                    "cost_factors": factor,
-                }
-            )
+        extra = {"router_us_per_token": host["router_s_per_token"] * 1e6, "cost_factors": factor}
+        rows += [{**row, **extra} for row in _compared(res["label"], COMPARED, sim, measured, cal)]
+    return rows
+
+
+def _compared(workload: str, compared, sim: dict, measured: dict, cal: dict) -> list[dict]:
+    """One row per compared metric that all three hold: predicted, measured and calibrated, and their errors."""
+    rows = []
+    for label, key, stat in compared:
+        pred, meas, calib = _stat(sim, key, stat), _stat(measured, key, stat), _stat(cal, key, stat)
+        if pred is None or not meas or calib is None:
+            continue
+        rows.append(
+            {
+                "workload": workload,
+                "metric": label,
+                "predicted": pred,
+                "measured": meas,
+                "error": pred / meas - 1,
+                "calibrated": calib,
+                "calibrated_error": calib / meas - 1,
+            }
+        )
     return rows
 
 
