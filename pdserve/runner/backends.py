@@ -353,11 +353,10 @@ class TritonBackend(TorchBackend):
 
     # ---- inputs: one host buffer, one copy ------------------------------------------------------
     def layout(self, rows: int, samples: int, chunks: list[Chunk]) -> PackLayout:
-        """The exact layout of an eager step."""
-        width = max((blocks_for(c.past + c.length, self.pool.block_size) for c in chunks), default=1)
-        tiles = len(chunks) + sum(self.tiles(c.length) - 1 for c in chunks if c.length > 1)  # a token: one tile
-        context = max((c.past + c.length for c in chunks), default=0)
-        return PackLayout(rows, samples, len(chunks), width, tiles, self.splits(tiles, context))
+        """The exact layout of an eager step of `rows` tokens, from its chunks."""
+        past = np.array([c.past for c in chunks], dtype=np.int64)
+        q_len = np.array([c.length for c in chunks], dtype=np.int64)
+        return self._layout(rows, samples, past, q_len)
 
     def bucket_layout(self, rows: int, requests: int, samples: int, width: int) -> PackLayout:
         """The fixed layout of a CUDA graph's bucket: any step of at most `rows` tokens, `requests` requests and
@@ -384,10 +383,15 @@ class TritonBackend(TorchBackend):
 
     def layout_of(self, step: StepInputs) -> PackLayout:
         """The exact layout of an eager step, from its arrays."""
-        width = int(blocks_for(step.past + step.q_len, self.pool.block_size).max(initial=1))
-        tiles = int(self.tiles(step.q_len).sum())  # a token: one tile
-        context = int((step.past + step.q_len).max(initial=0))
-        return PackLayout(len(step.ids), len(step.sample), len(step.q_len), width, tiles, self.splits(tiles, context))
+        return self._layout(len(step.ids), len(step.sample), step.past, step.q_len)
+
+    def _layout(self, rows: int, samples: int, past: np.ndarray, q_len: np.ndarray) -> PackLayout:
+        """An eager step's layout: its widest block table, its attention tiles (a decode token: one) and the split
+        count for its longest context."""
+        context = past + q_len
+        width = int(blocks_for(context, self.pool.block_size).max(initial=1))
+        tiles = int(self.tiles(q_len).sum())
+        return PackLayout(rows, samples, len(q_len), width, tiles, self.splits(tiles, int(context.max(initial=0))))
 
     def pack(self, lay: PackLayout, ids, positions, slots, sample, chunks: list[Chunk]) -> torch.Tensor:
         """`pack_step` of inputs given as lists and chunks."""
