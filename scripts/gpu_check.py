@@ -2,6 +2,7 @@
 
     python scripts/gpu_check.py [--model small] [--out gpu_check.json]
     python scripts/gpu_check.py --device cpu --model tiny      # the same checks on the CPU: zmq and shm
+    python scripts/gpu_check.py --faults [--device cpu --model tiny]   # the fault checks (f) alone
 
 It starts four stacks in turn with `pdserve up` (prefill on cuda:0, decode on cuda:1 when there are
 two GPUs, else both on cuda:0; on the CPU, `--device cpu` and shm where the GPU uses cuda_ipc):
@@ -34,6 +35,20 @@ two GPUs, else both on cuda:0; on the CPU, `--device cpu` and shm where the GPU 
     `RELEASE_SLACK_MB`; on the CPU, every pdserve shared-memory segment its processes had mapped is gone), and its
     log holds no traceback and not torch's cuda_ipc warning "Producer process has been terminated" (a pool freed
     while another process still mapped it).
+
+(f) Faults (`--faults`, instead of the stacks above): a float32 stack over the shared pool (cuda_ipc; shm on the
+    CPU) started node by node, not by `pdserve up` (which stops its stack when a child exits): two prefill nodes,
+    one decode node, the router (`--local-prefill-max-tokens 0`: every request through a prefill node), the nodes
+    at `--max-num-batched-tokens 32` so that a prompt takes several steps. 8 greedy requests of 128 to 256 tokens.
+    (f1) prefill0 is SIGKILLed while the router counts at least 2 requests on it (stopped first, so that however fast
+    the device they are still there): the router's `pdserve:requests_redispatched_total` must grow, and every
+    request's tokens equal transformers'. (f2) the decode node is stopped (SIGTERM) and started again on its
+    addresses: the pool it mapped is released (on the CPU, each shm segment it mapped is gone or still mapped by
+    a live node, its owner; on a GPU, the device's free memory grows by its KV pool at least, less
+    `RELEASE_SLACK_MB`, and after the restart is no lower than before the stop, less that slack), and the
+    restarted node serves the requests exactly (on the CPU, both must have mapped the pool: proof it was used).
+    (f3) the stack's clean stop, judged as (e), with every process of the stack (the nodes' own children
+    included) gone and exiting 0.
 
 `--url` checks a stack already running (the GPU kit starts one and shares it between its stages) instead of
 starting one. Exit code 0 only if every check passes; the JSON report (`--out`) is rewritten after each stack, and
@@ -751,8 +766,8 @@ def wait_until(cond, timeout: float = 10.0) -> bool:
 
 
 def run_faults(a: argparse.Namespace, plan: StackPlan, ref: Reference, prompts) -> dict:
-    """(f) on a stack of its own: (f1), then (f2), then a clean stop judged as (e), every child gone. HF's tokens
-    are computed while the nodes start."""
+    """(f) on a stack of its own: (f1), (f2), then (f3) a clean stop judged as (e), every process gone and exiting
+    0. HF's tokens are computed while the nodes start."""
     t0, free_before = time.perf_counter(), free_device_mb(a.device)
     log = a.log_dir / f"gpu_check.faults.{plan.name}.log"
     stack = NodeStack(a, plan, log)
