@@ -2,6 +2,7 @@
 
     python scripts/gpu_check.py [--model small] [--out gpu_check.json]
     python scripts/gpu_check.py --device cpu --model tiny      # the same checks on the CPU: zmq and shm
+    python scripts/gpu_check.py --faults [--device cpu --model tiny]   # the fault checks (f) alone
 
 It starts four stacks in turn with `pdserve up` (prefill on cuda:0, decode on cuda:1 when there are
 two GPUs, else both on cuda:0; on the CPU, `--device cpu` and shm where the GPU uses cuda_ipc):
@@ -35,6 +36,20 @@ two GPUs, else both on cuda:0; on the CPU, `--device cpu` and shm where the GPU 
     log holds no traceback and not torch's cuda_ipc warning "Producer process has been terminated" (a pool freed
     while another process still mapped it).
 
+(f) Faults (`--faults`, instead of the stacks above): a float32 stack over the shared pool (cuda_ipc; shm on the
+    CPU) started node by node, not by `pdserve up` (which stops its stack when a child exits): two prefill nodes,
+    one decode node, the router (`--local-prefill-max-tokens 0`: every request through a prefill node), the nodes
+    at `--max-num-batched-tokens 32` so that a prompt takes several steps. 8 greedy requests of 128 to 256 tokens.
+    (f1) prefill0 is SIGKILLed while the router counts at least 2 requests on it (stopped first, so that however fast
+    the device they are still there): the router's `pdserve:requests_redispatched_total` must grow, and every
+    request's tokens equal transformers'. (f2) the decode node is stopped (SIGTERM) and started again on its
+    addresses: the pool it mapped is released (on the CPU, each shm segment it mapped is gone or still mapped by
+    a live node, its owner; on a GPU, the device's free memory grows by its KV pool at least, less
+    `RELEASE_SLACK_MB`, and after the restart is no lower than before the stop, less that slack), and the
+    restarted node serves the requests exactly (on the CPU, both must have mapped the pool: proof it was used).
+    (f3) the stack's clean stop, judged as (e), with every process of the stack (the nodes' own children
+    included) gone and exiting 0.
+
 `--url` checks a stack already running (the GPU kit starts one and shares it between its stages) instead of
 starting one. Exit code 0 only if every check passes; the JSON report (`--out`) is rewritten after each stack, and
 each stack's log is kept in `--log-dir`.
@@ -46,8 +61,13 @@ import argparse
 import asyncio
 import json
 import random
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -458,6 +478,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kv-cache-gb", type=float, default=None, help="per node; default 1 on CUDA, 0.25 on the CPU")
     ap.add_argument("--stacks", nargs="*", default=None, help="run only these stacks (by name)")
     ap.add_argument("--url", default=None, help="check this running stack (one of --stacks) instead of starting it")
+    ap.add_argument(
+        "--faults",
+        action="store_true",
+        help="run the fault checks (f) instead, on nodes of their own (not --url's stack): float32 over a shared pool",
+    )
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp"))
     return ap
@@ -481,6 +506,10 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     path = resolve_model(a.model)
     vocab = transformers.AutoConfig.from_pretrained(path, local_files_only=True).vocab_size
+    if a.faults:  # (f) alone, on stacks of its own
+        report = faults_main(a, path, vocab, t0)
+        print(json.dumps(report, indent=2))
+        return 0 if report["pass"] else 1
     prompts = make_prompts(a.requests, vocab, 0, 8, 1024)
     sampled = sampled_bodies(make_prompts(a.sampled, vocab, 1, 4, 256), a.sampled)
     ref = Reference(path, a.device)
@@ -516,6 +545,280 @@ def finish(report: dict, a: argparse.Namespace, t0: float) -> dict:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(report, indent=2))
     return report
+
+
+# ---- (f) faults (--faults): nodes killed, stopped and started again -------------------------------
+
+FAULT_PREFILL_NODES = 2  # prefill0 is killed; prefill1 takes its requests
+FAULT_REQUESTS = 8
+FAULT_MAX_TOKENS = 8
+FAULT_PROMPT_TOKENS = (128, 256)
+FAULT_CHUNK_TOKENS = 32  # --max-num-batched-tokens: a prompt takes several steps, so the prefill nodes hold a queue
+FAULT_HELD = 2  # requests the router counts on prefill0 when it is killed
+FAULT_WAIT_S = 60.0  # a hang guard on each wait below, not a latency target
+FAULT_ROUTER_FLAGS = ("--local-prefill-max-tokens", "0")  # every request goes through a prefill node and the pool
+REDISPATCHED = "pdserve:requests_redispatched_total"
+
+
+class NodeStack:
+    """A disaggregated stack started node by node (`pdserve up` stops its whole stack when one child exits): the
+    prefill nodes, one decode node and the router, each a child of this process; all their output in one log."""
+
+    def __init__(self, a: argparse.Namespace, plan: StackPlan, log: Path) -> None:
+        from pdserve.launcher import node_ports
+
+        self.a, self.plan, self.log = a, plan, log
+        self.dir = Path(tempfile.mkdtemp(prefix="pdserve-faults-"))
+        self.procs: dict[str, subprocess.Popen] = {}
+        ports = iter(node_ports(FAULT_PREFILL_NODES + 2))
+        self.infos = {f"prefill{i}": {"role": "prefill"} for i in range(FAULT_PREFILL_NODES)}
+        self.infos["decode0"] = {"role": "decode", "kv_listen": f"tcp://127.0.0.1:{next(ports)}"}
+        for info in self.infos.values():
+            info["listen"] = f"tcp://127.0.0.1:{next(ports)}"
+        self.url, self.instance = "", uuid.uuid4().hex
+
+    def spawn_all(self) -> None:
+        """Start every node and, beside them, the router (it waits for them, as `pdserve up`'s does)."""
+        from pdserve.flags import router_command
+
+        for name in self.infos:
+            self.spawn(name)
+        port = free_port()
+        options = ["--port", str(port), "--instance-id", self.instance, "--connect-timeout-s", str(STACK_READY_S)]
+        argv = router_command(self.a.model, self.infos.values(), [*options, *FAULT_ROUTER_FLAGS])
+        self.procs["router"] = self.child(argv)
+        self.url = f"http://127.0.0.1:{port}"
+
+    def wait(self) -> None:
+        """Until the router answers /health as this stack's (it does once every node has answered it)."""
+        from pdserve.launcher import wait_stack
+
+        files = [self.dir / f"{name}.json" for name in self.infos]
+        wait_stack(self.url, list(self.procs.values()), files, self.instance, time.monotonic())
+
+    def node_argv(self, name: str) -> list[str]:
+        info, a, plan = self.infos[name], self.a, self.plan
+        device = decode_device(a.device) if info["role"] == "decode" else a.device
+        engine = engine_flags(
+            model=a.model,
+            dtype=plan.dtype,
+            kv_cache_gb=a.kv_cache_gb,
+            kv_transport=plan.transport,
+            max_num_batched_tokens=FAULT_CHUNK_TOKENS,
+        )
+        where = ["--listen", info["listen"], *(["--kv-listen", info["kv_listen"]] if "kv_listen" in info else [])]
+        ready = ["--ready-file", str(self.dir / f"{name}.json")]
+        return [sys.executable, "-m", "pdserve", info["role"], *engine, "--device", device, *where, *ready]
+
+    def spawn(self, name: str) -> None:
+        (self.dir / f"{name}.json").unlink(missing_ok=True)
+        self.procs[name] = self.child(self.node_argv(name))
+
+    def child(self, argv: list[str]) -> subprocess.Popen:
+        """As the launcher's children: a session of its own, SIGTERM if this process dies; its output to the log."""
+        from pdserve.process import die_with_parent
+
+        with self.log.open("a") as out:
+            return subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent
+            )
+
+    def wait_ready(self, name: str) -> None:
+        ready, proc = self.dir / f"{name}.json", self.procs[name]
+        deadline = time.monotonic() + STACK_READY_S
+        while not ready.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{name} did not start (exit code {proc.returncode}); log {self.log}")
+            time.sleep(0.05)
+
+    def health(self) -> dict[str, dict]:
+        """{node name: the router's view of it (up, in_flight)}."""
+        by_addr = {n["addr"]: n for n in httpx.get(self.url + "/health", timeout=10).json()["nodes"]}
+        return {name: by_addr[info["listen"]] for name, info in self.infos.items()}
+
+    def pids(self) -> list[int]:
+        """Every live process of the stack, the nodes' own children included."""
+        return [p for proc in self.procs.values() if proc.poll() is None for p in descendants(proc.pid)]
+
+    def close(self) -> dict[str, int | None]:
+        """A clean stop: SIGTERM to the router, then to the nodes (the launcher's order); {name: exit code}."""
+        from pdserve.launcher import stop_all
+
+        names = [n for n in self.procs if n != "router"] + ["router"]
+        stop_all([self.procs[n] for n in names if n in self.procs])
+        shutil.rmtree(self.dir, ignore_errors=True)
+        return {n: p.returncode for n, p in self.procs.items()}
+
+
+def wait_for(cond, what: str) -> None:
+    deadline = time.monotonic() + FAULT_WAIT_S
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting until {what}")
+        time.sleep(0.01)
+
+
+def metric(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def stop_holding(stack: NodeStack, name: str, held: int) -> int:
+    """SIGSTOP node `name` once the router counts `held` requests on it, as it still does with the node stopped:
+    however fast the device, they are held there at the kill. Returns the count."""
+    proc = stack.procs[name]
+    while True:
+        wait_for(lambda: stack.health()[name]["in_flight"] >= held, f"{name} holds {held} requests")
+        proc.send_signal(signal.SIGSTOP)
+        count = stack.health()[name]["in_flight"]
+        if count >= held:
+            return count
+        proc.send_signal(signal.SIGCONT)
+
+
+async def kill_mid_burst(stack: NodeStack, bodies: list[dict]) -> tuple[int, list[dict]]:
+    """Send `bodies` at once; SIGKILL prefill0 while it holds some of them. (its count then, the answers)"""
+    answers = asyncio.create_task(complete_all(stack.url, bodies))
+    held = await asyncio.to_thread(stop_holding, stack, "prefill0", FAULT_HELD)
+    stack.procs["prefill0"].kill()
+    stack.procs["prefill0"].wait()
+    return held, await answers
+
+
+def check_prefill_kill(stack: NodeStack, ref: Reference, prompts, expected) -> dict:
+    """(f1): prefill0 SIGKILLed mid-burst; the router dispatches its requests again (its counter grows), every
+    request's greedy tokens still equal HF's."""
+    before = metric(stack.url, REDISPATCHED)
+    held, answers = asyncio.run(kill_mid_burst(stack, greedy_bodies(prompts, FAULT_MAX_TOKENS)))
+    r = check_exact(ref, prompts, answers, expected)
+    r["held_at_kill"] = held
+    r["killed_exit_code"] = stack.procs["prefill0"].returncode
+    r["redispatched"] = metric(stack.url, REDISPATCHED) - before
+    r["pass"] = r["pass"] and r["redispatched"] >= 1 and r["killed_exit_code"] == -signal.SIGKILL
+    return r
+
+
+def segment_mappers(segments: set[str], pids: list[int]) -> dict[str, int]:
+    """{segment: how many of these processes map it}."""
+    return {s: sum(s in mapped_segments([p]) for p in pids) for s in segments}
+
+
+def check_decode_restart(stack: NodeStack, ref: Reference, prompts, expected) -> dict:
+    """(f2): decode0 stopped (SIGTERM) and started again: the pool it mapped is released (CPU: each shared segment
+    it mapped is gone, or mapped still by its owner alone; GPU: the device's memory it held is free again, and
+    after the restart no more is held than before the stop) and the restarted node serves exact tokens."""
+    device = decode_device(stack.a.device)
+    old = stack.procs["decode0"]
+    pids, free_before = descendants(old.pid), free_device_mb(device)
+    segments = mapped_segments(pids)
+    old.send_signal(signal.SIGTERM)
+    old.wait(timeout=FAULT_WAIT_S)
+    wait_until(lambda: not alive(pids))
+    gone = alive(pids)
+    mappers = segment_mappers({s for s in segments if Path(s).exists()}, stack.pids())
+    orphaned = sorted(s for s, n in mappers.items() if n == 0)  # exists, yet nobody maps it: leaked
+    released = free_before is None or wait_until(lambda: freed_mb(device, free_before) >= pool_mb(stack.a))
+    free_stopped = free_device_mb(device)
+    stack.spawn("decode0")
+    stack.wait_ready("decode0")
+    wait_for(lambda: stack.health()["decode0"]["up"], "the router has the restarted decode node up")
+    r = check_exact(ref, prompts, serve(stack.url, greedy_bodies(prompts, FAULT_MAX_TOKENS)), expected)
+    free_after = free_device_mb(device)
+    back = free_before is None or free_after >= free_before - RELEASE_SLACK_MB
+    r |= {
+        "stopped_exit_code": old.returncode,
+        "processes_left": gone,
+        "segments_mapped": len(segments),
+        "segments_orphaned": orphaned,
+        "segments_mapped_by_restarted": len(mapped_segments(descendants(stack.procs["decode0"].pid))),
+        "device_free_mb_before_stop": free_before,
+        "device_free_mb_stopped": free_stopped,
+        "device_free_mb_restarted": free_after,
+    }
+    mapped = free_before is not None or bool(segments and r["segments_mapped_by_restarted"])  # CPU: the pool was used
+    r["pass"] = r["pass"] and not gone and not orphaned and released and back and mapped
+    return r
+
+
+def pool_mb(a: argparse.Namespace) -> float:
+    """The decode node's KV pool in MiB, less the slack: at least what its stop must free on the device."""
+    return a.kv_cache_gb * 1024 - RELEASE_SLACK_MB
+
+
+def freed_mb(device: str, before: float) -> float:
+    return free_device_mb(device) - before
+
+
+def alive(pids: list[int]) -> list[int]:
+    return [p for p in pids if Path(f"/proc/{p}").exists()]
+
+
+def wait_until(cond, timeout: float = 10.0) -> bool:
+    """cond() within `timeout` seconds (the driver frees a dead process's memory shortly after it exits)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def run_faults(a: argparse.Namespace, plan: StackPlan, ref: Reference, prompts) -> dict:
+    """(f) on a stack of its own: (f1), (f2), then (f3) a clean stop judged as (e), every process gone and exiting
+    0. HF's tokens are computed while the nodes start."""
+    t0, free_before = time.perf_counter(), free_device_mb(a.device)
+    log = a.log_dir / f"gpu_check.faults.{plan.name}.log"
+    stack = NodeStack(a, plan, log)
+    r: dict = {"dtype": plan.dtype, "transport": plan.transport, "prefill_nodes": FAULT_PREFILL_NODES}
+    try:
+        stack.spawn_all()
+        expected = [ref.greedy(p, FAULT_MAX_TOKENS) for p in prompts]
+        stack.wait()
+        r["start_s"] = time.perf_counter() - t0
+        r["prefill_kill"] = timed(check_prefill_kill, stack, ref, prompts, expected)
+        r["decode_restart"] = timed(check_decode_restart, stack, ref, prompts, expected)
+        pids = stack.pids()
+        segments = mapped_segments(pids)
+    finally:
+        codes = stack.close()
+    r["clean_stop"] = check_clean_stop(log, segments, a.device, free_before)
+    wait_until(lambda: not alive(pids))  # a prefill node's resource tracker exits just after it
+    left = alive(pids)
+    exits = {n: c for n, c in codes.items() if n != "prefill0"}  # prefill0 was killed in (f1)
+    r["clean_stop"] |= {"processes": len(pids), "processes_left": left, "exit_codes": exits}
+    r["clean_stop"]["pass"] = r["clean_stop"]["pass"] and not left and not any(exits.values())
+    r["seconds"] = time.perf_counter() - t0
+    r["pass"] = all(v["pass"] for v in r.values() if isinstance(v, dict))
+    return r
+
+
+def timed(check, *args) -> dict:
+    t0 = time.perf_counter()
+    return {**check(*args), "seconds": time.perf_counter() - t0}
+
+
+def fault_plans(a: argparse.Namespace) -> list[StackPlan]:
+    """The float32 stacks over a shared pool (cuda_ipc, or shm on the CPU) that --stacks names: exact greedy output
+    is judged there."""
+    shared = [p for p in plans(a.device) if p.dtype == "float32" and p.transport in ("shm", "cuda_ipc")]
+    return [p for p in shared if a.stacks is None or p.name in a.stacks]
+
+
+def faults_main(a: argparse.Namespace, path: Path, vocab: int, t0: float) -> dict:
+    prompts = make_prompts(FAULT_REQUESTS, vocab, 2, *FAULT_PROMPT_TOKENS)
+    ref = Reference(path, a.device)
+    report = {"device": a.device, "model": a.model, "faults": True, "stacks": {}}
+    for plan in fault_plans(a):
+        try:
+            r = run_faults(a, plan, ref, prompts)
+        except Exception as e:  # a stack that cannot start or be driven fails its checks
+            r = {"error": f"{type(e).__name__}: {e}", "pass": False}
+        print(plan.name, "faults", json.dumps(r), flush=True)
+        report["stacks"][plan.name] = r
+        finish(report, a, t0)
+    return finish(report, a, t0)
 
 
 if __name__ == "__main__":

@@ -178,6 +178,7 @@ def costs(run: Run, budget: float) -> list[str]:
 
 
 def faults(run: Run, budget: float) -> list[str]:
+    """gpu_check.py --faults: on nodes it starts itself (it kills and restarts them), so on no shared stack."""
     where = ["--out", str(run.json("faults")), "--log-dir", str(run.work / "logs")]
     stack = ["--stacks", f"fp32-{run.ipc}"]
     return [PY, "scripts/gpu_check.py", "--device", run.device, "--model", run.check_model, "--faults", *stack, *where]
@@ -204,7 +205,7 @@ STAGES: tuple[Stage, ...] = (  # name, GPU budget s, CPU budget s, value, comman
     Stage(
         "check-fp32-ipc", 45, 90, 95, check("check-fp32-ipc", "fp32-{ipc}", 16, 64, 32, (4, 12, 6)), stack="fp32-{ipc}"
     ),
-    Stage("faults", 45, 90, 93, faults, has_option("scripts/gpu_check.py", "--faults"), "fp32-{ipc}"),
+    Stage("faults", 45, 90, 93, faults, has_option("scripts/gpu_check.py", "--faults")),
     Stage(
         "check-bf16-ipc", 45, 90, 90, check("check-bf16-ipc", "bf16-{ipc}", 16, 64, 32, (2, 2, 4)), stack="bf16-{ipc}"
     ),

@@ -78,3 +78,12 @@ def test_every_stage_of_the_kit_has_a_cpu_command(tmp_path):
     for s in kit.STAGES:
         argv = s.argv(run, s.budget(run))
         assert argv[0] == sys.executable and "cuda" not in " ".join(argv), s.name
+
+
+def test_the_faults_stage_is_present_and_starts_its_own_nodes(tmp_path):
+    """gpu_check.py has --faults, which kills and restarts nodes: the stage shares no stack of the kit's."""
+    kit = load()
+    stage = next(s for s in kit.STAGES if s.name == "faults")
+    assert stage.present() and stage.stack is None
+    argv = stage.argv(kit.Run("cpu", True, tmp_path), stage.budget(kit.Run("cpu", True, tmp_path)))
+    assert "--faults" in argv and argv[argv.index("--stacks") + 1] == "fp32-shm" and "--url" not in argv

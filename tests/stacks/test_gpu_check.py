@@ -115,3 +115,23 @@ def test_a_clean_stop_is_judged_by_the_segments_left_and_the_log(tmp_path):
     r = gc.check_clean_stop(log, set(), "cpu", None)
     assert not r["pass"] and r["warnings"] == {"Producer process has been terminated": 1}
     assert gc.descendants(os.getpid())[0] == os.getpid()
+
+
+def test_the_fault_checks_run_float32_over_the_shared_pool_on_nodes_of_their_own(tmp_path):
+    gc = load_script()
+    a = gc.build_parser().parse_args(["--device", "cpu", "--model", "tiny", "--faults", "--kv-cache-gb", "0.25"])
+    assert [p.name for p in gc.fault_plans(a)] == ["fp32-shm"]  # bf16 is not exact, zmq has no shared pool
+    a.stacks = ["fp32-zmq"]
+    assert gc.fault_plans(a) == []
+    stack = gc.NodeStack(a, gc.plans("cpu")[2], tmp_path / "faults.log")
+    try:
+        argvs = {name: stack.node_argv(name) for name in stack.infos}
+    finally:
+        gc.shutil.rmtree(stack.dir)
+    assert list(argvs) == ["prefill0", "prefill1", "decode0"]
+    addresses = [info["listen"] for info in stack.infos.values()] + [stack.infos["decode0"]["kv_listen"]]
+    assert len(set(addresses)) == 4
+    for name, argv in argvs.items():
+        assert argv[argv.index("--kv-transport") + 1] == "shm" and argv[argv.index("--dtype") + 1] == "float32"
+        assert argv[argv.index("--max-num-batched-tokens") + 1] == str(gc.FAULT_CHUNK_TOKENS)
+        assert ("--kv-listen" in argv) == (name == "decode0")

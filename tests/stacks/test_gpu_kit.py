@@ -209,9 +209,25 @@ def test_gpu_run_cpu_mode_passes_in_the_box_venv(box, site, tmp_path):
     assert fp32["top_k1_greedy"]["greedy"] == 4
     kv = fp32["kv_transfer"]  # every request shipped its KV, or was sent again and prefilled on the decode node
     assert kv["transfers"] >= 4 and kv["transfers"] + kv["local_prefills"] == kv["requests"] > 4
+    assert status["faults"] == "passed", status
+    assert_faults_checked(tmp_path / "work")
     profile = json.loads((tmp_path / "work" / "stages" / "profile.json").read_text())
     assert list(profile["steps"]) == ["decode-4", "decode-8", "chunk-64"]
     assert [profile["steps"][k]["record"]["decode_tokens"] for k in ("decode-4", "decode-8")] == [4, 8]
     assert profile["step_floors"]["decode 1-8"]["steps"] > 0 and profile["step_floors"]["prompt chunks"]["steps"] > 0
     assert (folder / "prometheus_client").is_dir()  # the serving dependencies came from the wheels, installed there
     shutil.rmtree(tmp_path / "work", ignore_errors=True)
+
+
+def assert_faults_checked(work: Path) -> None:
+    """The faults stage's report (gpu_check --faults on tiny over shm) shows each fault happened, not only its
+    tokens: a re-dispatch counted after prefill0's kill, the stopped decode node's pool mapped then let go, every
+    process of the stack gone after its stop."""
+    faults = json.loads((work / "stages" / "faults.json").read_text())["stacks"]["fp32-shm"]
+    kill, restart, stop = faults["prefill_kill"], faults["decode_restart"], faults["clean_stop"]
+    assert kill["exact"] == kill["requests"] and kill["held_at_kill"] >= 2 and kill["redispatched"] >= 1, kill
+    assert kill["killed_exit_code"] == -9
+    assert restart["exact"] == restart["requests"] and restart["stopped_exit_code"] == 0, restart
+    assert restart["segments_mapped"] >= 1 and restart["segments_mapped_by_restarted"] >= 1, restart
+    assert restart["segments_orphaned"] == [] and restart["processes_left"] == [], restart
+    assert stop["processes"] >= 3 and stop["processes_left"] == [] and stop["warnings"] == {}, stop
