@@ -145,6 +145,7 @@ def triton_backend(pool):
     for name in ("triton_attention", "triton_layers"):
         stub = types.ModuleType(name)
         stub.build_combine = lambda *a, **k: None  # split-K's kernel, built ahead on a GPU
+        stub.num_splits = lambda *a: 1  # split-K's slice count (a few integer operations on the host)
         sys.modules.setdefault(f"pdserve.runner.{name}", stub)
     import torch
 

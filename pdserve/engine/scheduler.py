@@ -69,6 +69,14 @@ class Batch:
         """(requests, new tokens, samples, past) of the scheduled requests, in order, each a tuple (once scheduled)."""
         return tuple(zip(*self.scheduled, strict=True)) if self.scheduled else ((), (), (), ())
 
+    @functools.cached_property
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(rows, new tokens, samples, past) of the scheduled requests as arrays, [R] each (int64, but samples bool),
+        made once (with `table`; rows are empty without)."""
+        _, lens, samples, pasts = self.columns
+        rows = np.asarray(self.rows, dtype=np.int64)
+        return rows, np.array(lens, dtype=np.int64), np.array(samples, dtype=bool), np.array(pasts, dtype=np.int64)
+
     @property
     def requests(self) -> tuple[Request, ...]:
         """The scheduled requests, in order."""
@@ -87,9 +95,8 @@ class Batch:
     def num_decode_tokens(self) -> int:
         """Requests with one new token after their whole prompt (not a one-token prompt, nor a recomputed chunk)."""
         if self.table is not None and self.scheduled:  # from the rows, vectorised
-            _, lens, _, pasts = self.columns
-            prompt = self.table.prompt_len[self.rows]
-            return int(np.count_nonzero((np.array(lens) == 1) & (np.array(pasts) >= prompt)))
+            rows, lens, _, pasts = self.arrays
+            return int(np.count_nonzero((lens == 1) & (pasts >= self.table.prompt_len[rows])))
         return sum(1 for s in self.scheduled if s.num_new_tokens == 1 and s.past >= len(s.request.prompt_token_ids))
 
     def prompt_logprob_rows(self) -> list[tuple[int, Request, int]]:
@@ -379,11 +386,10 @@ class Scheduler:
         (not those of a request preempted since: its KV is gone)."""
         if self.cache_seed is None or not batch.scheduled:
             return
-        bs, reqs, (_, lens, _, pasts) = self.allocator.block_size, batch.scheduled, batch.columns
-        upto = np.array(pasts) + np.array(lens)  # [R]
+        bs, reqs, (rows, lens, _, pasts) = self.allocator.block_size, batch.scheduled, batch.arrays
+        upto = pasts + lens  # [R]
         maybe = range(len(reqs))
         if batch.table is not None:  # only the rows that may have filled a block, or changed hands since
-            rows = np.asarray(batch.rows, dtype=np.int64)
             changed = batch.table.owner[rows] != batch.owners
             maybe = np.flatnonzero(changed | (upto // bs > batch.table.cached[rows])).tolist()
         for i in maybe:

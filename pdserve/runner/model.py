@@ -268,10 +268,8 @@ class ModelRunner:
         """The iteration's flat inputs gathered from the running requests' persistent rows (`engine/rows.py`) with
         vectorised numpy: the same values as `flatten`, in the same order. A decode row's token is its row's last
         known token (a pending one: fed from the device); only the prompt chunks' tokens are copied from lists."""
-        sched, rows, table = batch.scheduled, np.asarray(batch.rows, dtype=np.int64), batch.table  # rows: [R]
-        _, lens, samples, pasts = batch.columns
-        q_len, past = np.array(lens, dtype=np.int64), np.array(pasts, dtype=np.int64)  # [R]
-        samples = np.array(samples, dtype=bool)  # [R]
+        sched, table = batch.scheduled, batch.table
+        rows, q_len, samples, past = batch.arrays  # [R] each
         ends = np.cumsum(q_len)  # [R]
         q_start = ends - q_len
         T = int(ends[-1]) if len(sched) else 0
