@@ -524,12 +524,31 @@ class TritonBackend(TorchBackend):
 
 
 def _views(buf, lay: PackLayout) -> dict:
-    """Named views into a packed buffer (a numpy array or a tensor) of layout `lay`."""
+    """Named views into a packed buffer (a numpy array or a tensor) of layout `lay`; a tensor's are cut in one call."""
+    if isinstance(buf, torch.Tensor):
+        sizes, named = _cuts(lay)
+        pieces = torch.split_with_sizes(buf[: lay.size()], sizes)
+        return {name: pieces[i].view(shape) if len(shape) > 1 else pieces[i] for i, name, shape in named}
     out = {}
     for name, shape in lay.segments():
         off = lay.offsets[name]
         out[name] = buf[off : off + math.prod(shape)].reshape(shape)
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _cuts(lay: PackLayout) -> tuple[list[int], list[tuple[int, str, tuple[int, ...]]]]:
+    """The lengths that cut a packed buffer of layout `lay` into its segments and the gaps between them, and each
+    segment's (piece, name, shape)."""
+    sizes, named, end = [], [], 0
+    for name, shape in lay.segments():
+        off = lay.offsets[name]
+        if off > end:
+            sizes.append(off - end)
+        named.append((len(sizes), name, shape))
+        sizes.append(math.prod(shape))
+        end = off + sizes[-1]
+    return sizes, named
 
 
 def _fusable_norm(norm: nn.Module, x: torch.Tensor) -> bool:
