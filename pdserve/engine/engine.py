@@ -279,8 +279,11 @@ class Engine:
         else:
             self.count_run(batch, graphed)
             self.scheduler.count(batch)
-            for req in sampled:
-                req.num_pending += 1
+            if batch.table is not None:  # in the rows, at once (every sampling request holds its row now)
+                batch.table.num_pending[step.rows] += 1
+            else:
+                for req in sampled:
+                    req.num_pending += 1
         self.steps_ahead += bool(self.in_flight)
         self.in_flight.append(step)
         return step
@@ -298,7 +301,9 @@ class Engine:
         """The runner's extra argument: the rows whose input token is pending, read from the step in flight's
         sampled ids on the device (`DeviceFeed`); () when there are none."""
         prev = self.in_flight[-1] if self.in_flight else None
-        if batch.table is not None and prev is not None and prev.draw is not None:
+        if prev is None:  # nothing in flight: every input token is known
+            return ()
+        if batch.table is not None and prev.draw is not None:
             rows, index = self.pending_rows(batch, prev)
             return (self.runner.feed(prev.draw, rows, index),) if len(rows) else ()
         rows, index, row = [], [], 0
@@ -345,8 +350,13 @@ class Engine:
             return self.fail(step.batch, step.error)
         if step.batch.table is None:
             return self.update(step.batch, drawn, step.scored)
-        tokens = np.asarray(drawn.tokens, dtype=np.int64)  # [S]
-        held = step.batch.table.take_tokens(step.rows, step.owners, tokens)  # every sampling row learns its token
+        tokens, table = np.asarray(drawn.tokens, dtype=np.int64), step.batch.table  # [S]
+        held = table.take_tokens(step.rows, step.owners, tokens)  # every sampling row learns its token
+        table.num_pending[step.rows[held]] -= 1
+        if not held.all():  # those that left their row since: their own counts
+            sampled = list(compress(step.batch.requests, step.batch.samples))
+            for i in np.flatnonzero(~held).tolist():
+                sampled[i].num_pending -= 1
         return self.update(step.batch, drawn, step.scored, self.looked_at(step, held, tokens))
 
     def looked_at(self, step: Step, held: np.ndarray, tokens: np.ndarray) -> list[bool]:
@@ -380,15 +390,19 @@ class Engine:
         """Count the step's computed tokens and take in its sampled ones (one per sampled request), and the scores of
         the prompt rows (`scored`: the request of each). The step's tokens were counted as computed at its launch.
         `looked_at` ([S], from the rows: `looked_at()`): the requests taken in one by one (`take_token`); every other
-        one goes on, its token appended (none when not given: each is looked at)."""
+        one goes on, its token appended; their pending counts were taken down (`finish`). Without it, each request is
+        looked at, and its pending count taken down here."""
         self.scheduler.commit_computed(batch)
         for req, lp in zip(scored, drawn.prompt_logprobs, strict=True):
             req.prompt_logprobs.append(lp)
         sampled = compress(batch.requests, batch.samples)
-        slow = [True] * len(drawn.tokens) if looked_at is None else looked_at
+        slow = looked_at
+        if looked_at is None:
+            sampled, slow = list(sampled), [True] * len(drawn.tokens)
+            for req in sampled:
+                req.num_pending -= 1
         outputs = []
         for req, token, lp, one in zip(sampled, drawn.tokens, drawn.logprobs, slow, strict=True):  # one lean pass
-            req.num_pending -= 1
             if not one:
                 req.output_token_ids.append(token)
                 outputs.append(TokenOutput(req, token, None, "", lp))
