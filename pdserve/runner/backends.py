@@ -427,6 +427,9 @@ class TritonBackend(TorchBackend):
         -1, no work)."""
         counts = self.tiles(q_len)  # [n] tiles of each request (`tiles` takes an array as it takes an int)
         total = int(counts.sum())
+        if total == len(counts):  # a tile each (a decode step): (request, 0)
+            work[:total, 0], work[:total, 1], work[total:] = np.arange(total), 0, (0, -1)
+            return
         starts = np.cumsum(counts) - counts  # [n] each request's first item
         work[:total, 0] = np.repeat(np.arange(len(counts)), counts)
         work[:total, 1] = np.arange(total) - np.repeat(starts, counts)
