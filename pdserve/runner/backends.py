@@ -349,6 +349,7 @@ class TritonBackend(TorchBackend):
         self.multiprocessors = multiprocessors(device)
         triton_attention.build_combine(num_heads, pool.layout.head_dim, pool.data.dtype, device)
         self._staging = [torch.empty(0, dtype=torch.int32)] * 2  # two: one step's copy may still read the other
+        self._segments: dict[tuple[int, PackLayout], dict] = {}  # (staging buffer, layout) -> its numpy views
         self._turn = 0
 
     # ---- inputs: one host buffer, one copy ------------------------------------------------------
@@ -400,7 +401,9 @@ class TritonBackend(TorchBackend):
         padding requests have no rows (q_len 0); padding sampled rows read row 0 (their logits are not used).
         Vectorised: no Python per request."""
         buf = self._staging_of(lay.size())
-        seg = _views(buf.numpy(), lay)
+        seg = self._segments.get((self._turn, lay))
+        if seg is None:  # the views of this buffer in this layout, kept while the buffer is (steady steps repeat it)
+            seg = self._segments[(self._turn, lay)] = _views(buf.numpy(), lay)
         T, S = len(step.ids), len(step.sample)
         for name, values, pad in (("ids", step.ids, 0), ("positions", step.positions, 0), ("slots", step.slots, -1)):
             seg[name][:T], seg[name][T:] = values, pad
@@ -453,6 +456,9 @@ class TritonBackend(TorchBackend):
         if buf.numel() < size:
             pin = self.device.type == "cuda"
             buf = self._staging[self._turn] = torch.empty(max(size, 2 * buf.numel()), dtype=torch.int32, pin_memory=pin)
+            self._segments = {key: seg for key, seg in self._segments.items() if key[0] != self._turn}
+        if len(self._segments) > 64:  # layouts come and go (widths, batch sizes): keep the recent ones
+            self._segments.clear()
         return buf
 
     def views(self, dev: torch.Tensor, lay: PackLayout) -> ForwardInputs:
