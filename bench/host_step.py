@@ -119,6 +119,12 @@ def sampler_host(sampler, requests, rows, V: int = 32000) -> None:
     import torch
 
     mod = sys.modules[type(sampler).__module__]
+    if hasattr(sampler, "host_params"):  # its draw's host side in one method
+        sampler.asked(requests, rows)
+        greedy, processed, guided = sampler.flags(requests, rows)
+        pick = np.flatnonzero(~greedy)
+        torch.as_tensor(sampler.host_params(requests, rows, pick, V)[0])
+        return
     if hasattr(sampler, "gather"):
         sampler.asked(requests, rows)
         greedy, processed, guided = sampler.flags(requests, rows)
@@ -145,6 +151,7 @@ def triton_backend(pool):
     for name in ("triton_attention", "triton_layers"):
         stub = types.ModuleType(name)
         stub.build_combine = lambda *a, **k: None  # split-K's kernel, built ahead on a GPU
+        stub.num_splits = lambda *a: 1  # split-K's slice count (a few integer operations on the host)
         sys.modules.setdefault(f"pdserve.runner.{name}", stub)
     import torch
 

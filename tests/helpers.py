@@ -229,3 +229,16 @@ class FakeNodeSock:
 
     def get(self, option: int) -> int:
         return 0  # ZMQ_EVENTS: no message waiting
+
+
+def take_tokens(s, reqs: list, tokens: list[int]) -> None:
+    """A step's sampled tokens taken in as the engine takes them: each appended to its request and, for one still
+    running, told its row (`BatchRows.take_tokens`: what the scheduler's steady path counts from). `s`: a Scheduler."""
+    import numpy as np
+
+    for r, t in zip(reqs, tokens, strict=True):
+        r.output_token_ids.append(t)
+    held = [(s.rows.row_of[r], t) for r, t in zip(reqs, tokens, strict=True) if r in s.rows]
+    if held:
+        rows = np.array([row for row, _ in held], dtype=np.int64)
+        s.rows.take_tokens(rows, s.rows.owner[rows], np.array([t for _, t in held], dtype=np.int64))

@@ -21,6 +21,7 @@ N ends (EOS, a stop token) costs one wasted row in N+1, whose token is dropped. 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Iterator
@@ -65,25 +66,28 @@ class Step:
     scored: list[Request]  # the request of each prompt row scored (echo with logprobs)
     draw: object | None  # its sampling, queued on the device (`wait()` gives the Drawn); None when launching failed
     error: str = ""  # why it failed
-    members: set[Request] = field(init=False)  # the batch's requests
-    sampled: dict[Request, int] = field(init=False)  # each sampling request's row in the draw
     parked: list[list[int]] = field(default_factory=list)  # blocks of members released while it runs: freed at finish
     rows: np.ndarray = field(init=False)  # [S] the persistent row of each sampling request (engine/rows.py)
     owners: np.ndarray = field(init=False)  # [S] who held those rows at launch
     draw_rows: DrawRows | None = field(init=False, default=None)  # where the sampler finds their parameters
 
     def __post_init__(self) -> None:
-        reqs, samples = self.batch.requests, self.batch.samples
-        self.members = set(reqs)
-        self.sampled = dict(zip(compress(reqs, samples), count()))
         if self.batch.table is None:  # a batch built by hand: no rows
             self.rows = self.owners = np.zeros(0, dtype=np.int64)
             return
-        mask = np.array(samples, dtype=bool)  # [R]
-        self.rows = np.asarray(self.batch.rows, dtype=np.int64)[mask]
-        self.owners = self.batch.owners[mask]
-        _, lens, _, pasts = self.batch.columns
-        self.draw_rows = DrawRows(self.batch.table, self.rows, (np.array(pasts) + np.array(lens))[mask])
+        rows, lens, mask, pasts = self.batch.arrays  # [R] each; mask: the sampling ones
+        self.rows, self.owners = rows[mask], self.batch.owners[mask]
+        self.draw_rows = DrawRows(self.batch.table, self.rows, (pasts + lens)[mask])
+
+    @functools.cached_property
+    def members(self) -> set[Request]:
+        """The batch's requests (made when first asked: a request leaves while the step runs)."""
+        return set(self.batch.requests)
+
+    @functools.cached_property
+    def sampled(self) -> dict[Request, int]:
+        """Each sampling request's row in the draw."""
+        return dict(zip(compress(self.batch.requests, self.batch.samples), count()))
 
 
 def pin_process(cfg: EngineConfig) -> None:
@@ -275,8 +279,11 @@ class Engine:
         else:
             self.count_run(batch, graphed)
             self.scheduler.count(batch)
-            for req in sampled:
-                req.num_pending += 1
+            if batch.table is not None:  # in the rows, at once (every sampling request holds its row now)
+                batch.table.num_pending[step.rows] += 1
+            else:
+                for req in sampled:
+                    req.num_pending += 1
         self.steps_ahead += bool(self.in_flight)
         self.in_flight.append(step)
         return step
@@ -294,7 +301,9 @@ class Engine:
         """The runner's extra argument: the rows whose input token is pending, read from the step in flight's
         sampled ids on the device (`DeviceFeed`); () when there are none."""
         prev = self.in_flight[-1] if self.in_flight else None
-        if batch.table is not None and prev is not None and prev.draw is not None:
+        if prev is None:  # nothing in flight: every input token is known
+            return ()
+        if batch.table is not None and prev.draw is not None:
             rows, index = self.pending_rows(batch, prev)
             return (self.runner.feed(prev.draw, rows, index),) if len(rows) else ()
         rows, index, row = [], [], 0
@@ -339,9 +348,29 @@ class Engine:
             self.pool.allocator.free(blocks)
         if drawn is None:
             return self.fail(step.batch, step.error)
-        if step.batch.table is not None:  # every sampling row learns its token at once
-            step.batch.table.take_tokens(step.rows, step.owners, np.asarray(drawn.tokens, dtype=np.int64))
-        return self.update(step.batch, drawn, step.scored)
+        if step.batch.table is None:
+            return self.update(step.batch, drawn, step.scored)
+        tokens, table = np.asarray(drawn.tokens, dtype=np.int64), step.batch.table  # [S]
+        held = table.take_tokens(step.rows, step.owners, tokens)  # every sampling row learns its token
+        table.num_pending[step.rows[held]] -= 1
+        if not held.all():  # those that left their row since: their own counts
+            sampled = list(compress(step.batch.requests, step.batch.samples))
+            for i in np.flatnonzero(~held).tolist():
+                sampled[i].num_pending -= 1
+        return self.update(step.batch, drawn, step.scored, self.looked_at(step, held, tokens))
+
+    def looked_at(self, step: Step, held: np.ndarray, tokens: np.ndarray) -> list[bool]:
+        """Which of a step's sampling requests `update` takes in one by one ([S]): those that stop now (a stop or EOS
+        token, max_tokens, the model's context), checked at once over their rows; those no longer holding their row
+        (ended, preempted); and those that need more than their token appended (a grammar, their first token: the
+        prompt's scores, a prefill node's hand-off, too many stop ids for their row)."""
+        if self.prefill_only:
+            return [True] * len(tokens)
+        t, r = step.batch.table, step.rows
+        known = t.known[r]  # [S] output tokens, this step's included (for the rows still held)
+        ends = (t.stops[r] == tokens[:, None]).any(axis=1)  # [S]
+        ends |= (known >= t.max_tokens[r]) | (t.prompt_len[r] + known >= self.max_model_len)
+        return (ends | ~held | (known <= 1) | t.guided[r] | t.stops_many[r]).tolist()
 
     def step_error(self, batch: Batch, e: Exception) -> str:
         log.exception("a step of %d requests failed", len(batch.scheduled))
@@ -355,30 +384,47 @@ class Engine:
         error = FinishReason.ERROR
         return [TokenOutput(req, None, error, why, error_code=ErrorCode.INTERNAL) for req in failed]
 
-    def update(self, batch: Batch, drawn: Drawn, scored: list[Request] = ()) -> list[TokenOutput]:
+    def update(
+        self, batch: Batch, drawn: Drawn, scored: list[Request] = (), looked_at: list[bool] | None = None
+    ) -> list[TokenOutput]:
         """Count the step's computed tokens and take in its sampled ones (one per sampled request), and the scores of
-        the prompt rows (`scored`: the request of each). The step's tokens were counted as computed at its launch."""
+        the prompt rows (`scored`: the request of each). The step's tokens were counted as computed at its launch.
+        `looked_at` ([S], from the rows: `looked_at()`): the requests taken in one by one (`take_token`); every other
+        one goes on, its token appended; their pending counts were taken down (`finish`). Without it, each request is
+        looked at, and its pending count taken down here."""
         self.scheduler.commit_computed(batch)
         for req, lp in zip(scored, drawn.prompt_logprobs, strict=True):
             req.prompt_logprobs.append(lp)
         sampled = compress(batch.requests, batch.samples)
+        slow = looked_at
+        if looked_at is None:
+            sampled, slow = list(sampled), [True] * len(drawn.tokens)
+            for req in sampled:
+                req.num_pending -= 1
         outputs = []
-        ended, max_len, prefill_only = (Status.FINISHED, Status.ABORTED), self.max_model_len, self.prefill_only
-        for req, token, lp in zip(sampled, drawn.tokens, drawn.logprobs, strict=True):  # one lean pass
-            req.num_pending -= 1
-            if req.status in ended:  # aborted while the step ran, or ended by the step before: the token is dropped
-                continue
-            req.output_token_ids.append(token)
-            if req.guide is not None:
-                req.guide.advance(token)
-            params = req.params
-            reason = finish_reason(req, params, max_len)
-            if reason:
-                self.release(req, Status.FINISHED)
-            elif prefill_only:
-                self.scheduler.hold_for_transfer(req)
-            echo = None
-            if params.prompt_logprobs is not None and len(req.output_token_ids) == 1:
-                echo = req.prompt_logprobs  # the prompt's scores, with the first token
-            outputs.append(TokenOutput(req, token, reason, "", lp, echo))
+        for req, token, lp, one in zip(sampled, drawn.tokens, drawn.logprobs, slow, strict=True):  # one lean pass
+            if not one:
+                req.output_token_ids.append(token)
+                outputs.append(TokenOutput(req, token, None, "", lp))
+            elif (out := self.take_token(req, token, lp)) is not None:
+                outputs.append(out)
         return outputs
+
+    def take_token(self, req: Request, token: int, lp: TokenLogprob | None) -> TokenOutput | None:
+        """Take in a request's sampled token, looking at it (whether it stops, its grammar, the prompt's scores); None
+        for one that ended before it came (aborted while the step ran, or ended by the step before): dropped."""
+        if req.status in (Status.FINISHED, Status.ABORTED):
+            return None
+        req.output_token_ids.append(token)
+        if req.guide is not None:
+            req.guide.advance(token)
+        params = req.params
+        reason = finish_reason(req, params, self.max_model_len)
+        if reason:
+            self.release(req, Status.FINISHED)
+        elif self.prefill_only:
+            self.scheduler.hold_for_transfer(req)
+        echo = None
+        if params.prompt_logprobs is not None and len(req.output_token_ids) == 1:
+            echo = req.prompt_logprobs  # the prompt's scores, with the first token
+        return TokenOutput(req, token, reason, "", lp, echo)

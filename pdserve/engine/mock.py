@@ -65,12 +65,9 @@ class StepCost:
     per_attended: float = 0.0
 
     def seconds(self, batch: Batch) -> float:
-        tokens = attended = 0.0
-        for s in batch.scheduled:
-            n, past = s.num_new_tokens, s.request.num_computed_tokens
-            tokens += n
-            attended += n * (past + n / 2)
-        requests = len(batch.scheduled)
+        _, lens, _, pasts = batch.arrays  # [R] each, at once
+        tokens, attended = float(lens.sum()), float((lens * (pasts + lens / 2)).sum())
+        requests = len(lens)
         return self.base + self.per_token * tokens + self.per_request * requests + self.per_attended * attended
 
 

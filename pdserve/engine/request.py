@@ -14,13 +14,17 @@ Which tokens the host knows: `output_token_ids` holds the sampled tokens the hos
 `finish`); `num_pending` counts those sampled by launched steps whose ids are still on the device (0 or 1
 when a step is scheduled; the next step reads such a token from the device as its input). `num_tokens`
 counts both; `token_ids` gives known tokens only.
+
+While a request runs, its `num_computed_tokens` and `num_pending` live in its row of the persistent batch
+(engine/rows.py, `row`), where the scheduler and the engine count them for every running request at once; the
+request reads and writes them there, and takes them back when it leaves its row.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from pdserve.wire.params import SamplingParams
 
@@ -64,6 +68,7 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)  # names of its first full blocks of tokens, so far
     num_cached_blocks: int = 0  # its first blocks that are in the prefix cache (shared from it, or named by it)
     num_pending: int = 0  # tokens sampled by launched steps whose ids the host has not learned yet
+    row: ClassVar[tuple[Any, int] | None] = None  # (BatchRows, its row) while it holds one: set by BatchRows
 
     def prompt_logprob_positions(self, past: int, n: int) -> range:
         """The positions of a chunk [past, past + n) whose logits score a prompt token not scored yet (position p
@@ -110,3 +115,25 @@ class Request:
         if status not in _LEGAL[self.status]:
             raise IllegalTransition(f"request {self.request_id}: {self.status.value} -> {status.value}")
         self.status = status
+
+
+def _row_backed(name: str) -> property:
+    """A counter kept in the request's row (the BatchRows array of the same name) while it holds one, else here."""
+    own = "_" + name
+
+    def get(req: Request) -> int:
+        at = req.row
+        return getattr(req, own) if at is None else int(getattr(at[0], name)[at[1]])
+
+    def put(req: Request, value: int) -> None:
+        at = req.row
+        if at is None:
+            setattr(req, own, value)
+        else:
+            getattr(at[0], name)[at[1]] = value
+
+    return property(get, put, doc=f"{name}: in the request's row while it holds one (engine/rows.py)")
+
+
+Request.num_computed_tokens = _row_backed("num_computed_tokens")  # the dataclass's __init__ sets them through these
+Request.num_pending = _row_backed("num_pending")

@@ -10,6 +10,8 @@ What a row holds, one entry per array, indexed by the row:
 - `last[row]`: its last token the host knows (a decode step's input; a pending one comes from the device);
 - `prompt_len[row]`: its prompt's length (which of a step's rows decode);
 - `cached[row]`: its first blocks in the prefix cache (which rows may have filled a block to name);
+- `num_computed_tokens[row]`, `num_pending[row]`: its counters (engine/request.py), kept here while it runs, so
+  that a step counts them for every row at once;
 - `owner[row]`: a number that changes whenever the row changes hands, so that a step's tokens, taken in
   after the request that sampled them left, never land in the row of the request that took its place;
 - its sampling parameters, written once when it takes the row (the sampler gathers a step's from them,
@@ -17,7 +19,11 @@ What a row holds, one entry per array, indexed by the row:
   `greedy`, `key_base` (its seed, or for an unseeded request its id's hash, which the sampler salts) and
   `seeded`, `draw_base` (its prompt's length less its `resumed` tokens: its i-th draw is made with
   `draw_base + i` tokens), `asks` (log-probabilities), and the flags of the rows the per-request path still
-  serves: `processed` (logits processors) and `guided` (a grammar).
+  serves: `processed` (logits processors) and `guided` (a grammar);
+- its stop conditions, for the engine's vectorised check of a step's tokens (`Engine.update`): `known[row]` its
+  output tokens the host knows (counted up by `take_tokens`), `max_tokens[row]`, and `stops[row]` the token ids
+  that end it (its stop token ids, and its EOS ids unless it ignores them; -1 pads), `stops_many[row]` when they
+  are more than `stops` holds (then the request is checked one by one).
 
 The interface (the scheduler is its only writer, and every request reaches it through the same path):
 - `add(req) -> row`: the request starts running (the scheduler admits it to RUNNING: a new request, a
@@ -27,8 +33,8 @@ The interface (the scheduler is its only writer, and every request reaches it th
   written, nothing else;
 - `cached_changed(req)`: the scheduler named more of its blocks in the prefix cache;
 - `remove(req)`: it stops running (finished, aborted, preempted, held for a KV transfer); its row is free;
-- `take_tokens(rows, owners, tokens)`: a step's sampled tokens, in bulk: `last` of every row still held by
-  the request that sampled it.
+- `take_tokens(rows, owners, tokens)`: a step's sampled tokens, in bulk: `last` and `known` of every row still
+  held by the request that sampled it.
 `writes` counts the rows written by add, grow and remove since start (tests read it: a steady step adds none).
 Torch-free: the engine's control core and the mock engine use it too.
 """
@@ -40,6 +46,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from pdserve.engine.request import Request
+
+STOP_COLUMNS = 4  # stop token ids a row holds (`stops`); a request with more is checked one by one
 
 
 class BatchRows:
@@ -53,6 +61,8 @@ class BatchRows:
         self.prompt_len = np.zeros(capacity, dtype=np.int64)  # [R] prompt tokens
         self.cached = np.zeros(capacity, dtype=np.int64)  # [R] its first blocks in the prefix cache
         self.owner = np.zeros(capacity, dtype=np.int64)  # [R] changes each time the row changes hands
+        self.num_computed_tokens = np.zeros(capacity, dtype=np.int64)  # [R] the request's counters, while it runs
+        self.num_pending = np.zeros(capacity, dtype=np.int64)  # [R]
         self.temperature = np.zeros(capacity, dtype=np.float32)  # [R] sampling parameters, from here on
         self.top_k = np.zeros(capacity, dtype=np.int64)
         self.top_p = np.ones(capacity, dtype=np.float32)
@@ -64,6 +74,10 @@ class BatchRows:
         self.processed = np.zeros(capacity, dtype=bool)
         self.guided = np.zeros(capacity, dtype=bool)
         self.asks = np.zeros(capacity, dtype=bool)  # [R] it asks for its tokens' log-probabilities
+        self.known = np.zeros(capacity, dtype=np.int64)  # [R] output tokens the host knows
+        self.max_tokens = np.zeros(capacity, dtype=np.int64)  # [R]
+        self.stops = np.full((capacity, STOP_COLUMNS), -1, dtype=np.int64)  # [R, K] token ids that end it; -1 pads
+        self.stops_many = np.zeros(capacity, dtype=bool)  # [R] more stop ids than `stops` holds
         self.row_of: dict[Request, int] = {}
         self.scoring: set[Request] = set()  # those whose prompt positions are scored (echo with logprobs)
         self._free = list(range(capacity - 1, -1, -1))  # the lowest row first
@@ -83,6 +97,8 @@ class BatchRows:
         if not self._free:
             raise RuntimeError(f"every one of the {self.capacity} rows is held")
         row = self._free.pop()
+        self.num_computed_tokens[row], self.num_pending[row] = req.num_computed_tokens, req.num_pending
+        req.row = (self, row)  # its counters live here from now on
         self.row_of[req] = row
         if req.params.prompt_logprobs is not None:
             self.scoring.add(req)
@@ -91,6 +107,7 @@ class BatchRows:
         known = req.output_token_ids or req.prompt_token_ids
         self.last[row] = known[-1] if known else 0
         self.prompt_len[row] = len(req.prompt_token_ids)
+        self.known[row] = len(req.output_token_ids)
         self.cached[row] = req.num_cached_blocks
         self.num_blocks[row] = 0
         self._write_params(req, row)
@@ -114,6 +131,8 @@ class BatchRows:
         row = self.row_of.pop(req, None)
         if row is None:
             return
+        req.row = None  # its counters go back to it
+        req.num_computed_tokens, req.num_pending = int(self.num_computed_tokens[row]), int(self.num_pending[row])
         self.scoring.discard(req)
         self.table[row, : self.num_blocks[row]] = 0
         self.num_blocks[row] = 0
@@ -122,10 +141,14 @@ class BatchRows:
         self._free.append(row)
         self.writes += 1
 
-    def take_tokens(self, rows: np.ndarray, owners: np.ndarray, tokens: np.ndarray) -> None:
-        """A step's sampled `tokens` of rows `rows` (held then by `owners`): each row still so held learns its token."""
+    def take_tokens(self, rows: np.ndarray, owners: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """A step's sampled `tokens` of rows `rows` (held then by `owners`): each row still so held learns its token.
+        Returns which were still so held ([S] bool)."""
         same = self.owner[rows] == owners
-        self.last[rows[same]] = tokens[same]
+        held = rows[same]
+        self.last[held] = tokens[same]
+        self.known[held] += 1
+        return same
 
     def _write_params(self, req: Request, row: int) -> None:
         p = req.params
@@ -139,6 +162,11 @@ class BatchRows:
         self.seeded[row], self.asks[row] = p.seed is not None, p.logprobs is not None
         self.key_base[row] = (p.seed if p.seed is not None else hash(req.request_id)) & 0xFFFFFFFFFFFFFFFF
         self.draw_base[row] = len(req.prompt_token_ids) - p.resumed
+        self.max_tokens[row] = p.max_tokens
+        stops = (*p.stop_token_ids, *(() if p.ignore_eos else p.eos_token_ids))
+        self.stops_many[row] = len(stops) > STOP_COLUMNS
+        self.stops[row] = -1
+        self.stops[row, : min(len(stops), STOP_COLUMNS)] = stops[:STOP_COLUMNS]
 
     def _write_blocks(self, req: Request, row: int) -> None:
         blocks, have = req.block_ids, int(self.num_blocks[row])

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 from collections import deque
-from dataclasses import dataclass, field
+from itertools import compress
 from typing import NamedTuple
 
 import numpy as np
@@ -54,20 +54,58 @@ class ScheduledRequest(NamedTuple):
         return cls(req, n, past + n == req.num_tokens, past)
 
 
-@dataclass
 class Batch:
-    """What one iteration runs: requests in order, and how many new tokens each."""
+    """What one iteration runs: requests in order, and how many new tokens each. Built request by request
+    (`scheduled`), or, a steady step's, from the rows at once (`of_rows`: its `scheduled` is made only if asked)."""
 
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    table: BatchRows | None = None  # the running requests' rows (None: a batch built by hand, without rows)
-    rows: list[int] = field(default_factory=list)  # with `table`: the row of each scheduled request
-    owners: np.ndarray | None = None  # with `table`: who held each of those rows when it was scheduled
+    def __init__(
+        self,
+        scheduled: list[ScheduledRequest] | None = None,
+        preempted: list[Request] | None = None,
+        table: BatchRows | None = None,  # the running requests' rows (None: a batch built by hand, without rows)
+        rows: list[int] | np.ndarray = (),  # with `table`: the row of each scheduled request
+        owners: np.ndarray | None = None,  # with `table`: who held each of those rows when it was scheduled
+    ) -> None:
+        self._scheduled = [] if scheduled is None else scheduled
+        self.preempted = [] if preempted is None else preempted
+        self.table, self.rows, self.owners = table, rows, owners
+
+    @classmethod
+    def of_rows(cls, table: BatchRows, requests: list[Request], rows: np.ndarray, lens: np.ndarray) -> Batch:
+        """The running requests `requests` in rows `rows` ([R]), each computing its `lens` next tokens up to all its
+        tokens (so each samples), taken from the rows at once."""
+        batch = cls(None, None, table, rows, table.owner[rows])
+        pasts = table.num_computed_tokens[rows]
+        batch._scheduled = None
+        batch.columns = (tuple(requests), tuple(lens.tolist()), (True,) * len(requests), tuple(pasts.tolist()))
+        batch.arrays = (rows, lens, np.ones(len(requests), dtype=bool), pasts)
+        return batch
+
+    @property
+    def scheduled(self) -> list[ScheduledRequest]:
+        """Each scheduled request's part, in order."""
+        if self._scheduled is None:  # a steady step's, made now that it is asked for
+            self._scheduled = list(map(ScheduledRequest, *self.columns))
+        return self._scheduled
+
+    @scheduled.setter
+    def scheduled(self, value: list[ScheduledRequest]) -> None:
+        self._scheduled = value
+        self.__dict__.pop("columns", None)
+        self.__dict__.pop("arrays", None)
 
     @functools.cached_property
     def columns(self) -> tuple[tuple, tuple, tuple, tuple]:
         """(requests, new tokens, samples, past) of the scheduled requests, in order, each a tuple (once scheduled)."""
         return tuple(zip(*self.scheduled, strict=True)) if self.scheduled else ((), (), (), ())
+
+    @functools.cached_property
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(rows, new tokens, samples, past) of the scheduled requests as arrays, [R] each (int64, but samples bool),
+        made once (with `table`; rows are empty without)."""
+        _, lens, samples, pasts = self.columns
+        rows = np.asarray(self.rows, dtype=np.int64)
+        return rows, np.array(lens, dtype=np.int64), np.array(samples, dtype=bool), np.array(pasts, dtype=np.int64)
 
     @property
     def requests(self) -> tuple[Request, ...]:
@@ -86,10 +124,9 @@ class Batch:
     @property
     def num_decode_tokens(self) -> int:
         """Requests with one new token after their whole prompt (not a one-token prompt, nor a recomputed chunk)."""
-        if self.table is not None and self.scheduled:  # from the rows, vectorised
-            _, lens, _, pasts = self.columns
-            prompt = self.table.prompt_len[self.rows]
-            return int(np.count_nonzero((np.array(lens) == 1) & (np.array(pasts) >= prompt)))
+        if self.table is not None and self:  # from the rows, vectorised
+            rows, lens, _, pasts = self.arrays
+            return int(np.count_nonzero((lens == 1) & (pasts >= self.table.prompt_len[rows])))
         return sum(1 for s in self.scheduled if s.num_new_tokens == 1 and s.past >= len(s.request.prompt_token_ids))
 
     def prompt_logprob_rows(self) -> list[tuple[int, Request, int]]:
@@ -105,7 +142,7 @@ class Batch:
         return rows
 
     def __bool__(self) -> bool:
-        return bool(self.scheduled)
+        return bool(self.columns[0]) if self._scheduled is None else bool(self._scheduled)
 
 
 class Scheduler:
@@ -119,9 +156,11 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.rows = BatchRows(max_num_seqs)  # a row per running request (engine/rows.py)
+        self._rows_of_running: np.ndarray | None = None  # their rows in running order (`_running_rows`)
         self.waiting_for_kv: deque[Request] = deque()  # decode node: prompts computed elsewhere, no blocks yet
         self.receiving_kv: dict[str, Request] = {}  # decode node: blocks reserved, KV on its way
         self.num_preemptions = 0  # since start, for the node's counters
+        self.steady_steps = 0  # since start: steps whose running requests were scheduled from the rows at once
         self.prefix_cache_queries = 0  # since start: tokens of the requests admitted without KV, looked up
         self.prefix_cache_hits = 0  # of those, the tokens found in the prefix cache
 
@@ -140,6 +179,7 @@ class Scheduler:
         """Take a request out of the queues for good and free its KV at once."""
         if request in self.running:
             self.running.remove(request)
+            self._rows_of_running = None
             self.rows.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
@@ -193,13 +233,68 @@ class Scheduler:
     def hold_for_transfer(self, req: Request) -> None:
         """Prefill node: a request whose first token is out leaves the batch, its KV held for shipping."""
         self.running.remove(req)
+        self._rows_of_running = None
         self.rows.remove(req)
         req.move_to(Status.TRANSFERRING)
 
     # ---- one iteration ------------------------------------------------------------------------
     def schedule(self) -> Batch:
-        batch = Batch()
         budget = self.max_num_batched_tokens
+        batch = self._steady(budget)
+        if batch is not None:  # every running request runs as it is: from the rows, at once
+            self.steady_steps += 1
+            budget -= sum(batch.columns[1])
+            if not (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs):
+                return batch
+            batch.scheduled = list(batch.scheduled)  # admission appends to it
+        else:
+            batch, budget = self._one_by_one(budget)
+        if not batch.preempted:
+            budget = self._admit(batch, budget)
+        row_of = self.rows.row_of
+        batch.table, batch.rows = self.rows, [row_of[s.request] for s in batch.scheduled]
+        batch.owners = self.rows.owner[batch.rows]
+        return batch
+
+    def _steady(self, budget: int) -> Batch | None:
+        """The running requests' part of a step from their rows, vectorised, when each of them runs as it is: all
+        its tokens not yet computed fit the budget with everyone else's, and the pool gives the blocks they need
+        without a preemption (only the requests crossing into a new block are looked at, to grow). Scheduling ahead,
+        a request whose pending token its next draw needs on the host, or is its last, sits the step out, as one by
+        one. None when a request needs more (the budget, a preemption, more than one token pending): then
+        `_one_by_one`."""
+        if not self.running:
+            return None
+        t, bs, reqs = self.rows, self.allocator.block_size, self.running
+        rows = self._running_rows()  # [N], in running order
+        pending, known = t.num_pending[rows], t.known[rows]
+        if pending.any():
+            if pending.max() > 1:
+                return None
+            sits = (pending > 0) & (t.guided[rows] | t.processed[rows] | (known + pending >= t.max_tokens[rows]))
+            if sits.any():
+                reqs, rows, pending, known = list(compress(reqs, ~sits)), rows[~sits], pending[~sits], known[~sits]
+        past = t.num_computed_tokens[rows]
+        lens = t.prompt_len[rows] + known + pending - past  # [N] tokens to compute
+        if not len(rows) or int(lens.sum()) > budget or int(lens.min()) < 1:
+            return None
+        for i in np.flatnonzero(past + lens > t.num_blocks[rows] * bs).tolist():  # its blocks lack room
+            req = reqs[i]
+            if not self.allocator.grow(req.block_ids, int(past[i] + lens[i]), req.max_total_tokens):
+                return None  # the pool is dry: one by one (what grew stays grown)
+            t.grow(req)
+        return Batch.of_rows(t, list(reqs), rows, lens)
+
+    def _running_rows(self) -> np.ndarray:
+        """The rows of the running requests, in running order (made again when the running requests change)."""
+        if self._rows_of_running is None:
+            row_of = self.rows.row_of
+            self._rows_of_running = np.array([row_of[r] for r in self.running], dtype=np.int64)
+        return self._rows_of_running
+
+    def _one_by_one(self, budget: int) -> tuple[Batch, int]:
+        """The running requests' part of a step, request by request (any step)."""
+        batch = Batch()
         bs, running = self.allocator.block_size, Status.RUNNING
         for req in list(self.running):  # one lean pass: it runs for every running request at every step
             if budget == 0:
@@ -213,12 +308,7 @@ class Scheduler:
                 continue
             batch.scheduled.append(ScheduledRequest(req, n, past + n == total, past))
             budget -= n
-        if not batch.preempted:
-            budget = self._admit(batch, budget)
-        row_of = self.rows.row_of
-        batch.table, batch.rows = self.rows, [row_of[s.request] for s in batch.scheduled]
-        batch.owners = self.rows.owner[batch.rows]
-        return batch
+        return batch, budget
 
     @staticmethod
     def _runs_ahead(req: Request) -> bool:
@@ -254,6 +344,7 @@ class Scheduler:
             del self.waiting[i]
             req.move_to(Status.RUNNING)
             self.running.append(req)
+            self._rows_of_running = None
             self.rows.add(req)
             if in_flight is not None:
                 in_flight.update(self._blocks_to_name(req))
@@ -348,6 +439,7 @@ class Scheduler:
 
     def _preempt(self, req: Request, batch: Batch) -> None:
         self.running.remove(req)
+        self._rows_of_running = None
         self.rows.remove(req)
         self._drop_kv(req)
         req.move_to(Status.WAITING)
@@ -370,23 +462,30 @@ class Scheduler:
         self.commit_computed(batch)
 
     def count(self, batch: Batch) -> None:
-        """A step is launched: its tokens count as computed (the next step is scheduled after them)."""
-        for s in batch.scheduled:
-            s.request.num_computed_tokens += s.num_new_tokens
+        """A step is launched: its tokens count as computed (the next step is scheduled after them); in the rows at
+        once, for the requests still in the rows they were scheduled in."""
+        if batch.table is None:
+            for s in batch.scheduled:
+                s.request.num_computed_tokens += s.num_new_tokens
+            return
+        rows, lens, _, _ = batch.arrays
+        held = batch.table.owner[rows] == batch.owners  # [R]
+        batch.table.num_computed_tokens[rows[held]] += lens[held]
+        for i in np.flatnonzero(~held).tolist():
+            batch.requests[i].num_computed_tokens += int(lens[i])
 
     def commit_computed(self, batch: Batch) -> None:
         """A step finished and its sampled tokens are known: name the full blocks it computed in the prefix cache
         (not those of a request preempted since: its KV is gone)."""
-        if self.cache_seed is None or not batch.scheduled:
+        if self.cache_seed is None or not batch:
             return
-        bs, reqs, (_, lens, _, pasts) = self.allocator.block_size, batch.scheduled, batch.columns
-        upto = np.array(pasts) + np.array(lens)  # [R]
+        bs, reqs, (rows, lens, _, pasts) = self.allocator.block_size, batch.requests, batch.arrays
+        upto = pasts + lens  # [R]
         maybe = range(len(reqs))
         if batch.table is not None:  # only the rows that may have filled a block, or changed hands since
-            rows = np.asarray(batch.rows, dtype=np.int64)
             changed = batch.table.owner[rows] != batch.owners
             maybe = np.flatnonzero(changed | (upto // bs > batch.table.cached[rows])).tolist()
         for i in maybe:
-            req = reqs[i].request
+            req = reqs[i]
             if upto[i] // bs > req.num_cached_blocks and req.status is not Status.WAITING:  # a new full block
                 self._commit(req, int(upto[i]))

@@ -106,7 +106,8 @@ class BlockAllocator:
     def _first_run(self, length: int) -> tuple[int, int]:
         """(start, length) of the first open run of `length` blocks, or of a shorter one, or any free block
         ((-1, 1) when none is free)."""
-        while length > min(self._num_free, self._longest_open):  # no run that long exists: the same answer, unsought
+        longest = min(self._num_free, self._longest_open)
+        while length > longest:  # no run that long exists: the same answer, unsought
             length //= 2
         while length >= 1:
             at = self._open.find(b"\x01" * length)

@@ -349,6 +349,7 @@ class TritonBackend(TorchBackend):
         self.multiprocessors = multiprocessors(device)
         triton_attention.build_combine(num_heads, pool.layout.head_dim, pool.data.dtype, device)
         self._staging = [torch.empty(0, dtype=torch.int32)] * 2  # two: one step's copy may still read the other
+        self._segments: dict[tuple[int, PackLayout], dict] = {}  # (staging buffer, layout) -> its numpy views
         self._turn = 0
 
     # ---- inputs: one host buffer, one copy ------------------------------------------------------
@@ -404,7 +405,9 @@ class TritonBackend(TorchBackend):
         padding requests have no rows (q_len 0); padding sampled rows read row 0 (their logits are not used).
         Vectorised: no Python per request."""
         buf = self._staging_of(lay.size())
-        seg = _views(buf.numpy(), lay)
+        seg = self._segments.get((self._turn, lay))
+        if seg is None:  # the views of this buffer in this layout, kept while the buffer is (steady steps repeat it)
+            seg = self._segments[(self._turn, lay)] = _views(buf.numpy(), lay)
         T, S = len(step.ids), len(step.sample)
         for name, values, pad in (("ids", step.ids, 0), ("positions", step.positions, 0), ("slots", step.slots, -1)):
             seg[name][:T], seg[name][T:] = values, pad
@@ -431,6 +434,9 @@ class TritonBackend(TorchBackend):
         -1, no work)."""
         counts = self.tiles(q_len)  # [n] tiles of each request (`tiles` takes an array as it takes an int)
         total = int(counts.sum())
+        if total == len(counts):  # a tile each (a decode step): (request, 0)
+            work[:total, 0], work[:total, 1], work[total:] = np.arange(total), 0, (0, -1)
+            return
         starts = np.cumsum(counts) - counts  # [n] each request's first item
         work[:total, 0] = np.repeat(np.arange(len(counts)), counts)
         work[:total, 1] = np.arange(total) - np.repeat(starts, counts)
@@ -454,6 +460,9 @@ class TritonBackend(TorchBackend):
         if buf.numel() < size:
             pin = self.device.type == "cuda"
             buf = self._staging[self._turn] = torch.empty(max(size, 2 * buf.numel()), dtype=torch.int32, pin_memory=pin)
+            self._segments = {key: seg for key, seg in self._segments.items() if key[0] != self._turn}
+        if len(self._segments) > 64:  # layouts come and go (widths, batch sizes): keep the recent ones
+            self._segments.clear()
         return buf
 
     def views(self, dev: torch.Tensor, lay: PackLayout) -> ForwardInputs:
@@ -528,12 +537,31 @@ class TritonBackend(TorchBackend):
 
 
 def _views(buf, lay: PackLayout) -> dict:
-    """Named views into a packed buffer (a numpy array or a tensor) of layout `lay`."""
+    """Named views into a packed buffer (a numpy array or a tensor) of layout `lay`; a tensor's are cut in one call."""
+    if isinstance(buf, torch.Tensor):
+        sizes, named = _cuts(lay)
+        pieces = torch.split_with_sizes(buf[: lay.size()], sizes)
+        return {name: pieces[i].view(shape) if len(shape) > 1 else pieces[i] for i, name, shape in named}
     out = {}
     for name, shape in lay.segments():
         off = lay.offsets[name]
         out[name] = buf[off : off + math.prod(shape)].reshape(shape)
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _cuts(lay: PackLayout) -> tuple[list[int], list[tuple[int, str, tuple[int, ...]]]]:
+    """The lengths that cut a packed buffer of layout `lay` into its segments and the gaps between them, and each
+    segment's (piece, name, shape)."""
+    sizes, named, end = [], [], 0
+    for name, shape in lay.segments():
+        off = lay.offsets[name]
+        if off > end:
+            sizes.append(off - end)
+        named.append((len(sizes), name, shape))
+        sizes.append(math.prod(shape))
+        end = off + sizes[-1]
+    return sizes, named
 
 
 def _fusable_norm(norm: nn.Module, x: torch.Tensor) -> bool:

@@ -268,23 +268,20 @@ class ModelRunner:
         """The iteration's flat inputs gathered from the running requests' persistent rows (`engine/rows.py`) with
         vectorised numpy: the same values as `flatten`, in the same order. A decode row's token is its row's last
         known token (a pending one: fed from the device); only the prompt chunks' tokens are copied from lists."""
-        sched, rows, table = batch.scheduled, np.asarray(batch.rows, dtype=np.int64), batch.table  # rows: [R]
-        _, lens, samples, pasts = batch.columns
-        q_len, past = np.array(lens, dtype=np.int64), np.array(pasts, dtype=np.int64)  # [R]
-        samples = np.array(samples, dtype=bool)  # [R]
+        table, reqs = batch.table, batch.requests
+        rows, q_len, samples, past = batch.arrays  # [R] each
         ends = np.cumsum(q_len)  # [R]
         q_start = ends - q_len
-        T = int(ends[-1]) if len(sched) else 0
-        if T == len(sched):  # one token each (a decode step)
+        T = int(ends[-1]) if len(reqs) else 0
+        if T == len(reqs):  # one token each (a decode step)
             tok_rows, positions = rows, past.copy()  # [T]
         else:
-            of_token = np.repeat(np.arange(len(sched)), q_len)  # [T] each token's request
+            of_token = np.repeat(np.arange(len(reqs)), q_len)  # [T] each token's request
             tok_rows, positions = rows[of_token], past[of_token] + np.arange(T) - q_start[of_token]
         slots = table.table[tok_rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
         ids = table.last[tok_rows]  # [T]: right for a request's newest token, the one a decode row computes
         for i in np.flatnonzero((q_len > 1) | ~samples):  # prompt chunks: their tokens from the lists
-            s = sched[i]
-            ids[q_start[i] : ends[i]] = _token_ids(s.request, s.past, s.past + s.num_new_tokens)
+            ids[q_start[i] : ends[i]] = _token_ids(reqs[i], int(past[i]), int(past[i] + q_len[i]))
         scored = [row for row, _, _ in batch.prompt_logprob_rows()]
         sample = np.concatenate([ends[samples] - 1, np.asarray(scored, dtype=np.int64)])  # [S]
         width = int(table.num_blocks[rows].max(initial=1))

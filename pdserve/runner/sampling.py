@@ -114,13 +114,23 @@ class Sampler:
         tokens = logits.argmax(dim=-1)  # [S]
         pick = np.flatnonzero(~greedy)  # [R] the rows that sample
         if len(pick):
-            params = self.gather(requests, rows, pick) if rows is not None else self.params(requests, pick)
-            host = _packed(params, pick, logits.shape[1])  # [R, 6]
+            host, min_p_on, ranked_on = self.host_params(requests, rows, pick, logits.shape[1])
             packed = to_device(host, logits.device)  # one copy
             idx = packed[:, 5]
-            drawn = self.sample(logits.index_select(0, idx), packed, *_masks(host, logits.shape[1]))
+            drawn = self.sample(logits.index_select(0, idx), packed, min_p_on, ranked_on)
             tokens = tokens.index_copy(0, idx, drawn)
         return tokens
+
+    def host_params(
+        self, requests: list[Request], rows: DrawRows | None, pick: np.ndarray, V: int
+    ) -> tuple[np.ndarray, bool, bool]:
+        """The sampling rows `pick`'s parameters as `_packed`'s [R, 6] host array (gathered from the rows, or request
+        by request), and whether any sets min-p, and top-k or top-p: the draw's whole host side."""
+        t, k, p, key, m = params = (
+            self.gather(requests, rows, pick) if rows is not None else self.params(requests, pick)
+        )
+        ranked_on = bool(((k > 0) & (k < V)).any() or (p < 1.0).any())
+        return _packed(params, pick, V), bool((m > 0).any()), ranked_on
 
     @staticmethod
     def asked(requests: list[Request], rows: DrawRows | None) -> list[int]:
@@ -199,14 +209,11 @@ def _packed(params: tuple[np.ndarray, ...], pick: np.ndarray, V: int) -> np.ndar
     """(temperature, top_k, top_p, key, min_p) of rows `pick`, [R] each -> [R, 6] int64: the floats as their float32
     bits (signed 32-bit, so that int64 -> int32 keeps them), top_k 0 (off) as V, then the rows themselves."""
     t, k, p, key, m = params
-    bits = [np.asarray(x, dtype=np.float32).view(np.int32).astype(np.int64) for x in (t, p, m)]
-    return np.stack([bits[0], np.where(k > 0, k, V), bits[1], key.astype(np.int64), bits[2], pick], axis=1)
-
-
-def _masks(packed: np.ndarray, V: int) -> tuple[bool, bool]:
-    """Whether any row of `_packed`'s array sets min-p, and top-k or top-p."""
-    as_f32 = packed[:, [2, 4]].astype(np.int32).view(np.float32)  # [R, 2] top_p, min_p
-    return bool((as_f32[:, 1] > 0).any()), bool(((packed[:, 1] < V) | (as_f32[:, 0] < 1.0)).any())
+    out = np.empty((len(pick), 6), dtype=np.int64)
+    for col, x in ((0, t), (2, p), (4, m)):
+        out[:, col] = np.asarray(x, dtype=np.float32).view(np.int32)  # int32 bits, sign-extended
+    out[:, 1], out[:, 3], out[:, 5] = np.where(k > 0, k, V), key, pick
+    return out
 
 
 def draw_keys(base: np.ndarray, step: np.ndarray) -> np.ndarray:
@@ -216,10 +223,13 @@ def draw_keys(base: np.ndarray, step: np.ndarray) -> np.ndarray:
 
 
 def _splitmix64_np(x: np.ndarray) -> np.ndarray:
-    x = x + np.uint64(0x9E3779B97F4A7C15)  # uint64 arithmetic wraps modulo 2**64
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
+    x = x + np.uint64(0x9E3779B97F4A7C15)  # uint64 arithmetic wraps modulo 2**64; in place from here on
+    x ^= x >> np.uint64(30)
+    x *= np.uint64(0xBF58476D1CE4E5B9)
+    x ^= x >> np.uint64(27)
+    x *= np.uint64(0x94D049BB133111EB)
+    x ^= x >> np.uint64(31)
+    return x
 
 
 def process_rows(logits: torch.Tensor, requests: list[Request], rows: list[int] | None = None) -> torch.Tensor:

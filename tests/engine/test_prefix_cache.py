@@ -17,7 +17,7 @@ from pdserve.kv.backend import InProcessBackend
 from pdserve.kv.block_allocator import BlockAllocator
 from pdserve.nodes.parts import build_engine
 from pdserve.wire.params import SamplingParams, block_hashes, chain_seed
-from tests.helpers import hf_greedy
+from tests.helpers import hf_greedy, take_tokens
 
 SEED = chain_seed("test-model")
 
@@ -119,8 +119,8 @@ def run_to_end(s: Scheduler, steps: int = 1000) -> None:
             break
         sampled = [x.request for x in batch.scheduled if x.samples]
         s.advance(batch)
+        take_tokens(s, sampled, [0] * len(sampled))
         for r in sampled:
-            r.output_token_ids.append(0)
             if len(r.output_token_ids) == r.params.max_tokens:
                 s.finish(r, Status.FINISHED)
     assert not s.has_work()
@@ -252,8 +252,8 @@ def test_preemption_and_abort_storms_leave_the_pool_whole(seed):
         for r in s.running:
             n = r.num_computed_tokens
             assert [written[slot(r, p, 4)] for p in range(n)] == r.token_ids(0, n)
+        take_tokens(s, sampled, [rng.randrange(500) for _ in sampled])
         for r in sampled:
-            r.output_token_ids.append(rng.randrange(500))
             if len(r.output_token_ids) == r.params.max_tokens:
                 s.finish(r, Status.FINISHED)
         live = [*s.waiting, *s.running]

@@ -11,6 +11,7 @@ from pdserve.engine.rows import BatchRows
 from pdserve.engine.scheduler import Scheduler
 from pdserve.kv.block_allocator import BlockAllocator
 from pdserve.wire.params import SamplingParams
+from tests.helpers import take_tokens
 
 BS = 4
 
@@ -51,19 +52,16 @@ def test_a_steady_step_writes_no_row():
     batch = s.schedule()  # the prompts: every request joins, one row each
     assert s.rows.writes == 3 and sorted(batch.rows) == [0, 1, 2]
     s.advance(batch)
-    for r in reqs:
-        r.output_token_ids.append(1)
+    take_tokens(s, reqs, [1] * 3)
     writes = s.rows.writes
     batch = s.schedule()  # positions 5 of blocks [0, 8): no block grows
     assert s.rows.writes == writes and all(x.num_new_tokens == 1 for x in batch.scheduled)
     s.advance(batch)
     for _ in range(2):  # positions 6, 7: still in their second block
-        for r in reqs:
-            r.output_token_ids.append(1)
+        take_tokens(s, reqs, [1] * 3)
         s.advance(s.schedule())
     assert s.rows.writes == writes
-    for r in reqs:
-        r.output_token_ids.append(1)
+    take_tokens(s, reqs, [1] * 3)
     s.advance(s.schedule())  # position 8: each request grows a block, each row is written once
     assert s.rows.writes == writes + 3
     s.finish(reqs[0], Status.FINISHED)
@@ -97,3 +95,58 @@ def test_gathered_inputs_equal_the_flattened_ones():
         assert getattr(got, name).tolist() == getattr(want, name).tolist(), name
     width = want.tables.shape[1]
     assert got.tables[:, :width].tolist() == want.tables.tolist()
+
+
+def test_a_steady_step_takes_its_tokens_in_bulk(monkeypatch):
+    """Decoding requests that go on: the scheduler schedules them from the rows (`_steady`: no ScheduledRequest is
+    made for any), and the engine takes a step's tokens in from the rows, looking at no request one by one
+    (`Engine.take_token`); only a request's first token, and the request whose stop token or max_tokens comes, are
+    looked at, and those end as they would one by one."""
+    import pdserve.engine.scheduler as scheduler_mod
+    from pdserve.config import EngineConfig
+    from pdserve.engine.engine import Engine
+    from pdserve.engine.mock import mock_parts, mock_tokens
+    from pdserve.wire.params import FinishReason
+
+    made: list[int] = []  # the step of each ScheduledRequest made
+
+    class Counted(scheduler_mod.ScheduledRequest):
+        def __new__(cls, *args):
+            made.append(n)
+            return super().__new__(cls, *args)
+
+    monkeypatch.setattr(scheduler_mod, "ScheduledRequest", Counted)
+
+    cfg = EngineConfig(model="tiny", max_num_seqs=8, mock_step_s=(0.0, 0.0, 0.0), block_size=BS)
+    engine = Engine(cfg, mock_parts(cfg, False))
+    looked: list[tuple[int, str]] = []
+    take_token = Engine.take_token
+    monkeypatch.setattr(
+        Engine, "take_token", lambda e, req, *a: looked.append((n, req.request_id)) or take_token(e, req, *a)
+    )
+    prompts = {f"r{i}": list(range(10 + i, 15 + i)) for i in range(4)}
+    stop = mock_tokens(prompts["r1"], 12)[6]  # r1 stops at this token's first coming
+    stop_at = mock_tokens(prompts["r1"], 12).index(stop) + 1
+    params = {
+        "r0": SamplingParams(max_tokens=12, temperature=0),
+        "r1": SamplingParams(max_tokens=12, temperature=0, stop_token_ids=(stop,)),
+        "r2": SamplingParams(max_tokens=4, temperature=0),
+        "r3": SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, eos_token_ids=(stop,)),
+    }
+    for rid, prompt in prompts.items():
+        engine.add(Request(rid, prompt, params[rid]))
+    outs: dict[str, list] = {rid: [] for rid in prompts}
+    n = 1
+    while engine.has_work():
+        for o in engine.step():
+            outs[o.request.request_id].append((o.token_id, o.finish_reason))
+        n += 1
+    for rid, prompt in prompts.items():
+        want = mock_tokens(prompt, {"r1": stop_at, "r2": 4}.get(rid, 12))
+        assert [t for t, _ in outs[rid]] == want, rid
+        assert [r for _, r in outs[rid]] == [None] * (len(want) - 1) + [
+            FinishReason.STOP if rid == "r1" else FinishReason.LENGTH
+        ]
+    firsts = [(1, rid) for rid in prompts]  # the first tokens (the prompt's scores would come with them)
+    assert looked == firsts + sorted([(4, "r2"), (stop_at, "r1")]) + [(12, "r0"), (12, "r3")]
+    assert made == [1] * 4 and engine.scheduler.steady_steps == 11  # the prompts' step alone, one by one

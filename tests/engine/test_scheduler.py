@@ -8,6 +8,7 @@ from pdserve.engine.request import IllegalTransition, Request, Status
 from pdserve.engine.scheduler import Scheduler
 from pdserve.kv.block_allocator import BlockAllocator
 from pdserve.wire.params import SamplingParams
+from tests.helpers import take_tokens
 
 
 def req(rid: str, prompt_len: int, max_tokens: int = 8) -> Request:
@@ -23,8 +24,7 @@ def run(s: Scheduler):
     batch = s.schedule()
     sampled = [x.request for x in batch.scheduled if x.samples]
     s.advance(batch)
-    for r in sampled:
-        r.output_token_ids.append(0)
+    take_tokens(s, sampled, [0] * len(sampled))
     return batch
 
 
