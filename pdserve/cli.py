@@ -57,6 +57,7 @@ def start_node(a: argparse.Namespace) -> Callable[[], None]:
     started = time.monotonic()
     mock = e.engine == "mock"  # no model: neither transformers nor torch is imported
     if not mock:
+        import torch  # noqa: F401  (here, so that this stage's time is what the line below says)
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # a node's log says what it does in a line per stage, not a bar
