@@ -17,11 +17,67 @@ transformers instead (`covers`).
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 from torch import nn
 
 FAMILIES = ("qwen3", "qwen2", "llama", "mistral")
 RUNTIME_ROPE = ("dynamic", "longrope")  # transformers recomputes these as sequences grow (`dynamic_rope_update`)
+# what the runner reads of a config, where transformers' config classes would fill in a default of their own
+STATED = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+    "hidden_act",
+)
+STATED_BY_FAMILY = {"qwen3": ("head_dim",), "mistral": ("sliding_window",)}  # their classes' defaults: 128, 4096
+
+
+class DecoderConfig:
+    """A covered checkpoint's config.json as attributes, read without transformers (whose config classes import its
+    models package, which scans every model's source files: about 0.9 s of a node's start). Only a config that
+    states every value the runner reads (`STATED`) and a plain RoPE is read so (`read_config`); the values are the
+    file's, as transformers' class would hold them."""
+
+    def __init__(self, values: dict) -> None:
+        self.values = values
+        self.__dict__.update(values)
+
+    @classmethod
+    def of(cls, values: dict) -> DecoderConfig | None:
+        """The config of these config.json values, or None where transformers' own reading is needed."""
+        family = values.get("model_type")
+        stated = all(values.get(k) is not None for k in STATED)
+        if family not in FAMILIES or not stated or any(k not in values for k in STATED_BY_FAMILY.get(family, ())):
+            return None
+        rope = values.get("rope_parameters")
+        if rope is None and values.get("rope_scaling") is None and isinstance(values.get("rope_theta"), int | float):
+            rope = {"rope_type": "default", "rope_theta": values["rope_theta"]}  # the format before transformers 5
+        if not isinstance(rope, dict) or set(rope) != {"rope_type", "rope_theta"} or rope["rope_type"] != "default":
+            return None
+        config = cls({**values, "rope_parameters": rope})
+        return config if covers(config) else None
+
+    def to_json_string(self, use_diff: bool = False) -> str:
+        return json.dumps(self.values, sort_keys=True)
+
+
+def read_config(path: Path):
+    """The checkpoint's config: a `DecoderConfig` where one covers it, else transformers' `AutoConfig`."""
+    config = DecoderConfig.of(json.loads((Path(path) / "config.json").read_text()))
+    if config is not None:
+        return config
+    import transformers
+
+    return transformers.AutoConfig.from_pretrained(path, local_files_only=True)
 
 
 def covers(config) -> bool:
@@ -148,7 +204,7 @@ class DecoderLayer(nn.Module):
 class Decoder(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, getattr(config, "pad_token_id", None))
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)

@@ -42,13 +42,13 @@ def load_model(path: Path, dtype: str, device: str = "cpu"):
     init), then each tensor of its safetensors files read straight onto `device` in `dtype` and put in place (no
     second copy). A checkpoint this cannot place whole (`.bin` files, names the modules lack) goes through
     transformers' own `from_pretrained`."""
-    import transformers
-
-    config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    config = decoder.read_config(path)
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model type {config.model_type!r} is not supported ({', '.join(SUPPORTED_MODEL_TYPES)})")
     model = _load_direct(path, config, DTYPES[dtype], torch.device(device))
     if model is None:
+        import transformers
+
         model = transformers.AutoModelForCausalLM.from_pretrained(
             path, dtype=DTYPES[dtype], local_files_only=True, attn_implementation="sdpa"
         )

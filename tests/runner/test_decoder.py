@@ -3,6 +3,7 @@ what its pieces compute, bitwise, and spare a node the import of transformers' m
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -10,7 +11,8 @@ import pytest
 import torch
 import transformers
 
-from pdserve.checkpoint import ModelSpec, hf_config
+from pdserve.checkpoint import ModelSpec, hf_config, write_random_checkpoint
+from pdserve.config import eos_token_ids, max_model_len
 from pdserve.runner import decoder
 
 SPECS = {
@@ -77,15 +79,50 @@ def test_a_config_they_do_not_cover_is_left_to_transformers():
     assert not decoder.covers(config)
 
 
+READ = (*decoder.STATED, "bos_token_id", "eos_token_id", "pad_token_id", "rope_parameters", "model_type")
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_a_covered_config_is_read_as_transformers_reads_it(tmp_path, name):
+    write_random_checkpoint(tmp_path / "m", SPECS[name])
+    ours, theirs = decoder.read_config(tmp_path / "m"), transformers.AutoConfig.from_pretrained(tmp_path / "m")
+    assert isinstance(ours, decoder.DecoderConfig)
+    assert {k: getattr(ours, k) for k in READ} == {k: getattr(theirs, k) for k in READ}
+    assert decoder.head_dim(ours) == decoder.head_dim(theirs) and max_model_len(ours) == max_model_len(theirs)
+    assert eos_token_ids(ours) == eos_token_ids(theirs)
+    for k in ("attention_bias", "mlp_bias"):
+        assert getattr(ours, k, False) == getattr(theirs, k, False)
+
+
+def test_the_rope_format_before_transformers_5_is_read_too():
+    values = {**{k: 1 for k in decoder.STATED}, "model_type": "llama", "hidden_act": "silu", "rope_theta": 500000.0}
+    assert decoder.DecoderConfig.of(values).rope_parameters == {"rope_type": "default", "rope_theta": 500000.0}
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"rms_norm_eps": None},  # a value left to the family's default
+        {"head_dim": None},  # Qwen3's default is 128, not hidden_size / heads
+        {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}},
+        {"model_type": "gemma"},
+    ],
+)
+def test_a_config_not_stated_whole_is_read_by_transformers(tmp_path, change):
+    write_random_checkpoint(tmp_path / "m", SPECS["qwen3"])
+    values = {**json.loads((tmp_path / "m" / "config.json").read_text()), **change}
+    assert decoder.DecoderConfig.of({k: v for k, v in values.items() if v is not None}) is None
+
+
 def test_loading_a_checkpoint_imports_no_modeling_code(tiny_models):
-    """The mechanism: a node that loads a covered checkpoint imports neither the family's modeling module nor what
-    it would bring (transformers' generation code, torch._dynamo)."""
+    """The mechanism: a node that loads a covered checkpoint imports neither transformers' models package (its
+    config classes, its modeling code) nor what they bring (transformers' generation code, torch._dynamo)."""
     code = (
         "import sys\n"
         "from pdserve.runner.model import load_model\n"
         f"model = load_model({str(tiny_models['qwen3'])!r}, 'float32', 'cpu')\n"
         "print(type(model).__module__)\n"
-        "heavy = ('transformers.models.qwen3.modeling_qwen3', 'transformers.generation.utils', 'torch._dynamo')\n"
+        "heavy = ('transformers.models', 'transformers.generation.utils', 'torch._dynamo')\n"
         "print(sorted(m for m in sys.modules if m.startswith(heavy)))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
