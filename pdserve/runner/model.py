@@ -49,6 +49,7 @@ def load_model(path: Path, dtype: str, device: str = "cpu"):
     if model is None:
         import transformers
 
+        transformers.utils.logging.disable_progress_bar()  # a node's log says what it does in a line, not a bar
         model = transformers.AutoModelForCausalLM.from_pretrained(
             path, dtype=DTYPES[dtype], local_files_only=True, attn_implementation="sdpa"
         )
