@@ -156,37 +156,37 @@ def test_rows_with_no_context_get_zeros(triton):
 
 
 def test_token_counts_of_bench_gpus_settings():
-    """--max-num-batched-tokens 4096, --max-num-seqs 128: 27 buckets up to 256 tokens (52 up to 4096 before)."""
-    assert token_counts(4096, 128) == [1, 2, 4, *range(8, 129, 8), *range(144, 257, 16)]
-    assert token_counts(4096, 256)[-9:] == [256, *range(288, 513, 32)]  # capped at 512 tokens
-    assert token_counts(8192, 1024)[-1] == 1024  # a full decode step is always a bucket
-    assert token_counts(20, 6) == [1, 2, 4, 6, 8, 12] and token_counts(1, 16) == [1]
+    """--max-num-seqs 128: every 16 tokens up to 128 (decode steps), then 4 an octave: 28 buckets up to 2,048
+    tokens (44 before), 32 up to 4,096 (52 before)."""
+    mixed = [*range(160, 257, 32), *range(320, 513, 64), *range(640, 1025, 128), *range(1280, 2049, 256)]
+    assert token_counts(2048, 128) == [1, 2, 4, 8, *range(16, 129, 16), *mixed]
+    assert token_counts(4096, 128) == token_counts(2048, 128) + [2560, 3072, 3584, 4096]
+    assert token_counts(20, 6) == [1, 2, 4, 6, 8, 16, 20] and token_counts(1, 16) == [1]
+    assert token_counts(4096, 256)[:20] == [1, 2, 4, 8, *range(16, 257, 16)]  # decode steps up to 256 requests
 
 
-@pytest.mark.parametrize(
-    "max_tokens,max_seqs", [(4096, 128), (2048, 128), (512, 16), (24, 12), (20, 6), (8192, 1024), (300, 256), (7, 3)]
-)
-def test_token_counts_cover_decode_steps_and_pad_little(max_tokens, max_seqs):
-    """The buckets stop at twice --max-num-seqs (at most 512 tokens, at least a full decode step, at most the token
-    budget); below, the smallest bucket holding a step of t tokens pads it by at most 7 tokens or an eighth."""
+@pytest.mark.parametrize("max_tokens,max_seqs", [(2048, 128), (4096, 128), (512, 16), (3000, 200), (24, 8), (7, 3)])
+def test_token_counts_hold_every_step_and_pad_little(max_tokens, max_seqs):
+    """Every step size up to the budget has a bucket; a decode step (at most --max-num-seqs tokens) pads by at most
+    15 tokens, a larger (mixed) one by at most a quarter; a full decode step and the budget are buckets."""
     sizes = token_counts(max_tokens, max_seqs)
-    top = min(max_tokens, max(max_seqs, min(2 * max_seqs, 512)))
-    assert sizes == sorted(set(sizes)) and sizes[0] == 1 and sizes[-1] == top
-    assert min(max_seqs, max_tokens) in sizes  # every decode step replays
-    for t in range(1, top + 1):
+    assert sizes == sorted(set(sizes)) and sizes[0] == 1 and sizes[-1] == max_tokens
+    assert min(max_seqs, max_tokens) in sizes
+    for t in range(1, max_tokens + 1):
         b = next(s for s in sizes if s >= t)
-        assert b - t <= max(7, t // 8), (t, b)
+        assert b - t <= (15 if t <= max(max_seqs, 128) else max(15, t // 4)), (t, b)
 
 
 def test_pick_the_smallest_bucket_that_holds_a_step():
     buckets = plan(512, 16)
-    assert buckets == [Bucket(t, min(t, 16), min(t, 16)) for t in (1, 2, 4, 8, 16, 24, 32)]
+    assert buckets[:5] == [Bucket(1, 1, 1), Bucket(2, 2, 2), Bucket(4, 4, 4), Bucket(8, 8, 8), Bucket(16, 16, 16)]
+    assert buckets[-1] == Bucket(512, 16, 16)
     assert pick(buckets, 3, 3, 3) == Bucket(4, 4, 4)  # three decodes
-    assert pick(buckets, 20, 5, 5) == Bucket(24, 16, 16)  # a prompt chunk beside decodes
+    assert pick(buckets, 40, 5, 5) == Bucket(48, 16, 16)  # a prompt chunk beside decodes
     assert pick(buckets, 5, 1, 5) == Bucket(8, 8, 8)  # a 5-token prompt echoed: 4 prompt rows and its last
-    assert pick(buckets, 16, 16, 16) == Bucket(16, 16, 16)  # a full decode step
-    assert pick(buckets, 30, 1, 30) is None  # more scored rows than any bucket computes: eager
-    assert pick(buckets, 33, 1, 1) is None  # a step mostly of prompt, beyond the largest bucket: eager
+    assert pick(buckets, 512, 16, 16) == Bucket(512, 16, 16)
+    assert pick(buckets, 100, 1, 100) is None  # more scored rows than any bucket computes: eager
+    assert pick(buckets, 513, 1, 1) is None
 
 
 def _engine(tiny_models):

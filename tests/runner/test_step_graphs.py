@@ -19,8 +19,7 @@ from tests.engine.test_async_scheduling import run_ahead, tokens
 from tests.engine.test_engine import greedy_requests
 from tests.helpers import hf_greedy, mixed_workload, optional
 
-BUDGET, MAX_SEQS = 24, 12  # prompts of up to 40 tokens take two or more steps, beside the decodes; every step a
-# bucket holds (the largest: twice MAX_SEQS, the budget)
+BUDGET, MAX_SEQS = 24, 8  # prompts of up to 40 tokens take two or more steps, beside the decodes
 
 
 def graphed_engine(model, device: str = "cpu", **kw) -> Engine:
@@ -112,7 +111,7 @@ def test_a_bucketed_step_gives_the_eager_logits(engine):
     log = StepLog(graphs)
     replayed = graphs.run(StepInputs.of_chunks(ids, positions, slots, sample, chunks, engine.pool.block_size))
     assert log.steps == [([(20, 1), (0, 1), (16, 7), (33, 1)], 7, True)]
-    assert graphs.layouts[Bucket(16, 12, 12)].rows == 16  # 10 tokens padded to 16, 7 rows to 12
+    assert graphs.layouts[Bucket(16, 8, 8)].rows == 16  # 10 tokens padded to 16, 7 rows to 8
     torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)  # bitwise equal on the development host
     assert replayed.argmax(-1).tolist() == eager.argmax(-1).tolist()
 
