@@ -37,6 +37,7 @@ MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | transport.HANDSHAKE_F
 GOODBYE_LINGER_MS = 200  # how long a stopping router's last message to each node may take to go out
 READ_BATCH = 256  # messages read from one socket before the other callbacks and tasks get a turn
 WATCHDOG_S = 0.25
+RECONNECT_MS = 25  # how often a node's socket retries its connection: a starting node answers this soon after it binds
 EVENTS, POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: pyzmq's enums cost a Python call per use
 
 
@@ -221,7 +222,7 @@ class NodeLinks:
         node.sock.setsockopt(zmq.ROUTING_ID, self.routing_id.encode())
         transport.configure(node.sock)
         transport.secure_client(node.sock, self.keys)
-        node.sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        node.sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_MS)
         node.monitor = node.sock.get_monitor_socket(MONITORED)
         node.sock.connect(node.addr)
         loop = asyncio.get_running_loop()

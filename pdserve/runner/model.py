@@ -30,6 +30,7 @@ from pdserve.config import max_model_len
 from pdserve.engine.scheduler import Batch
 from pdserve.kv.block_allocator import blocks_for, cdiv
 from pdserve.kv.pool import DTYPES, KVLayout, KVPool
+from pdserve.runner import decoder
 from pdserve.runner.backends import Chunk, ForwardInputs, StepInputs, make_backend
 from pdserve.runner.copies import to_device
 
@@ -41,13 +42,14 @@ def load_model(path: Path, dtype: str, device: str = "cpu"):
     init), then each tensor of its safetensors files read straight onto `device` in `dtype` and put in place (no
     second copy). A checkpoint this cannot place whole (`.bin` files, names the modules lack) goes through
     transformers' own `from_pretrained`."""
-    import transformers
-
-    config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    config = decoder.read_config(path)
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model type {config.model_type!r} is not supported ({', '.join(SUPPORTED_MODEL_TYPES)})")
     model = _load_direct(path, config, DTYPES[dtype], torch.device(device))
     if model is None:
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()  # a node's log says what it does in a line, not a bar
         model = transformers.AutoModelForCausalLM.from_pretrained(
             path, dtype=DTYPES[dtype], local_files_only=True, attn_implementation="sdpa"
         )
@@ -56,15 +58,15 @@ def load_model(path: Path, dtype: str, device: str = "cpu"):
 
 def _load_direct(path: Path, config, dtype: torch.dtype, device: torch.device):
     """The model with its safetensors weights read onto `device` in `dtype`, or None when the files do not name
-    exactly the model's parameters (a tied LM head may be absent)."""
-    import transformers
+    exactly the model's parameters (a tied LM head may be absent). Its modules are pdserve's own (`decoder.py`: no
+    import of transformers' modeling code) where they cover the config, else transformers'."""
     from safetensors import safe_open
 
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         return None
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        model = _meta_modules(config, dtype)
     names = {n for n, _ in model.named_parameters()}  # a tied head once, as the embedding
     state = {}
     for file in files:
@@ -82,6 +84,15 @@ def _load_direct(path: Path, config, dtype: torch.dtype, device: torch.device):
     if left:
         raise ValueError(f"{path}: no weights for {', '.join(left[:4])}")
     return model
+
+
+def _meta_modules(config, dtype: torch.dtype) -> nn.Module:
+    """The model's modules (on the current device: meta) with its parameters' names and shapes."""
+    if decoder.covers(config):
+        return decoder.CausalLM(config)
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
 
 
 def fingerprint(model) -> str:

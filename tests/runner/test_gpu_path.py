@@ -155,23 +155,26 @@ def test_rows_with_no_context_get_zeros(triton):
 # ---- packed inputs and graph buckets ---------------------------------------------------------------
 
 
-def test_token_counts_pad_little():
-    assert token_counts(2048, 128) == [
-        1,
-        2,
-        4,
-        8,
-        *range(16, 257, 16),
-        *range(288, 513, 32),
-        *range(576, 1025, 64),
-        *range(1152, 2049, 128),
-    ]
+def test_token_counts_of_bench_gpus_settings():
+    """--max-num-seqs 128: every 16 tokens up to 128 (decode steps), then 4 an octave: 28 buckets up to 2,048
+    tokens (44 before), 32 up to 4,096 (52 before)."""
+    mixed = [*range(160, 257, 32), *range(320, 513, 64), *range(640, 1025, 128), *range(1280, 2049, 256)]
+    assert token_counts(2048, 128) == [1, 2, 4, 8, *range(16, 129, 16), *mixed]
+    assert token_counts(4096, 128) == token_counts(2048, 128) + [2560, 3072, 3584, 4096]
     assert token_counts(20, 6) == [1, 2, 4, 6, 8, 16, 20] and token_counts(1, 16) == [1]
-    sizes = token_counts(3000, 200)
-    assert sizes[-1] == 3000 and 200 in sizes
-    for t in range(1, 3001):  # the smallest bucket holding t pads it by at most 15 tokens, or an eighth
+    assert token_counts(4096, 256)[:20] == [1, 2, 4, 8, *range(16, 257, 16)]  # decode steps up to 256 requests
+
+
+@pytest.mark.parametrize("max_tokens,max_seqs", [(2048, 128), (4096, 128), (512, 16), (3000, 200), (24, 8), (7, 3)])
+def test_token_counts_hold_every_step_and_pad_little(max_tokens, max_seqs):
+    """Every step size up to the budget has a bucket; a decode step (at most --max-num-seqs tokens) pads by at most
+    15 tokens, a larger (mixed) one by at most a quarter; a full decode step and the budget are buckets."""
+    sizes = token_counts(max_tokens, max_seqs)
+    assert sizes == sorted(set(sizes)) and sizes[0] == 1 and sizes[-1] == max_tokens
+    assert min(max_seqs, max_tokens) in sizes
+    for t in range(1, max_tokens + 1):
         b = next(s for s in sizes if s >= t)
-        assert b - t <= max(15, t // 8), (t, b)
+        assert b - t <= (15 if t <= max(max_seqs, 128) else max(15, t // 4)), (t, b)
 
 
 def test_pick_the_smallest_bucket_that_holds_a_step():

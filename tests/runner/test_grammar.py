@@ -193,3 +193,58 @@ def test_prepare_builds_the_tokenizer_once_for_the_requests_to_come(tiny_models,
         guides.attach(req)
         assert req.guide is not None
     assert builds == [1]
+
+
+# ---- the tokenizer llguidance gets, without transformers -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2"])
+def test_a_plain_tokenizer_json_is_what_transformers_gives_llguidance(tiny_models, arch):
+    """tokenizer.json read by `tokenizers` is, as JSON, the very tokenizer transformers' fast tokenizer hands
+    llguidance (llguidance.hf.from_tokenizer serialises its backend, padding and truncation off)."""
+    from copy import copy
+
+    from pdserve.runner.grammar import plain_tokenizer
+
+    hf = transformers.PreTrainedTokenizerFast.from_pretrained(tiny_models[arch])
+    backend = copy(hf.backend_tokenizer)
+    backend.no_padding()
+    backend.no_truncation()
+    plain = plain_tokenizer(tiny_models[arch])
+    assert plain.to_str() == backend.to_str() and plain.get_vocab_size(with_added_tokens=True) == len(hf)
+
+
+def test_a_tokenizer_transformers_would_reshape_goes_through_transformers(tiny_models, tmp_path):
+    import shutil
+
+    from pdserve.runner.grammar import plain_tokenizer
+
+    for change in (
+        {"tokenizer_class": "LlamaTokenizer"},
+        {"add_bos_token": True},
+        {"added_tokens_decoder": {"9999": {"content": "<x>"}}},
+    ):
+        folder = tmp_path / str(len(list(tmp_path.iterdir())))
+        shutil.copytree(tiny_models["qwen3"], folder)
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        (folder / "tokenizer_config.json").write_text(json.dumps({**config, **change}))
+        assert plain_tokenizer(folder) is None, change
+
+
+def test_a_node_start_imports_no_transformers(tiny_models):
+    """The mechanism: the model, its config and the grammar tokenizer of a built-in-like checkpoint are loaded
+    without importing transformers at all."""
+    import subprocess
+    import sys
+
+    optional("llguidance")
+    code = (
+        "import sys\n"
+        "from pdserve.config import EngineConfig\n"
+        "from pdserve.nodes.parts import build_engine\n"
+        f"engine = build_engine(EngineConfig(model={str(tiny_models['qwen3'])!r}, num_kv_blocks=16))\n"
+        "engine.guides.prepare()\n"
+        "print(engine.guides._tokenizer is not None, 'transformers' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True", "False"]
