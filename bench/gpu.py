@@ -38,6 +38,11 @@
    `--out-dir`, else $OUT when set, else bench/runs/gpu (git-ignored). The report is rewritten after each system,
    so a run cut short still leaves what it measured.
 
+`--stack SYSTEM URL PID TRITON_CACHE` runs a pdserve system on a stack another process started and stops (the GPU
+kit shares one between its stages): bench.gpu drives it as its own, for the main and the large run, reads the
+router's CPU below PID and counts Triton compilations in TRITON_CACHE (the folder the stack compiles into), and
+leaves it running; its engine settings are the starter's.
+
 `--budget-s` bounds the whole command: a system is skipped when too little time is left to start it,
 and requests still unfinished when the time is up are reported as failed.
 """
@@ -54,7 +59,7 @@ import shutil
 import signal
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -131,6 +136,7 @@ class GpuBenchConfig:
     name: str = "gpu"
     progress: bool = True
     max_num_seqs: int = 0  # 0: --concurrency
+    shared: tuple[systems.SharedStack, ...] = ()  # --stack: pdserve systems on stacks another process runs
 
     def __post_init__(self) -> None:
         if self.workload not in WORKLOADS:
@@ -150,6 +156,9 @@ class GpuBenchConfig:
             raise ValueError("--large-systems: colocated and/or disagg")
         if self.kv_cache_gb <= 0 or self.budget_s <= 0:
             raise ValueError("--kv-cache-gb and --budget-s must be positive")
+        shared = [s.system for s in self.shared]
+        if set(shared) - {"colocated", "disagg"} or len(set(shared)) < len(shared):
+            raise ValueError("--stack: one stack each for colocated and/or disagg")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPE_BYTES)}, not {self.dtype!r}")
 
@@ -215,6 +224,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="the larger run after the others (0 0: none)",
     )
     p.add_argument("--large-systems", nargs="+", default=["colocated"], choices=("colocated", "disagg"))
+    p.add_argument(
+        "--stack",
+        nargs=4,
+        action="append",
+        default=[],
+        metavar=("SYSTEM", "URL", "PID", "TRITON_CACHE"),
+        help="run SYSTEM (colocated, disagg) on this running stack instead of starting one; it is left running",
+    )
     p.add_argument("--out-dir", type=Path, default=None, help="default: $OUT when set, else bench/runs/gpu")
     p.add_argument("--name", default="gpu", help="stem of the result files")
     p.add_argument("--no-progress", action="store_true")
@@ -247,8 +264,16 @@ def parse_args(argv: list[str] | None = None) -> GpuBenchConfig:
         large_requests=a.large_run[0],
         large_concurrency=a.large_run[1],
         large_systems=tuple(a.large_systems),
+        shared=tuple(shared_stacks(a.stack)),
     )
     return with_preset(cfg)
+
+
+def shared_stacks(given: list[list[str]]) -> list[systems.SharedStack]:
+    try:
+        return [systems.SharedStack(s, url, int(pid), Path(cache)) for s, url, pid, cache in given]
+    except ValueError:
+        raise ValueError("--stack SYSTEM URL PID TRITON_CACHE: PID is a process id") from None
 
 
 def with_preset(cfg: GpuBenchConfig) -> GpuBenchConfig:
@@ -442,7 +467,12 @@ def kv_transfer(counts: dict, hw: dict) -> dict | None:
 # ---- systems ---------------------------------------------------------------------------------------
 
 
-def stack_options(cfg: GpuBenchConfig, mode: str, deadline: float) -> systems.StackOptions:
+def stack_argv(cfg: GpuBenchConfig, mode: str, port: int) -> list[str]:
+    """The `pdserve up` bench.gpu starts `mode` with: a caller that shares a stack with it starts the same."""
+    return systems.stack_argv(stack_options(cfg, mode, None), mode, port)
+
+
+def stack_options(cfg: GpuBenchConfig, mode: str, deadline: float | None) -> systems.StackOptions:
     devices = ["--device", cfg.device]  # for every role; disagg names both roles' devices too
     if mode == "disagg":
         devices += ["--prefill-device", cfg.device, "--decode-device", cfg.decode_device]
@@ -472,8 +502,15 @@ class HfModel:
         return self._model
 
 
+def shared_of(cfg: GpuBenchConfig, system: str) -> systems.SharedStack | None:
+    return next((s for s in cfg.shared if s.system == system), None)
+
+
 def open_system(cfg: GpuBenchConfig, system: str, hf: HfModel, deadline: float):
     """`system` as a context manager; its runs end by `deadline` (time.monotonic())."""
+    shared = shared_of(cfg, system)
+    if shared is not None:
+        return systems.shared_stack(shared, stack_options(cfg, system, deadline), cfg.progress)
     if system in ("colocated", "disagg"):
         return systems.pdserve_stack(stack_options(cfg, system, deadline), system, cfg.progress)
     if system == "static":
@@ -514,14 +551,20 @@ def run_system(cfg: GpuBenchConfig, system: str, w: Workload, hf: HfModel, ctx: 
     if left < MIN_SYSTEM_S:
         return _not_run(system, w, f"skipped: {left:.0f} s of the --budget-s left")
     started = time.monotonic()
-    cache = cfg.out_dir / "triton-cache" / f"{system}-{cfg.requests}"
+    shared = shared_of(cfg, system)
+    cache = shared.triton_cache if shared else cfg.out_dir / "triton-cache" / f"{system}-{cfg.requests}"
     try:
-        with triton_cache(cache), open_system(cfg, system, hf, deadline - FINISH_MARGIN_S) as run:
+        with (
+            nullcontext() if shared else triton_cache(cache),
+            open_system(cfg, system, hf, deadline - FINISH_MARGIN_S) as run,
+        ):
             warm_up(run, system)
             compiled = compiled_kernels(cache)
             before = systems.settled_counters(run) if isinstance(run, systems.StackRunner) else {}
             result = run_workload(cfg.slo, system, run, w)
             result["concurrency"] = cfg.concurrency
+            if shared:
+                result["shared_stack"] = shared.url
             result["steady_state"] = steady_state(result.get("records", []), cfg.decoding)
             if isinstance(run, systems.StackRunner):
                 result["triton_compiled_at_start"] = compiled
@@ -658,6 +701,8 @@ def markdown(run: dict) -> str:
         report.TABLE_HEADER,
         "|" + "---|" * 9,
     ]
+    for sh in c.get("shared") or ():
+        head[2] += f" pdserve {sh['system']} ran on a stack the caller started ({sh['url']}), with its engine settings."
     for extra in run.get("runs", [])[1:]:
         ew = extra["workload"]
         head[2] += (
