@@ -148,10 +148,12 @@ class GpuBenchConfig:
         unknown = set(self.systems) - set(SYSTEMS)
         if unknown:
             raise ValueError(f"unknown system(s) {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
-        if min(self.requests, self.concurrency, self.max_num_batched_tokens) < 1:
-            raise ValueError("--requests, --concurrency and --max-num-batched-tokens must be at least 1")
+        if min(self.concurrency, self.max_num_batched_tokens) < 1 or self.requests < 0:
+            raise ValueError("--concurrency and --max-num-batched-tokens must be at least 1, --requests at least 0")
         if self.large_requests < 0 or (self.large_requests and self.large_concurrency < 1):
             raise ValueError("--large-run takes a request count (0: none) and a concurrency of at least 1")
+        if not self.requests and not (self.large_requests and set(self.systems) & set(self.large_systems)):
+            raise ValueError("--requests 0 (no main run) runs the large run alone: give --large-run and its systems")
         if set(self.large_systems) - {"colocated", "disagg"}:
             raise ValueError("--large-systems: colocated and/or disagg")
         if self.kv_cache_gb <= 0 or self.budget_s <= 0:
@@ -204,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--device", default="cuda:0", help="cuda:N, or cpu for a smoke test")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on the CPU")
-    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--requests", type=int, default=256, help="0: no main run, the large run alone")
     p.add_argument("--concurrency", type=int, default=128, help="requests in flight; also --max-num-seqs")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-gb", type=float, default=None, help="per node; default: 16 on CUDA, 0.25 on the CPU")
@@ -684,14 +686,15 @@ def _kv_lines(results: list[dict], hw: dict) -> list[str]:
 
 def markdown(run: dict) -> str:
     c, hw, w, m = run["config"], run["hardware"], run["workload"], run["model_figures"]
+    first = (run.get("runs") or [{}])[0].get("concurrency", c["concurrency"])  # the first run's (the large one alone)
     results = run["results"]
     head = [
         f"# pdserve GPU benchmark: {c['name']}",
         "",
         f"Model `{c['model']}` ({c['dtype']}, checkpoint ready in {run['checkpoint_s']:.1f} s) on {hw['device']} "
         f"({hw['gpus']} GPU(s)); `{w.get('name', 'sharegpt_like')}`: {w['requests']} requests, {w['prompt_tokens']} "
-        f"prompt and {w['output_tokens']} output tokens, at most {c['concurrency']} in flight; pdserve: --max-num-seqs "
-        f"{c.get('max_num_seqs') or c['concurrency']} --max-num-batched-tokens {c['max_num_batched_tokens']} "
+        f"prompt and {w['output_tokens']} output tokens, at most {first} in flight; pdserve: --max-num-seqs "
+        f"{c.get('max_num_seqs') or first} --max-num-batched-tokens {c['max_num_batched_tokens']} "
         f"--kv-cache-gb {c['kv_cache_gb']}, "
         f"disagg prefill {hw['prefill_device']} / decode {hw['decode_device']}. Device copy {hw['copy_GBps']:.1f} GB/s "
         f"({hw['memory_GBps']:.1f} GB/s read + written); weights read per decode step "
@@ -808,8 +811,8 @@ def goal_workload(config, cfg: GpuBenchConfig) -> Workload:
 
 
 def plan_runs(cfg: GpuBenchConfig, config) -> list[tuple[GpuBenchConfig, Workload]]:
-    """The main run, then the larger one on the pdserve systems that both lists name."""
-    runs = [(cfg, goal_workload(config, cfg))]
+    """The main run (none with --requests 0), then the larger one on the pdserve systems that both lists name."""
+    runs = [(cfg, goal_workload(config, cfg))] if cfg.requests else []
     large_systems = tuple(s for s in cfg.systems if s in cfg.large_systems)
     if cfg.large_requests and large_systems:
         big = dataclasses.replace(

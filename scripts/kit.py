@@ -131,8 +131,8 @@ def bench(system: str, requests: int, concurrency: int, tiny: tuple[int, int]):
 
     def argv(run: Run, budget: float) -> list[str]:
         n, c = tiny if run.tiny else (requests, concurrency)
-        if system == "large":  # colocated on one request, then the large run
-            sizes = ["--systems", "colocated", "--requests", "1", "--concurrency", "1", "--large-run", str(n), str(c)]
+        if system == "large":  # no main run (--requests 0): the large run alone, on colocated
+            sizes = ["--systems", "colocated", "--requests", "0", "--large-run", str(n), str(c)]
         else:
             sizes = ["--systems", system, "--requests", str(n), "--concurrency", str(c), "--large-run", "0", "0"]
         where = ["--out-dir", str(run.work / "stages"), "--name", f"bench-{system}", "--no-progress"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,10 @@ def test_the_large_run_goes_to_the_pdserve_systems_both_lists_name():
     assert len(runs[1][1].requests) == 16
     none = gpu.plan_runs(gpu.GpuBenchConfig(device="cpu", large_requests=0), config)
     assert len(none) == 1
+    alone = gpu.plan_runs(dataclasses.replace(cfg, requests=0), config)  # --requests 0: the large run alone
+    assert [(c.requests, c.concurrency, c.systems) for c, _ in alone] == [(16, 8, ("colocated",))]
+    with pytest.raises(ValueError, match="--requests 0"):
+        gpu.GpuBenchConfig(device="cpu", requests=0, large_requests=0)
     with pytest.raises(ValueError, match="--large-systems"):
         gpu.GpuBenchConfig(device="cpu", large_systems=("static",))
 
