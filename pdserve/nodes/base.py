@@ -10,7 +10,10 @@ the step finished in an iteration is the one launched in the iteration before (`
 is scheduled and queued before step N's tokens are taken in (docs/async-scheduling.md). Counters:
 step_time_s is the wall time from a step's launch to its finish (the I/O between included),
 busy_time_s that of whole iterations with work; the difference is what a busy node spends outside its
-steps (tokens out on the CPU, chores, and time it lost its core).
+steps (tokens out on the CPU, chores, and time it lost its core). Each step also counts into its floor group
+(`step_group`: decode-only steps by batch size, 1-8 to 129-256; steps with prompt chunks): steps_<group>_count,
+_time_s, _context_tokens (the KV its attention reads) and _tokens, from which bench.gpu sets each group beside its
+floor (bench.floors).
 
 Shutdown: SIGINT stops at once. SIGTERM drains: the node says so in its stats (the router stops
 picking it and answers with the requests it still routes here, some perhaps still on their way), refuses
@@ -35,6 +38,7 @@ from pdserve.config import NodeConfig
 from pdserve.engine.draws import TokenLogprob
 from pdserve.engine.engine import Engine, TokenOutput, pin_process
 from pdserve.engine.request import Request
+from pdserve.engine.scheduler import STEP_GROUPS
 from pdserve.kv.backend import KvBackend
 from pdserve.kv.mock import MockKvBackend
 from pdserve.kv.peers import accepted_transports, default_host_id
@@ -57,6 +61,11 @@ from pdserve.wire.messages import (
 from pdserve.wire.params import ErrorCode, FinishReason, Role
 
 log = logging.getLogger("pdserve.nodes.base")
+GROUP_KEYS = {  # each floor group (pdserve.engine.scheduler.step_group) -> its counters' prefix
+    g: "steps_" + g.replace(" ", "_").replace("-", "_")
+    for g in [f"decode {lo}-{hi}" for lo, hi in STEP_GROUPS] + ["prompt chunks"]
+}
+GROUP_COUNTS = ("count", "time_s", "context_tokens", "tokens")
 ROUTER_ANSWER_S = 3.0  # how long a draining node waits for the router's list of what it still routes here
 
 
@@ -131,6 +140,7 @@ class NodeBase:
         self.handlers = {self.front: self.handle_front}
         self.routers: dict[bytes, None] = {}  # the routing ids of the routers that said Hello, the latest last
         self.counters = {"requests": 0, "tokens_out": 0, "steps": 0, "step_time_s": 0.0, "busy_time_s": 0.0}
+        self.counters |= {f"{g}_{k}": 0 for g in GROUP_KEYS.values() for k in GROUP_COUNTS}
         self.held: list[TokenOutput] = []  # a step's outputs, not published yet
         self.launches: deque[tuple[float, float]] = deque(maxlen=64)  # (start, end) of the latest steps' launch()
         self._next_stats = 0.0
@@ -239,14 +249,23 @@ class NodeBase:
         # a step's time runs from its launch to its finish, the I/O between included; a prefill step of prompt
         # chunks only (no first token yet) counts too
         if step is not None:
-            self.counters["steps"] += 1
-            self.counters["step_time_s"] += time.perf_counter() - t0
+            self.count_step(step.batch, time.perf_counter() - t0)
         self.held.extend(outputs)
         if not self.engine.overlapped:  # the CPU has computed the step already: nothing to overlap
             self.flush()
         self.tick()
         if outputs or not idle:
             self.counters["busy_time_s"] += time.perf_counter() - started
+
+    def count_step(self, batch, seconds: float) -> None:
+        """A finished step into the counters: all steps, and its floor group's (`step_group`): steps, seconds,
+        context tokens, tokens."""
+        self.counters["steps"] += 1
+        self.counters["step_time_s"] += seconds
+        group = GROUP_KEYS.get(batch.floor_group)
+        if group is not None:
+            for k, n in zip(GROUP_COUNTS, (1, seconds, batch.num_context_tokens, batch.num_tokens), strict=True):
+                self.counters[f"{group}_{k}"] += n
 
     def flush(self) -> None:
         """Publish the outputs held back from the last step."""
