@@ -19,9 +19,9 @@ import torch
 from tqdm import tqdm
 
 from bench.workloads import Workload
-from pdserve.engine.scheduler import STEP_GROUPS, step_group
+from pdserve.engine.scheduler import GROUP_KEYS, step_group
 
-GROUPS = [f"decode {lo}-{hi}" for lo, hi in STEP_GROUPS] + ["prompt chunks"]  # step_group's names, in order
+GROUPS = list(GROUP_KEYS)  # step_group's names, in order
 
 WARMUP_REQUESTS = 2
 WARMUP_TOKENS = 4

@@ -72,7 +72,7 @@ from bench.floors import floor_rows, gemm_peak_flops, group_floors
 from bench.metrics import SLO
 from bench.run_bench import environment, run_workload, warm_up
 from bench.workloads import Workload, fixed_lengths, make_workload
-from pdserve.nodes.base import GROUP_COUNTS, GROUP_KEYS
+from pdserve.engine.scheduler import GROUP_COUNTS, GROUP_KEYS
 
 SYSTEMS = ("colocated", "disagg", "hf_cb", "static")
 

@@ -49,6 +49,23 @@ def step_group(requests: int, tokens: int, decode_tokens: int) -> str | None:
     return next((f"decode {lo}-{hi}" for lo, hi in STEP_GROUPS if lo <= requests <= hi), None)
 
 
+GROUP_KEYS = {  # each floor group -> the prefix of its node counters
+    g: "steps_" + g.replace(" ", "_").replace("-", "_")
+    for g in [f"decode {lo}-{hi}" for lo, hi in STEP_GROUPS] + ["prompt chunks"]
+}
+GROUP_COUNTS = ("count", "time_s", "context_tokens", "tokens")  # each group's counters: <prefix>_<count>
+
+
+def group_counts(batch: Batch | None, seconds: float) -> dict[str, float]:
+    """One step's counts under its floor group's counter names (steps, seconds, context tokens, tokens); with no
+    batch, every group's counters at zero."""
+    if batch is None:
+        return {f"{p}_{k}": 0 for p in GROUP_KEYS.values() for k in GROUP_COUNTS}
+    prefix = GROUP_KEYS.get(batch.floor_group)
+    values = (1, seconds, batch.num_context_tokens, batch.num_tokens)
+    return {f"{prefix}_{k}": v for k, v in zip(GROUP_COUNTS, values, strict=True)} if prefix else {}
+
+
 class ScheduledRequest(NamedTuple):
     """A request's part of an iteration (a tuple: one is made per running request per step)."""
 

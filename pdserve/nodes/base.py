@@ -38,7 +38,6 @@ from pdserve.config import NodeConfig
 from pdserve.engine.draws import TokenLogprob
 from pdserve.engine.engine import Engine, TokenOutput, pin_process
 from pdserve.engine.request import Request
-from pdserve.engine.scheduler import STEP_GROUPS
 from pdserve.kv.backend import KvBackend
 from pdserve.kv.mock import MockKvBackend
 from pdserve.kv.peers import accepted_transports, default_host_id
@@ -61,11 +60,6 @@ from pdserve.wire.messages import (
 from pdserve.wire.params import ErrorCode, FinishReason, Role
 
 log = logging.getLogger("pdserve.nodes.base")
-GROUP_KEYS = {  # each floor group (pdserve.engine.scheduler.step_group) -> its counters' prefix
-    g: "steps_" + g.replace(" ", "_").replace("-", "_")
-    for g in [f"decode {lo}-{hi}" for lo, hi in STEP_GROUPS] + ["prompt chunks"]
-}
-GROUP_COUNTS = ("count", "time_s", "context_tokens", "tokens")
 ROUTER_ANSWER_S = 3.0  # how long a draining node waits for the router's list of what it still routes here
 
 
@@ -140,7 +134,7 @@ class NodeBase:
         self.handlers = {self.front: self.handle_front}
         self.routers: dict[bytes, None] = {}  # the routing ids of the routers that said Hello, the latest last
         self.counters = {"requests": 0, "tokens_out": 0, "steps": 0, "step_time_s": 0.0, "busy_time_s": 0.0}
-        self.counters |= {f"{g}_{k}": 0 for g in GROUP_KEYS.values() for k in GROUP_COUNTS}
+        self.counters |= self.engine.floor_counts(None, 0.0)  # each floor group's: steps, seconds, context, tokens
         self.held: list[TokenOutput] = []  # a step's outputs, not published yet
         self.launches: deque[tuple[float, float]] = deque(maxlen=64)  # (start, end) of the latest steps' launch()
         self._next_stats = 0.0
@@ -262,10 +256,8 @@ class NodeBase:
         context tokens, tokens."""
         self.counters["steps"] += 1
         self.counters["step_time_s"] += seconds
-        group = GROUP_KEYS.get(batch.floor_group)
-        if group is not None:
-            for k, n in zip(GROUP_COUNTS, (1, seconds, batch.num_context_tokens, batch.num_tokens), strict=True):
-                self.counters[f"{group}_{k}"] += n
+        for k, n in self.engine.floor_counts(batch, seconds).items():
+            self.counters[k] += n
 
     def flush(self) -> None:
         """Publish the outputs held back from the last step."""
