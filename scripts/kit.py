@@ -136,7 +136,7 @@ def bench(system: str, requests: int, concurrency: int, tiny: tuple[int, int]):
         else:
             sizes = ["--systems", system, "--requests", str(n), "--concurrency", str(c), "--large-run", "0", "0"]
         where = ["--out-dir", str(run.work / "stages"), "--name", f"bench-{system}", "--no-progress"]
-        return [*bench_argv(run), *sizes, "--budget-s", str(int(budget - KILL_GRACE_S)), *where]
+        return [*bench_argv(run), *sizes, "--budget-s", str(max(int(budget - KILL_GRACE_S), 1)), *where]
 
     return argv
 
@@ -376,19 +376,21 @@ def load_script(path: Path):
 def run_stage(stage: Stage, run: Run, env: dict, stacks: Stacks) -> dict:
     """Runs one stage's command in its own process group, stopped at its budget (its stack's start included)."""
     budget = stage.budget(run)
-    argv = stage.argv(run, budget)
     t0 = time.monotonic()
     r = {"name": stage.name, "value": stage.value, "budget_s": budget}
+    shared = []
     if stage.stack:
         name = stage.stack.format(ipc=run.ipc)
         r["stack_started"] = name not in stacks.open  # else the stack an earlier stage started serves this one too
         try:
-            argv += stacks.get(name, budget).args()
+            shared = stacks.get(name, budget).args()
         except Exception as e:  # a stack that does not start fails the stage; the next stage still runs
             status = "over budget" if isinstance(e, TimeoutError) else "failed"
             return r | {"seconds": round(time.monotonic() - t0, 1), "status": status, "error": f"stack {name}: {e}"}
         r["stack"] = name
-    rc, status = command(argv, env, run.work / "logs" / f"{stage.name}.out", budget - (time.monotonic() - t0))
+    left = budget - (time.monotonic() - t0)  # the command's budget: the stage's, less its stack's start
+    argv = stage.argv(run, left) + shared
+    rc, status = command(argv, env, run.work / "logs" / f"{stage.name}.out", left)
     r |= {"seconds": round(time.monotonic() - t0, 1), "status": status, "exit_code": rc}
     return r | {"command": " ".join(argv[1:]), "summary": summary(run, stage.name)}
 
