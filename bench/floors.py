@@ -15,9 +15,13 @@ import time
 from typing import Any
 
 import numpy as np
+import torch
 from tqdm import tqdm
 
 from bench.workloads import Workload
+from pdserve.engine.scheduler import GROUP_KEYS, step_group
+
+GROUPS = list(GROUP_KEYS)  # step_group's names, in order
 
 WARMUP_REQUESTS = 2
 WARMUP_TOKENS = 4
@@ -124,40 +128,79 @@ def _overhead_summary(workload: Workload, steps: list[tuple[float, float, float]
 
 # ---- each step beside its own floor ----------------------------------------------------------------
 
-BATCH_GROUPS = ((1, 8), (9, 32), (33, 128), (129, 256))
+PEAK_N = 8192
+TINY_PEAK_N = 512
+PEAK_REPEATS = 10
 
 
-def memory_floor_s(record: dict, weight_bytes: int, kv_bytes_per_token: int, copy_gbps: float) -> float:
-    """A decode-only step's floor: its weights and its batch's KV read once, at the device copy's bandwidth (a copy
-    reads and writes each byte: `copy_gbps` counts the bytes copied, so read+write moves twice them)."""
-    return (weight_bytes + record["context"] * kv_bytes_per_token) / (2 * copy_gbps * 1e9)
+def gemm_peak_flops(device: str, dtype: torch.dtype = torch.bfloat16) -> float:
+    """FLOP/s of one large matmul in `dtype` (2 N^3 per product, N = PEAK_N; TINY_PEAK_N on the CPU), best of
+    PEAK_REPEATS after a warm-up: the peak the compute floor is set at."""
+    n = PEAK_N if device.startswith("cuda") else TINY_PEAK_N
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    best = float("inf")
+    for _ in range(PEAK_REPEATS + 1):
+        sync(device)
+        t = time.perf_counter()
+        a @ b
+        sync(device)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
 
 
-def compute_floor_s(record: dict, flops_per_token: float, peak_flops: float) -> float:
-    """A step with prompt chunks: its FLOPs (`flops_per_token` x its tokens) at the measured bf16 GEMM peak."""
-    return record["tokens"] * flops_per_token / peak_flops
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
 
 
 def step_floors(records: list[dict], weights: tuple[int, int], kv_bytes_per_token: int, copy_gbps: float, peak: float):
-    """Decode-only steps against the memory floor, grouped by batch size (BATCH_GROUPS); steps with prompt chunks
-    against the compute floor (2 FLOPs per weight per token). `weights`: (their bytes, their count). Each group: its
-    steps, mean seconds, mean floor, and their ratio."""
+    """Each step beside its floor (records: requests, tokens, decode_tokens, context, seconds of each step): the
+    sums of each group (`step_group`), then `group_floors`."""
+    sums = {g: {"steps": 0, "seconds": 0.0, "context": 0, "tokens": 0} for g in GROUPS}
+    for r in records:
+        g = step_group(r["requests"], r["tokens"], r["decode_tokens"])
+        if g is not None:
+            for k, n in (("steps", 1), ("seconds", r["seconds"]), ("context", r["context"]), ("tokens", r["tokens"])):
+                sums[g][k] += n
+    return group_floors(sums, weights, kv_bytes_per_token, copy_gbps, peak)
+
+
+def group_floors(sums: dict, weights: tuple[int, int], kv_bytes_per_token: int, copy_gbps: float, peak: float):
+    """Decode-only steps against the memory floor, grouped by batch size (STEP_GROUPS): their weights and their
+    batch's KV read once, at the device copy's bandwidth (a copy reads and writes each byte: `copy_gbps` counts the
+    bytes copied, so read+write moves twice them); steps with prompt chunks against the compute floor: their tokens
+    x 2 FLOPs per weight at the measured bf16 GEMM peak. `sums`: {group: steps, seconds, context (tokens of KV
+    read), tokens}, summed over its steps; `weights`: (their bytes, their count). Each group: its steps, mean
+    seconds, mean floor, and their ratio."""
     weight_bytes, flops_per_token = weights[0], 2 * weights[1]
-    decode = [r for r in records if r["decode_tokens"] == r["tokens"]]
-    chunked = [r for r in records if r["decode_tokens"] != r["tokens"]]
     groups = {}
-    for lo, hi in BATCH_GROUPS:
-        rows = [r for r in decode if lo <= r["requests"] <= hi]
-        floors = [memory_floor_s(r, weight_bytes, kv_bytes_per_token, copy_gbps) for r in rows]
-        groups[f"decode {lo}-{hi}"] = _group(rows, floors, "memory")
-    floors = [compute_floor_s(r, flops_per_token, peak) for r in chunked]
-    groups["prompt chunks"] = _group(chunked, floors, "compute")
+    for g in GROUPS:
+        s = sums.get(g) or {"steps": 0}
+        if g == "prompt chunks":
+            floor, total = "compute", s.get("tokens", 0) * flops_per_token / peak
+        else:
+            floor = "memory"
+            total = (s["steps"] * weight_bytes + s.get("context", 0) * kv_bytes_per_token) / (2 * copy_gbps * 1e9)
+        groups[g] = _group(s, total, floor)
     return groups
 
 
-def _group(rows: list[dict], floors: list[float], floor: str) -> dict:
-    if not rows:
+def _group(s: dict, floor_total_s: float, floor: str) -> dict:
+    n = s["steps"]
+    if not n:
         return {"floor": floor, "steps": 0}
-    mean_s = sum(r["seconds"] for r in rows) / len(rows)
-    mean_floor = sum(floors) / len(floors)
-    return {"floor": floor, "steps": len(rows), "mean_s": mean_s, "floor_s": mean_floor, "ratio": mean_s / mean_floor}
+    mean_s, mean_floor = s["seconds"] / n, floor_total_s / n
+    return {"floor": floor, "steps": int(n), "mean_s": mean_s, "floor_s": mean_floor, "ratio": mean_s / mean_floor}
+
+
+def floor_rows(groups: dict) -> list[str]:
+    """Each group's table cells: `| group | floor | count | mean ms | floor ms | ratio |`."""
+    rows = []
+    for name, g in groups.items():
+        if g["steps"]:
+            row = f"| {g['mean_s'] * 1e3:.2f} | {g['floor_s'] * 1e3:.3f} | {g['ratio']:.1f}x |"
+        else:
+            row = "| | | |"
+        rows.append(f"| {name} | {g['floor']} | {g['steps']} " + row)
+    return rows

@@ -16,11 +16,12 @@
    through `pdserve up` and driven over HTTP by bench/http_client.py; then HF continuous batching
    (transformers' manager) and HF static batching (`generate`, batches of `--concurrency`), in-process.
 4. For the pdserve systems, from the router's /metrics (node counters, diffed over the run) and /proc:
-   - the decode step (decode node, or the colocated node, whose steps also carry prompt chunks):
-     mean step time (step_time_s / steps) beside its memory floor: the weights read per step (every
-     parameter except the embedding table, plus the LM head) and the mean KV read per step (every
-     decode token's context over the run, over the steps), over the memory bandwidth of the device
-     copy (bytes read + written per second);
+   - each node's steps beside their floor (bench.floors' `group_floors`, on the node's counters of its steps by
+     floor group): decode-only steps, grouped by batch size (1-8, 9-32, 33-128, 129-256), beside the memory
+     floor (the weights read per step, every parameter except the embedding table plus the LM head, and the
+     KV its batch reads, at the device copy's read+write bandwidth); steps with prompt chunks beside the
+     compute floor (their tokens x 2 FLOPs a weight at the bf16 GEMM peak measured on the device,
+     bench.floors.gemm_peak_flops);
    - KV transfer bandwidth (the prefill node's bytes over its transfer time, pull to ack) beside a
      device-to-device copy between the same devices (bytes copied per second);
    - the router's CPU time per streamed token.
@@ -38,6 +39,11 @@
    `--out-dir`, else $OUT when set, else bench/runs/gpu (git-ignored). The report is rewritten after each system,
    so a run cut short still leaves what it measured.
 
+`--stack SYSTEM URL PID TRITON_CACHE` runs a pdserve system on a stack another process started and stops (the GPU
+kit shares one between its stages): bench.gpu drives it as its own, for the main and the large run, reads the
+router's CPU below PID and counts Triton compilations in TRITON_CACHE (the folder the stack compiles into), and
+leaves it running; its engine settings are the starter's.
+
 `--budget-s` bounds the whole command: a system is skipped when too little time is left to start it,
 and requests still unfinished when the time is up are reported as failed.
 """
@@ -54,7 +60,7 @@ import shutil
 import signal
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -62,9 +68,11 @@ import torch
 
 from bench import report, systems
 from bench.baselines import kv_bytes_per_token, load_hf_model
+from bench.floors import floor_rows, gemm_peak_flops, group_floors
 from bench.metrics import SLO
 from bench.run_bench import environment, run_workload, warm_up
 from bench.workloads import Workload, fixed_lengths, make_workload
+from pdserve.engine.scheduler import GROUP_COUNTS, GROUP_KEYS
 
 SYSTEMS = ("colocated", "disagg", "hf_cb", "static")
 
@@ -95,9 +103,6 @@ STEADY_SHARE = 0.9  # the steady state: at least this share of --concurrency dec
 STEADY_HEADER = (
     "| run | system | in flight | steady window (s) | of the run | steady tok/s | whole-run tok/s | "
     "Triton compilations in the run (at start) |\n|---|---|---|---|---|---|---|---|"
-)
-STEP_HEADER = (
-    "| system | node | steps | mean batch | mean step (ms) | weights + KV / step (GB) | floor (ms) | step/floor |"
 )
 KV_HEADER = "| path | transfers | GB | GB/s | vs copy |\n|---|---|---|---|---|"
 GRAPH_HEADER = (
@@ -131,6 +136,7 @@ class GpuBenchConfig:
     name: str = "gpu"
     progress: bool = True
     max_num_seqs: int = 0  # 0: --concurrency
+    shared: tuple[systems.SharedStack, ...] = ()  # --stack: pdserve systems on stacks another process runs
 
     def __post_init__(self) -> None:
         if self.workload not in WORKLOADS:
@@ -142,14 +148,19 @@ class GpuBenchConfig:
         unknown = set(self.systems) - set(SYSTEMS)
         if unknown:
             raise ValueError(f"unknown system(s) {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
-        if min(self.requests, self.concurrency, self.max_num_batched_tokens) < 1:
-            raise ValueError("--requests, --concurrency and --max-num-batched-tokens must be at least 1")
+        if min(self.concurrency, self.max_num_batched_tokens) < 1 or self.requests < 0:
+            raise ValueError("--concurrency and --max-num-batched-tokens must be at least 1, --requests at least 0")
         if self.large_requests < 0 or (self.large_requests and self.large_concurrency < 1):
             raise ValueError("--large-run takes a request count (0: none) and a concurrency of at least 1")
+        if not self.requests and not (self.large_requests and set(self.systems) & set(self.large_systems)):
+            raise ValueError("--requests 0 (no main run) runs the large run alone: give --large-run and its systems")
         if set(self.large_systems) - {"colocated", "disagg"}:
             raise ValueError("--large-systems: colocated and/or disagg")
         if self.kv_cache_gb <= 0 or self.budget_s <= 0:
             raise ValueError("--kv-cache-gb and --budget-s must be positive")
+        shared = [s.system for s in self.shared]
+        if set(shared) - {"colocated", "disagg"} or len(set(shared)) < len(shared):
+            raise ValueError("--stack: one stack each for colocated and/or disagg")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPE_BYTES)}, not {self.dtype!r}")
 
@@ -195,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--device", default="cuda:0", help="cuda:N, or cpu for a smoke test")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on the CPU")
-    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--requests", type=int, default=256, help="0: no main run, the large run alone")
     p.add_argument("--concurrency", type=int, default=128, help="requests in flight; also --max-num-seqs")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-gb", type=float, default=None, help="per node; default: 16 on CUDA, 0.25 on the CPU")
@@ -215,6 +226,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="the larger run after the others (0 0: none)",
     )
     p.add_argument("--large-systems", nargs="+", default=["colocated"], choices=("colocated", "disagg"))
+    p.add_argument(
+        "--stack",
+        nargs=4,
+        action="append",
+        default=[],
+        metavar=("SYSTEM", "URL", "PID", "TRITON_CACHE"),
+        help="run SYSTEM (colocated, disagg) on this running stack instead of starting one; it is left running",
+    )
     p.add_argument("--out-dir", type=Path, default=None, help="default: $OUT when set, else bench/runs/gpu")
     p.add_argument("--name", default="gpu", help="stem of the result files")
     p.add_argument("--no-progress", action="store_true")
@@ -247,8 +266,16 @@ def parse_args(argv: list[str] | None = None) -> GpuBenchConfig:
         large_requests=a.large_run[0],
         large_concurrency=a.large_run[1],
         large_systems=tuple(a.large_systems),
+        shared=tuple(shared_stacks(a.stack)),
     )
     return with_preset(cfg)
+
+
+def shared_stacks(given: list[list[str]]) -> list[systems.SharedStack]:
+    try:
+        return [systems.SharedStack(s, url, int(pid), Path(cache)) for s, url, pid, cache in given]
+    except ValueError:
+        raise ValueError("--stack SYSTEM URL PID TRITON_CACHE: PID is a process id") from None
 
 
 def with_preset(cfg: GpuBenchConfig) -> GpuBenchConfig:
@@ -301,7 +328,8 @@ def hardware(cfg: GpuBenchConfig) -> dict:
         "prefill_device": cfg.device,
         "decode_device": cfg.decode_device,
         "copy_GBps": same,  # bytes copied per second, on the benchmark device
-        "memory_GBps": 2 * same,  # bytes read + written per second: the bandwidth of the floor
+        "memory_GBps": 2 * same,  # bytes read + written per second: the bandwidth of the memory floor
+        "bf16_peak_flops_per_s": gemm_peak_flops(cfg.device),  # the compute floor's
     }
     cross = copy_gbps(cfg.device, cfg.decode_device) if cfg.decode_device != cfg.device else same
     hw["kv_copy_GBps"] = cross  # the copy a KV transfer from prefill to decode device competes with
@@ -310,6 +338,11 @@ def hardware(cfg: GpuBenchConfig) -> dict:
 
 def weight_bytes_per_step(config, itemsize: int) -> int:
     """Bytes of weights one decode step reads: every parameter but the embedding table, plus the LM head."""
+    return weights_per_step(config) * itemsize
+
+
+def weights_per_step(config) -> int:
+    """The weights one step reads: every parameter but the embedding table, plus the LM head."""
     import transformers
 
     with torch.device("meta"):
@@ -319,7 +352,7 @@ def weight_bytes_per_step(config, itemsize: int) -> int:
     numel = sum(p.numel() for p in model.parameters()) - embed.numel()  # a tied head is counted once, as embed
     if head is embed:
         numel += head.numel()
-    return numel * itemsize
+    return numel
 
 
 def decode_context_tokens(workload: Workload) -> int:
@@ -334,8 +367,10 @@ def decode_context_tokens(workload: Workload) -> int:
 def model_figures(config, cfg: GpuBenchConfig, workload: Workload) -> dict:
     itemsize = DTYPE_BYTES[cfg.dtype]
     per_token = kv_bytes_per_token(config, itemsize)
+    weights = weights_per_step(config)
     return {
-        "weight_bytes_per_step": weight_bytes_per_step(config, itemsize),
+        "weights_per_step": weights,
+        "weight_bytes_per_step": weights * itemsize,
         "kv_bytes_per_token": per_token,
         "decode_kv_bytes": decode_context_tokens(workload) * per_token,
         "decode_tokens": sum(r.output_len - 1 for r in workload.requests),
@@ -385,25 +420,23 @@ def steady_state(records: list[dict], concurrency: int, share: float = STEADY_SH
 # ---- node counters ---------------------------------------------------------------------------------
 
 
-def decode_step(counts: dict, role: str, figures: dict, hw: dict) -> dict | None:
-    """The node's mean step beside its memory floor (weights + mean KV per step over memory bandwidth)."""
+def node_floors(counts: dict, role: str, figures: dict, hw: dict) -> dict | None:
+    """The node role's steps over the run beside their floors (`group_floors`), from its counters by floor group."""
     c = counts.get(role, {})
-    steps = c.get("steps", 0)
-    if not steps:
+    if not c.get("steps"):
         return None
-    kv_per_step = figures["decode_kv_bytes"] / steps
-    floor_s = (figures["weight_bytes_per_step"] + kv_per_step) / (hw["memory_GBps"] * 1e9)
-    mean_s = c["step_time_s"] / steps
-    return {
-        "node": role,
-        "steps": int(steps),
-        "mean_batch": c.get("tokens_out", 0) / steps,
-        "mean_step_ms": mean_s * 1e3,
-        "weights_GB_per_step": figures["weight_bytes_per_step"] / 1e9,
-        "kv_GB_per_step": kv_per_step / 1e9,
-        "floor_ms": floor_s * 1e3,
-        "step_over_floor": mean_s / floor_s,
-    }
+    sums = {}
+    for group, prefix in GROUP_KEYS.items():
+        n = {k: c.get(f"{prefix}_{k}", 0) for k in GROUP_COUNTS}
+        sums[group] = {
+            "steps": n["count"],
+            "seconds": n["time_s"],
+            "context": n["context_tokens"],
+            "tokens": n["tokens"],
+        }
+    weights = (figures["weight_bytes_per_step"], figures["weights_per_step"])
+    groups = group_floors(sums, weights, figures["kv_bytes_per_token"], hw["copy_GBps"], hw["bf16_peak_flops_per_s"])
+    return {"node": role, "steps": int(c["steps"]), "groups": groups}
 
 
 def graph_share(counts: dict, role: str, at_start: dict) -> dict | None:
@@ -442,7 +475,12 @@ def kv_transfer(counts: dict, hw: dict) -> dict | None:
 # ---- systems ---------------------------------------------------------------------------------------
 
 
-def stack_options(cfg: GpuBenchConfig, mode: str, deadline: float) -> systems.StackOptions:
+def stack_argv(cfg: GpuBenchConfig, mode: str, port: int) -> list[str]:
+    """The `pdserve up` bench.gpu starts `mode` with: a caller that shares a stack with it starts the same."""
+    return systems.stack_argv(stack_options(cfg, mode, None), mode, port)
+
+
+def stack_options(cfg: GpuBenchConfig, mode: str, deadline: float | None) -> systems.StackOptions:
     devices = ["--device", cfg.device]  # for every role; disagg names both roles' devices too
     if mode == "disagg":
         devices += ["--prefill-device", cfg.device, "--decode-device", cfg.decode_device]
@@ -472,8 +510,15 @@ class HfModel:
         return self._model
 
 
+def shared_of(cfg: GpuBenchConfig, system: str) -> systems.SharedStack | None:
+    return next((s for s in cfg.shared if s.system == system), None)
+
+
 def open_system(cfg: GpuBenchConfig, system: str, hf: HfModel, deadline: float):
     """`system` as a context manager; its runs end by `deadline` (time.monotonic())."""
+    shared = shared_of(cfg, system)
+    if shared is not None:
+        return systems.shared_stack(shared, stack_options(cfg, system, deadline), cfg.progress)
     if system in ("colocated", "disagg"):
         return systems.pdserve_stack(stack_options(cfg, system, deadline), system, cfg.progress)
     if system == "static":
@@ -514,14 +559,20 @@ def run_system(cfg: GpuBenchConfig, system: str, w: Workload, hf: HfModel, ctx: 
     if left < MIN_SYSTEM_S:
         return _not_run(system, w, f"skipped: {left:.0f} s of the --budget-s left")
     started = time.monotonic()
-    cache = cfg.out_dir / "triton-cache" / f"{system}-{cfg.requests}"
+    shared = shared_of(cfg, system)
+    cache = shared.triton_cache if shared else cfg.out_dir / "triton-cache" / f"{system}-{cfg.requests}"
     try:
-        with triton_cache(cache), open_system(cfg, system, hf, deadline - FINISH_MARGIN_S) as run:
+        with (
+            nullcontext() if shared else triton_cache(cache),
+            open_system(cfg, system, hf, deadline - FINISH_MARGIN_S) as run,
+        ):
             warm_up(run, system)
             compiled = compiled_kernels(cache)
             before = systems.settled_counters(run) if isinstance(run, systems.StackRunner) else {}
             result = run_workload(cfg.slo, system, run, w)
             result["concurrency"] = cfg.concurrency
+            if shared:
+                result["shared_stack"] = shared.url
             result["steady_state"] = steady_state(result.get("records", []), cfg.decoding)
             if isinstance(run, systems.StackRunner):
                 result["triton_compiled_at_start"] = compiled
@@ -539,10 +590,9 @@ def run_system(cfg: GpuBenchConfig, system: str, w: Workload, hf: HfModel, ctx: 
 def add_node_figures(result: dict, counts: dict, system: str, ctx: dict, at_start: dict) -> None:
     """From the node counters over the run (`counts`; `at_start`: before it): the decode step, CUDA graphs, KV."""
     result["node_counters"] = counts
-    result["decode_step"] = decode_step(
-        counts, "colocated" if system == "colocated" else "decode", ctx["model"], ctx["hardware"]
-    )
     roles = ("colocated",) if system == "colocated" else ("prefill", "decode")
+    floors = (node_floors(counts, role, ctx["model"], ctx["hardware"]) for role in roles)
+    result["step_floors"] = [f for f in floors if f]
     result["graphs"] = [g for g in (graph_share(counts, role, at_start) for role in roles) if g]
     result["kv_transfer"] = kv_transfer(counts, ctx["hardware"]) if system == "disagg" else None
 
@@ -550,25 +600,20 @@ def add_node_figures(result: dict, counts: dict, system: str, ctx: dict, at_star
 # ---- report ----------------------------------------------------------------------------------------
 
 
-def _step_lines(results: list[dict]) -> list[str]:
-    rows = [r for r in results if r.get("decode_step")]
+def _step_lines(results: list[dict], hw: dict) -> list[str]:
+    rows = [(r, f) for r in results for f in r.get("step_floors") or ()]
     if not rows:
         return []
-    lines = ["", "## Decode step beside its memory floor (node counters over the run)", "", STEP_HEADER]
-    lines.append("|---" * 8 + "|")
-    for r in rows:
-        d = r["decode_step"]
-        cells = [
-            r["system"],
-            d["node"],
-            str(d["steps"]),
-            f"{d['mean_batch']:.1f}",
-            f"{d['mean_step_ms']:.2f}",
-            f"{d['weights_GB_per_step']:.3g} + {d['kv_GB_per_step']:.3g}",
-            f"{d['floor_ms']:.3g}",
-            f"{d['step_over_floor']:.1f}×",
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
+    lines = [
+        "",
+        f"## Steps beside their floor (node counters over the run; device copy {hw['copy_GBps']:.0f} GB/s, bf16 "
+        f"peak {hw['bf16_peak_flops_per_s'] / 1e12:.2f} TFLOP/s)",
+        "",
+        "| system | node | group | floor | steps | mean ms | floor ms | ratio |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r, f in rows:
+        lines += [f"| {r['system']} | {f['node']} " + row for row in floor_rows(f["groups"]) if " | 0 |" not in row]
     return lines
 
 
@@ -641,23 +686,27 @@ def _kv_lines(results: list[dict], hw: dict) -> list[str]:
 
 def markdown(run: dict) -> str:
     c, hw, w, m = run["config"], run["hardware"], run["workload"], run["model_figures"]
+    first = (run.get("runs") or [{}])[0].get("concurrency", c["concurrency"])  # the first run's (the large one alone)
     results = run["results"]
     head = [
         f"# pdserve GPU benchmark: {c['name']}",
         "",
         f"Model `{c['model']}` ({c['dtype']}, checkpoint ready in {run['checkpoint_s']:.1f} s) on {hw['device']} "
         f"({hw['gpus']} GPU(s)); `{w.get('name', 'sharegpt_like')}`: {w['requests']} requests, {w['prompt_tokens']} "
-        f"prompt and {w['output_tokens']} output tokens, at most {c['concurrency']} in flight; pdserve: --max-num-seqs "
-        f"{c.get('max_num_seqs') or c['concurrency']} --max-num-batched-tokens {c['max_num_batched_tokens']} "
+        f"prompt and {w['output_tokens']} output tokens, at most {first} in flight; pdserve: --max-num-seqs "
+        f"{c.get('max_num_seqs') or first} --max-num-batched-tokens {c['max_num_batched_tokens']} "
         f"--kv-cache-gb {c['kv_cache_gb']}, "
         f"disagg prefill {hw['prefill_device']} / decode {hw['decode_device']}. Device copy {hw['copy_GBps']:.1f} GB/s "
-        f"({hw['memory_GBps']:.1f} GB/s read + written); weights read per decode step "
+        f"({hw['memory_GBps']:.1f} GB/s read + written), bf16 GEMM peak "
+        f"{hw.get('bf16_peak_flops_per_s', 0) / 1e12:.2f} TFLOP/s; weights read per decode step "
         f"{m['weight_bytes_per_step'] / 1e9:.3f} GB, KV {m['kv_bytes_per_token'] / 1024:.0f} KiB per token. "
         "`static` and `hf_cb` run in the benchmark process; pdserve over HTTP through its router.",
         "",
         report.TABLE_HEADER,
         "|" + "---|" * 9,
     ]
+    for sh in c.get("shared") or ():
+        head[2] += f" pdserve {sh['system']} ran on a stack the caller started ({sh['url']}), with its engine settings."
     for extra in run.get("runs", [])[1:]:
         ew = extra["workload"]
         head[2] += (
@@ -667,7 +716,7 @@ def markdown(run: dict) -> str:
         )
     base = report.baseline_throughput(results)
     lines = head + [report.table_row(r, base) for r in results]
-    lines += _steady_lines(results) + _step_lines(results) + _graph_lines(results) + _kernel_lines(run)
+    lines += _steady_lines(results) + _step_lines(results, hw) + _graph_lines(results) + _kernel_lines(run)
     lines += _kv_lines(results, hw)
     lines += report.router_cpu_lines(results)
     lines += ["", f"Total {run.get('total_s', 0):.0f} s of a {c['budget_s']:.0f} s budget."]
@@ -684,7 +733,7 @@ def write_report(run: dict, cfg: GpuBenchConfig) -> list[Path]:
 
 
 def plot(run: dict, path: Path) -> None:
-    """Per system: output tok/s; TPOT p50 and p99; pdserve's mean decode step beside its floor."""
+    """Per system: output tok/s; TPOT p50 and p99; each pdserve node's step groups over their floors."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -706,13 +755,16 @@ def plot(run: dict, path: Path) -> None:
     axes[1].set_xticks(list(xs), names)
     axes[1].set_title("TPOT, ms (lower is better)")
     axes[1].legend(fontsize="small")
-    steps = [r for r in run["results"] if r.get("decode_step")]
-    ys = range(len(steps))
-    axes[2].bar([y - 0.2 for y in ys], [r["decode_step"]["mean_step_ms"] for r in steps], 0.4, label="mean step")
-    axes[2].bar([y + 0.2 for y in ys], [r["decode_step"]["floor_ms"] for r in steps], 0.4, label="memory floor")
-    axes[2].set_xticks(list(ys), [f"{r['system']} ({r['decode_step']['node']})" for r in steps])
-    axes[2].set_title("decode step, ms")
-    axes[2].legend(fontsize="small")
+    bars = [
+        (f"{r['system']} {f['node']}\n{g}", v["ratio"])
+        for r in run["results"]
+        for f in r.get("step_floors") or ()
+        for g, v in f["groups"].items()
+        if v["steps"]
+    ]
+    axes[2].barh(range(len(bars)), [b[1] for b in bars])
+    axes[2].set_yticks(range(len(bars)), [b[0] for b in bars], fontsize="small")
+    axes[2].set_title("mean step / its floor (lower is better)")
     c = run["config"]
     fig.suptitle(f"{c['name']}: {c['model']} ({c['dtype']}) on {run['hardware']['device']}")
     fig.savefig(path, dpi=120)
@@ -763,8 +815,8 @@ def goal_workload(config, cfg: GpuBenchConfig) -> Workload:
 
 
 def plan_runs(cfg: GpuBenchConfig, config) -> list[tuple[GpuBenchConfig, Workload]]:
-    """The main run, then the larger one on the pdserve systems that both lists name."""
-    runs = [(cfg, goal_workload(config, cfg))]
+    """The main run (none with --requests 0), then the larger one on the pdserve systems that both lists name."""
+    runs = [(cfg, goal_workload(config, cfg))] if cfg.requests else []
     large_systems = tuple(s for s in cfg.systems if s in cfg.large_systems)
     if cfg.large_requests and large_systems:
         big = dataclasses.replace(

@@ -3,8 +3,8 @@
     python -m bench.profile --device cuda:0 --model qwen3-0.6b --out profile.json   # 128 and 256 decoding, a 2k chunk
     python -m bench.profile --device cpu --model tiny --out profile.json            # the same on tiny sizes
 
-1. The bf16 GEMM peak: one large bf16 matmul (PEAK_N^3, on the CPU TINY_PEAK_N^3), timed over a few repeats after
-   a warm-up: 2 N^3 / seconds. The one figure every FLOP/s here is set beside.
+1. The bf16 GEMM peak (bench.floors.gemm_peak_flops): one large bf16 matmul (8,192^3; on the CPU 512^3), timed
+   over a few repeats after a warm-up: 2 N^3 / seconds. The one figure every FLOP/s here is set beside.
 2. An engine (pdserve.nodes.parts.build_engine) gets `--batches` requests of short prompts; once all of them
    decode, one step is profiled (CUDA activity on a GPU, CPU activity on the CPU): per kernel, its calls, its
    time and its share of the step. Attention's and the GEMMs' bytes (the KV read; the weights read) over their
@@ -25,41 +25,13 @@ import json
 import time
 from pathlib import Path
 
-import torch
-
-from bench.floors import step_floors
+from bench.floors import floor_rows, gemm_peak_flops, step_floors, sync
 from bench.gpu import copy_gbps
 
-PEAK_N = 8192
-TINY_PEAK_N = 512
-PEAK_REPEATS = 10
 GEMM_NAMES = ("gemm", "matmul", "addmm", "aten::mm", "linear", "cutlass", "nvjet", "sm90_xmma")
 ATTENTION_NAMES = ("attention", "attn", "flash", "paged")
 TOP_KERNELS = 25
 DECODE_TOKENS = 256  # each decoding request's max_tokens: more than the steps until the last one decodes
-
-
-def gemm_peak_flops(device: str, dtype: torch.dtype = torch.bfloat16) -> float:
-    """FLOP/s of one large matmul in `dtype` (2 N^3 per product), best of PEAK_REPEATS after a warm-up."""
-    n = PEAK_N if device.startswith("cuda") else TINY_PEAK_N
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    best = float("inf")
-    for _ in range(PEAK_REPEATS + 1):
-        sync(device)
-        t = time.perf_counter()
-        a @ b
-        sync(device)
-        best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(device)
-
-
-# ---- the engine ------------------------------------------------------------------------------------
 
 
 def build(model: str, device: str, dtype: str, max_seqs: int, chunk: int):
@@ -102,7 +74,7 @@ def timed_step(engine, records: list[dict]) -> dict:
             "requests": len(batch.scheduled),
             "tokens": batch.num_tokens,
             "decode_tokens": batch.num_decode_tokens,
-            "context": sum(s.past + s.num_new_tokens for s in batch.scheduled),
+            "context": batch.num_context_tokens,
         }
         records.append(r)
     return r
@@ -240,13 +212,7 @@ def floor_lines(result: dict) -> list[str]:
         "| steps | floor | count | mean ms | floor ms | ratio |",
         "|---|---|---|---|---|---|",
     ]
-    for name, g in result["step_floors"].items():
-        if g["steps"]:
-            row = f"| {g['mean_s'] * 1e3:.2f} | {g['floor_s'] * 1e3:.3f} | {g['ratio']:.1f}x |"
-        else:
-            row = "| | | |"
-        lines.append(f"| {name} | {g['floor']} | {g['steps']} " + row)
-    return lines
+    return lines + floor_rows(result["step_floors"])
 
 
 def gbps(f: dict) -> str:

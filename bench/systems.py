@@ -204,16 +204,21 @@ class StackRunner:
     """Drives a started stack over HTTP. After each run, `router_cpu_s` holds the CPU seconds its router
     spent during it (None where it cannot be read); `metrics()` is the router's /metrics text."""
 
-    def __init__(self, stack: Stack, target: HttpTarget, progress: bool, deadline: float | None = None) -> None:
+    def __init__(
+        self, stack: Stack | SharedStack, target: HttpTarget, progress: bool, deadline: float | None = None
+    ) -> None:
         self.stack, self.target, self.progress, self.deadline = stack, target, progress, deadline
-        self.router_pid = router_pid(stack.proc.pid)
+        self.router_pid = router_pid(stack.pid if isinstance(stack, SharedStack) else stack.proc.pid)
         self.router_cpu_s: float | None = None
 
     def _router_cpu(self) -> float | None:
         return None if self.router_pid is None else cpu_seconds(self.router_pid)
 
     def __call__(self, workload: Workload, desc: str) -> tuple[float, list[RequestRecord]]:
-        if self.stack.proc.poll() is not None:
+        if isinstance(self.stack, SharedStack):
+            if not Path(f"/proc/{self.stack.pid}").exists():
+                raise SystemFailed(f"the shared pdserve stack at {self.stack.url} (PID {self.stack.pid}) is gone")
+        elif self.stack.proc.poll() is not None:
             raise SystemFailed(
                 f"the pdserve stack exited (code {self.stack.proc.returncode}); log {self.stack.log_path}"
             )
@@ -288,6 +293,24 @@ def pdserve_stack(opts: StackOptions, mode: str, progress: bool) -> Iterator[Sta
         yield StackRunner(stack, target, progress, opts.deadline)
     finally:
         stack.stop()
+
+
+@dataclass(frozen=True)
+class SharedStack:
+    """A `pdserve up` that another process started and stops (the GPU kit's): where it serves, its PID (the router's
+    CPU is read below it), the Triton cache folder it compiles into."""
+
+    system: str  # colocated | disagg
+    url: str
+    pid: int
+    triton_cache: Path
+
+
+@contextmanager
+def shared_stack(shared: SharedStack, opts: StackOptions, progress: bool) -> Iterator[StackRunner]:
+    """Drives a stack another process runs, as `pdserve_stack` drives its own; leaves it running."""
+    target = HttpTarget(shared.url.rstrip("/"), max_concurrency=opts.max_concurrency)
+    yield StackRunner(shared, target, progress, opts.deadline)
 
 
 @contextmanager

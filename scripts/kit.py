@@ -12,8 +12,13 @@
 3. A stage whose module is not in this tree (`importlib.util.find_spec`, or its option missing) is
    reported "not present in this tree"; a stage left out of the default plan by the window is reported
    "not in plan (window)". Every stage of STAGES appears in the report.
-4. The report: `kit.md` and `kit.json` in `--out`; each stage's output and JSON under `--work`
-   (`logs/<stage>.out`, `stages/<stage>.json`), packed by gpu_run.sh into one tarball.
+4. The stages naming one stack share it (`Stage.stack`): gpu_check's stacks (passed with `--url`) and bench.gpu's
+   (STACKS, passed with `--stack`: bench-colocated and bench-large run on one). The kit starts it before the first
+   of them and stops it after the last, and judges that stop as gpu_check's check (e) does its own: the pools
+   released, no "Producer process has been terminated" warning or traceback in its log, every process gone. A
+   stop that is not clean fails the kit.
+5. The report: `kit.md` and `kit.json` in `--out` (every stage; each shared stack's stop); each stage's output and
+   JSON under `--work` (`logs/<stage>.out`, `stages/<stage>.json`), packed by gpu_run.sh into one tarball.
 
 Adding a stage is one entry in STAGES.
 """
@@ -71,7 +76,7 @@ class Stage:
     value: int  # higher runs first and enters the default plan first
     argv: Callable[[Run, float], list[str]]  # (the run, this stage's budget) -> the command
     present: Callable[[], bool] = field(default=lambda: True)
-    stack: str | None = None  # the gpu_check stack it checks (`--url`): the stages naming one stack share it
+    stack: str | None = None  # the stack it runs on (STACKS' or a gpu_check one): the stages naming one share it
 
     def budget(self, run: Run) -> float:
         return self.cpu_budget_s if run.tiny else self.budget_s
@@ -120,32 +125,45 @@ def check(name: str, stack: str, requests: int, sampled: int, max_tokens: int, t
 
 
 def bench(system: str, requests: int, concurrency: int, tiny: tuple[int, int]):
-    """bench.gpu on one system; `large` is its 1,024-request run alone. Its budget must hold bench.gpu's setup and
-    the MIN_SYSTEM_S it wants left to start a system (else it skips the system, and the stage fails)."""
+    """bench.gpu on one system; `large` is its 1,024-request run alone (on the colocated stack). Its budget must hold
+    bench.gpu's setup and the MIN_SYSTEM_S it wants left to start a system (else it skips the system, and the stage
+    fails). A pdserve system runs on the kit's shared stack (`--stack`, added by run_stage)."""
 
     def argv(run: Run, budget: float) -> list[str]:
         n, c = tiny if run.tiny else (requests, concurrency)
-        if system == "large":  # colocated on one request, then the large run
-            sizes = ["--systems", "colocated", "--requests", "1", "--concurrency", "1", "--large-run", str(n), str(c)]
+        if system == "large":  # no main run (--requests 0): the large run alone, on colocated
+            sizes = ["--systems", "colocated", "--requests", "0", "--large-run", str(n), str(c)]
         else:
             sizes = ["--systems", system, "--requests", str(n), "--concurrency", str(c), "--large-run", "0", "0"]
         where = ["--out-dir", str(run.work / "stages"), "--name", f"bench-{system}", "--no-progress"]
-        budget_s = str(int(budget - KILL_GRACE_S))
-        return [
-            PY,
-            "-m",
-            "bench.gpu",
-            "--model",
-            run.model,
-            "--device",
-            run.device,
-            *sizes,
-            "--budget-s",
-            budget_s,
-            *where,
-        ]
+        return [*bench_argv(run), *sizes, "--budget-s", str(max(int(budget - KILL_GRACE_S), 1)), *where]
 
     return argv
+
+
+def bench_argv(run: Run) -> list[str]:
+    return [PY, "-m", "bench.gpu", "--model", run.model, "--device", run.device]
+
+
+@dataclass(frozen=True)
+class BenchStack:
+    """A pdserve stack as bench.gpu starts it, shared by the bench stages that name it: `--max-num-seqs` the most
+    requests in flight among them (GPU, CPU)."""
+
+    mode: str  # colocated | disagg
+    max_num_seqs: tuple[int, int]
+
+    def argv(self, run: Run, port: int) -> list[str]:
+        gpu = importlib.import_module("bench.gpu")
+        n = self.max_num_seqs[run.tiny]
+        cfg = gpu.parse_args([*bench_argv(run)[3:], "--systems", self.mode, "--concurrency", str(n)])
+        return gpu.stack_argv(cfg, self.mode, port)
+
+
+STACKS = {  # the kit's own stacks, beside gpu_check's (named by its plans)
+    "bench-colocated": BenchStack("colocated", (256, 4)),  # bench-colocated (128 in flight) and bench-large (256)
+    "bench-disagg": BenchStack("disagg", (128, 3)),
+}
 
 
 def checkpoint(run: Run, budget: float) -> list[str]:
@@ -210,16 +228,16 @@ STAGES: tuple[Stage, ...] = (  # name, GPU budget s, CPU budget s, value, comman
         "check-bf16-ipc", 45, 90, 90, check("check-bf16-ipc", "bf16-{ipc}", 16, 64, 32, (2, 2, 4)), stack="bf16-{ipc}"
     ),
     Stage("checkpoint", 45, 60, 88, checkpoint),
-    Stage("bench-colocated", 90, 120, 85, bench("colocated", 256, 128, (3, 3))),
-    Stage("bench-disagg", 90, 120, 80, bench("disagg", 256, 128, (3, 3))),
+    Stage("bench-colocated", 90, 120, 85, bench("colocated", 256, 128, (3, 3)), stack="bench-colocated"),
+    Stage("bench-disagg", 90, 120, 80, bench("disagg", 256, 128, (3, 3)), stack="bench-disagg"),
     Stage("profile", 60, 60, 75, profile, has_module("bench.profile")),
     Stage("kv-shared-copy", 20, 60, 65, kv_shared_copy, has_module("bench.kv_bandwidth", "--shared-copy")),
     Stage("check-fp32-zmq", 40, 90, 60, check("check-fp32-zmq", "fp32-zmq", 16, 0, 32, (2, 0, 4)), stack="fp32-zmq"),
-    Stage("bench-hf_cb", 90, 120, 50, bench("hf_cb", 256, 128, (4, 2))),
-    Stage("bench-static", 90, 120, 45, bench("static", 64, 32, (4, 2))),
+    Stage("bench-hf_cb", 90, 120, 50, bench("hf_cb", 256, 128, (3, 2))),
+    Stage("bench-static", 90, 120, 45, bench("static", 64, 32, (3, 2))),
     Stage("attention", 30, 60, 40, attention, has_module("bench.attention")),
     Stage("costs", 40, 60, 35, costs, has_module("bench.costs", "--device")),
-    Stage("bench-large", 90, 120, 30, bench("large", 1024, 256, (4, 4))),
+    Stage("bench-large", 90, 120, 30, bench("large", 1024, 256, (4, 4)), stack="bench-colocated"),
 )
 
 
@@ -260,41 +278,88 @@ def plan(stages: tuple[Stage, ...], run: Run, window: float, names: list[str] | 
 # ---- the shared stacks ----------------------------------------------------------------------------
 
 
+@dataclass
+class Shared:
+    """A stack the kit started: what its stages are given, and what its stop is judged by."""
+
+    name: str
+    stack: object  # bench.systems.Stack
+    url: str
+    triton_cache: Path
+    free_before: float | None  # the device's memory no other process holds, before it started (MiB; None on the CPU)
+
+    def args(self) -> list[str]:
+        """The stage's arguments: bench.gpu's `--stack`, gpu_check's `--url`."""
+        if self.name in STACKS:
+            pid = str(self.stack.proc.pid)
+            return ["--stack", STACKS[self.name].mode, self.url, pid, str(self.triton_cache)]
+        return ["--url", self.url]
+
+
 class Stacks:
-    """The gpu_check stacks the planned stages share: each starts before the first stage that names it (within that
-    stage's budget) and stops after the last one."""
+    """The stacks the planned stages share: each starts before the first stage that names it (within that stage's
+    budget) and stops after the last one; its stop is judged as gpu_check's (e) judges its own (`stops`)."""
 
     def __init__(self, run: Run, chosen: list[Stage]) -> None:
         self.run, self.open = run, {}
         self.last = {s.stack.format(ipc=run.ipc): i for i, s in enumerate(chosen) if s.stack}
+        self.stops: dict[str, dict] = {}  # each stopped stack: its clean stop
         self.gc = None
 
-    def url(self, name: str, timeout: float) -> str:
+    def get(self, name: str, timeout: float) -> Shared:
         if name not in self.open:
             self.open[name] = self.start(name, timeout)
-        return self.open[name][1]
+        return self.open[name]
 
-    def start(self, name: str, timeout: float):
+    def start(self, name: str, timeout: float) -> Shared:
         gc = self.gc = self.gc or load_script(ROOT / "scripts" / "gpu_check.py")
-        run = self.run
-        a = gc.build_parser().parse_args(["--device", run.device, "--model", run.check_model])
-        a.kv_cache_gb, a.log_dir = (0.25 if run.tiny else 1.0), run.work / "logs"
-        plan = next(p for p in gc.plans(run.device) if p.name == name)
-        port = gc.free_port()
-        stack = gc.Stack(gc.stack_argv(a, plan, port), a.log_dir / f"kit.{name}.log")
+        run, port = self.run, gc.free_port()
+        log_dir, cache = run.work / "logs", run.work / "triton-cache" / name
+        free_before = gc.free_device_mb(run.device)
+        with importlib.import_module("bench.gpu").triton_cache(cache):  # the stack compiles into its own folder
+            stack = gc.Stack(self.argv(gc, name, port), log_dir / f"kit.{name}.log")
         try:
             stack.wait_ready(timeout)
         except BaseException:
             stack.stop()
             raise
-        return stack, f"http://127.0.0.1:{port}"
+        return Shared(name, stack, f"http://127.0.0.1:{port}", cache, free_before)
+
+    def argv(self, gc, name: str, port: int) -> list[str]:
+        run = self.run
+        if name in STACKS:
+            return STACKS[name].argv(run, port)
+        a = gc.build_parser().parse_args(["--device", run.device, "--model", run.check_model])
+        a.kv_cache_gb = 0.25 if run.tiny else 1.0
+        plan = next(p for p in gc.plans(run.device) if p.name == name)
+        return gc.stack_argv(a, plan, port)
 
     def done(self, index: int) -> None:
         for name in [n for n in self.open if self.last[n] <= index]:
-            self.open.pop(name)[0].stop()
+            self.stops[name] = self.stop(self.open.pop(name))
+
+    def stop(self, shared: Shared) -> dict:
+        """Stops the stack; gpu_check's (e) on it: its pools released, its log free of the stop warnings, and every
+        process of the stack gone."""
+        gc, stack = self.gc, shared.stack
+        pids = gc.descendants(stack.proc.pid)
+        segments = gc.mapped_segments(pids)
+        stack.stop()
+        judged = gc.check_clean_stop(stack.log_path, segments, self.run.device, shared.free_before)
+        judged["processes_left"] = [p for p in pids if alive(p)]
+        judged["pass"] = judged["pass"] and not judged["processes_left"]
+        return judged
 
     def close(self) -> None:
         self.done(len(self.last) + 10**6)
+
+
+def alive(pid: int) -> bool:
+    """Whether the process runs (a zombie, dead but not reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def load_script(path: Path):
@@ -312,19 +377,21 @@ def load_script(path: Path):
 def run_stage(stage: Stage, run: Run, env: dict, stacks: Stacks) -> dict:
     """Runs one stage's command in its own process group, stopped at its budget (its stack's start included)."""
     budget = stage.budget(run)
-    argv = stage.argv(run, budget)
     t0 = time.monotonic()
     r = {"name": stage.name, "value": stage.value, "budget_s": budget}
+    shared = []
     if stage.stack:
         name = stage.stack.format(ipc=run.ipc)
         r["stack_started"] = name not in stacks.open  # else the stack an earlier stage started serves this one too
         try:
-            argv += ["--url", stacks.url(name, budget)]
+            shared = stacks.get(name, budget).args()
         except Exception as e:  # a stack that does not start fails the stage; the next stage still runs
             status = "over budget" if isinstance(e, TimeoutError) else "failed"
             return r | {"seconds": round(time.monotonic() - t0, 1), "status": status, "error": f"stack {name}: {e}"}
         r["stack"] = name
-    rc, status = command(argv, env, run.work / "logs" / f"{stage.name}.out", budget - (time.monotonic() - t0))
+    left = budget - (time.monotonic() - t0)  # the command's budget: the stage's, less its stack's start
+    argv = stage.argv(run, left) + shared
+    rc, status = command(argv, env, run.work / "logs" / f"{stage.name}.out", left)
     r |= {"seconds": round(time.monotonic() - t0, 1), "status": status, "exit_code": rc}
     return r | {"command": " ".join(argv[1:]), "summary": summary(run, stage.name)}
 
@@ -381,7 +448,24 @@ def markdown(report: dict) -> str:
     for r in report["stages"]:
         secs = f"{r['seconds']:.1f}" if "seconds" in r else ""
         lines.append(f"| {r['name']} | {r['value']} | {r['budget_s']:.0f} | {secs} | {r['status']} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + stop_lines(report)) + "\n"
+
+
+def stop_lines(report: dict) -> list[str]:
+    """Each shared stack's stop, judged as gpu_check's (e) judges its own."""
+    stops = report.get("stacks") or {}
+    if not stops:
+        return []
+    lines = ["", "| shared stack | stages | clean stop | segments left | processes left | warnings |"]
+    lines.append("|---|---|---|---|---|---|")
+    for name, j in stops.items():
+        stages = ", ".join(r["name"] for r in report["stages"] if r.get("stack") == name)
+        warnings = ", ".join(f"{w} ({n})" for w, n in j["warnings"].items())
+        verdict = "passed" if j["pass"] else "failed"
+        lines.append(
+            f"| {name} | {stages} | {verdict} | {len(j['segments_left'])} | {len(j['processes_left'])} | {warnings} |"
+        )
+    return lines
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -410,6 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"device": a.device, "window_s": window, "planned_s": sum(s.budget(run) for s in chosen), "stages": []}
     print(f"kit: {len(chosen)} stages, {report['planned_s']:.0f} s of a {window:.0f} s window", flush=True)
     t0, stacks = time.monotonic(), Stacks(run, chosen)
+    report["stacks"] = stacks.stops  # filled as each shared stack stops
     try:
         for i, stage in enumerate(chosen):
             r = run_stage(stage, run, env, stacks)
@@ -420,7 +505,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stacks.close()
     report = write(report, a.out, t0, stage_list(report["stages"], left, run))
-    return 0 if all(r["status"] == "passed" for r in report["stages"] if r["name"] in {s.name for s in chosen}) else 1
+    planned = {s.name for s in chosen}
+    passed = all(r["status"] == "passed" for r in report["stages"] if r["name"] in planned)
+    return 0 if passed and all(j["pass"] for j in stacks.stops.values()) else 1
 
 
 def stage_list(ran: list[dict], left: dict, run: Run) -> list[dict]:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -87,3 +91,56 @@ def test_the_faults_stage_is_present_and_starts_its_own_nodes(tmp_path):
     assert stage.present() and stage.stack is None
     argv = stage.argv(kit.Run("cpu", True, tmp_path), stage.budget(kit.Run("cpu", True, tmp_path)))
     assert "--faults" in argv and argv[argv.index("--stacks") + 1] == "fp32-shm" and "--url" not in argv
+
+
+def test_the_bench_stages_share_the_kits_stacks(tmp_path):
+    kit = load()
+    run = kit.Run("cpu", True, tmp_path)
+    by_name = {s.name: s for s in kit.STAGES}
+    assert by_name["bench-colocated"].stack == by_name["bench-large"].stack == "bench-colocated"
+    assert by_name["bench-disagg"].stack == "bench-disagg"
+    assert kit.STACKS["bench-colocated"].max_num_seqs == (256, 4)  # bench-large's run: 256 in flight (CPU: 4)
+    for name, spec in kit.STACKS.items():  # started as bench.gpu starts its own, sized for every stage sharing it
+        argv = spec.argv(run, 1234)
+        assert argv[argv.index("--mode") + 1] == spec.mode and argv[argv.index("--port") + 1] == "1234", name
+        assert argv[argv.index("--max-num-seqs") + 1] == str(spec.max_num_seqs[True]), name
+    shared = kit.Shared("bench-colocated", FakeStack(4321, tmp_path / "log"), "http://x:1", tmp_path / "tc", None)
+    assert shared.args() == ["--stack", "colocated", "http://x:1", "4321", str(tmp_path / "tc")]
+    assert kit.Shared("fp32-shm", None, "http://x:2", tmp_path, None).args() == ["--url", "http://x:2"]
+
+
+class FakeStack:
+    """A stack the kit judges the stop of: a process with a child, and a log."""
+
+    def __init__(self, pid: int, log: Path, proc=None) -> None:
+        self.proc, self.log_path = proc or type("P", (), {"pid": pid})(), log
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait()
+
+
+def test_a_shared_stacks_stop_is_judged_and_reported(tmp_path):
+    kit = load()
+    stacks = kit.Stacks(kit.Run("cpu", True, tmp_path), [kit.Stage("a", 30, 30, 1, lambda r, b: [], stack="s")])
+    stacks.gc = load_script(SCRIPT.parent / "gpu_check.py")
+    log = tmp_path / "stack.log"
+    log.write_text("Producer process has been terminated before all shared CUDA tensors released\n")
+    # a "stack" whose child outlives it (it ignores SIGTERM): a stop that leaves a process behind
+    child = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(flush=True); time.sleep(60)"
+    parent = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE)
+    proc.stdout.readline()  # the child runs
+    pids = stacks.gc.descendants(proc.pid)
+    try:
+        stacks.open["s"] = kit.Shared("s", FakeStack(proc.pid, log, proc), "http://x", tmp_path, None)
+        stacks.done(0)
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    judged = stacks.stops["s"]
+    assert not judged["pass"] and judged["warnings"] == {"Producer process has been terminated": 1}
+    assert judged["processes_left"] == pids[1:] and len(pids) == 2
+    report = {"stages": [{"name": "a", "stack": "s"}], "stacks": stacks.stops}
+    assert "| s | a | failed | 0 | 1 | Producer process has been terminated (1) |" in kit.stop_lines(report)

@@ -36,7 +36,7 @@ from pdserve.engine.draws import Drawn, TokenLogprob, finish_reason
 from pdserve.engine.parts import EngineParts
 from pdserve.engine.request import Request, Status
 from pdserve.engine.rows import DrawRows
-from pdserve.engine.scheduler import Batch, Scheduler
+from pdserve.engine.scheduler import Batch, Scheduler, group_counts
 from pdserve.kv.backend import KvBackend, Message
 from pdserve.kv.block_allocator import blocks_for
 from pdserve.wire.messages import KvData
@@ -226,6 +226,12 @@ class Engine:
         kind = "graph" if graphed else "eager"
         for name, n in (("steps", 1), ("tokens", batch.num_tokens), ("decode_tokens", batch.num_decode_tokens)):
             self.run_counts[f"{kind}_{name}"] += n
+
+    @staticmethod
+    def floor_counts(batch: Batch | None, seconds: float) -> dict[str, float]:
+        """A finished step's counts under its floor group's counter names (`group_counts`); with no batch, every
+        group's counters at zero."""
+        return group_counts(batch, seconds)
 
     def run_counters(self) -> dict[str, int]:
         """Since start: the steps, tokens and decode tokens computed by a replayed CUDA graph (graph_*) and by an eager

@@ -38,6 +38,32 @@ from pdserve.wire.params import block_hashes
 
 # A new request waits for a prefix a running request is computing when that saves it at least this many blocks.
 WAIT_FOR_PREFIX_BLOCKS = 4
+STEP_GROUPS = ((1, 8), (9, 32), (33, 128), (129, 256))  # decode-only steps by batch size, beside their memory floor
+
+
+def step_group(requests: int, tokens: int, decode_tokens: int) -> str | None:
+    """The group a step is set beside its floor in: "prompt chunks" when it runs any prompt token (the compute
+    floor), else "decode LO-HI" by its batch size (the memory floor); None for a decode batch past STEP_GROUPS."""
+    if decode_tokens != tokens:
+        return "prompt chunks"
+    return next((f"decode {lo}-{hi}" for lo, hi in STEP_GROUPS if lo <= requests <= hi), None)
+
+
+GROUP_KEYS = {  # each floor group -> the prefix of its node counters
+    g: "steps_" + g.replace(" ", "_").replace("-", "_")
+    for g in [f"decode {lo}-{hi}" for lo, hi in STEP_GROUPS] + ["prompt chunks"]
+}
+GROUP_COUNTS = ("count", "time_s", "context_tokens", "tokens")  # each group's counters: <prefix>_<count>
+
+
+def group_counts(batch: Batch | None, seconds: float) -> dict[str, float]:
+    """One step's counts under its floor group's counter names (steps, seconds, context tokens, tokens); with no
+    batch, every group's counters at zero."""
+    if batch is None:
+        return {f"{p}_{k}": 0 for p in GROUP_KEYS.values() for k in GROUP_COUNTS}
+    prefix = GROUP_KEYS.get(batch.floor_group)
+    values = (1, seconds, batch.num_context_tokens, batch.num_tokens)
+    return {f"{prefix}_{k}": v for k, v in zip(GROUP_COUNTS, values, strict=True)} if prefix else {}
 
 
 class ScheduledRequest(NamedTuple):
@@ -128,6 +154,17 @@ class Batch:
             rows, lens, _, pasts = self.arrays
             return int(np.count_nonzero((lens == 1) & (pasts >= self.table.prompt_len[rows])))
         return sum(1 for s in self.scheduled if s.num_new_tokens == 1 and s.past >= len(s.request.prompt_token_ids))
+
+    @property
+    def num_context_tokens(self) -> int:
+        """The KV the batch's attention reads: each request's tokens up to the end of its chunk."""
+        _, lens, _, pasts = self.columns
+        return sum(lens) + sum(pasts)
+
+    @property
+    def floor_group(self) -> str | None:
+        """`step_group` of this batch."""
+        return step_group(len(self.scheduled), self.num_tokens, self.num_decode_tokens)
 
     def prompt_logprob_rows(self) -> list[tuple[int, Request, int]]:
         """(row of the iteration's flat tokens, request, position) of every prompt position whose logits score

@@ -10,7 +10,10 @@ the step finished in an iteration is the one launched in the iteration before (`
 is scheduled and queued before step N's tokens are taken in (docs/async-scheduling.md). Counters:
 step_time_s is the wall time from a step's launch to its finish (the I/O between included),
 busy_time_s that of whole iterations with work; the difference is what a busy node spends outside its
-steps (tokens out on the CPU, chores, and time it lost its core).
+steps (tokens out on the CPU, chores, and time it lost its core). Each step also counts into its floor group
+(`step_group`: decode-only steps by batch size, 1-8 to 129-256; steps with prompt chunks): steps_<group>_count,
+_time_s, _context_tokens (the KV its attention reads) and _tokens, from which bench.gpu sets each group beside its
+floor (bench.floors).
 
 Shutdown: SIGINT stops at once. SIGTERM drains: the node says so in its stats (the router stops
 picking it and answers with the requests it still routes here, some perhaps still on their way), refuses
@@ -131,6 +134,7 @@ class NodeBase:
         self.handlers = {self.front: self.handle_front}
         self.routers: dict[bytes, None] = {}  # the routing ids of the routers that said Hello, the latest last
         self.counters = {"requests": 0, "tokens_out": 0, "steps": 0, "step_time_s": 0.0, "busy_time_s": 0.0}
+        self.counters |= self.engine.floor_counts(None, 0.0)  # each floor group's: steps, seconds, context, tokens
         self.held: list[TokenOutput] = []  # a step's outputs, not published yet
         self.launches: deque[tuple[float, float]] = deque(maxlen=64)  # (start, end) of the latest steps' launch()
         self._next_stats = 0.0
@@ -239,14 +243,21 @@ class NodeBase:
         # a step's time runs from its launch to its finish, the I/O between included; a prefill step of prompt
         # chunks only (no first token yet) counts too
         if step is not None:
-            self.counters["steps"] += 1
-            self.counters["step_time_s"] += time.perf_counter() - t0
+            self.count_step(step.batch, time.perf_counter() - t0)
         self.held.extend(outputs)
         if not self.engine.overlapped:  # the CPU has computed the step already: nothing to overlap
             self.flush()
         self.tick()
         if outputs or not idle:
             self.counters["busy_time_s"] += time.perf_counter() - started
+
+    def count_step(self, batch, seconds: float) -> None:
+        """A finished step into the counters: all steps, and its floor group's (`step_group`): steps, seconds,
+        context tokens, tokens."""
+        self.counters["steps"] += 1
+        self.counters["step_time_s"] += seconds
+        for k, n in self.engine.floor_counts(batch, seconds).items():
+            self.counters[k] += n
 
     def flush(self) -> None:
         """Publish the outputs held back from the last step."""

@@ -50,14 +50,29 @@ def test_node_counters_are_summed_per_role_and_diffed():
     assert per_node == {"steps": {"tcp://a": 10.0, "tcp://b": 5.0}, "step_time_s": {"tcp://a": 0.5}}
 
 
-def test_decode_step_floor_is_weights_plus_mean_kv_over_memory_bandwidth():
-    figures = {"weight_bytes_per_step": 1e9, "decode_kv_bytes": 2e9}
-    hw = {"memory_GBps": 1000.0, "kv_copy_GBps": 100.0}
-    counts = {"decode": {"steps": 100.0, "step_time_s": 0.204, "tokens_out": 6400.0}}
-    d = gpu.decode_step(counts, "decode", figures, hw)
-    assert d["floor_ms"] == pytest.approx(1.02) and d["mean_step_ms"] == pytest.approx(2.04)
-    assert d["step_over_floor"] == pytest.approx(2.0) and d["mean_batch"] == 64
-    assert gpu.decode_step({}, "decode", figures, hw) is None
+def test_a_nodes_steps_are_set_beside_their_floors_from_its_group_counters():
+    figures = {"weight_bytes_per_step": 1e9, "weights_per_step": 5e8, "kv_bytes_per_token": 1e6}
+    hw = {"copy_GBps": 500.0, "bf16_peak_flops_per_s": 1e15, "kv_copy_GBps": 100.0}
+    counts = {
+        "decode": {
+            "steps": 100.0,
+            "steps_decode_9_32_count": 100.0,  # 100 steps of 9-32 requests, 0.2 s in all, 1e5 tokens of KV read
+            "steps_decode_9_32_time_s": 0.2,
+            "steps_decode_9_32_context_tokens": 1e5,
+            "steps_prompt_chunks_count": 0.0,
+        },
+        "prefill": {"steps": 2.0, "steps_prompt_chunks_count": 2.0, "steps_prompt_chunks_time_s": 0.02},
+    }
+    counts["prefill"]["steps_prompt_chunks_tokens"] = 4096.0
+    d = gpu.node_floors(counts, "decode", figures, hw)["groups"]
+    # the memory floor: (100 x 1 GB + 1e5 x 1 MB) / 100 steps at 1,000 GB/s read + written = 2 ms a step
+    assert d["decode 9-32"]["floor_s"] == pytest.approx(2e-3) and d["decode 9-32"]["ratio"] == pytest.approx(1.0)
+    assert d["decode 1-8"] == {"floor": "memory", "steps": 0} and d["prompt chunks"]["steps"] == 0
+    p = gpu.node_floors(counts, "prefill", figures, hw)["groups"]["prompt chunks"]
+    # the compute floor: 2,048 tokens a step x 2 x 5e8 FLOPs at 1e15 FLOP/s
+    assert p["floor"] == "compute" and p["floor_s"] == pytest.approx(2048 * 1e9 / 1e15)
+    assert p["ratio"] == pytest.approx(0.01 / p["floor_s"])
+    assert gpu.node_floors({}, "decode", figures, hw) is None
     kv = gpu.kv_transfer(systems.node_counters(METRICS), hw)
     assert kv["GBps"] == pytest.approx(2.0) and kv["share_of_copy"] == pytest.approx(0.02)
 

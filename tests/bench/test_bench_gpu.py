@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,10 @@ def test_the_large_run_goes_to_the_pdserve_systems_both_lists_name():
     assert len(runs[1][1].requests) == 16
     none = gpu.plan_runs(gpu.GpuBenchConfig(device="cpu", large_requests=0), config)
     assert len(none) == 1
+    alone = gpu.plan_runs(dataclasses.replace(cfg, requests=0), config)  # --requests 0: the large run alone
+    assert [(c.requests, c.concurrency, c.systems) for c, _ in alone] == [(16, 8, ("colocated",))]
+    with pytest.raises(ValueError, match="--requests 0"):
+        gpu.GpuBenchConfig(device="cpu", requests=0, large_requests=0)
     with pytest.raises(ValueError, match="--large-systems"):
         gpu.GpuBenchConfig(device="cpu", large_systems=("static",))
 
@@ -89,7 +94,17 @@ def test_the_report_shows_the_steady_state_kernels_and_the_graph_share(tmp_path)
         "summary": summary,
         "concurrency": 4,
         "steady_state": st,
-        "decode_step": None,
+        "step_floors": [
+            {
+                "node": "colocated",
+                "steps": 100,
+                "groups": {
+                    "decode 1-8": {"floor": "memory", "steps": 90, "mean_s": 0.002, "floor_s": 0.0005, "ratio": 4.0},
+                    "decode 9-32": {"floor": "memory", "steps": 0},
+                    "prompt chunks": {"floor": "compute", "steps": 10, "mean_s": 0.01, "floor_s": 0.005, "ratio": 2.0},
+                },
+            }
+        ],
         "triton_compilations": 0,
         "triton_compiled_at_start": 7,
     }
@@ -129,6 +144,7 @@ def test_the_report_shows_the_steady_state_kernels_and_the_graph_share(tmp_path)
             "decode_device": "cpu",
             "copy_GBps": 1.0,
             "memory_GBps": 2.0,
+            "bf16_peak_flops_per_s": 1e12,
             "kv_copy_GBps": 1.0,
         },
         "workload": {"requests": 8, "prompt_tokens": 100, "output_tokens": 50},
@@ -149,6 +165,9 @@ def test_the_report_shows_the_steady_state_kernels_and_the_graph_share(tmp_path)
     md = gpu.markdown(run)
     assert "| sharegpt_like 8/4 | colocated | 4 | 4.0 | 20% | 4 | 2 | 0 (7) |" in md
     assert "| decode | 265 | 9.0 | 13 |" in md and "limit for a decode step 300" in md
+    assert "| colocated | colocated | decode 1-8 | memory | 90 | 2.00 | 0.500 | 4.0x |" in md  # each group's floor
+    assert "| colocated | colocated | prompt chunks | compute | 10 | 10.00 | 5.000 | 2.0x |" in md
+    assert "decode 9-32" not in md and "bf16 GEMM peak 1.00 TFLOP/s" in md  # groups without steps are left out
     assert "| colocated | colocated | 100 | 10 | 90.0% | 95.0% | 100.0% | 0 (12) |" in md
     assert "Then `sharegpt_like 16/8`: 16 requests" in md
     assert "`sharegpt_like`: 8 requests" in md and "--max-num-seqs 4 " in md  # no preset: --concurrency

@@ -204,6 +204,16 @@ def test_gpu_run_cpu_mode_passes_in_the_box_venv(box, site, tmp_path):
     )
     shared = {s["name"]: s.get("stack_started") for s in kit["stages"] if s.get("stack") == "fp32-colocated"}
     assert shared == {"smoke": True, "check-fp32-colocated": False}  # one stack served both stages
+    shared = {s["name"]: s.get("stack_started") for s in kit["stages"] if s.get("stack") == "bench-colocated"}
+    assert shared == {"bench-colocated": True, "bench-large": False}  # and bench.gpu's colocated runs
+    assert set(kit["stacks"]) == {s["stack"] for s in kit["stages"] if s.get("stack")}  # every shared stack's stop
+    assert all(j["pass"] and j["processes_left"] == [] for j in kit["stacks"].values()), kit["stacks"]
+    assert "| bench-colocated | bench-colocated, bench-large | passed |" in (out / "kit.md").read_text()
+    large = json.loads((tmp_path / "work" / "stages" / "bench-large.json").read_text())["results"]
+    assert [(r["label"], r["shared_stack"].startswith("http")) for r in large] == [("sharegpt_like 4/4", True)]
+    disagg = json.loads((tmp_path / "work" / "stages" / "bench-disagg.json").read_text())["results"][0]["step_floors"]
+    groups = {f["node"]: {g: v["steps"] for g, v in f["groups"].items() if v["steps"]} for f in disagg}
+    assert set(groups["prefill"]) == {"prompt chunks"} and "decode 1-8" in groups["decode"], groups  # each floor
     fp32 = json.loads((tmp_path / "work" / "stages" / "check-fp32-ipc.json").read_text())["stacks"]["fp32-shm"]
     assert fp32["greedy_exact"]["exact"] == 4 and fp32["sampling"]["seeds_judged"]
     assert fp32["top_k1_greedy"]["greedy"] == 4
