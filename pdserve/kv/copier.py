@@ -1,11 +1,14 @@
-"""The decode node's background KV copies out of a shared pool (shm, cuda_ipc), beside its steps.
+"""Work a node does beside its loop, on a thread of its own: the decode node's KV copies out of a shared pool (shm,
+cuda_ipc), the prefill node's checksums of the KV it offers.
 
-One thread, started with the node, runs the copies in order: a copy is a function that copies one request's blocks
-in one batched call (KVPool.copy_blocks_from), then one that returns the checksums of what landed. On a GPU the copy
-runs on the thread's own CUDA stream and the thread waits for that copy's event only (never the device, nor the
-stream the steps run on).
-When a copy is done the thread pokes an inproc socket that the node polls, so the node takes the result at its next
-look at its sockets (between its steps) even while idle. Nothing is opened per copy.
+A `Worker` runs its jobs in order on one thread, started with the node. When a job is done the thread pokes an
+inproc socket that the node polls, so the node takes the result at its next look at its sockets (between its steps)
+even while idle. Nothing is opened per job.
+
+`BlockCopier` is the decode node's: a job is a burst of copies (the requests whose blocks the scheduler reserved in
+one look), copied in one batched call (KVPool.copy_blocks_from), then each request's checksums of what landed. On a
+GPU the copy runs on the thread's own CUDA stream and the thread waits for that copy's event only (never the device,
+nor the stream the steps run on).
 """
 
 from __future__ import annotations
@@ -15,47 +18,36 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import zmq
 
 
-@dataclass(eq=False)
-class Copy:
-    """One request's copy: what to run, and when it ran (time.perf_counter)."""
+class Worker:
+    """Runs jobs on a thread, in order; `take()` returns the results of those done, oldest first."""
 
-    key: str
-    run: Callable[[], object]  # copies the blocks
-    check: Callable[[], list[int]]  # the checksums of what landed ([]: none to compare)
-    offered: float = 0.0  # (set by the node: when the request's offer was taken)
-    started: float = 0.0
-    copied: float = 0.0  # the blocks are in (on a GPU: the copy's event has completed)
-    done: float = 0.0  # and checked
-    checksums: list[int] = field(default_factory=list)
-    error: Exception | None = None
-
-
-class BlockCopier:
-    """Runs copies on a thread; `take()` returns those done, oldest first."""
-
-    def __init__(self, ctx: zmq.Context, device: str = "cpu") -> None:
-        self.address = f"inproc://pdserve-kv-copier-{id(self):x}"
+    def __init__(self, ctx: zmq.Context, name: str, work: Callable[[Any], list]) -> None:
+        """`work(job)` runs on the thread and returns the results the job yields (each handed out once by take());
+        it must not raise."""
+        self.address = f"inproc://pdserve-{name}-{id(self):x}"
         self.wake = ctx.socket(zmq.PULL)  # the node polls it; what arrives is only a poke
         self.wake.bind(self.address)
         self._poke = ctx.socket(zmq.PUSH)  # used by the thread only
         self._poke.connect(self.address)
-        self._device = device
-        self._todo: queue.SimpleQueue[Copy | None] = queue.SimpleQueue()
-        self._done: queue.SimpleQueue[Copy] = queue.SimpleQueue()
-        self.in_flight = 0
-        self._thread = threading.Thread(target=self._work, name="kv-copier", daemon=True)
+        self._work_on = work
+        self._todo: queue.SimpleQueue = queue.SimpleQueue()
+        self._done: queue.SimpleQueue = queue.SimpleQueue()
+        self.in_flight = 0  # results not taken yet
+        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, copy: Copy) -> None:
-        self.in_flight += 1
-        self._todo.put(copy)
+    def submit(self, job: Any, results: int = 1) -> None:
+        """Queue a job that yields `results` results."""
+        self.in_flight += results
+        self._todo.put(job)
 
-    def take(self) -> list[Copy]:
-        """The copies done since the last call (and the pokes that announced them drained)."""
+    def take(self) -> list:
+        """The results done since the last call (and the pokes that announced them drained)."""
         while self.wake.poll(0):
             self.wake.recv()
         done = []
@@ -67,8 +59,8 @@ class BlockCopier:
         self.in_flight -= len(done)
         return done
 
-    def wait_all(self) -> list[Copy]:
-        """Block until every copy submitted is done; return those not taken yet."""
+    def wait_all(self) -> list:
+        """Block until every job submitted is done; return the results not taken yet."""
         done = []
         while self.in_flight:
             self.wake.poll(1000)
@@ -82,18 +74,63 @@ class BlockCopier:
         self._poke.close(linger=0)
 
     def _work(self) -> None:
-        stream = _side_stream(self._device)
-        while (copy := self._todo.get()) is not None:
-            copy.started = time.perf_counter()
-            try:
-                _run_on(stream, copy.run)
-                copy.copied = time.perf_counter()
-                copy.checksums = copy.check()
-            except Exception as e:  # noqa: BLE001 - a bad copy fails its request, not the node
-                copy.error = e
+        while (job := self._todo.get()) is not None:
+            for result in self._work_on(job):
+                self._done.put(result)
+                self._poke.send(b"")
+
+
+@dataclass(eq=False)
+class Copy:
+    """One request's part of a burst's copy: how to check what landed, and when it ran (time.perf_counter)."""
+
+    key: str
+    check: Callable[[], list[int]]  # the checksums of what landed ([]: none to compare)
+    offered: float = 0.0  # (set by the node: when the request's offer was taken)
+    started: float = 0.0
+    copied: float = 0.0  # the blocks are in (on a GPU: the copy's event has completed)
+    done: float = 0.0  # and checked
+    checksums: list[int] = field(default_factory=list)
+    error: Exception | None = None
+
+
+@dataclass(eq=False)
+class Burst:
+    """Copies done by one call: `run` copies every one's blocks at once."""
+
+    run: Callable[[], object]
+    copies: list[Copy]
+
+
+class BlockCopier(Worker):
+    """Runs bursts of copies on a thread; `take()` returns the copies done, oldest first."""
+
+    def __init__(self, ctx: zmq.Context, device: str = "cpu") -> None:
+        self._device, self._stream, self._stream_made = device, None, False
+        super().__init__(ctx, "kv-copier", self._copy)
+
+    def submit(self, burst: Burst) -> None:  # type: ignore[override]
+        super().submit(burst, len(burst.copies))
+
+    def _copy(self, burst: Burst):
+        if not self._stream_made:
+            self._stream, self._stream_made = _side_stream(self._device), True
+        started = time.perf_counter()
+        try:
+            _run_on(self._stream, burst.run)
+            error = None
+        except Exception as e:  # noqa: BLE001 - a bad copy fails its requests, not the node
+            error = e
+        copied = time.perf_counter()
+        for copy in burst.copies:  # each is handed out checked, the first while the others are checked
+            copy.started, copy.copied, copy.error = started, copied, error
+            if error is None:
+                try:
+                    copy.checksums = copy.check()
+                except Exception as e:  # noqa: BLE001
+                    copy.error = e
             copy.done = time.perf_counter()
-            self._done.put(copy)
-            self._poke.send(b"")
+            yield copy
 
 
 def _side_stream(device: str):

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import zlib
 
+import numpy as np
 import torch
 
 from pdserve.kv.block_allocator import BlockAllocator
 from pdserve.kv.layout import KVLayout
 
+FEW_RUNS = 16  # blocks in at most this many runs are read (checksums) or copied in place, slice by slice; else gathered
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -96,9 +98,10 @@ class KVPool:
         """Copy whole blocks out of another pool's storage `src` (same layout), every layer at once: one slice copy
         when both sides are runs of consecutive blocks, else one gather and one scatter of their slots."""
         bs = self.block_size
-        if is_run(src_blocks) and is_run(dst_blocks):
-            s, d, n = src_blocks[0], dst_blocks[0], len(src_blocks)
-            self.data[..., d * bs : (d + n) * bs, :].copy_(src[..., s * bs : (s + n) * bs, :], non_blocking=True)
+        runs = paired_runs(src_blocks, dst_blocks)
+        if len(runs) <= FEW_RUNS:  # (a burst of requests' blocks, each a run on both sides: one slice copy each)
+            for s, d, n in runs:
+                self.data[..., d * bs : (d + n) * bs, :].copy_(src[..., s * bs : (s + n) * bs, :], non_blocking=True)
             return
         n = len(src_blocks) * bs
         src_slots = _to_device(self.slots(src_blocks, 0, n), src.device)  # [n]
@@ -110,32 +113,60 @@ class KVPool:
 def kv_checksums(parts: list[tuple[torch.Tensor, list[int]]], block_size: int, num_tokens: int) -> list[int]:
     """A CRC-32 per layer of the KV of tokens 0..num_tokens-1 held by `parts`, (pool storage, block ids) in token
     order, each but the last holding whole blocks (a decode node's cached prefix as the prefill pool holds it, the
-    rest in its own pool, say): as `KVPool.checksums` of one pool holding them all. The KV is gathered once into
-    [L, 2, nkv, n, d], whose layers are each one run of bytes in that order: one CRC call a layer."""
-    pieces, left = [], num_tokens
+    rest in its own pool, say): as `KVPool.checksums` of one pool holding them all. A layer's KV is read in the order
+    [2, nkv, num_tokens, d] straight out of the pools, one CRC call per run of consecutive slots (the CRC carried
+    from one to the next), without gathering it first."""
+    pieces, left = [], num_tokens  # (storage as [L, 2 * nkv, S, d], its slots: a slice or an index), in token order
     for data, blocks in parts:
         n = min(left, len(blocks) * block_size)
-        if n:
-            pieces.append(_gather(data, blocks, block_size, n))  # [L, 2, nkv, n, d]
+        runs = slot_runs(blocks, block_size, n)
+        rows = data.reshape(data.shape[0], -1, data.shape[3], data.shape[4]).numpy()
+        if len(runs) <= FEW_RUNS:
+            pieces += [(rows, slice(first, first + count)) for first, count in runs]
+        elif n:
+            pieces.append((rows, np.concatenate([np.arange(first, first + count) for first, count in runs])))
         left -= n
-    kv = torch.cat(pieces, dim=3) if len(pieces) > 1 else pieces[0]  # [L, 2, nkv, num_tokens, d]
-    return [zlib.crc32(layer.view(torch.uint8).numpy()) for layer in kv]
+    out = []
+    for layer in range(parts[0][0].shape[0]):
+        crc = 0
+        if all(isinstance(slots, slice) for _, slots in pieces):  # read in place, head by head
+            for row in range(pieces[0][0].shape[1] if pieces else 0):
+                for rows, slots in pieces:
+                    crc = zlib.crc32(rows[layer, row, slots], crc)
+        else:  # scattered blocks: one gather of the layer's slots from each part
+            kv = np.ascontiguousarray(np.concatenate([rows[layer][:, slots] for rows, slots in pieces], axis=1))
+            crc = zlib.crc32(kv)
+        out.append(crc)
+    return out
 
 
-def _gather(data: torch.Tensor, blocks: list[int], block_size: int, n: int) -> torch.Tensor:
-    """The first `n` token slots of `blocks` in pool storage `data`, contiguous: [L, 2, nkv, n, d]."""
-    if is_run(blocks):
-        first = blocks[0] * block_size
-        return data[:, :, :, first : first + n].contiguous()
-    pos = torch.arange(n)
-    slots = torch.tensor(blocks, dtype=torch.long)[pos // block_size] * block_size + pos % block_size
-    return data.index_select(3, slots)
+def slot_runs(blocks: list[int], block_size: int, n: int) -> list[tuple[int, int]]:
+    """The first `n` token slots of `blocks` as (first slot, count) runs of consecutive slots, in token order."""
+    runs: list[tuple[int, int]] = []
+    for i in range(-(-n // block_size)):
+        first, count = blocks[i] * block_size, min(block_size, n - i * block_size)
+        if runs and runs[-1][0] + runs[-1][1] == first:
+            runs[-1] = (runs[-1][0], runs[-1][1] + count)
+        else:
+            runs.append((first, count))
+    return runs
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Host tensor `t` on `device`; on a GPU through pinned memory, without waiting for the work queued there (as
     runner/copies.py does for the engine's own inputs)."""
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+def paired_runs(src_blocks: list[int], dst_blocks: list[int]) -> list[tuple[int, int, int]]:
+    """(first source block, first destination block, count) of the runs consecutive on both sides, in order."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src_blocks, dst_blocks, strict=True):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
 
 
 def is_run(block_ids: list[int]) -> bool:

@@ -42,6 +42,7 @@ A request's life here (the engine owns the request, its queue and its blocks; th
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections import OrderedDict
@@ -52,7 +53,7 @@ from pdserve.config import NodeConfig
 from pdserve.engine.engine import TokenOutput
 from pdserve.engine.request import Request, Status
 from pdserve.kv.backend import TransferError
-from pdserve.kv.copier import BlockCopier, Copy
+from pdserve.kv.copier import BlockCopier, Burst, Copy
 from pdserve.kv.peers import KvPeer, KvTransfer, TransferState, choose_transport
 from pdserve.nodes.base import Buckets, NodeBase, kv_backends
 from pdserve.wire import transport
@@ -62,6 +63,7 @@ from pdserve.wire.messages import (
     HelloAck,
     KvAck,
     KvCancel,
+    KvChecksums,
     KvData,
     KvHello,
     KvOffer,
@@ -161,6 +163,8 @@ class DecodeNode(NodeBase):
             self._on_offer(self.peers[identity], msg)
         elif isinstance(msg, KvData):
             self._on_data(self.peers[identity], msg, frames)
+        elif isinstance(msg, KvChecksums):
+            self._on_checksums(self.peers[identity], msg)
         elif isinstance(msg, KvCancel):
             self._forget(msg.request_id)
 
@@ -306,22 +310,42 @@ class DecodeNode(NodeBase):
         return self.engine.abort(request_id) is not None
 
     # ---- copies out of a shared pool -----------------------------------------------------------
-    def _start_copy(self, inc: Incoming) -> None:
-        """Copy a request's offered blocks into those just reserved for it, on the copier's thread (beside the
-        steps); the blocks it holds from the prefix cache are not copied."""
-        req, engine, first = inc.request, self.engine, inc.first_block
-        src = list(inc.offered.src_blocks)
-        header = dataclasses.replace(inc.offered, src_blocks=src[first:])
-        prefix = (inc.peer.source, src[:first])  # the prompt's cached blocks, checked as the sender holds them
+    def _start_copies(self, offered: list[Incoming]) -> None:
+        """Copy the offered blocks of the requests whose blocks were just reserved into theirs, in one batched copy on
+        the copier's thread (beside the steps); the blocks they hold from the prefix cache are not copied. An offer
+        that does not fit its request fails alone, before the copy."""
+        engine, copies, moves, singles = self.engine, [], {}, []
+        for inc in offered:
+            req, first = inc.request, inc.first_block
+            src = list(inc.offered.src_blocks)
+            header = dataclasses.replace(inc.offered, src_blocks=src[first:])
+            try:
+                plan = engine.kv_to_copy(req, inc.peer.backend, header, inc.peer.source)
+            except TransferError as e:
+                self._kv_failed(inc, f"bad KV: {e}")
+                continue
+            if plan is None:  # (a pool it cannot read directly: copied on its own)
+                singles.append((req, inc.peer, header))
+            else:
+                both = moves.setdefault(id(inc.peer.source), (inc.peer.source, [], []))
+                both[1].extend(plan[0])
+                both[2].extend(plan[1])
+            prefix = (inc.peer.source, src[:first])  # the prompt's cached blocks, checked as the sender holds them
+            copies.append(Copy(req.request_id, functools.partial(self._landed_checksums, req, prefix)))
+            inc.copying = True
 
-        def run() -> int:
-            return engine.receive_kv(req, inc.peer.backend, header, [], inc.peer.source)
+        def run() -> None:
+            for source, src_blocks, dst_blocks in moves.values():
+                engine.copy_kv(source, src_blocks, dst_blocks)
+            for req, peer, header in singles:
+                engine.receive_kv(req, peer.backend, header, [], peer.source)
 
-        def check() -> list[int]:
-            return engine.copied_checksums(req, prefix) if header.kv_checksums else []
+        if copies:
+            self.copier.submit(Burst(run, copies))
 
-        inc.copying = True
-        self.copier.submit(Copy(req.request_id, run, check))
+    def _landed_checksums(self, req: Request, prefix: tuple) -> list[int]:
+        """(On the copier's thread) the checksums of a request's KV once copied ([] for a pool off the CPU)."""
+        return self.engine.copied_checksums(req, prefix)
 
     def _copies_done(self) -> None:
         for copy in self.copier.take():
@@ -341,7 +365,23 @@ class DecodeNode(NodeBase):
         if copy.error is not None:
             self._kv_failed(inc, f"bad KV: {copy.error}")
             return
-        why = self.engine.kv_landed(inc.request, inc.peer.backend, list(inc.offered.kv_checksums), copy.checksums)
+        inc.copied = copy
+        if inc.checksums_in:
+            self._check_landed(inc)
+
+    def _on_checksums(self, peer: PrefillPeer, msg: KvChecksums) -> None:
+        """The sender's checksums of an offer's blocks: what landed of them (or lands later) is checked against them."""
+        inc = self.incoming.get(msg.request_id)
+        if inc is None or inc.peer is not peer or inc.offered is None or inc.checksums_in:
+            return  # (cancelled, not this peer's, or pulled after all)
+        inc.checksums, inc.checksums_in = list(msg.kv_checksums), True
+        if inc.copied is not None:
+            self._check_landed(inc)
+
+    def _check_landed(self, inc: Incoming) -> None:
+        """A copy is done and the sender's checksums are in: the request decodes only if what landed matches them."""
+        copy = inc.copied
+        why = self.engine.kv_landed(inc.request, inc.peer.backend, inc.checksums, copy.checksums)
         if why:
             self._kv_failed(inc, why)
             return
@@ -380,18 +420,19 @@ class DecodeNode(NodeBase):
     def tick(self) -> None:
         super().tick()
         now = time.monotonic()
-        copying = False
+        offered = []
         for req in self.engine.reserve_remote():
             inc = self.incoming[req.request_id]
             inc.pulled(self.engine.first_block_to_pull(req))
             if inc.offered is not None:
-                self._start_copy(inc)
-                copying = True
+                offered.append(inc)
             else:
                 transport.send(self.kv_sock, KvPull(req.request_id, inc.first_block), identity=inc.peer.link)
-        if copying and not self.copy_beside_steps:  # they join the very next step
+        self._start_copies(offered)
+        if self.copier.in_flight and not self.copy_beside_steps:  # they join the very next step
             for copy in self.copier.wait_all():
                 self._copy_done(copy)
+            self.drain(self.kv_sock)  # with the checksums sent after their offers
         wait = self.cfg.kv_lease_s / 2  # well before the prefill node's lease on the KV runs out
         pulled = [i for i in self.incoming.values() if i.state is TransferState.PULLED and not i.copying]
         for inc in [i for i in pulled if now - i.pulled_at > wait]:

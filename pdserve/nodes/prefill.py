@@ -49,6 +49,7 @@ from pdserve.wire.messages import (
     HelloAck,
     KvAck,
     KvCancel,
+    KvChecksums,
     KvHello,
     KvOffer,
     KvPull,
@@ -125,10 +126,12 @@ class PrefillNode(NodeBase):
     # ---- after a step: first tokens ------------------------------------------------------------
     def on_outputs(self, outputs: list[TokenOutput]) -> None:
         super().on_outputs(outputs)
+        offers = []
         for o in outputs:
             addr = self.decode_addr.pop(o.request.request_id, "")
             if o.finish_reason is None:
-                self._offer(o.request, self._peer(addr))
+                offers += self._offer(o.request, self._peer(addr))
+        self._send_offers(offers)
 
     def _peer(self, addr: str) -> DecodePeer:
         peer = self.peers.get(addr)
@@ -145,14 +148,24 @@ class PrefillNode(NodeBase):
             self.handlers[sock] = lambda _id, msg, frames, p=peer: self.handle_kv(p, msg, frames)
         return peer
 
-    def _offer(self, req: Request, peer: DecodePeer) -> None:
+    def _offer(self, req: Request, peer: DecodePeer) -> list[Transfer]:
+        """Track a request's transfer; [it] when its offer can go now (else it waits for the pairing, or failed)."""
         t = self.transfers[req.request_id] = Transfer(req, peer, TransferState.QUEUED)
         if peer.refused:
             self._fail(req.request_id, f"decode node {peer.name} refused to pair: {peer.refused}")
-        elif peer.paired:
-            self._send_offer(t)
+        return [t] if peer.paired and not peer.refused else []
 
-    def _send_offer(self, t: Transfer) -> None:
+    def _send_offers(self, transfers: list[Transfer]) -> None:
+        """Offer each request's KV; over a shared pool, once every offer is out, their checksums follow (KvChecksums),
+        one request after another: the decode nodes reserve blocks and copy meanwhile."""
+        checksums = [t for t in transfers if self._send_offer(t)]
+        for t in checksums:
+            if self.transfers.get(t.request.request_id) is t:
+                sums = self.engine.kv_checksums(t.request, 0)
+                transport.send(t.peer.link.sock, KvChecksums(t.request.request_id, sums))
+
+    def _send_offer(self, t: Transfer) -> bool:
+        """Send a transfer's offer; True when its checksums are to follow (a shared pool's blocks named in it)."""
         t.move(TransferState.OFFERED)
         t.started = time.monotonic()  # the lease runs from the offer
         self.counters["kv_offers"] += 1
@@ -160,21 +173,25 @@ class PrefillNode(NodeBase):
         offer = KvOffer(
             req.request_id, req.prompt_token_ids, req.output_token_ids[0], req.params, len(req.prompt_token_ids)
         )
-        if t.peer.backend.shared_pool:  # the decode node copies the blocks itself once it has reserved its own
-            t.pulled_at = t.started
-            offer = self._with_blocks(offer, t)
+        if not t.peer.backend.shared_pool:
+            transport.send(t.peer.link.sock, offer)
+            return False
+        t.pulled_at = t.started  # the decode node copies the blocks itself once it has reserved its own
+        offer = self._with_blocks(offer, t)
         if offer is not None:
             transport.send(t.peer.link.sock, offer)
+        return offer is not None and offer.kv is not None
 
     def _with_blocks(self, offer: KvOffer, t: Transfer) -> KvOffer | None:
-        """The offer naming the prompt's blocks in our shared pool, with the checksums of their KV (a fault injected
-        may damage them, drop them, so that the decode node pulls, or delay the whole offer: then None). Our copy of
-        the blocks stays as it is until the decode node's KvAck says its copy is done."""
+        """The offer naming the prompt's blocks in our shared pool (a fault injected may damage them, drop them, so
+        that the decode node pulls, or delay the whole offer and its checksums: then None). Our copy of the blocks
+        stays as it is until the decode node's KvAck says its copy is done."""
         req = t.request
-        messages = list(self._with_checksums(self.engine.send_kv(req, t.peer.backend), req, 0))
+        messages = list(self.engine.send_kv(req, t.peer.backend))
         kind = self.faults.pick()
         if kind == "delay":
-            self._inject(kind, req.request_id, [(dataclasses.replace(offer, kv=messages[0][0]), [])], 0)
+            late = KvChecksums(req.request_id, self.engine.kv_checksums(req, 0))
+            self._inject(kind, req.request_id, [(dataclasses.replace(offer, kv=messages[0][0]), []), (late, [])], 0)
             return None
         if kind is not None:
             messages = self._inject(kind, req.request_id, messages, len(req.prompt_token_ids))
@@ -217,8 +234,7 @@ class PrefillNode(NodeBase):
             peer.paired, peer.refused, peer.backend = True, "", self.backends[chosen]
             self.counters[f"kv_pairings_{chosen}"] += 1
             log.info("paired with decode node %s; KV goes over %s", peer.name, chosen)
-            for t in self._queued(peer):
-                self._send_offer(t)
+            self._send_offers(self._queued(peer))
 
     def _on_pull(self, pull: KvPull) -> None:
         t = self.transfers.get(pull.request_id)

@@ -19,7 +19,8 @@ from pdserve.wire.params import MAX_LOGPROBS, ErrorCode, FinishReason, Id, Role,
 # 9: a shared pool's transfer is never pulled: the offer carries the prompt's source blocks and checksums
 #    (KvOffer.kv), the decode node copies them at once and its KvAck says from which block (KvAck.first_block)
 # 10: histograms in Stats (Stats.histograms: the decode node's hand-off in parts)
-PROTOCOL_VERSION = 10
+# 11: a shared pool's offer goes before its checksums, which follow in KvChecksums
+PROTOCOL_VERSION = 11
 
 
 # ---- router <-> node ---------------------------------------------------------------------------
@@ -197,8 +198,9 @@ class KvHello:
 @dataclass(frozen=True)
 class KvOffer:
     """Prefill -> decode: a request whose prompt KV is ready; the decode node reserves blocks first. Over a shared
-    pool (shm, cuda_ipc) `kv` names the prompt's blocks there, with the checksums of their KV: the decode node copies
-    them once its blocks are reserved, with no pull; None: it pulls (zmq)."""
+    pool (shm, cuda_ipc) `kv` names the prompt's blocks there: the decode node copies them once its blocks are
+    reserved, with no pull, and checks what landed against the checksums of their KV, which follow in KvChecksums;
+    None: it pulls (zmq)."""
 
     request_id: str
     prompt_token_ids: list[Id]
@@ -250,6 +252,16 @@ class KvWaiting:
 
 
 @dataclass(frozen=True)
+class KvChecksums:
+    """Prefill -> decode, right after a shared pool's KvOffer: a CRC-32 per layer of the KV of the blocks it named, as
+    the prefill node holds them ([]: none to check, a pool off the CPU). The decode node lets the request decode only
+    once what it copied matches them."""
+
+    request_id: str
+    kv_checksums: list[Id] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class KvCancel:
     """Prefill -> decode: the request was aborted; forget any offer or reservation."""
 
@@ -274,5 +286,6 @@ MESSAGES: dict[str, type] = {  # type tag -> message class: the only classes a p
         KvAck,
         KvWaiting,
         KvCancel,
+        KvChecksums,
     )
 }

@@ -1,6 +1,6 @@
-"""The decode node's background copier (kv/copier.py): copies out of a shared pool run on its thread, in order, one
-batched copy each, and wake whoever polls its socket; on a GPU (marked `gpu`) a copy started once the writer's step
-is known done reads every block that step wrote, though its writer stream was busy until then."""
+"""The decode node's background copier (kv/copier.py): bursts of copies out of a shared pool run on its thread, in
+order, one batched copy a burst, and wake whoever polls its socket; on a GPU (marked `gpu`) a copy started once the
+writer's step is known done reads every block that step wrote, though its writer stream was busy until then."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import zmq
 
-from pdserve.kv.copier import BlockCopier, Copy
+from pdserve.kv.copier import BlockCopier, Burst, Copy
 from pdserve.kv.pool import KVLayout, KVPool
 from pdserve.kv.transfer import ShmBackend
 from tests.helpers import export_tokens
@@ -24,8 +24,9 @@ def ctx():
     c.destroy(linger=0)
 
 
-def _copy(key: str, dst: KVPool, src: KVPool, src_blocks: list[int], dst_blocks: list[int]) -> Copy:
-    return Copy(key, lambda: dst.copy_blocks_from(src.data, src_blocks, dst_blocks), lambda: [len(dst_blocks)])
+def _copy(key: str, dst: KVPool, src: KVPool, src_blocks: list[int], dst_blocks: list[int]) -> Burst:
+    run = lambda: dst.copy_blocks_from(src.data, src_blocks, dst_blocks)  # noqa: E731
+    return Burst(run, [Copy(key, lambda: [len(dst_blocks)])])
 
 
 def test_copies_out_of_a_shared_pool_land_in_order_and_wake_the_poller(ctx):
@@ -38,14 +39,25 @@ def test_copies_out_of_a_shared_pool_land_in_order_and_wake_the_poller(ctx):
         moves = {"run": ([4, 5, 6], [9, 10, 11]), "scattered": ([13, 2, 7], [0, 15, 3])}
         for key, (s, d) in moves.items():
             copier.submit(_copy(key, dst, src, s, d))
-        copier.submit(Copy("bad", lambda: dst.copy_blocks_from(src.data, [99], [1]), list))
+        burst = {"b1": ([8, 9], [4, 5]), "b2": ([0, 1], [12, 13])}  # one copy for both
+        src_all, dst_all = [b for s, _ in burst.values() for b in s], [b for _, d in burst.values() for b in d]
+        calls = []
+
+        def run_burst():
+            calls.append(len(src_all))
+            dst.copy_blocks_from(src.data, src_all, dst_all)
+
+        copier.submit(Burst(run_burst, [Copy(key, lambda: [2]) for key in burst]))
+        copier.submit(Burst(lambda: dst.copy_blocks_from(src.data, [99], [1]), [Copy("bad", list)]))
         assert copier.wake.poll(WAIT_MS), "a finished copy did not wake the poller"
         done = copier.wait_all()
-        assert [c.key for c in done] == ["run", "scattered", "bad"] and copier.in_flight == 0
-        for c, (s, d) in zip(done, moves.values(), strict=False):
-            assert c.error is None and c.started <= c.copied <= c.done and c.checksums == [3]
-            assert torch.equal(export_tokens(dst, d, 12), export_tokens(src, s, 12))
-        assert isinstance(done[2].error, IndexError | RuntimeError), "a failed copy is reported, not raised"
+        assert [c.key for c in done] == ["run", "scattered", "b1", "b2", "bad"] and copier.in_flight == 0
+        assert calls == [4], "a burst is one copy"
+        for c, (s, d) in zip(done, [*moves.values(), *burst.values()], strict=False):
+            assert c.error is None and c.started <= c.copied <= c.done and c.checksums
+            assert torch.equal(export_tokens(dst, d, 4 * len(d)), export_tokens(src, s, 4 * len(s)))
+        assert done[2].started == done[3].started and done[2].copied == done[3].copied
+        assert isinstance(done[4].error, IndexError | RuntimeError), "a failed copy is reported, not raised"
     finally:
         copier.close()
         owner.close()

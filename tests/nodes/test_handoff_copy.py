@@ -20,6 +20,7 @@ from pdserve.kv.transfer import ShmBackend
 from pdserve.nodes.decode import DecodeNode
 from pdserve.nodes.prefill import PrefillNode
 from pdserve.router.metrics import NodeCollector
+from pdserve.wire import transport
 from pdserve.wire.messages import Generate, KvAck, KvOffer
 from pdserve.wire.params import SamplingParams
 from tests.helpers import export_tokens
@@ -56,7 +57,7 @@ def test_the_copy_runs_beside_a_step_and_the_prefill_blocks_wait_for_its_ack(nod
     p_router, d_router = FakeRouter(prefill), FakeRouter(decode)
     d_router.send(Generate("busy", [3, 4, 5], SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)))
     _slowed(decode.engine.runner, "run", SLOW_STEP_S, monkeypatch)  # it has a request running, so it steps
-    _slowed(decode.engine, "receive_kv", SLOW_COPY_S, monkeypatch)  # run by the copier's thread
+    _slowed(decode.engine, "copy_kv", SLOW_COPY_S, monkeypatch)  # run by the copier's thread
     seen: list[tuple[str, float]] = []  # what the prefill node did with r1, in order
     offers: list[KvOffer] = []
     handle_kv, release = prefill.handle_kv, prefill.engine.release
@@ -73,16 +74,36 @@ def test_the_copy_runs_beside_a_step_and_the_prefill_blocks_wait_for_its_ack(nod
             held.append(kv.clone())
         release(req, status)
 
-    decode_offer = decode._on_offer
+    decode_offer, decode_checksums, kv_checksums = decode._on_offer, decode._on_checksums, prefill.engine.kv_checksums
+    sums: list = []  # the KvChecksums the decode node got
+    order: list[str] = []  # the prefill node's hand-off for r1, in order: offer sent, checksums computed
 
     def spy_offer(peer, offer):
         offers.append(offer)
         decode_offer(peer, offer)
 
+    def spy_checksums(peer, msg):
+        sums.append(msg)
+        decode_checksums(peer, msg)
+
+    def spy_kv_checksums(req, first_block=0):
+        order.append("checksums")
+        return kv_checksums(req, first_block)
+
+    send = transport.send
+
+    def spy_send(sock, msg, *args, **kwargs):
+        if isinstance(msg, KvOffer):
+            order.append("offer")
+        return send(sock, msg, *args, **kwargs)
+
     held: list[torch.Tensor] = []
     monkeypatch.setattr(prefill, "handle_kv", spy_handle)
     monkeypatch.setattr(prefill.engine, "release", spy_release)
     monkeypatch.setattr(decode, "_on_offer", spy_offer)
+    monkeypatch.setattr(decode, "_on_checksums", spy_checksums)
+    monkeypatch.setattr(prefill.engine, "kv_checksums", spy_kv_checksums)
+    monkeypatch.setattr(transport, "send", spy_send)
     # the prefill node's socket to the decode node dispatches to handle_kv through a lambda made at connect time
     p_router.send(Generate("r1", PROMPT, SamplingParams(max_tokens=4, temperature=0), decode_addr=decode.kv_addr))
     for _ in range(MAX_LOOPS):
@@ -97,7 +118,10 @@ def test_the_copy_runs_beside_a_step_and_the_prefill_blocks_wait_for_its_ack(nod
             break
 
     [offer] = offers
-    assert offer.kv is not None and offer.kv.src_blocks and offer.kv.kv_checksums, "the offer named no blocks"
+    assert offer.kv is not None and offer.kv.src_blocks, "the offer named no blocks"
+    assert order == ["offer", "checksums"], "the offer waited for its checksums"
+    [msg] = sums
+    assert msg.request_id == "r1" and len(msg.kv_checksums) == prefill.engine.layout.num_layers, "no checksums followed"
     [copy] = [c for c in decode.copies if c.key == "r1"]
     assert copy.error is None and decode.counters["kv_bad"] == 0  # the checksums of what landed matched
     assert decode.counters["kv_copies"] == decode.counters["kv_copies_overlapped"] == 1
