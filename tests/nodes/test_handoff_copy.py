@@ -5,6 +5,7 @@ usual admission, and the prefill node frees its blocks only once the decode node
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from types import SimpleNamespace
 
@@ -189,3 +190,50 @@ def test_checksums_of_a_prompt_split_over_two_pools_are_those_of_one_pool():
         assert dst.checksums_after((src.data, src_blocks[:2]), [0, 5], num_tokens) != whole
     finally:
         owner.close()
+
+
+def test_a_burst_of_offers_is_one_copy_and_each_request_is_checked_on_its_own(nodes, monkeypatch):
+    """Offers taken together are copied in one batched copy; each request's landed KV is checked against its own
+    checksums (which follow its offer): one whose offer names a wrong block fails alone, the other decodes."""
+    prefill, decode = nodes
+    p_router = FakeRouter(prefill)
+    calls: list[tuple[list[int], list[int]]] = []
+    copy_kv = decode.engine.copy_kv
+
+    def spy_copy(source, src_blocks, dst_blocks):
+        calls.append((list(src_blocks), list(dst_blocks)))
+        copy_kv(source, src_blocks, dst_blocks)
+
+    monkeypatch.setattr(decode.engine, "copy_kv", spy_copy)
+    taken: list[str] = []
+    decode_offer, decode_checksums = decode._on_offer, decode._on_checksums
+
+    def spy_offer(peer, offer):
+        taken.append("offer")
+        if offer.request_id == "bad":  # a damaged offer: its second block is another one of the pool
+            src = list(offer.kv.src_blocks)
+            offer = dataclasses.replace(offer, kv=dataclasses.replace(offer.kv, src_blocks=[src[0], src[1] + 5]))
+        decode_offer(peer, offer)
+
+    def spy_checksums(peer, msg):
+        taken.append("checksums")
+        decode_checksums(peer, msg)
+
+    monkeypatch.setattr(decode, "_on_offer", spy_offer)
+    monkeypatch.setattr(decode, "_on_checksums", spy_checksums)
+    for rid, prompt in (("good", PROMPT), ("bad", [t + 1 for t in PROMPT])):
+        p_router.send(Generate(rid, prompt, SamplingParams(max_tokens=4, temperature=0), decode_addr=decode.kv_addr))
+    for _ in range(MAX_LOOPS):  # the decode node only reads its KV socket: both offers are in before it reserves
+        prefill.loop_once()
+        decode.drain(decode.kv_sock)
+        if len(taken) == 4:
+            break
+    assert sorted(taken) == ["checksums", "checksums", "offer", "offer"], taken
+    assert not decode.copies
+    decode.tick()  # reserves both, copies them (one burst), checks each
+    assert len(calls) == 1 and len(calls[0][0]) == 4, calls
+    good, bad = (next(c for c in decode.copies if c.key == rid) for rid in ("good", "bad"))
+    assert good.started == bad.started and good.copied == bad.copied, "not one copy"
+    assert decode.counters["kv_copies"] == 2 and decode.counters["kv_bad"] == 1, decode.counters
+    assert decode.engine.requests["good"].status is Status.WAITING  # landed, joins the next step
+    assert decode.engine.requests["bad"].num_computed_tokens == 0  # recomputes its prompt here (--kv-failure)
