@@ -17,12 +17,13 @@ A request's life here:
    `--kv-fault-rate` damages a share of the transfers on purpose (kv/faults.py), for tests and
    drills; a decode node that recomputes a damaged request's KV acknowledges it all the same (with the
    reason), and our copy is freed.
-   Over a shared pool (shm, cuda_ipc) there is no pull: the offer names the prompt's blocks in our pool, with the
-   checksums of their KV, and the decode node copies them as soon as it has reserved its own, beside its steps; its
-   KvAck says the copy is done, and only then are our blocks freed (docs/handoff-edges.md, "Copies out of a shared
-   pool"). The offer goes after the step that wrote the last of those blocks has finished (`Engine.finish` waited
-   for its sampled token, queued behind its KV writes), so the decode node never reads a block before our writes
-   to it are complete.
+   Over a shared pool (shm, cuda_ipc) there is no pull: the offer names the prompt's blocks in our pool, and the
+   decode node copies them as soon as it has reserved its own, beside its steps; the checksums of their KV follow
+   (KvChecksums: after a step, every offer goes first, then their checksums, so that the copies run meanwhile). Its
+   KvAck says the copy is done and matched them, and only then are our blocks freed (docs/handoff-edges.md, "Copies
+   out of a shared pool"). The offer goes after the step that wrote the last of those blocks has finished
+   (`Engine.finish` waited for its sampled token, queued behind its KV writes), so the decode node never reads a
+   block before our writes to it are complete.
 5. An Abort from the router at any point frees the KV and cancels the transfer on the decode node.
 """
 
