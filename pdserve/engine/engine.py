@@ -153,17 +153,6 @@ class Engine:
         blocks, num_tokens = self.prompt_kv(req, self.first_block_to_pull(req))
         return backend.unpack(self.pool, blocks, num_tokens, header, frames, source)
 
-    def kv_to_copy(self, req: Request, backend: Any, header: KvData, source: Any) -> tuple[list[int], list[int]] | None:
-        """(source blocks, our blocks) of a RECEIVING_KV request's KV offered out of a shared pool (`source`, the
-        prefill pool's storage; those of our prefix cache left out), to copy with others' (`copy_kv`); None when
-        only `receive_kv` can land it; TransferError when the offer does not fit the request."""
-        blocks, num_tokens = self.prompt_kv(req, self.first_block_to_pull(req))
-        return backend.blocks_to_copy(self.pool, blocks, num_tokens, header, source)
-
-    def copy_kv(self, source: Any, src_blocks: list[int], dst_blocks: list[int]) -> None:
-        """Copy whole blocks out of a shared pool's storage into ours: a burst of requests' in one batched copy."""
-        self.pool.copy_blocks_from(source, src_blocks, dst_blocks)
-
     def kv_landed(self, req: Request, backend: KvBackend, checksums: list[int], got: list[int] | None = None) -> str:
         """Every layer is in: once the copies have read the sender's memory, the KV is checked against the sender's
         per-layer `checksums` of what it sent ([]: none to check). If it matches, the request joins the queue and ""

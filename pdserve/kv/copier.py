@@ -6,9 +6,10 @@ inproc socket that the node polls, so the node takes the result at its next look
 even while idle. Nothing is opened per job.
 
 `BlockCopier` is the decode node's: a job is a burst of copies (the requests whose blocks the scheduler reserved in
-one look), copied in one batched call (KVPool.copy_blocks_from), then each request's checksums of what landed. On a
-GPU the copy runs on the thread's own CUDA stream and the thread waits for that copy's event only (never the device,
-nor the stream the steps run on).
+one look), each request's blocks in one batched call (KVPool.copy_blocks_from), then its checksums of what landed.
+On the CPU each copy and its check run one after another, every request handed out as soon as it is checked; on a
+GPU the burst's copies are queued on the thread's own CUDA stream and the thread waits for one event after them
+(never the device, nor the stream the steps run on), then checks each.
 """
 
 from __future__ import annotations
@@ -82,9 +83,10 @@ class Worker:
 
 @dataclass(eq=False)
 class Copy:
-    """One request's part of a burst's copy: how to check what landed, and when it ran (time.perf_counter)."""
+    """One request's copy: what to run, how to check what landed, and when it ran (time.perf_counter)."""
 
     key: str
+    run: Callable[[], object]  # copies the request's blocks (KVPool.copy_blocks_from, one batched call)
     check: Callable[[], list[int]]  # the checksums of what landed ([]: none to compare)
     offered: float = 0.0  # (set by the node: when the request's offer was taken)
     started: float = 0.0
@@ -94,43 +96,56 @@ class Copy:
     error: Exception | None = None
 
 
-@dataclass(eq=False)
-class Burst:
-    """Copies done by one call: `run` copies every one's blocks at once."""
-
-    run: Callable[[], object]
-    copies: list[Copy]
-
-
 class BlockCopier(Worker):
-    """Runs bursts of copies on a thread; `take()` returns the copies done, oldest first."""
+    """Runs bursts of copies (the requests whose blocks were reserved together) on a thread, one job a burst;
+    `take()` returns the copies done, oldest first."""
 
     def __init__(self, ctx: zmq.Context, device: str = "cpu") -> None:
         self._device, self._stream, self._stream_made = device, None, False
         super().__init__(ctx, "kv-copier", self._copy)
 
-    def submit(self, burst: Burst) -> None:  # type: ignore[override]
-        super().submit(burst, len(burst.copies))
+    def submit(self, burst: list[Copy]) -> None:  # type: ignore[override]
+        super().submit(burst, len(burst))
 
-    def _copy(self, burst: Burst):
+    def _copy(self, burst: list[Copy]):
         if not self._stream_made:
             self._stream, self._stream_made = _side_stream(self._device), True
-        started = time.perf_counter()
-        try:
-            _run_on(self._stream, burst.run)
-            error = None
-        except Exception as e:  # noqa: BLE001 - a bad copy fails its requests, not the node
-            error = e
-        copied = time.perf_counter()
-        for copy in burst.copies:  # each is handed out checked, the first while the others are checked
-            copy.started, copy.copied, copy.error = started, copied, error
-            if error is None:
+        if self._stream is None:  # the CPU: a copy is done when its call returns; each is handed out once checked
+            for copy in burst:
+                copy.started = time.perf_counter()
+                _run_and_check(copy, copied=None)
+                yield copy
+            return
+        import torch
+
+        with torch.cuda.stream(self._stream):  # every copy of the burst queued, then waited for by one event
+            for copy in burst:
+                copy.started = time.perf_counter()
                 try:
-                    copy.checksums = copy.check()
-                except Exception as e:  # noqa: BLE001
+                    copy.run()
+                except Exception as e:  # noqa: BLE001 - a bad copy fails its request, not the node
                     copy.error = e
-            copy.done = time.perf_counter()
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        event.synchronize()
+        copied = time.perf_counter()
+        for copy in burst:
+            _run_and_check(copy, copied)
             yield copy
+
+
+def _run_and_check(copy: Copy, copied: float | None) -> None:
+    """Run a copy (unless it ran already: `copied`, when), then check what landed; an error is kept, not raised."""
+    try:
+        if copied is None:
+            copy.run()
+        copy.copied = copied or time.perf_counter()
+        if copy.error is None:
+            copy.checksums = copy.check()
+    except Exception as e:  # noqa: BLE001 - a bad copy fails its request, not the node
+        copy.error = e
+        copy.copied = copy.copied or time.perf_counter()
+    copy.done = time.perf_counter()
 
 
 def _side_stream(device: str):
@@ -140,17 +155,3 @@ def _side_stream(device: str):
     import torch
 
     return torch.cuda.Stream(device=device)
-
-
-def _run_on(stream, run: Callable[[], object]) -> None:
-    """Run a copy; on a GPU on `stream`, then wait for it by its own event."""
-    if stream is None:
-        run()
-        return
-    import torch
-
-    with torch.cuda.stream(stream):
-        run()
-        event = torch.cuda.Event()
-        event.record(stream)
-    event.synchronize()

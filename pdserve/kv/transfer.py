@@ -106,23 +106,6 @@ class _SharedPoolBackend:
         source: torch.Tensor | None,
     ) -> int:
         """Copy every layer's blocks out of the mapped prefill pool; return the layers landed."""
-        src_blocks, dst_blocks = self._checked(pool, dst_blocks, num_tokens, header, source)
-        pool.copy_blocks_from(source, src_blocks, dst_blocks)
-        return pool.layout.num_layers
-
-    def blocks_to_copy(
-        self, pool: KVPool, dst_blocks: list[int], num_tokens: int, header: KvData, source: torch.Tensor | None
-    ) -> tuple[list[int], list[int]] | None:
-        """(source blocks, destination blocks) of an offer's copy out of the mapped prefill pool, not copied yet (a
-        decode node copies a burst of offers' at once; None: this one only by unpack()); TransferError when the offer
-        does not fit the request."""
-        return self._checked(pool, dst_blocks, num_tokens, header, source)
-
-    @staticmethod
-    def _checked(
-        pool: KVPool, dst_blocks: list[int], num_tokens: int, header: KvData, source: torch.Tensor | None
-    ) -> tuple[list[int], list[int]]:
-        """An offer's (source blocks, destination blocks), checked against the request and the mapped pool."""
         src_blocks = list(header.src_blocks)
         n_blocks = blocks_for(num_tokens, pool.block_size)
         if len(src_blocks) != n_blocks or len(dst_blocks) < n_blocks:
@@ -131,7 +114,8 @@ class _SharedPoolBackend:
             raise TransferError("this prefill node's pool is not mapped (no handshake)")
         if any(not 0 <= b < KVPool.num_blocks_of(source, pool.block_size) for b in src_blocks):
             raise TransferError("a source block id is outside the prefill pool")
-        return src_blocks, list(dst_blocks[:n_blocks])
+        pool.copy_blocks_from(source, src_blocks, dst_blocks[:n_blocks])
+        return pool.layout.num_layers
 
     def wait_landed(self, pool: KVPool) -> None:
         """A copy between CPU pools is done when unpack() returns."""
@@ -208,13 +192,6 @@ class CudaIpcBackend(_SharedPoolBackend):
         if key not in self.routes:
             self.routes[key] = copy_route(*key, torch.cuda.can_device_access_peer)
         return self.routes[key]
-
-    def blocks_to_copy(
-        self, pool: KVPool, dst_blocks: list[int], num_tokens: int, header: KvData, source: torch.Tensor | None
-    ) -> tuple[list[int], list[int]] | None:
-        """As shm's; None for a pool on another GPU without peer access (unpack() reads it through host memory)."""
-        plan = self._checked(pool, dst_blocks, num_tokens, header, source)
-        return None if self.route(source.device, pool.data.device) == "host" else plan
 
     def unpack(
         self,

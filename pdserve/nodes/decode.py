@@ -55,7 +55,7 @@ from pdserve.config import NodeConfig
 from pdserve.engine.engine import TokenOutput
 from pdserve.engine.request import Request, Status
 from pdserve.kv.backend import TransferError
-from pdserve.kv.copier import BlockCopier, Burst, Copy
+from pdserve.kv.copier import BlockCopier, Copy
 from pdserve.kv.peers import KvPeer, KvTransfer, TransferState, choose_transport
 from pdserve.nodes.base import Buckets, NodeBase, kv_backends
 from pdserve.wire import transport
@@ -313,37 +313,20 @@ class DecodeNode(NodeBase):
 
     # ---- copies out of a shared pool -----------------------------------------------------------
     def _start_copies(self, offered: list[Incoming]) -> None:
-        """Copy the offered blocks of the requests whose blocks were just reserved into theirs, in one batched copy on
-        the copier's thread (beside the steps); the blocks they hold from the prefix cache are not copied. An offer
-        that does not fit its request fails alone, before the copy."""
-        engine, copies, moves, singles = self.engine, [], {}, []
+        """Copy the offered blocks of the requests whose blocks were just reserved into theirs, one burst on the
+        copier's thread (beside the steps), each request's blocks in one batched copy; the blocks they hold from the
+        prefix cache are not copied."""
+        burst = []
         for inc in offered:
             req, first = inc.request, inc.first_block
             src = list(inc.offered.src_blocks)
             header = dataclasses.replace(inc.offered, src_blocks=src[first:])
-            try:
-                plan = engine.kv_to_copy(req, inc.peer.backend, header, inc.peer.source)
-            except TransferError as e:
-                self._kv_failed(inc, f"bad KV: {e}")
-                continue
-            if plan is None:  # (a pool it cannot read directly: copied on its own)
-                singles.append((req, inc.peer, header))
-            else:
-                both = moves.setdefault(id(inc.peer.source), (inc.peer.source, [], []))
-                both[1].extend(plan[0])
-                both[2].extend(plan[1])
+            run = functools.partial(self.engine.receive_kv, req, inc.peer.backend, header, [], inc.peer.source)
             prefix = (inc.peer.source, src[:first])  # the prompt's cached blocks, checked as the sender holds them
-            copies.append(Copy(req.request_id, functools.partial(self._landed_checksums, req, prefix)))
+            burst.append(Copy(req.request_id, run, functools.partial(self._landed_checksums, req, prefix)))
             inc.copying = True
-
-        def run() -> None:
-            for source, src_blocks, dst_blocks in moves.values():
-                engine.copy_kv(source, src_blocks, dst_blocks)
-            for req, peer, header in singles:
-                engine.receive_kv(req, peer.backend, header, [], peer.source)
-
-        if copies:
-            self.copier.submit(Burst(run, copies))
+        if burst:
+            self.copier.submit(burst)
 
     def _landed_checksums(self, req: Request, prefix: tuple) -> list[int]:
         """(On the copier's thread) the checksums of a request's KV once copied ([] for a pool off the CPU)."""

@@ -58,7 +58,7 @@ def test_the_copy_runs_beside_a_step_and_the_prefill_blocks_wait_for_its_ack(nod
     p_router, d_router = FakeRouter(prefill), FakeRouter(decode)
     d_router.send(Generate("busy", [3, 4, 5], SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)))
     _slowed(decode.engine.runner, "run", SLOW_STEP_S, monkeypatch)  # it has a request running, so it steps
-    _slowed(decode.engine, "copy_kv", SLOW_COPY_S, monkeypatch)  # run by the copier's thread
+    _slowed(decode.engine, "receive_kv", SLOW_COPY_S, monkeypatch)  # run by the copier's thread
     seen: list[tuple[str, float]] = []  # what the prefill node did with r1, in order
     offers: list[KvOffer] = []
     handle_kv, release = prefill.handle_kv, prefill.engine.release
@@ -192,19 +192,19 @@ def test_checksums_of_a_prompt_split_over_two_pools_are_those_of_one_pool():
         owner.close()
 
 
-def test_a_burst_of_offers_is_one_copy_and_each_request_is_checked_on_its_own(nodes, monkeypatch):
-    """Offers taken together are copied in one batched copy; each request's landed KV is checked against its own
+def test_a_burst_of_offers_is_one_job_and_each_request_is_checked_on_its_own(nodes, monkeypatch):
+    """Offers taken together go to the copier as one burst; each request's landed KV is checked against its own
     checksums (which follow its offer): one whose offer names a wrong block fails alone, the other decodes."""
     prefill, decode = nodes
     p_router = FakeRouter(prefill)
-    calls: list[tuple[list[int], list[int]]] = []
-    copy_kv = decode.engine.copy_kv
+    bursts: list[list[str]] = []
+    submit = decode.copier.submit
 
-    def spy_copy(source, src_blocks, dst_blocks):
-        calls.append((list(src_blocks), list(dst_blocks)))
-        copy_kv(source, src_blocks, dst_blocks)
+    def spy_submit(burst):
+        bursts.append([c.key for c in burst])
+        submit(burst)
 
-    monkeypatch.setattr(decode.engine, "copy_kv", spy_copy)
+    monkeypatch.setattr(decode.copier, "submit", spy_submit)
     taken: list[str] = []
     decode_offer, decode_checksums = decode._on_offer, decode._on_checksums
 
@@ -231,9 +231,7 @@ def test_a_burst_of_offers_is_one_copy_and_each_request_is_checked_on_its_own(no
     assert sorted(taken) == ["checksums", "checksums", "offer", "offer"], taken
     assert not decode.copies
     decode.tick()  # reserves both, copies them (one burst), checks each
-    assert len(calls) == 1 and len(calls[0][0]) == 4, calls
-    good, bad = (next(c for c in decode.copies if c.key == rid) for rid in ("good", "bad"))
-    assert good.started == bad.started and good.copied == bad.copied, "not one copy"
+    assert bursts == [["good", "bad"]], bursts
     assert decode.counters["kv_copies"] == 2 and decode.counters["kv_bad"] == 1, decode.counters
     assert decode.engine.requests["good"].status is Status.WAITING  # landed, joins the next step
     assert decode.engine.requests["bad"].num_computed_tokens == 0  # recomputes its prompt here (--kv-failure)
