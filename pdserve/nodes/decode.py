@@ -79,8 +79,9 @@ log = logging.getLogger("pdserve.decode")
 REMEMBER_ABORTS = 4096
 WAITING_NOTICE_S = 0.25
 KEEP_COPIES = 64
-# kv_copies: copies out of a shared pool done; kv_copies_overlapped: of those, the ones that ran while a step ran
-HANDOFF_COUNTERS = ("kv_copies", "kv_copies_overlapped")
+# kv_copies: copies out of a shared pool done; kv_copies_overlapped: of those, the ones that ran while a step ran;
+# kv_checksums_after_copy: of those, the ones whose sender's checksums came after the copy was done
+HANDOFF_COUNTERS = ("kv_copies", "kv_copies_overlapped", "kv_checksums_after_copy")
 # the hand-off's parts on this node, histograms by name (seconds)
 HANDOFF_PARTS = ("handoff_wait", "handoff_copy", "handoff_check", "handoff_join")
 HANDOFF_BOUNDS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
@@ -361,6 +362,7 @@ class DecodeNode(NodeBase):
             return  # (cancelled, not this peer's, or pulled after all)
         inc.checksums, inc.checksums_in = list(msg.kv_checksums), True
         if inc.copied is not None:
+            self.counters["kv_checksums_after_copy"] += 1
             self._check_landed(inc)
 
     def _check_landed(self, inc: Incoming) -> None:
@@ -405,6 +407,20 @@ class DecodeNode(NodeBase):
     def tick(self) -> None:
         super().tick()
         now = time.monotonic()
+        self._reserve_and_copy()
+        if self.copier.in_flight and not self.copy_beside_steps:  # they join the very next step
+            self._land_before_step()
+        wait = self.cfg.kv_lease_s / 2  # well before the prefill node's lease on the KV runs out
+        pulled = [i for i in self.incoming.values() if i.state is TransferState.PULLED and not i.copying]
+        for inc in [i for i in pulled if now - i.pulled_at > wait]:
+            self._kv_failed(inc, f"not all of its KV arrived within {wait:g}s of the pull")
+        if now >= self._next_notice:
+            self._next_notice = now + WAITING_NOTICE_S
+            self._notify_waiting()
+            self._drop_gone_peers()
+
+    def _reserve_and_copy(self) -> None:
+        """Blocks for the offers waiting here, as the scheduler gives them: pull, or copy out of a shared pool."""
         offered = []
         for req in self.engine.reserve_remote():
             inc = self.incoming[req.request_id]
@@ -414,18 +430,23 @@ class DecodeNode(NodeBase):
             else:
                 transport.send(self.kv_sock, KvPull(req.request_id, inc.first_block), identity=inc.peer.link)
         self._start_copies(offered)
-        if self.copier.in_flight and not self.copy_beside_steps:  # they join the very next step
+
+    def _land_before_step(self) -> None:
+        """(On the CPU, before the next step) wait for the copies just started, and for their sender's checksums, on
+        their way (the prefill node sends them right after its offers) up to one mean step: the requests whose
+        checksums come by then join the next step (one whose checksums came later would join the step after it
+        either way). Offers of the same burst taken meanwhile are copied too."""
+        steps = self.counters["steps"]
+        deadline = time.perf_counter() + (self.counters["step_time_s"] / steps if steps else 0.0)
+        while self.copier.in_flight:
             for copy in self.copier.wait_all():
                 self._copy_done(copy)
-            self.drain(self.kv_sock)  # with the checksums sent after their offers
-        wait = self.cfg.kv_lease_s / 2  # well before the prefill node's lease on the KV runs out
-        pulled = [i for i in self.incoming.values() if i.state is TransferState.PULLED and not i.copying]
-        for inc in [i for i in pulled if now - i.pulled_at > wait]:
-            self._kv_failed(inc, f"not all of its KV arrived within {wait:g}s of the pull")
-        if now >= self._next_notice:
-            self._next_notice = now + WAITING_NOTICE_S
-            self._notify_waiting()
-            self._drop_gone_peers()
+            while any(i.copied is not None and not i.checksums_in for i in self.incoming.values()):
+                left = deadline - time.perf_counter()
+                if left <= 0 or not self.kv_sock.poll(int(left * 1000) + 1):
+                    break
+                self.drain(self.kv_sock)
+            self._reserve_and_copy()
 
     def _drop_gone_peers(self) -> None:
         """Drop the prefill nodes whose pool is gone (shm: unlinked; cuda_ipc: its process ended)."""

@@ -235,3 +235,32 @@ def test_a_burst_of_offers_is_one_job_and_each_request_is_checked_on_its_own(nod
     assert decode.counters["kv_copies"] == 2 and decode.counters["kv_bad"] == 1, decode.counters
     assert decode.engine.requests["good"].status is Status.WAITING  # landed, joins the next step
     assert decode.engine.requests["bad"].num_computed_tokens == 0  # recomputes its prompt here (--kv-failure)
+
+
+def test_checksums_that_come_after_the_copy_land_the_request_then(nodes, monkeypatch):
+    """A copy done before the sender's checksums came waits for them: the request stays off the queue (RECEIVING_KV,
+    never decoded from) until they are in and match, then lands and the KvAck goes."""
+    prefill, decode = nodes
+    p_router = FakeRouter(prefill)
+    held: list = []
+    decode_checksums = decode._on_checksums
+    monkeypatch.setattr(decode, "_on_checksums", lambda peer, msg: held.append((peer, msg)))
+    p_router.send(Generate("r1", PROMPT, SamplingParams(max_tokens=4, temperature=0), decode_addr=decode.kv_addr))
+    for _ in range(MAX_LOOPS):
+        prefill.loop_once()
+        decode.loop_once()
+        if decode.counters["kv_copies"] and held:
+            break
+    req = decode.engine.requests["r1"]
+    assert decode.counters["kv_copies"] == 1 and req.status is Status.RECEIVING_KV, decode.counters
+    decode.loop_once()
+    assert req.status is Status.RECEIVING_KV and "r1" in prefill.transfers  # no checksums, no landing, no ack
+    [(peer, msg)] = held
+    decode_checksums(peer, msg)
+    assert decode.counters["kv_checksums_after_copy"] == 1 and decode.counters["kv_received"] == 1
+    assert req.status is Status.WAITING
+    for _ in range(20):  # the ack reaches the prefill node, which frees its blocks
+        prefill.loop_once()
+        if "r1" not in prefill.transfers:
+            break
+    assert "r1" not in prefill.transfers and prefill.engine.kv_stats()[0] == 0
