@@ -95,11 +95,12 @@ class KVPool:
         return kv_checksums([prefix, (self.data, block_ids)], self.block_size, num_tokens)
 
     def copy_blocks_from(self, src: torch.Tensor, src_blocks: list[int], dst_blocks: list[int]) -> None:
-        """Copy whole blocks out of another pool's storage `src` (same layout), every layer at once: one slice copy
-        when both sides are runs of consecutive blocks, else one gather and one scatter of their slots."""
+        """Copy whole blocks out of another pool's storage `src` (same layout), every layer at once: a slice copy per
+        run of blocks consecutive on both sides (up to FEW_RUNS of them), else one gather and one scatter of their
+        slots."""
         bs = self.block_size
         runs = paired_runs(src_blocks, dst_blocks)
-        if len(runs) <= FEW_RUNS:  # (a burst of requests' blocks, each a run on both sides: one slice copy each)
+        if len(runs) <= FEW_RUNS:  # blocks in a few runs consecutive on both sides: a slice copy each
             for s, d, n in runs:
                 self.data[..., d * bs : (d + n) * bs, :].copy_(src[..., s * bs : (s + n) * bs, :], non_blocking=True)
             return
