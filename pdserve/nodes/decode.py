@@ -25,9 +25,9 @@ A request's life here (the engine owns the request, its queue and its blocks; th
    of every request reserved at that moment as one burst (one batched copy a request; on a GPU on its own stream,
    waited for by one event) and checksums what landed, while the node's steps go on; when a copy is done the loop
    is woken, and once the sender's checksums are in too the landed KV is checked (`engine.kv_landed`) and the KvAck
-   goes: only then does the prefill node free its blocks. On the CPU (an engine that computes a step in its launch, not overlapped) the
-   loop waits for the copies it has just started, and for their checksums up to one mean step, before its next step,
-   so that their requests join that step. A request aborted while its copy runs is dropped when the copy is done
+   goes: only then does the prefill node free its blocks. On the CPU (an engine that computes a step in its launch,
+   not overlapped) the loop waits for the copies it has just started, and for their checksums up to one mean step,
+   before its next step, so that their requests join that step. A request aborted while its copy runs is dropped when the copy is done
    (its blocks are not given to another request before). Counters: kv_copies, kv_copies_overlapped (copies that ran
    while a step did); and the hand-off in parts as histograms (Stats.histograms, observed once the request has
    decoded here): handoff_wait (offer taken → copy started), handoff_copy, handoff_check (the
