@@ -20,19 +20,19 @@ A request's life here (the engine owns the request, its queue and its blocks; th
    lease of the pull is never decoded from: by --kv-failure the request recomputes its prompt here
    (`engine.kv_lost`: WAITING, computed up to its first block not shared from the prefix cache, whose
    blocks keep their KV; the prefill node gets a KvAck all the same), or it is refused, which fails it with the reason.
-   Over a shared pool (shm, cuda_ipc) there is no pull: the offer names the prompt's blocks in the prefill pool, their
-   checksums follow (KvChecksums), and once the scheduler has reserved blocks here the copier's thread copies those
-   of every request reserved at that moment as one burst (one batched copy a request; on a GPU on its own stream,
-   waited for by one event) and checksums what landed, while the node's steps go on; when a copy is done the loop
-   is woken, and once the sender's checksums are in too the landed KV is checked (`engine.kv_landed`) and the KvAck
-   goes: only then does the prefill node free its blocks. On the CPU (an engine that computes a step in its launch,
-   not overlapped) the loop waits for the copies it has just started, and for their checksums up to one mean step,
-   before its next step, so that their requests join that step. A request aborted while its copy runs is dropped when the copy is done
-   (its blocks are not given to another request before). Counters: kv_copies, kv_copies_overlapped (copies that ran
-   while a step did); and the hand-off in parts as histograms (Stats.histograms, observed once the request has
-   decoded here): handoff_wait (offer taken → copy started), handoff_copy, handoff_check (the
-   checksums of what landed), handoff_join (checked → the end of the request's first step here, the wait for the
-   sender's checksums included).
+   Over a shared pool (shm, cuda_ipc) there is no pull: the offer names the prompt's blocks in the prefill pool,
+   their checksums follow (KvChecksums), and once the scheduler has reserved blocks here the copier's thread copies
+   those of every request reserved at that moment as one burst (one batched copy a request; on a GPU on its own
+   stream, waited for by one event) and checksums what landed, while the node's steps go on; when a copy is done the
+   loop is woken, and once the sender's checksums are in too the landed KV is checked (`engine.kv_landed`) and the
+   KvAck goes: only then does the prefill node free its blocks. On the CPU (an engine that computes a step in its
+   launch, not overlapped) the loop waits for the copies it has just started, and for their checksums up to one mean
+   step, before its next step, so that their requests join that step. A request aborted while its copy runs is
+   dropped when the copy is done (its blocks are not given to another request before). Counters: kv_copies,
+   kv_copies_overlapped (copies that ran while a step did), kv_checksums_after_copy (copies done before their
+   checksums came); and the hand-off in parts as histograms (Stats.histograms, observed once the request has decoded
+   here): handoff_wait (offer taken → copy started), handoff_copy, handoff_check (the checksums of what landed),
+   handoff_join (checked → the end of the request's first step here, the wait for the sender's checksums included).
 4. WAITING with its KV in place (num_computed_tokens = prompt length, the first token as output),
    the router told so (an event without tokens), admitted at the next iteration; RUNNING: one token
    an iteration, streamed to the router.
