@@ -86,13 +86,11 @@ class KvTransfer(Generic[R]):
     pulled_at: float = 0.0  # time.monotonic() of the pull
     first_block: int = 0  # the first prompt block pulled (the decode node had the KV of those before cached)
     checksums: list[int] = field(default_factory=list)  # the sender's CRC-32 per layer of the KV it ships
-    checksums_in: bool = False  # decode side, a shared pool's: the sender's checksums (KvChecksums) have arrived
     layers_landed: int = 0  # decode side
     offered: Any | None = None  # decode side: the offer's KvData naming the prompt's blocks in a shared pool
     offered_at: float = 0.0  # decode side: time.perf_counter() of the offer
     copying: bool = False  # decode side: the background copy out of the shared pool runs
     cancelled: bool = False  # decode side: aborted while copying (its blocks are freed once the copy is done)
-    copied: Any | None = None  # decode side: the copy done, waiting for the sender's checksums to be checked against
 
     def move(self, to: TransferState) -> None:
         """Go one state forward; ValueError for any other move."""

@@ -78,21 +78,40 @@ class KVPool:
         else:
             dst.index_copy_(2, idx, kv)
 
-    def checksums(self, block_ids: list[int], num_tokens: int) -> list[int]:
-        """A CRC-32 per layer of the KV of tokens 0..num_tokens-1 (K then V, head by head, in token order), whatever
-        blocks hold them: two pools agree exactly when the request's KV is the same. [] for a pool off the CPU."""
+    def checksums(self, block_ids: list[int], num_tokens: int, layers: list[int] | None = None) -> list[int]:
+        """A CRC-32 per layer (of `layers`, default all) of the KV of tokens 0..num_tokens-1 (K then V, head by head, in
+        token order), whatever blocks hold them: two pools agree exactly when the request's KV is the same. [] for a
+        pool off the CPU."""
         if self.data.device.type != "cpu":
             return []
-        return kv_checksums([(self.data, block_ids)], self.block_size, num_tokens)
+        return kv_checksums([(self.data, block_ids)], self.block_size, num_tokens, layers)
 
     def checksums_after(
-        self, prefix: tuple[torch.Tensor, list[int]], block_ids: list[int], num_tokens: int
+        self,
+        prefix: tuple[torch.Tensor, list[int]],
+        block_ids: list[int],
+        num_tokens: int,
+        layers: list[int] | None = None,
     ) -> list[int]:
         """As `checksums`, of tokens whose first whole blocks lie in another pool's storage (`prefix`: storage, block
         ids) and the rest in `block_ids` here. [] for a pool off the CPU."""
         if self.data.device.type != "cpu":
             return []
-        return kv_checksums([prefix, (self.data, block_ids)], self.block_size, num_tokens)
+        return kv_checksums([prefix, (self.data, block_ids)], self.block_size, num_tokens, layers)
+
+    def holds_copy(self, src: torch.Tensor, src_blocks: list[int], dst_blocks: list[int]) -> bool:
+        """Whether `dst_blocks` here hold, byte for byte in every layer, what `src_blocks` of another pool's storage
+        `src` hold (a copy by `copy_blocks_from`, checked)."""
+        bs = self.block_size
+        runs = paired_runs(src_blocks, dst_blocks)
+        if len(runs) <= FEW_RUNS:
+            return all(
+                torch.equal(self.data[..., d * bs : (d + n) * bs, :], src[..., s * bs : (s + n) * bs, :])
+                for s, d, n in runs
+            )
+        n = len(src_blocks) * bs
+        rows = src.index_select(3, _to_device(self.slots(src_blocks, 0, n), src.device))
+        return torch.equal(self.data.index_select(3, self.slots(dst_blocks, 0, n).to(self.data.device)), rows)
 
     def copy_blocks_from(self, src: torch.Tensor, src_blocks: list[int], dst_blocks: list[int]) -> None:
         """Copy whole blocks out of another pool's storage `src` (same layout), every layer at once: a slice copy per
@@ -111,7 +130,9 @@ class KVPool:
         self.data.index_copy_(3, dst_slots, rows)
 
 
-def kv_checksums(parts: list[tuple[torch.Tensor, list[int]]], block_size: int, num_tokens: int) -> list[int]:
+def kv_checksums(
+    parts: list[tuple[torch.Tensor, list[int]]], block_size: int, num_tokens: int, layers: list[int] | None = None
+) -> list[int]:
     """A CRC-32 per layer of the KV of tokens 0..num_tokens-1 held by `parts`, (pool storage, block ids) in token
     order, each but the last holding whole blocks (a decode node's cached prefix as the prefill pool holds it, the
     rest in its own pool, say): as `KVPool.checksums` of one pool holding them all. A layer's KV is read in the order
@@ -128,7 +149,7 @@ def kv_checksums(parts: list[tuple[torch.Tensor, list[int]]], block_size: int, n
             pieces.append((rows, np.concatenate([np.arange(first, first + count) for first, count in runs])))
         left -= n
     out = []
-    for layer in range(parts[0][0].shape[0]):
+    for layer in range(parts[0][0].shape[0]) if layers is None else layers:
         crc = 0
         if all(isinstance(slots, slice) for _, slots in pieces):  # read in place, head by head
             for row in range(pieces[0][0].shape[1] if pieces else 0):

@@ -20,19 +20,19 @@ A request's life here (the engine owns the request, its queue and its blocks; th
    lease of the pull is never decoded from: by --kv-failure the request recomputes its prompt here
    (`engine.kv_lost`: WAITING, computed up to its first block not shared from the prefix cache, whose
    blocks keep their KV; the prefill node gets a KvAck all the same), or it is refused, which fails it with the reason.
-   Over a shared pool (shm, cuda_ipc) there is no pull: the offer names the prompt's blocks in the prefill pool,
-   their checksums follow (KvChecksums), and once the scheduler has reserved blocks here the copier's thread copies
+   Over a shared pool (shm, cuda_ipc) there is no pull: the offer names the prompt's blocks in the prefill pool, with
+   the CRC-32 of their last layer's KV, and once the scheduler has reserved blocks here the copier's thread copies
    those of every request reserved at that moment as one burst (one batched copy a request; on a GPU on its own
-   stream, waited for by one event) and checksums what landed, while the node's steps go on; when a copy is done the
-   loop is woken, and once the sender's checksums are in too the landed KV is checked (`engine.kv_landed`) and the
-   KvAck goes: only then does the prefill node free its blocks. On the CPU (an engine that computes a step in its
-   launch, not overlapped) the loop waits for the copies it has just started, and for their checksums up to one mean
-   step, before its next step, so that their requests join that step. A request aborted while its copy runs is
-   dropped when the copy is done (its blocks are not given to another request before). Counters: kv_copies,
-   kv_copies_overlapped (copies that ran while a step did), kv_checksums_after_copy (copies done before their
-   checksums came); and the hand-off in parts as histograms (Stats.histograms, observed once the request has decoded
-   here): handoff_wait (offer taken → copy started), handoff_copy, handoff_check (the checksums of what landed),
-   handoff_join (checked → the end of the request's first step here, the wait for the sender's checksums included).
+   stream, waited for by one event) and checks each (CPU pools): every layer it copied against the prefill pool's
+   blocks, byte for byte (`engine.copy_matches`), and the CRC-32 of the last layer as it landed against the offer's,
+   while the node's steps go on; when a copy is done the loop is woken, the request's KV marked landed
+   (`engine.kv_landed`) and the KvAck goes: only then does the prefill node free its blocks. On the CPU (an engine
+   that computes a step in its launch, not overlapped) the loop waits for the copies it has just started before its
+   next step, so that their requests join that step. A request aborted while its copy runs is dropped when the copy
+   is done (its blocks are not given to another request before). Counters: kv_copies, kv_copies_overlapped (copies
+   that ran while a step did); and the hand-off in parts as histograms (Stats.histograms, observed once the request
+   has decoded here): handoff_wait (offer taken → copy started), handoff_copy, handoff_check (the checks of what
+   landed), handoff_join (checked → the end of the request's first step here).
 4. WAITING with its KV in place (num_computed_tokens = prompt length, the first token as output),
    the router told so (an event without tokens), admitted at the next iteration; RUNNING: one token
    an iteration, streamed to the router.
@@ -65,7 +65,6 @@ from pdserve.wire.messages import (
     HelloAck,
     KvAck,
     KvCancel,
-    KvChecksums,
     KvData,
     KvHello,
     KvOffer,
@@ -79,9 +78,8 @@ log = logging.getLogger("pdserve.decode")
 REMEMBER_ABORTS = 4096
 WAITING_NOTICE_S = 0.25
 KEEP_COPIES = 64
-# kv_copies: copies out of a shared pool done; kv_copies_overlapped: of those, the ones that ran while a step ran;
-# kv_checksums_after_copy: of those, the ones whose sender's checksums came after the copy was done
-HANDOFF_COUNTERS = ("kv_copies", "kv_copies_overlapped", "kv_checksums_after_copy")
+# kv_copies: copies out of a shared pool done; kv_copies_overlapped: of those, the ones that ran while a step ran
+HANDOFF_COUNTERS = ("kv_copies", "kv_copies_overlapped")
 # the hand-off's parts on this node, histograms by name (seconds)
 HANDOFF_PARTS = ("handoff_wait", "handoff_copy", "handoff_check", "handoff_join")
 HANDOFF_BOUNDS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
@@ -166,8 +164,6 @@ class DecodeNode(NodeBase):
             self._on_offer(self.peers[identity], msg)
         elif isinstance(msg, KvData):
             self._on_data(self.peers[identity], msg, frames)
-        elif isinstance(msg, KvChecksums):
-            self._on_checksums(self.peers[identity], msg)
         elif isinstance(msg, KvCancel):
             self._forget(msg.request_id)
 
@@ -324,14 +320,19 @@ class DecodeNode(NodeBase):
             header = dataclasses.replace(inc.offered, src_blocks=src[first:])
             run = functools.partial(self.engine.receive_kv, req, inc.peer.backend, header, [], inc.peer.source)
             prefix = (inc.peer.source, src[:first])  # the prompt's cached blocks, checked as the sender holds them
-            burst.append(Copy(req.request_id, run, functools.partial(self._landed_checksums, req, prefix)))
+            check = functools.partial(self._landed_checksums, req, header, inc.peer.source, prefix)
+            burst.append(Copy(req.request_id, run, check))
             inc.copying = True
         if burst:
             self.copier.submit(burst)
 
-    def _landed_checksums(self, req: Request, prefix: tuple) -> list[int]:
-        """(On the copier's thread) the checksums of a request's KV once copied ([] for a pool off the CPU)."""
-        return self.engine.copied_checksums(req, prefix)
+    def _landed_checksums(self, req: Request, header, source, prefix: tuple) -> list[int]:
+        """(On the copier's thread) check a request's copy: every layer it copied against the prefill pool's blocks
+        (TransferError if they differ), then the CRC-32 of its last layer's KV as it lies here (the cached blocks as
+        the prefill pool holds them), which the sender's, in its offer, must match ([] for a pool off the CPU)."""
+        if not self.engine.copy_matches(req, source, header.src_blocks):
+            raise TransferError("the KV copied differs from the prefill pool's blocks")
+        return self.engine.copied_checksums(req, prefix, [self.engine.layout.num_layers - 1])
 
     def _copies_done(self) -> None:
         for copy in self.copier.take():
@@ -351,24 +352,7 @@ class DecodeNode(NodeBase):
         if copy.error is not None:
             self._kv_failed(inc, f"bad KV: {copy.error}")
             return
-        inc.copied = copy
-        if inc.checksums_in:
-            self._check_landed(inc)
-
-    def _on_checksums(self, peer: PrefillPeer, msg: KvChecksums) -> None:
-        """The sender's checksums of an offer's blocks: what landed of them (or lands later) is checked against them."""
-        inc = self.incoming.get(msg.request_id)
-        if inc is None or inc.peer is not peer or inc.offered is None or inc.checksums_in:
-            return  # (cancelled, not this peer's, or pulled after all)
-        inc.checksums, inc.checksums_in = list(msg.kv_checksums), True
-        if inc.copied is not None:
-            self.counters["kv_checksums_after_copy"] += 1
-            self._check_landed(inc)
-
-    def _check_landed(self, inc: Incoming) -> None:
-        """A copy is done and the sender's checksums are in: the request decodes only if what landed matches them."""
-        copy = inc.copied
-        why = self.engine.kv_landed(inc.request, inc.peer.backend, inc.checksums, copy.checksums)
+        why = self.engine.kv_landed(inc.request, inc.peer.backend, list(inc.offered.kv_checksums), copy.checksums)
         if why:
             self._kv_failed(inc, why)
             return
@@ -432,20 +416,12 @@ class DecodeNode(NodeBase):
         self._start_copies(offered)
 
     def _land_before_step(self) -> None:
-        """(On the CPU, before the next step) wait for the copies just started, and for their sender's checksums, on
-        their way (the prefill node sends them right after its offers) up to one mean step: the requests whose
-        checksums come by then join the next step (one whose checksums came later would join the step after it
-        either way). Offers of the same burst taken meanwhile are copied too."""
-        steps = self.counters["steps"]
-        deadline = time.perf_counter() + (self.counters["step_time_s"] / steps if steps else 0.0)
+        """(On the CPU, before the next step) wait for the copies just started, and copy the offers taken meanwhile,
+        so that their requests join the next step."""
         while self.copier.in_flight:
             for copy in self.copier.wait_all():
                 self._copy_done(copy)
-            while any(i.copied is not None and not i.checksums_in for i in self.incoming.values()):
-                left = deadline - time.perf_counter()
-                if left <= 0 or not self.kv_sock.poll(int(left * 1000) + 1):
-                    break
-                self.drain(self.kv_sock)
+            self.drain(self.kv_sock)
             self._reserve_and_copy()
 
     def _drop_gone_peers(self) -> None:

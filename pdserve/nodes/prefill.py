@@ -17,13 +17,13 @@ A request's life here:
    `--kv-fault-rate` damages a share of the transfers on purpose (kv/faults.py), for tests and
    drills; a decode node that recomputes a damaged request's KV acknowledges it all the same (with the
    reason), and our copy is freed.
-   Over a shared pool (shm, cuda_ipc) there is no pull: the offer names the prompt's blocks in our pool, and the
-   decode node copies them as soon as it has reserved its own, beside its steps; the checksums of their KV follow
-   (KvChecksums: after a step, every offer goes first, then their checksums, so that the copies run meanwhile). Its
-   KvAck says the copy is done and matched them, and only then are our blocks freed (docs/handoff-edges.md, "Copies
-   out of a shared pool"). The offer goes after the step that wrote the last of those blocks has finished
-   (`Engine.finish` waited for its sampled token, queued behind its KV writes), so the decode node never reads a
-   block before our writes to it are complete.
+   Over a shared pool (shm, cuda_ipc) there is no pull: the offer names the prompt's blocks in our pool, with the
+   CRC-32 of their last layer's KV (which depends on every token before, through every layer below: it tells the
+   request's blocks from any other; the decode node compares every layer it copied with our pool itself), and the
+   decode node copies them as soon as it has reserved its own, beside its steps; its KvAck says the copy is done and
+   checked, and only then are our blocks freed (docs/handoff-edges.md, "Copies out of a shared pool"). The offer goes
+   after the step that wrote the last of those blocks has finished (`Engine.finish` waited for its sampled token,
+   queued behind its KV writes), so the decode node never reads a block before our writes to it are complete.
 5. An Abort from the router at any point frees the KV and cancels the transfer on the decode node.
 """
 
@@ -50,7 +50,6 @@ from pdserve.wire.messages import (
     HelloAck,
     KvAck,
     KvCancel,
-    KvChecksums,
     KvHello,
     KvOffer,
     KvPull,
@@ -127,12 +126,10 @@ class PrefillNode(NodeBase):
     # ---- after a step: first tokens ------------------------------------------------------------
     def on_outputs(self, outputs: list[TokenOutput]) -> None:
         super().on_outputs(outputs)
-        offers = []
         for o in outputs:
             addr = self.decode_addr.pop(o.request.request_id, "")
             if o.finish_reason is None:
-                offers += self._offer(o.request, self._peer(addr))
-        self._send_offers(offers)
+                self._offer(o.request, self._peer(addr))
 
     def _peer(self, addr: str) -> DecodePeer:
         peer = self.peers.get(addr)
@@ -149,24 +146,14 @@ class PrefillNode(NodeBase):
             self.handlers[sock] = lambda _id, msg, frames, p=peer: self.handle_kv(p, msg, frames)
         return peer
 
-    def _offer(self, req: Request, peer: DecodePeer) -> list[Transfer]:
-        """Track a request's transfer; [it] when its offer can go now (else it waits for the pairing, or failed)."""
+    def _offer(self, req: Request, peer: DecodePeer) -> None:
         t = self.transfers[req.request_id] = Transfer(req, peer, TransferState.QUEUED)
         if peer.refused:
             self._fail(req.request_id, f"decode node {peer.name} refused to pair: {peer.refused}")
-        return [t] if peer.paired and not peer.refused else []
+        elif peer.paired:
+            self._send_offer(t)
 
-    def _send_offers(self, transfers: list[Transfer]) -> None:
-        """Offer each request's KV; over a shared pool, once every offer is out, their checksums follow (KvChecksums),
-        one request after another: the decode nodes reserve blocks and copy meanwhile."""
-        checksums = [t for t in transfers if self._send_offer(t)]
-        for t in checksums:
-            if self.transfers.get(t.request.request_id) is t:
-                sums = self.engine.kv_checksums(t.request, 0)
-                transport.send(t.peer.link.sock, KvChecksums(t.request.request_id, sums))
-
-    def _send_offer(self, t: Transfer) -> bool:
-        """Send a transfer's offer; True when its checksums are to follow (a shared pool's blocks named in it)."""
+    def _send_offer(self, t: Transfer) -> None:
         t.move(TransferState.OFFERED)
         t.started = time.monotonic()  # the lease runs from the offer
         self.counters["kv_offers"] += 1
@@ -174,25 +161,23 @@ class PrefillNode(NodeBase):
         offer = KvOffer(
             req.request_id, req.prompt_token_ids, req.output_token_ids[0], req.params, len(req.prompt_token_ids)
         )
-        if not t.peer.backend.shared_pool:
-            transport.send(t.peer.link.sock, offer)
-            return False
-        t.pulled_at = t.started  # the decode node copies the blocks itself once it has reserved its own
-        offer = self._with_blocks(offer, t)
+        if t.peer.backend.shared_pool:  # the decode node copies the blocks itself once it has reserved its own
+            t.pulled_at = t.started
+            offer = self._with_blocks(offer, t)
         if offer is not None:
             transport.send(t.peer.link.sock, offer)
-        return offer is not None and offer.kv is not None
 
     def _with_blocks(self, offer: KvOffer, t: Transfer) -> KvOffer | None:
-        """The offer naming the prompt's blocks in our shared pool (a fault injected may damage them, drop them, so
-        that the decode node pulls, or delay the whole offer and its checksums: then None). Our copy of the blocks
-        stays as it is until the decode node's KvAck says its copy is done."""
+        """The offer naming the prompt's blocks in our shared pool, with the CRC-32 of their last layer's KV (a fault
+        injected may damage them, drop them, so that the decode node pulls, or delay the whole offer: then None). Our
+        copy of the blocks stays as it is until the decode node's KvAck says its copy is done."""
         req = t.request
-        messages = list(self.engine.send_kv(req, t.peer.backend))
+        last = [self.engine.layout.num_layers - 1]  # the decode node checks the other layers against our pool itself
+        [(header, frames)] = self.engine.send_kv(req, t.peer.backend)
+        messages = [(dataclasses.replace(header, kv_checksums=self.engine.kv_checksums(req, 0, last)), frames)]
         kind = self.faults.pick()
         if kind == "delay":
-            late = KvChecksums(req.request_id, self.engine.kv_checksums(req, 0))
-            self._inject(kind, req.request_id, [(dataclasses.replace(offer, kv=messages[0][0]), []), (late, [])], 0)
+            self._inject(kind, req.request_id, [(dataclasses.replace(offer, kv=messages[0][0]), [])], 0)
             return None
         if kind is not None:
             messages = self._inject(kind, req.request_id, messages, len(req.prompt_token_ids))
@@ -235,7 +220,8 @@ class PrefillNode(NodeBase):
             peer.paired, peer.refused, peer.backend = True, "", self.backends[chosen]
             self.counters[f"kv_pairings_{chosen}"] += 1
             log.info("paired with decode node %s; KV goes over %s", peer.name, chosen)
-            self._send_offers(self._queued(peer))
+            for t in self._queued(peer):
+                self._send_offer(t)
 
     def _on_pull(self, pull: KvPull) -> None:
         t = self.transfers.get(pull.request_id)

@@ -19,7 +19,8 @@ from pdserve.wire.params import MAX_LOGPROBS, ErrorCode, FinishReason, Id, Role,
 # 9: a shared pool's transfer is never pulled: the offer carries the prompt's source blocks and checksums
 #    (KvOffer.kv), the decode node copies them at once and its KvAck says from which block (KvAck.first_block)
 # 10: histograms in Stats (Stats.histograms: the decode node's hand-off in parts)
-# 11: a shared pool's offer goes before its checksums, which follow in KvChecksums
+# 11: a shared pool's offer carries the CRC-32 of its blocks' last layer only (KvOffer.kv.kv_checksums); the decode
+#     node compares every layer it copied with the prefill pool's blocks
 PROTOCOL_VERSION = 11
 
 
@@ -198,9 +199,9 @@ class KvHello:
 @dataclass(frozen=True)
 class KvOffer:
     """Prefill -> decode: a request whose prompt KV is ready; the decode node reserves blocks first. Over a shared
-    pool (shm, cuda_ipc) `kv` names the prompt's blocks there: the decode node copies them once its blocks are
-    reserved, with no pull, and checks what landed against the checksums of their KV, which follow in KvChecksums;
-    None: it pulls (zmq)."""
+    pool (shm, cuda_ipc) `kv` names the prompt's blocks there, with the CRC-32 of their last layer's KV
+    (`kv.kv_checksums`, one value; [] off the CPU): the decode node copies them once its blocks are reserved, with no
+    pull, checks every layer it copied against those blocks and the last one against that CRC; None: it pulls (zmq)."""
 
     request_id: str
     prompt_token_ids: list[Id]
@@ -229,7 +230,8 @@ class KvData:
     shape: list[Id]  # zmq: [2, num_kv_heads, num_block_tokens, head_dim] of one layer
     layer: int = -1
     src_blocks: list[Id] = field(default_factory=list)
-    kv_checksums: list[Id] = field(default_factory=list)  # first message: a CRC-32 per layer of the KV shipped
+    # first message: a CRC-32 per layer of the KV shipped (a shared pool's offer: of its last layer only)
+    kv_checksums: list[Id] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -249,16 +251,6 @@ class KvWaiting:
     """Decode -> prefill, periodically: these offers are queued here for free blocks; keep their KV."""
 
     request_ids: list[str]
-
-
-@dataclass(frozen=True)
-class KvChecksums:
-    """Prefill -> decode, right after a shared pool's KvOffer: a CRC-32 per layer of the KV of the blocks it named, as
-    the prefill node holds them ([]: none to check, a pool off the CPU). The decode node lets the request decode only
-    once what it copied matches them."""
-
-    request_id: str
-    kv_checksums: list[Id] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -286,6 +278,5 @@ MESSAGES: dict[str, type] = {  # type tag -> message class: the only classes a p
         KvAck,
         KvWaiting,
         KvCancel,
-        KvChecksums,
     )
 }

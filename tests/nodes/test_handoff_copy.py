@@ -21,7 +21,6 @@ from pdserve.kv.transfer import ShmBackend
 from pdserve.nodes.decode import DecodeNode
 from pdserve.nodes.prefill import PrefillNode
 from pdserve.router.metrics import NodeCollector
-from pdserve.wire import transport
 from pdserve.wire.messages import Generate, KvAck, KvOffer
 from pdserve.wire.params import SamplingParams
 from tests.helpers import export_tokens
@@ -75,36 +74,16 @@ def test_the_copy_runs_beside_a_step_and_the_prefill_blocks_wait_for_its_ack(nod
             held.append(kv.clone())
         release(req, status)
 
-    decode_offer, decode_checksums, kv_checksums = decode._on_offer, decode._on_checksums, prefill.engine.kv_checksums
-    sums: list = []  # the KvChecksums the decode node got
-    order: list[str] = []  # the prefill node's hand-off for r1, in order: offer sent, checksums computed
+    decode_offer = decode._on_offer
 
     def spy_offer(peer, offer):
         offers.append(offer)
         decode_offer(peer, offer)
 
-    def spy_checksums(peer, msg):
-        sums.append(msg)
-        decode_checksums(peer, msg)
-
-    def spy_kv_checksums(req, first_block=0):
-        order.append("checksums")
-        return kv_checksums(req, first_block)
-
-    send = transport.send
-
-    def spy_send(sock, msg, *args, **kwargs):
-        if isinstance(msg, KvOffer):
-            order.append("offer")
-        return send(sock, msg, *args, **kwargs)
-
     held: list[torch.Tensor] = []
     monkeypatch.setattr(prefill, "handle_kv", spy_handle)
     monkeypatch.setattr(prefill.engine, "release", spy_release)
     monkeypatch.setattr(decode, "_on_offer", spy_offer)
-    monkeypatch.setattr(decode, "_on_checksums", spy_checksums)
-    monkeypatch.setattr(prefill.engine, "kv_checksums", spy_kv_checksums)
-    monkeypatch.setattr(transport, "send", spy_send)
     # the prefill node's socket to the decode node dispatches to handle_kv through a lambda made at connect time
     p_router.send(Generate("r1", PROMPT, SamplingParams(max_tokens=4, temperature=0), decode_addr=decode.kv_addr))
     for _ in range(MAX_LOOPS):
@@ -120,9 +99,7 @@ def test_the_copy_runs_beside_a_step_and_the_prefill_blocks_wait_for_its_ack(nod
 
     [offer] = offers
     assert offer.kv is not None and offer.kv.src_blocks, "the offer named no blocks"
-    assert order == ["offer", "checksums"], "the offer waited for its checksums"
-    [msg] = sums
-    assert msg.request_id == "r1" and len(msg.kv_checksums) == prefill.engine.layout.num_layers, "no checksums followed"
+    assert len(offer.kv.kv_checksums) == 1, "the offer carries the CRC-32 of the last layer only"
     [copy] = [c for c in decode.copies if c.key == "r1"]
     assert copy.error is None and decode.counters["kv_bad"] == 0  # the checksums of what landed matched
     assert decode.counters["kv_copies"] == decode.counters["kv_copies_overlapped"] == 1
@@ -186,15 +163,22 @@ def test_checksums_of_a_prompt_split_over_two_pools_are_those_of_one_pool():
         whole = src.checksums(src_blocks, num_tokens)
         assert kv_checksums([(src.data, src_blocks[:2]), (dst.data, [0, 5])], layout.block_size, num_tokens) == whole
         assert dst.checksums_after((src.data, src_blocks[:2]), [0, 5], num_tokens) == whole
+        assert dst.checksums_after((src.data, src_blocks[:2]), [0, 5], num_tokens, [1]) == whole[1:]  # a layer
+        assert dst.holds_copy(src.data, src_blocks[2:], [0, 5])
+        many = list(range(0, 8, 2))  # four runs of one block
+        dst.copy_blocks_from(src.data, many, [1, 2, 3, 4])
+        assert dst.holds_copy(src.data, many, [1, 2, 3, 4])
         dst.data[..., 5 * 4, :] += 1  # one landed token wrong
         assert dst.checksums_after((src.data, src_blocks[:2]), [0, 5], num_tokens) != whole
+        assert not dst.holds_copy(src.data, src_blocks[2:], [0, 5])
     finally:
         owner.close()
 
 
 def test_a_burst_of_offers_is_one_job_and_each_request_is_checked_on_its_own(nodes, monkeypatch):
-    """Offers taken together go to the copier as one burst; each request's landed KV is checked against its own
-    checksums (which follow its offer): one whose offer names a wrong block fails alone, the other decodes."""
+    """Offers taken together go to the copier as one burst; each request's landed KV is checked on its own: one whose
+    offer names a wrong block (copied faithfully, but its last layer's CRC-32 is not the offer's) fails alone, the
+    other decodes."""
     prefill, decode = nodes
     p_router = FakeRouter(prefill)
     bursts: list[list[str]] = []
@@ -206,7 +190,7 @@ def test_a_burst_of_offers_is_one_job_and_each_request_is_checked_on_its_own(nod
 
     monkeypatch.setattr(decode.copier, "submit", spy_submit)
     taken: list[str] = []
-    decode_offer, decode_checksums = decode._on_offer, decode._on_checksums
+    decode_offer = decode._on_offer
 
     def spy_offer(peer, offer):
         taken.append("offer")
@@ -215,20 +199,15 @@ def test_a_burst_of_offers_is_one_job_and_each_request_is_checked_on_its_own(nod
             offer = dataclasses.replace(offer, kv=dataclasses.replace(offer.kv, src_blocks=[src[0], src[1] + 5]))
         decode_offer(peer, offer)
 
-    def spy_checksums(peer, msg):
-        taken.append("checksums")
-        decode_checksums(peer, msg)
-
     monkeypatch.setattr(decode, "_on_offer", spy_offer)
-    monkeypatch.setattr(decode, "_on_checksums", spy_checksums)
     for rid, prompt in (("good", PROMPT), ("bad", [t + 1 for t in PROMPT])):
         p_router.send(Generate(rid, prompt, SamplingParams(max_tokens=4, temperature=0), decode_addr=decode.kv_addr))
     for _ in range(MAX_LOOPS):  # the decode node only reads its KV socket: both offers are in before it reserves
         prefill.loop_once()
         decode.drain(decode.kv_sock)
-        if len(taken) == 4:
+        if len(taken) == 2:
             break
-    assert sorted(taken) == ["checksums", "checksums", "offer", "offer"], taken
+    assert taken == ["offer", "offer"], taken
     assert not decode.copies
     decode.tick()  # reserves both, copies them (one burst), checks each
     assert bursts == [["good", "bad"]], bursts
@@ -237,30 +216,26 @@ def test_a_burst_of_offers_is_one_job_and_each_request_is_checked_on_its_own(nod
     assert decode.engine.requests["bad"].num_computed_tokens == 0  # recomputes its prompt here (--kv-failure)
 
 
-def test_checksums_that_come_after_the_copy_land_the_request_then(nodes, monkeypatch):
-    """A copy done before the sender's checksums came waits for them: the request stays off the queue (RECEIVING_KV,
-    never decoded from) until they are in and match, then lands and the KvAck goes."""
+def test_a_copy_that_landed_wrong_in_any_layer_is_never_decoded_from(nodes, monkeypatch):
+    """Every layer copied is compared with the prefill pool's blocks: a copy whose first layer landed wrong (its last
+    layer, which the offer's CRC-32 covers, right) fails its check and the request recomputes its prompt here."""
     prefill, decode = nodes
     p_router = FakeRouter(prefill)
-    held: list = []
-    decode_checksums = decode._on_checksums
-    monkeypatch.setattr(decode, "_on_checksums", lambda peer, msg: held.append((peer, msg)))
+    receive = decode.engine.receive_kv
+
+    def damaged(req, backend, header, frames, source):
+        layers = receive(req, backend, header, frames, source)
+        decode.engine.pool.data[0, 0, 0, req.block_ids[0] * 16, 0] += 1  # layer 0, K, head 0, the first token
+        return layers
+
+    monkeypatch.setattr(decode.engine, "receive_kv", damaged)
     p_router.send(Generate("r1", PROMPT, SamplingParams(max_tokens=4, temperature=0), decode_addr=decode.kv_addr))
     for _ in range(MAX_LOOPS):
         prefill.loop_once()
         decode.loop_once()
-        if decode.counters["kv_copies"] and held:
+        if decode.counters["kv_copies"]:
             break
-    req = decode.engine.requests["r1"]
-    assert decode.counters["kv_copies"] == 1 and req.status is Status.RECEIVING_KV, decode.counters
-    decode.loop_once()
-    assert req.status is Status.RECEIVING_KV and "r1" in prefill.transfers  # no checksums, no landing, no ack
-    [(peer, msg)] = held
-    decode_checksums(peer, msg)
-    assert decode.counters["kv_checksums_after_copy"] == 1 and decode.counters["kv_received"] == 1
-    assert req.status is Status.WAITING
-    for _ in range(20):  # the ack reaches the prefill node, which frees its blocks
-        prefill.loop_once()
-        if "r1" not in prefill.transfers:
-            break
-    assert "r1" not in prefill.transfers and prefill.engine.kv_stats()[0] == 0
+    [copy] = [c for c in decode.copies if c.key == "r1"]
+    assert copy.error is not None and "differs" in str(copy.error), copy.error
+    assert decode.counters["kv_bad"] == 1 and decode.counters["kv_recomputed"] == 1, decode.counters
+    assert decode.engine.requests["r1"].num_computed_tokens == 0  # recomputes its prompt, never decodes from the copy
