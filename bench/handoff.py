@@ -7,7 +7,7 @@ router's /metrics, around the run: the mean hand-off (`pdserve:request_handoff_t
 first token → the decode node's first token) and the mean time per output token
 (`pdserve:request_time_per_output_token_seconds`), and their ratio; from the decode node's histograms
 (`pdserve:node_handoff_{wait,copy,check,join}_seconds`), the hand-off in parts where the KV was copied out of a
-shared pool (offer received → copy started, the copy, the checksums of what landed, checked → the request's first
+shared pool (offer received → copy started, the copy, the checks of what landed, checked → the request's first
 decode step), each as a mean and against the TPOT.
 
     python -m bench.handoff --record        # bench/results/<day>-<commit>-handoff.{json,md}
@@ -35,7 +35,7 @@ TPOT = "pdserve:request_time_per_output_token_seconds"
 PARTS = (
     ("pdserve:node_handoff_wait_seconds", "offer received → copy started"),
     ("pdserve:node_handoff_copy_seconds", "the copy"),
-    ("pdserve:node_handoff_check_seconds", "checksums of what landed"),
+    ("pdserve:node_handoff_check_seconds", "checks of what landed"),
     ("pdserve:node_handoff_join_seconds", "copy done and checked → first decode step"),
 )
 

@@ -10,10 +10,10 @@ pinned to its own core, as in serving.
     python -m bench.kv_bandwidth --tokens 2048 --repeats 10
 
 `--shared-copy` measures instead the decode node's copy out of a shared pool as it serves (kv/copier.py: the
-copier's thread, one batched copy a request, on a GPU its own stream and event) between two processes: an owner
-process holds the pool (cuda_ipc on a GPU, shm on the CPU) and the measuring process maps it and copies one request's
-scattered blocks, against a plain device copy of the same bytes (read once, written once). On a GPU with the real
-model's layout (qwen3-0.6b, bf16: 112 KiB a token), for the GPU kit as a stage that writes JSON:
+copier's thread, one batched copy a request, on a GPU its own stream and event) between
+two processes: an owner process holds the pool (cuda_ipc on a GPU, shm on the CPU) and the measuring process maps it
+and copies one request's scattered blocks, against a plain device copy of the same bytes (read once, written once).
+On a GPU with the real model's layout (qwen3-0.6b, bf16: 112 KiB a token), for the GPU kit as a stage that writes JSON:
 
     python -m bench.kv_bandwidth --shared-copy --device cuda --layout qwen3-0.6b --tokens 1024 --out DIR/kv_copy
 """
@@ -279,7 +279,8 @@ def measure_shared_copy(device: str, layout_name: str, tokens: int, repeats: int
         copier = BlockCopier(zctx, device)
         copy_s = []
         for i in range(repeats + 1):
-            copier.submit(Copy(f"r{i}", lambda: dst.copy_blocks_from(source, src_blocks, dst_blocks), list))
+            run = lambda: dst.copy_blocks_from(source, src_blocks, dst_blocks)  # noqa: E731
+            copier.submit([Copy(f"r{i}", run, list)])
             [done] = copier.wait_all()
             if done.error is not None:
                 raise done.error

@@ -174,16 +174,26 @@ class Engine:
         """The blocks holding a request's prompt KV from block `first_block` on, and how many tokens of it."""
         return req.block_ids[first_block:], len(req.prompt_token_ids) - first_block * self.pool.block_size
 
-    def kv_checksums(self, req: Request, first_block: int = 0) -> list[int]:
-        """A CRC-32 per layer of a request's prompt KV from block `first_block` on, as it lies in the pool ([] for a
-        pool off the CPU)."""
-        return self.pool.checksums(*self.prompt_kv(req, first_block))
+    def kv_checksums(self, req: Request, first_block: int = 0, layers: list[int] | None = None) -> list[int]:
+        """A CRC-32 per layer (of `layers`, default all) of a request's prompt KV from block `first_block` on, as it
+        lies in the pool ([] for a pool off the CPU)."""
+        return self.pool.checksums(*self.prompt_kv(req, first_block), layers)
 
-    def copied_checksums(self, req: Request, prefix: tuple[Any, list[int]]) -> list[int]:
+    def copied_checksums(
+        self, req: Request, prefix: tuple[Any, list[int]], layers: list[int] | None = None
+    ) -> list[int]:
         """kv_checksums of a request whose KV from its first block to pull on was copied here, its blocks before (those
         of our prefix cache) as another pool holds them (`prefix`: that pool's storage, its block ids)."""
         copied = self.prompt_kv(req, self.first_block_to_pull(req))[0]
-        return self.pool.checksums_after(prefix, copied, len(req.prompt_token_ids))
+        return self.pool.checksums_after(prefix, copied, len(req.prompt_token_ids), layers)
+
+    def copy_matches(self, req: Request, source: Any, src_blocks: list[int]) -> bool:
+        """Whether a request's blocks copied out of a shared pool (from its first block to pull on) hold what
+        `src_blocks` of that pool's storage `source` hold, byte for byte (True for a pool off the CPU: not checked)."""
+        if self.pool.data.device.type != "cpu":
+            return True
+        copied = self.prompt_kv(req, self.first_block_to_pull(req))[0][: len(src_blocks)]
+        return self.pool.holds_copy(source, list(src_blocks), copied)
 
     def kv_lost(self, req: Request) -> None:
         """A RECEIVING_KV request whose KV was lost or damaged: it waits to recompute its prompt here."""

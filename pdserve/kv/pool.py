@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import zlib
 
+import numpy as np
 import torch
 
 from pdserve.kv.block_allocator import BlockAllocator
 from pdserve.kv.layout import KVLayout
 
+FEW_RUNS = 16  # blocks in at most this many runs are read (checksums) or copied in place, slice by slice; else gathered
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -76,29 +78,50 @@ class KVPool:
         else:
             dst.index_copy_(2, idx, kv)
 
-    def checksums(self, block_ids: list[int], num_tokens: int) -> list[int]:
-        """A CRC-32 per layer of the KV of tokens 0..num_tokens-1 (K then V, head by head, in token order), whatever
-        blocks hold them: two pools agree exactly when the request's KV is the same. [] for a pool off the CPU."""
+    def checksums(self, block_ids: list[int], num_tokens: int, layers: list[int] | None = None) -> list[int]:
+        """A CRC-32 per layer (of `layers`, default all) of the KV of tokens 0..num_tokens-1 (K then V, head by head, in
+        token order), whatever blocks hold them: two pools agree exactly when the request's KV is the same. [] for a
+        pool off the CPU."""
         if self.data.device.type != "cpu":
             return []
-        return kv_checksums([(self.data, block_ids)], self.block_size, num_tokens)
+        return kv_checksums([(self.data, block_ids)], self.block_size, num_tokens, layers)
 
     def checksums_after(
-        self, prefix: tuple[torch.Tensor, list[int]], block_ids: list[int], num_tokens: int
+        self,
+        prefix: tuple[torch.Tensor, list[int]],
+        block_ids: list[int],
+        num_tokens: int,
+        layers: list[int] | None = None,
     ) -> list[int]:
         """As `checksums`, of tokens whose first whole blocks lie in another pool's storage (`prefix`: storage, block
         ids) and the rest in `block_ids` here. [] for a pool off the CPU."""
         if self.data.device.type != "cpu":
             return []
-        return kv_checksums([prefix, (self.data, block_ids)], self.block_size, num_tokens)
+        return kv_checksums([prefix, (self.data, block_ids)], self.block_size, num_tokens, layers)
+
+    def holds_copy(self, src: torch.Tensor, src_blocks: list[int], dst_blocks: list[int]) -> bool:
+        """Whether `dst_blocks` here hold, byte for byte in every layer, what `src_blocks` of another pool's storage
+        `src` hold (a copy by `copy_blocks_from`, checked)."""
+        bs = self.block_size
+        runs = paired_runs(src_blocks, dst_blocks)
+        if len(runs) <= FEW_RUNS:
+            return all(
+                torch.equal(self.data[..., d * bs : (d + n) * bs, :], src[..., s * bs : (s + n) * bs, :])
+                for s, d, n in runs
+            )
+        n = len(src_blocks) * bs
+        rows = src.index_select(3, _to_device(self.slots(src_blocks, 0, n), src.device))
+        return torch.equal(self.data.index_select(3, self.slots(dst_blocks, 0, n).to(self.data.device)), rows)
 
     def copy_blocks_from(self, src: torch.Tensor, src_blocks: list[int], dst_blocks: list[int]) -> None:
-        """Copy whole blocks out of another pool's storage `src` (same layout), every layer at once: one slice copy
-        when both sides are runs of consecutive blocks, else one gather and one scatter of their slots."""
+        """Copy whole blocks out of another pool's storage `src` (same layout), every layer at once: a slice copy per
+        run of blocks consecutive on both sides (up to FEW_RUNS of them), else one gather and one scatter of their
+        slots."""
         bs = self.block_size
-        if is_run(src_blocks) and is_run(dst_blocks):
-            s, d, n = src_blocks[0], dst_blocks[0], len(src_blocks)
-            self.data[..., d * bs : (d + n) * bs, :].copy_(src[..., s * bs : (s + n) * bs, :], non_blocking=True)
+        runs = paired_runs(src_blocks, dst_blocks)
+        if len(runs) <= FEW_RUNS:  # blocks in a few runs consecutive on both sides: a slice copy each
+            for s, d, n in runs:
+                self.data[..., d * bs : (d + n) * bs, :].copy_(src[..., s * bs : (s + n) * bs, :], non_blocking=True)
             return
         n = len(src_blocks) * bs
         src_slots = _to_device(self.slots(src_blocks, 0, n), src.device)  # [n]
@@ -107,35 +130,65 @@ class KVPool:
         self.data.index_copy_(3, dst_slots, rows)
 
 
-def kv_checksums(parts: list[tuple[torch.Tensor, list[int]]], block_size: int, num_tokens: int) -> list[int]:
+def kv_checksums(
+    parts: list[tuple[torch.Tensor, list[int]]], block_size: int, num_tokens: int, layers: list[int] | None = None
+) -> list[int]:
     """A CRC-32 per layer of the KV of tokens 0..num_tokens-1 held by `parts`, (pool storage, block ids) in token
     order, each but the last holding whole blocks (a decode node's cached prefix as the prefill pool holds it, the
-    rest in its own pool, say): as `KVPool.checksums` of one pool holding them all. The KV is gathered once into
-    [L, 2, nkv, n, d], whose layers are each one run of bytes in that order: one CRC call a layer."""
-    pieces, left = [], num_tokens
+    rest in its own pool, say): as `KVPool.checksums` of one pool holding them all. A layer's KV is read in the order
+    [2, nkv, num_tokens, d] straight out of the pools, one CRC call per run of consecutive slots (the CRC carried
+    from one to the next), without gathering it first."""
+    pieces, left = [], num_tokens  # (storage as [L, 2 * nkv, S, d], its slots: a slice or an index), in token order
     for data, blocks in parts:
         n = min(left, len(blocks) * block_size)
-        if n:
-            pieces.append(_gather(data, blocks, block_size, n))  # [L, 2, nkv, n, d]
+        runs = slot_runs(blocks, block_size, n)
+        rows = data.reshape(data.shape[0], -1, data.shape[3], data.shape[4]).numpy()
+        if len(runs) <= FEW_RUNS:
+            pieces += [(rows, slice(first, first + count)) for first, count in runs]
+        elif n:
+            pieces.append((rows, np.concatenate([np.arange(first, first + count) for first, count in runs])))
         left -= n
-    kv = torch.cat(pieces, dim=3) if len(pieces) > 1 else pieces[0]  # [L, 2, nkv, num_tokens, d]
-    return [zlib.crc32(layer.view(torch.uint8).numpy()) for layer in kv]
+    out = []
+    for layer in range(parts[0][0].shape[0]) if layers is None else layers:
+        crc = 0
+        if all(isinstance(slots, slice) for _, slots in pieces):  # read in place, head by head
+            for row in range(pieces[0][0].shape[1] if pieces else 0):
+                for rows, slots in pieces:
+                    crc = zlib.crc32(rows[layer, row, slots], crc)
+        else:  # scattered blocks: one gather of the layer's slots from each part
+            kv = np.ascontiguousarray(np.concatenate([rows[layer][:, slots] for rows, slots in pieces], axis=1))
+            crc = zlib.crc32(kv)
+        out.append(crc)
+    return out
 
 
-def _gather(data: torch.Tensor, blocks: list[int], block_size: int, n: int) -> torch.Tensor:
-    """The first `n` token slots of `blocks` in pool storage `data`, contiguous: [L, 2, nkv, n, d]."""
-    if is_run(blocks):
-        first = blocks[0] * block_size
-        return data[:, :, :, first : first + n].contiguous()
-    pos = torch.arange(n)
-    slots = torch.tensor(blocks, dtype=torch.long)[pos // block_size] * block_size + pos % block_size
-    return data.index_select(3, slots)
+def slot_runs(blocks: list[int], block_size: int, n: int) -> list[tuple[int, int]]:
+    """The first `n` token slots of `blocks` as (first slot, count) runs of consecutive slots, in token order."""
+    runs: list[tuple[int, int]] = []
+    for i in range(-(-n // block_size)):
+        first, count = blocks[i] * block_size, min(block_size, n - i * block_size)
+        if runs and runs[-1][0] + runs[-1][1] == first:
+            runs[-1] = (runs[-1][0], runs[-1][1] + count)
+        else:
+            runs.append((first, count))
+    return runs
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Host tensor `t` on `device`; on a GPU through pinned memory, without waiting for the work queued there (as
     runner/copies.py does for the engine's own inputs)."""
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+def paired_runs(src_blocks: list[int], dst_blocks: list[int]) -> list[tuple[int, int, int]]:
+    """(first source block, first destination block, count) of the runs consecutive on both sides, in order."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src_blocks, dst_blocks, strict=True):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
 
 
 def is_run(block_ids: list[int]) -> bool:

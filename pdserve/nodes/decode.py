@@ -20,17 +20,19 @@ A request's life here (the engine owns the request, its queue and its blocks; th
    lease of the pull is never decoded from: by --kv-failure the request recomputes its prompt here
    (`engine.kv_lost`: WAITING, computed up to its first block not shared from the prefix cache, whose
    blocks keep their KV; the prefill node gets a KvAck all the same), or it is refused, which fails it with the reason.
-   Over a shared pool (shm, cuda_ipc) there is no pull: the offer names the prompt's blocks in the prefill pool and
-   their checksums, and once the scheduler has reserved blocks here the copier's thread copies them (one batched
-   copy; on a GPU on its own stream, waited for by its event) while the node's steps go on; when it is done the loop
-   is woken, the landed KV is checked (`engine.kv_landed`) and the KvAck goes: only then does the prefill node free
-   its blocks. On the CPU (an engine that computes a step in its launch, not overlapped) the loop waits for the copies
-   it has just started before its next step, so that their requests join that step. A request aborted while its
-   copy runs is dropped when the copy is done (its blocks are not given to another request before). Counters:
-   kv_copies, kv_copies_overlapped (copies that ran while a step did); and the
-   hand-off in parts as histograms (Stats.histograms, observed once the request has decoded here): handoff_wait
-   (offer taken → copy started), handoff_copy, handoff_check (the checksums of what landed), handoff_join (checked →
-   the end of the request's first step here).
+   Over a shared pool (shm, cuda_ipc) there is no pull: the offer names the prompt's blocks in the prefill pool, with
+   the CRC-32 of their last layer's KV, and once the scheduler has reserved blocks here the copier's thread copies
+   those of every request reserved at that moment as one burst (one batched copy a request; on a GPU on its own
+   stream, waited for by one event) and checks each (CPU pools): every layer it copied against the prefill pool's
+   blocks, byte for byte (`engine.copy_matches`), and the CRC-32 of the last layer as it landed against the offer's,
+   while the node's steps go on; when a copy is done the loop is woken, the request's KV marked landed
+   (`engine.kv_landed`) and the KvAck goes: only then does the prefill node free its blocks. On the CPU (an engine
+   that computes a step in its launch, not overlapped) the loop waits for the copies it has just started before its
+   next step, so that their requests join that step. A request aborted while its copy runs is dropped when the copy
+   is done (its blocks are not given to another request before). Counters: kv_copies, kv_copies_overlapped (copies
+   that ran while a step did); and the hand-off in parts as histograms (Stats.histograms, observed once the request
+   has decoded here): handoff_wait (offer taken → copy started), handoff_copy, handoff_check (the checks of what
+   landed), handoff_join (checked → the end of the request's first step here).
 4. WAITING with its KV in place (num_computed_tokens = prompt length, the first token as output),
    the router told so (an event without tokens), admitted at the next iteration; RUNNING: one token
    an iteration, streamed to the router.
@@ -42,6 +44,7 @@ A request's life here (the engine owns the request, its queue and its blocks; th
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections import OrderedDict
@@ -306,22 +309,30 @@ class DecodeNode(NodeBase):
         return self.engine.abort(request_id) is not None
 
     # ---- copies out of a shared pool -----------------------------------------------------------
-    def _start_copy(self, inc: Incoming) -> None:
-        """Copy a request's offered blocks into those just reserved for it, on the copier's thread (beside the
-        steps); the blocks it holds from the prefix cache are not copied."""
-        req, engine, first = inc.request, self.engine, inc.first_block
-        src = list(inc.offered.src_blocks)
-        header = dataclasses.replace(inc.offered, src_blocks=src[first:])
-        prefix = (inc.peer.source, src[:first])  # the prompt's cached blocks, checked as the sender holds them
+    def _start_copies(self, offered: list[Incoming]) -> None:
+        """Copy the offered blocks of the requests whose blocks were just reserved into theirs, one burst on the
+        copier's thread (beside the steps), each request's blocks in one batched copy; the blocks they hold from the
+        prefix cache are not copied."""
+        burst = []
+        for inc in offered:
+            req, first = inc.request, inc.first_block
+            src = list(inc.offered.src_blocks)
+            header = dataclasses.replace(inc.offered, src_blocks=src[first:])
+            run = functools.partial(self.engine.receive_kv, req, inc.peer.backend, header, [], inc.peer.source)
+            prefix = (inc.peer.source, src[:first])  # the prompt's cached blocks, checked as the sender holds them
+            check = functools.partial(self._landed_checksums, req, header, inc.peer.source, prefix)
+            burst.append(Copy(req.request_id, run, check))
+            inc.copying = True
+        if burst:
+            self.copier.submit(burst)
 
-        def run() -> int:
-            return engine.receive_kv(req, inc.peer.backend, header, [], inc.peer.source)
-
-        def check() -> list[int]:
-            return engine.copied_checksums(req, prefix) if header.kv_checksums else []
-
-        inc.copying = True
-        self.copier.submit(Copy(req.request_id, run, check))
+    def _landed_checksums(self, req: Request, header, source, prefix: tuple) -> list[int]:
+        """(On the copier's thread) check a request's copy: every layer it copied against the prefill pool's blocks
+        (TransferError if they differ), then the CRC-32 of its last layer's KV as it lies here (the cached blocks as
+        the prefill pool holds them), which the sender's, in its offer, must match ([] for a pool off the CPU)."""
+        if not self.engine.copy_matches(req, source, header.src_blocks):
+            raise TransferError("the KV copied differs from the prefill pool's blocks")
+        return self.engine.copied_checksums(req, prefix, [self.engine.layout.num_layers - 1])
 
     def _copies_done(self) -> None:
         for copy in self.copier.take():
@@ -380,18 +391,9 @@ class DecodeNode(NodeBase):
     def tick(self) -> None:
         super().tick()
         now = time.monotonic()
-        copying = False
-        for req in self.engine.reserve_remote():
-            inc = self.incoming[req.request_id]
-            inc.pulled(self.engine.first_block_to_pull(req))
-            if inc.offered is not None:
-                self._start_copy(inc)
-                copying = True
-            else:
-                transport.send(self.kv_sock, KvPull(req.request_id, inc.first_block), identity=inc.peer.link)
-        if copying and not self.copy_beside_steps:  # they join the very next step
-            for copy in self.copier.wait_all():
-                self._copy_done(copy)
+        self._reserve_and_copy()
+        if self.copier.in_flight and not self.copy_beside_steps:  # they join the very next step
+            self._land_before_step()
         wait = self.cfg.kv_lease_s / 2  # well before the prefill node's lease on the KV runs out
         pulled = [i for i in self.incoming.values() if i.state is TransferState.PULLED and not i.copying]
         for inc in [i for i in pulled if now - i.pulled_at > wait]:
@@ -400,6 +402,27 @@ class DecodeNode(NodeBase):
             self._next_notice = now + WAITING_NOTICE_S
             self._notify_waiting()
             self._drop_gone_peers()
+
+    def _reserve_and_copy(self) -> None:
+        """Blocks for the offers waiting here, as the scheduler gives them: pull, or copy out of a shared pool."""
+        offered = []
+        for req in self.engine.reserve_remote():
+            inc = self.incoming[req.request_id]
+            inc.pulled(self.engine.first_block_to_pull(req))
+            if inc.offered is not None:
+                offered.append(inc)
+            else:
+                transport.send(self.kv_sock, KvPull(req.request_id, inc.first_block), identity=inc.peer.link)
+        self._start_copies(offered)
+
+    def _land_before_step(self) -> None:
+        """(On the CPU, before the next step) wait for the copies just started, and copy the offers taken meanwhile,
+        so that their requests join the next step."""
+        while self.copier.in_flight:
+            for copy in self.copier.wait_all():
+                self._copy_done(copy)
+            self.drain(self.kv_sock)
+            self._reserve_and_copy()
 
     def _drop_gone_peers(self) -> None:
         """Drop the prefill nodes whose pool is gone (shm: unlinked; cuda_ipc: its process ended)."""

@@ -18,11 +18,12 @@ A request's life here:
    drills; a decode node that recomputes a damaged request's KV acknowledges it all the same (with the
    reason), and our copy is freed.
    Over a shared pool (shm, cuda_ipc) there is no pull: the offer names the prompt's blocks in our pool, with the
-   checksums of their KV, and the decode node copies them as soon as it has reserved its own, beside its steps; its
-   KvAck says the copy is done, and only then are our blocks freed (docs/handoff-edges.md, "Copies out of a shared
-   pool"). The offer goes after the step that wrote the last of those blocks has finished (`Engine.finish` waited
-   for its sampled token, queued behind its KV writes), so the decode node never reads a block before our writes
-   to it are complete.
+   CRC-32 of their last layer's KV (which depends on every token before, through every layer below: it tells the
+   request's blocks from any other; the decode node compares every layer it copied with our pool itself), and the
+   decode node copies them as soon as it has reserved its own, beside its steps; its KvAck says the copy is done and
+   checked, and only then are our blocks freed (docs/handoff-edges.md, "Copies out of a shared pool"). The offer goes
+   after the step that wrote the last of those blocks has finished (`Engine.finish` waited for its sampled token,
+   queued behind its KV writes), so the decode node never reads a block before our writes to it are complete.
 5. An Abort from the router at any point frees the KV and cancels the transfer on the decode node.
 """
 
@@ -167,11 +168,13 @@ class PrefillNode(NodeBase):
             transport.send(t.peer.link.sock, offer)
 
     def _with_blocks(self, offer: KvOffer, t: Transfer) -> KvOffer | None:
-        """The offer naming the prompt's blocks in our shared pool, with the checksums of their KV (a fault injected
-        may damage them, drop them, so that the decode node pulls, or delay the whole offer: then None). Our copy of
-        the blocks stays as it is until the decode node's KvAck says its copy is done."""
+        """The offer naming the prompt's blocks in our shared pool, with the CRC-32 of their last layer's KV (a fault
+        injected may damage them, drop them, so that the decode node pulls, or delay the whole offer: then None). Our
+        copy of the blocks stays as it is until the decode node's KvAck says its copy is done."""
         req = t.request
-        messages = list(self._with_checksums(self.engine.send_kv(req, t.peer.backend), req, 0))
+        last = [self.engine.layout.num_layers - 1]  # the decode node checks the other layers against our pool itself
+        [(header, frames)] = self.engine.send_kv(req, t.peer.backend)
+        messages = [(dataclasses.replace(header, kv_checksums=self.engine.kv_checksums(req, 0, last)), frames)]
         kind = self.faults.pick()
         if kind == "delay":
             self._inject(kind, req.request_id, [(dataclasses.replace(offer, kv=messages[0][0]), [])], 0)

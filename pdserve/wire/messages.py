@@ -19,7 +19,9 @@ from pdserve.wire.params import MAX_LOGPROBS, ErrorCode, FinishReason, Id, Role,
 # 9: a shared pool's transfer is never pulled: the offer carries the prompt's source blocks and checksums
 #    (KvOffer.kv), the decode node copies them at once and its KvAck says from which block (KvAck.first_block)
 # 10: histograms in Stats (Stats.histograms: the decode node's hand-off in parts)
-PROTOCOL_VERSION = 10
+# 11: a shared pool's offer carries the CRC-32 of its blocks' last layer only (KvOffer.kv.kv_checksums); the decode
+#     node compares every layer it copied with the prefill pool's blocks
+PROTOCOL_VERSION = 11
 
 
 # ---- router <-> node ---------------------------------------------------------------------------
@@ -197,8 +199,9 @@ class KvHello:
 @dataclass(frozen=True)
 class KvOffer:
     """Prefill -> decode: a request whose prompt KV is ready; the decode node reserves blocks first. Over a shared
-    pool (shm, cuda_ipc) `kv` names the prompt's blocks there, with the checksums of their KV: the decode node copies
-    them once its blocks are reserved, with no pull; None: it pulls (zmq)."""
+    pool (shm, cuda_ipc) `kv` names the prompt's blocks there, with the CRC-32 of their last layer's KV
+    (`kv.kv_checksums`, one value; [] off the CPU): the decode node copies them once its blocks are reserved, with no
+    pull, checks every layer it copied against those blocks and the last one against that CRC; None: it pulls (zmq)."""
 
     request_id: str
     prompt_token_ids: list[Id]
@@ -227,7 +230,8 @@ class KvData:
     shape: list[Id]  # zmq: [2, num_kv_heads, num_block_tokens, head_dim] of one layer
     layer: int = -1
     src_blocks: list[Id] = field(default_factory=list)
-    kv_checksums: list[Id] = field(default_factory=list)  # first message: a CRC-32 per layer of the KV shipped
+    # first message: a CRC-32 per layer of the KV shipped (a shared pool's offer: of its last layer only)
+    kv_checksums: list[Id] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

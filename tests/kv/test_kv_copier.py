@@ -1,6 +1,6 @@
-"""The decode node's background copier (kv/copier.py): copies out of a shared pool run on its thread, in order, one
-batched copy each, and wake whoever polls its socket; on a GPU (marked `gpu`) a copy started once the writer's step
-is known done reads every block that step wrote, though its writer stream was busy until then."""
+"""The decode node's background copier (kv/copier.py): bursts of copies out of a shared pool run on its thread, in
+order, one batched copy a request, and wake whoever polls its socket; on a GPU (marked `gpu`) a copy started once the
+writer's step is known done reads every block that step wrote, though its writer stream was busy until then."""
 
 from __future__ import annotations
 
@@ -36,16 +36,21 @@ def test_copies_out_of_a_shared_pool_land_in_order_and_wake_the_poller(ctx):
         src.data.copy_(torch.randn(src.data.shape))
         dst = KVPool(LAYOUT, 16)
         moves = {"run": ([4, 5, 6], [9, 10, 11]), "scattered": ([13, 2, 7], [0, 15, 3])}
-        for key, (s, d) in moves.items():
-            copier.submit(_copy(key, dst, src, s, d))
-        copier.submit(Copy("bad", lambda: dst.copy_blocks_from(src.data, [99], [1]), list))
+        copier.submit([_copy(key, dst, src, s, d) for key, (s, d) in moves.items()])  # one burst
+        two_runs = ([8, 9, 0, 1], [4, 5, 12, 13])  # consecutive in two runs on both sides: two slice copies
+        copier.submit([_copy("two runs", dst, src, *two_runs)])
+        copier.submit(
+            [Copy("bad", lambda: dst.copy_blocks_from(src.data, [99], [1]), list), _copy("after", dst, src, [14], [14])]
+        )
         assert copier.wake.poll(WAIT_MS), "a finished copy did not wake the poller"
         done = copier.wait_all()
-        assert [c.key for c in done] == ["run", "scattered", "bad"] and copier.in_flight == 0
-        for c, (s, d) in zip(done, moves.values(), strict=False):
-            assert c.error is None and c.started <= c.copied <= c.done and c.checksums == [3]
-            assert torch.equal(export_tokens(dst, d, 12), export_tokens(src, s, 12))
-        assert isinstance(done[2].error, IndexError | RuntimeError), "a failed copy is reported, not raised"
+        assert [c.key for c in done] == ["run", "scattered", "two runs", "bad", "after"] and copier.in_flight == 0
+        for c, (s, d) in zip(done, [*moves.values(), two_runs], strict=False):
+            assert c.error is None and c.started <= c.copied <= c.done and c.checksums == [len(d)]
+            assert torch.equal(export_tokens(dst, d, 4 * len(d)), export_tokens(src, s, 4 * len(s)))
+        assert done[0].done <= done[1].started, "a burst's copies run one after another, each checked once in"
+        assert isinstance(done[3].error, IndexError | RuntimeError), "a failed copy is reported, not raised"
+        assert done[4].error is None, "a failed copy fails its request alone"
     finally:
         copier.close()
         owner.close()
@@ -72,7 +77,7 @@ def test_on_a_gpu_a_copy_after_the_writers_step_reads_all_it_wrote(ctx):
             event.synchronize()  # Engine.finish: the host has the token
             assert token.item() == round_ + 1
             blocks = list(range(0, 64, 3))
-            copier.submit(_copy(f"r{round_}", dst, src, blocks, blocks[::-1]))
+            copier.submit([_copy(f"r{round_}", dst, src, blocks, blocks[::-1])])
             [done] = copier.wait_all()
             assert done.error is None
             landed = export_tokens(dst, blocks[::-1], len(blocks) * LAYOUT.block_size)

@@ -5,6 +5,7 @@ usual admission, and the prefill node frees its blocks only once the decode node
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from types import SimpleNamespace
 
@@ -97,7 +98,8 @@ def test_the_copy_runs_beside_a_step_and_the_prefill_blocks_wait_for_its_ack(nod
             break
 
     [offer] = offers
-    assert offer.kv is not None and offer.kv.src_blocks and offer.kv.kv_checksums, "the offer named no blocks"
+    assert offer.kv is not None and offer.kv.src_blocks, "the offer named no blocks"
+    assert len(offer.kv.kv_checksums) == 1, "the offer carries the CRC-32 of the last layer only"
     [copy] = [c for c in decode.copies if c.key == "r1"]
     assert copy.error is None and decode.counters["kv_bad"] == 0  # the checksums of what landed matched
     assert decode.counters["kv_copies"] == decode.counters["kv_copies_overlapped"] == 1
@@ -161,7 +163,79 @@ def test_checksums_of_a_prompt_split_over_two_pools_are_those_of_one_pool():
         whole = src.checksums(src_blocks, num_tokens)
         assert kv_checksums([(src.data, src_blocks[:2]), (dst.data, [0, 5])], layout.block_size, num_tokens) == whole
         assert dst.checksums_after((src.data, src_blocks[:2]), [0, 5], num_tokens) == whole
+        assert dst.checksums_after((src.data, src_blocks[:2]), [0, 5], num_tokens, [1]) == whole[1:]  # a layer
+        assert dst.holds_copy(src.data, src_blocks[2:], [0, 5])
+        many = list(range(0, 8, 2))  # four runs of one block
+        dst.copy_blocks_from(src.data, many, [1, 2, 3, 4])
+        assert dst.holds_copy(src.data, many, [1, 2, 3, 4])
         dst.data[..., 5 * 4, :] += 1  # one landed token wrong
         assert dst.checksums_after((src.data, src_blocks[:2]), [0, 5], num_tokens) != whole
+        assert not dst.holds_copy(src.data, src_blocks[2:], [0, 5])
     finally:
         owner.close()
+
+
+def test_a_burst_of_offers_is_one_job_and_each_request_is_checked_on_its_own(nodes, monkeypatch):
+    """Offers taken together go to the copier as one burst; each request's landed KV is checked on its own: one whose
+    offer names a wrong block (copied faithfully, but its last layer's CRC-32 is not the offer's) fails alone, the
+    other decodes."""
+    prefill, decode = nodes
+    p_router = FakeRouter(prefill)
+    bursts: list[list[str]] = []
+    submit = decode.copier.submit
+
+    def spy_submit(burst):
+        bursts.append([c.key for c in burst])
+        submit(burst)
+
+    monkeypatch.setattr(decode.copier, "submit", spy_submit)
+    taken: list[str] = []
+    decode_offer = decode._on_offer
+
+    def spy_offer(peer, offer):
+        taken.append("offer")
+        if offer.request_id == "bad":  # a damaged offer: its second block is another one of the pool
+            src = list(offer.kv.src_blocks)
+            offer = dataclasses.replace(offer, kv=dataclasses.replace(offer.kv, src_blocks=[src[0], src[1] + 5]))
+        decode_offer(peer, offer)
+
+    monkeypatch.setattr(decode, "_on_offer", spy_offer)
+    for rid, prompt in (("good", PROMPT), ("bad", [t + 1 for t in PROMPT])):
+        p_router.send(Generate(rid, prompt, SamplingParams(max_tokens=4, temperature=0), decode_addr=decode.kv_addr))
+    for _ in range(MAX_LOOPS):  # the decode node only reads its KV socket: both offers are in before it reserves
+        prefill.loop_once()
+        decode.drain(decode.kv_sock)
+        if len(taken) == 2:
+            break
+    assert taken == ["offer", "offer"], taken
+    assert not decode.copies
+    decode.tick()  # reserves both, copies them (one burst), checks each
+    assert bursts == [["good", "bad"]], bursts
+    assert decode.counters["kv_copies"] == 2 and decode.counters["kv_bad"] == 1, decode.counters
+    assert decode.engine.requests["good"].status is Status.WAITING  # landed, joins the next step
+    assert decode.engine.requests["bad"].num_computed_tokens == 0  # recomputes its prompt here (--kv-failure)
+
+
+def test_a_copy_that_landed_wrong_in_any_layer_is_never_decoded_from(nodes, monkeypatch):
+    """Every layer copied is compared with the prefill pool's blocks: a copy whose first layer landed wrong (its last
+    layer, which the offer's CRC-32 covers, right) fails its check and the request recomputes its prompt here."""
+    prefill, decode = nodes
+    p_router = FakeRouter(prefill)
+    receive = decode.engine.receive_kv
+
+    def damaged(req, backend, header, frames, source):
+        layers = receive(req, backend, header, frames, source)
+        decode.engine.pool.data[0, 0, 0, req.block_ids[0] * 16, 0] += 1  # layer 0, K, head 0, the first token
+        return layers
+
+    monkeypatch.setattr(decode.engine, "receive_kv", damaged)
+    p_router.send(Generate("r1", PROMPT, SamplingParams(max_tokens=4, temperature=0), decode_addr=decode.kv_addr))
+    for _ in range(MAX_LOOPS):
+        prefill.loop_once()
+        decode.loop_once()
+        if decode.counters["kv_copies"]:
+            break
+    [copy] = [c for c in decode.copies if c.key == "r1"]
+    assert copy.error is not None and "differs" in str(copy.error), copy.error
+    assert decode.counters["kv_bad"] == 1 and decode.counters["kv_recomputed"] == 1, decode.counters
+    assert decode.engine.requests["r1"].num_computed_tokens == 0  # recomputes its prompt, never decodes from the copy
