@@ -96,12 +96,14 @@ def pin_process(cfg: EngineConfig) -> None:
         os.sched_setaffinity(0, cfg.cpu_cores)
 
 
-def checksum_mismatch(got: list[int], want: list[int]) -> str:
-    """Why per-layer checksums `got` (here) differ from `want` (the sender's); "" when they agree or `got` is []."""
+def checksum_mismatch(got: list[int], want: list[int], layers: list[int] | None = None) -> str:
+    """Why per-layer checksums `got` (here) differ from `want` (the sender's), of the layers `layers` (default:
+    every layer, in order); "" when they agree or `got` is []."""
     if not got or got == want:
         return ""
     bad = [i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b]
-    return f"KV checksum mismatch in layer {bad[0] if bad else min(len(got), len(want))}"
+    i = bad[0] if bad else min(len(got), len(want))
+    return f"KV checksum mismatch in layer {layers[i] if layers and i < len(layers) else i}"
 
 
 class Engine:
@@ -157,15 +159,18 @@ class Engine:
         blocks, num_tokens = self.prompt_kv(req, self.first_block_to_pull(req))
         return backend.unpack(self.pool, blocks, num_tokens, header, frames, source)
 
-    def kv_landed(self, req: Request, backend: KvBackend, checksums: list[int], got: list[int] | None = None) -> str:
+    def kv_landed(
+        self, req: Request, backend: KvBackend, checksums: list[int], got: list[int] | None = None, layers=None
+    ) -> str:
         """Every layer is in: once the copies have read the sender's memory, the KV is checked against the sender's
         per-layer `checksums` of what it sent ([]: none to check). If it matches, the request joins the queue and ""
         is returned; else why not, and the request stays RECEIVING_KV (then `kv_lost` or `abort`): never decoded
-        from. `got`: the checksums of what landed, taken by a copy that is done (see kv/copier.py)."""
+        from. `got`: the checksums of what landed, taken by a copy that is done (see kv/copier.py); `layers`: the
+        layers the checksums are of (default: every layer, in order)."""
         if got is None:
             backend.wait_landed(self.pool)
             got = self.kv_checksums(req, self.first_block_to_pull(req)) if checksums else []
-        why = checksum_mismatch(got, checksums) if checksums else ""
+        why = checksum_mismatch(got, checksums, layers) if checksums else ""
         if not why:
             self.scheduler.kv_landed(req)
         return why

@@ -332,7 +332,7 @@ class DecodeNode(NodeBase):
         the prefill pool holds them), which the sender's, in its offer, must match ([] for a pool off the CPU)."""
         if not self.engine.copy_matches(req, source, header.src_blocks):
             raise TransferError("the KV copied differs from the prefill pool's blocks")
-        return self.engine.copied_checksums(req, prefix, [self.engine.layout.num_layers - 1])
+        return self.engine.copied_checksums(req, prefix, [self.engine.layout.num_layers - 1])  # as the offer's
 
     def _copies_done(self) -> None:
         for copy in self.copier.take():
@@ -352,7 +352,8 @@ class DecodeNode(NodeBase):
         if copy.error is not None:
             self._kv_failed(inc, f"bad KV: {copy.error}")
             return
-        why = self.engine.kv_landed(inc.request, inc.peer.backend, list(inc.offered.kv_checksums), copy.checksums)
+        last = [self.engine.layout.num_layers - 1]  # the offer's one checksum: the last layer's
+        why = self.engine.kv_landed(inc.request, inc.peer.backend, list(inc.offered.kv_checksums), copy.checksums, last)
         if why:
             self._kv_failed(inc, why)
             return

@@ -200,6 +200,9 @@ def test_a_burst_of_offers_is_one_job_and_each_request_is_checked_on_its_own(nod
         decode_offer(peer, offer)
 
     monkeypatch.setattr(decode, "_on_offer", spy_offer)
+    failed: list[str] = []
+    kv_failed = decode._kv_failed
+    monkeypatch.setattr(decode, "_kv_failed", lambda inc, why: (failed.append(why), kv_failed(inc, why)))
     for rid, prompt in (("good", PROMPT), ("bad", [t + 1 for t in PROMPT])):
         p_router.send(Generate(rid, prompt, SamplingParams(max_tokens=4, temperature=0), decode_addr=decode.kv_addr))
     for _ in range(MAX_LOOPS):  # the decode node only reads its KV socket: both offers are in before it reserves
@@ -212,6 +215,7 @@ def test_a_burst_of_offers_is_one_job_and_each_request_is_checked_on_its_own(nod
     decode.tick()  # reserves both, copies them (one burst), checks each
     assert bursts == [["good", "bad"]], bursts
     assert decode.counters["kv_copies"] == 2 and decode.counters["kv_bad"] == 1, decode.counters
+    assert failed == [f"KV checksum mismatch in layer {decode.engine.layout.num_layers - 1}"], failed  # the last
     assert decode.engine.requests["good"].status is Status.WAITING  # landed, joins the next step
     assert decode.engine.requests["bad"].num_computed_tokens == 0  # recomputes its prompt here (--kv-failure)
 
