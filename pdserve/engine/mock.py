@@ -134,7 +134,7 @@ class MockPool:
         self.layout, self.block_size, self.num_blocks = layout, layout.block_size, num_blocks
         self.allocator = BlockAllocator(num_blocks, layout.block_size)
 
-    def checksums(self, block_ids: list[int], num_tokens: int) -> list[int]:
+    def checksums(self, block_ids: list[int], num_tokens: int, layers: list[int] | None = None) -> list[int]:
         """No KV, so no checksums ([]: the receiver checks none)."""
         return []
 

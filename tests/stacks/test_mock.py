@@ -69,10 +69,9 @@ def test_mock_tokens_go_on_as_before_after_a_redispatch():
 
 
 def test_a_mock_step_takes_its_modelled_time():
+    """A prompt of 10 tokens and two decodes past 10 tokens each (the attended tokens from each chunk's past)."""
     reqs = [Request(str(i), [1] * 10, SamplingParams()) for i in range(3)]
-    for r in reqs[1:]:
-        r.num_computed_tokens = 10
-    batch = Batch([ScheduledRequest(reqs[0], 10, True), *(ScheduledRequest(r, 1, False) for r in reqs[1:])])
+    batch = Batch([ScheduledRequest(reqs[0], 10, True, 0), *(ScheduledRequest(r, 1, True, 10) for r in reqs[1:])])
     attended = 10 * 5 + 2 * (10 + 0.5)
     assert StepCost(1.0, 0.1, 0.01, 0.001).seconds(batch) == pytest.approx(1.0 + 0.1 * 12 + 0.01 * 3 + 0.001 * attended)
 
