@@ -105,13 +105,14 @@ class KVPool:
         bs = self.block_size
         runs = paired_runs(src_blocks, dst_blocks)
         if len(runs) <= FEW_RUNS:
+            here, there = bits(self.data), bits(src)
             return all(
-                torch.equal(self.data[..., d * bs : (d + n) * bs, :], src[..., s * bs : (s + n) * bs, :])
+                torch.equal(here[..., d * bs : (d + n) * bs, :], there[..., s * bs : (s + n) * bs, :])
                 for s, d, n in runs
             )
         n = len(src_blocks) * bs
-        rows = src.index_select(3, _to_device(self.slots(src_blocks, 0, n), src.device))
-        return torch.equal(self.data.index_select(3, self.slots(dst_blocks, 0, n).to(self.data.device)), rows)
+        rows = bits(src).index_select(3, _to_device(self.slots(src_blocks, 0, n), src.device))
+        return torch.equal(bits(self.data).index_select(3, self.slots(dst_blocks, 0, n).to(self.data.device)), rows)
 
     def copy_blocks_from(self, src: torch.Tensor, src_blocks: list[int], dst_blocks: list[int]) -> None:
         """Copy whole blocks out of another pool's storage `src` (same layout), every layer at once: a slice copy per
@@ -130,6 +131,15 @@ class KVPool:
         self.data.index_copy_(3, dst_slots, rows)
 
 
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(data: torch.Tensor) -> torch.Tensor:
+    """`data`'s bytes as integers of its element size (a view): compared and checksummed bit for bit, whatever its
+    dtype (numpy has no bfloat16; a NaN equals itself, -0.0 differs from 0.0)."""
+    return data.view(_INT_OF_SIZE[data.element_size()])
+
+
 def kv_checksums(
     parts: list[tuple[torch.Tensor, list[int]]], block_size: int, num_tokens: int, layers: list[int] | None = None
 ) -> list[int]:
@@ -142,7 +152,7 @@ def kv_checksums(
     for data, blocks in parts:
         n = min(left, len(blocks) * block_size)
         runs = slot_runs(blocks, block_size, n)
-        rows = data.reshape(data.shape[0], -1, data.shape[3], data.shape[4]).numpy()
+        rows = bits(data).reshape(data.shape[0], -1, data.shape[3], data.shape[4]).numpy()
         if len(runs) <= FEW_RUNS:
             pieces += [(rows, slice(first, first + count)) for first, count in runs]
         elif n:

@@ -149,12 +149,14 @@ def test_on_the_cpu_a_copy_lands_before_the_next_step_and_its_request_joins_it(n
     assert decode.engine.requests["r1"].status is Status.RUNNING
 
 
-def test_checksums_of_a_prompt_split_over_two_pools_are_those_of_one_pool():
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_checksums_of_a_prompt_split_over_two_pools_are_those_of_one_pool(dtype):
     """A decode node checks a copy whose first blocks came from its prefix cache against the sender's checksums of
-    the whole prompt: the cached blocks as the sender holds them, the rest as they landed here."""
+    the whole prompt: the cached blocks as the sender holds them, the rest as they landed here; in every KV dtype
+    (numpy has no bfloat16: the bytes are read as integers)."""
     owner = ShmBackend()
     try:
-        layout = KVLayout(2, 2, 8, 4, "float32", "t")
+        layout = KVLayout(2, 2, 8, 4, dtype, "t")
         src = KVPool(layout, 8, data=owner.storage(layout, 8, "cpu"))
         src.data.copy_(torch.randn(src.data.shape))
         dst = KVPool(layout, 8)
