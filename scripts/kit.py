@@ -370,6 +370,7 @@ class Stacks:
         self.stops: dict[str, dict] = {}  # each stopped stack: its clean stop
         self.gc = None
         self.lock = threading.Lock()
+        self.starting: dict[str, object] = {}  # the stacks a lane is starting now (bench.systems.Stack)
 
     def gpu_check(self):
         with self.lock:
@@ -388,11 +389,15 @@ class Stacks:
         free_before = gc.free_device_mb(run.device) if memory else None
         with self.lock, importlib.import_module("bench.gpu").triton_cache(cache):  # it compiles into its own folder
             stack = gc.Stack(self.argv(gc, name, port), log_dir / f"kit.{name}.log")  # (the folder: in os.environ)
+            self.starting[name] = stack
         try:
             stack.wait_ready(timeout)
         except BaseException:
             stack.stop()
             raise
+        finally:
+            with self.lock:
+                self.starting.pop(name, None)
         return Shared(name, stack, f"http://127.0.0.1:{port}", cache, free_before)
 
     def argv(self, gc, name: str, port: int) -> list[str]:
@@ -430,6 +435,10 @@ class Stacks:
         return judged
 
     def close(self) -> None:
+        with self.lock:
+            starting = list(self.starting.values())
+        for stack in starting:  # the kit stops while a lane starts one: it stops, and that lane's start fails
+            stack.stop()
         for name in list(self.open):
             self.stops[name] = self.stop(self.open.pop(name))
 
@@ -486,6 +495,8 @@ def ended(start: float, t0: float) -> dict:
 
 def command(argv: list[str], env: dict, log: Path, budget: float) -> tuple[int | None, str]:
     """(exit code, status) of one command in its own process group, stopped at `budget` seconds."""
+    if STOPPING.is_set():  # the kit is stopping: a lane's next stage does not start
+        return None, "not run (the kit stopped)"
     with log.open("w") as f:
         proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         RUNNING.add(proc)
@@ -499,14 +510,19 @@ def command(argv: list[str], env: dict, log: Path, budget: float) -> tuple[int |
             raise
         finally:
             RUNNING.discard(proc)
+    if rc != 0 and STOPPING.is_set():
+        return rc, "stopped (the kit stopped)"
     return rc, "passed" if rc == 0 else "failed"
 
 
 RUNNING: set[subprocess.Popen] = set()  # the stages' commands running now (in the concurrent phase, several)
+STOPPING = threading.Event()
 
 
 def stop_all() -> None:
-    """The kit stops (SIGTERM): every stage command still running stops with it, those of other threads too."""
+    """The kit ends: every stage command still running stops with it, those of other threads too, and no lane
+    starts another."""
+    STOPPING.set()
     for proc in list(RUNNING):
         stop(proc)
 
@@ -603,6 +619,7 @@ def main(argv: list[str] | None = None) -> int:
     planned_s = plan_seconds(chosen, run, concurrent)
     report = {"device": a.device, "window_s": window, "planned_s": planned_s, "concurrent": concurrent, "stages": []}
     print(f"kit: {len(chosen)} stages, {planned_s:.0f} s of a {window:.0f} s window", flush=True)
+    STOPPING.clear()
     kit = Kit(run, env, Stacks(run, chosen), report, a.out, left)
     report["stacks"] = kit.stacks.stops  # filled as each shared stack stops
     try:

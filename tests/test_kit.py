@@ -8,6 +8,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -267,3 +269,39 @@ def test_a_shared_stacks_stop_is_judged_and_reported(tmp_path):
     assert judged["processes_left"] == pids[1:] and len(pids) == 2
     report = {"stages": [{"name": "a", "stack": "s"}], "stacks": stacks.stops}
     assert "| s | a | failed | 0 | 1 | Producer process has been terminated (1) |" in kit.stop_lines(report)
+
+
+def test_when_the_kit_stops_the_running_checks_stop_and_no_lane_starts_another(tmp_path, monkeypatch):
+    kit = load()
+    monkeypatch.setattr(kit, "KILL_GRACE_S", 2.0)
+    run = kit.Run("cpu", True, tmp_path / "work")
+    for d in ("logs", "stages"):
+        (run.work / d).mkdir(parents=True)
+    after = tmp_path / "after"
+    st = concurrent_stages(
+        kit,
+        {
+            "x": (600, 9, True, "s", "import time; time.sleep(600)"),
+            "x2": (600, 8, True, "s", f"import pathlib; pathlib.Path({str(after)!r}).touch()"),
+        },
+    )
+    stacks = kit.Stacks(run, list(st))
+    monkeypatch.setattr(
+        stacks, "get", lambda name, timeout, memory=True: kit.Shared(name, None, "http://s", tmp_path, None)
+    )
+    monkeypatch.setattr(stacks, "stop", lambda shared: {"pass": True})
+    report = {"device": "cpu", "window_s": 1200, "stages": []}
+    k = kit.Kit(run, dict(os.environ), stacks, report, tmp_path, {})
+    phase = threading.Thread(target=k.phase, args=(kit.lanes(list(st), run),))
+    phase.start()
+    while not kit.RUNNING:  # x's command runs
+        time.sleep(0.05)
+    (proc,) = kit.RUNNING
+    kit.stop_all()
+    phase.join()
+    assert proc.returncode is not None and not kit.RUNNING
+    assert [(r["name"], r["status"]) for r in report["stages"]] == [
+        ("x", "stopped (the kit stopped)"),
+        ("x2", "not run (the kit stopped)"),
+    ]
+    assert not after.exists()
