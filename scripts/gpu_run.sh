@@ -11,7 +11,9 @@
 #    one stops the run here, within seconds, naming it;
 # 3. scripts/kit.py: the stages (smoke, gpu_check's stacks, bench.gpu's systems, and those this tree holds of the
 #    profile, fault, KV-copy, attention and cost stages) in order of value, each under its own budget, within
-#    GPU_KIT_WINDOW_S seconds (300 on a GPU; 1500 in CPU mode, where every stage runs on tiny sizes);
+#    GPU_KIT_WINDOW_S seconds (300 on a GPU, steps 1 and 2 included: the kit gets what is left; 1500 in CPU mode,
+#    where every stage runs on tiny sizes, one after another); on a GPU the checks run at once, then the
+#    measurements one at a time;
 #    GPU_KIT_STAGES names the stages to run instead (a plan past the window is refused in one line).
 # Writes to $OUT (4 files): gpu_run.log, kit.md, kit.json (every stage: time, result), logs.tar.gz (each stage's
 # output and JSON). Exit code: 0 when every planned stage passed; 1 when one did not; 2 when the plan was refused;
@@ -47,7 +49,10 @@ install_and_check() {
 main() {
     install_and_check || return $?
     local args=(--device "$DEVICE" --out "$OUT" --work "$WORK")
-    [[ -n "${GPU_KIT_WINDOW_S:-}" ]] && args+=(--window "$GPU_KIT_WINDOW_S")
+    # on a GPU the window (GPU_KIT_WINDOW_S, 300 s) holds the install too: the kit gets what is left of it
+    local window=${GPU_KIT_WINDOW_S:-}
+    (( ! CPU_MODE )) && window=$(( ${window:-300} - ($(date +%s) - T0) ))
+    [[ -n "$window" ]] && args+=(--window "$window")
     (( ${#STAGES[@]} )) && args+=(--stages "${STAGES[@]}")
     python3 scripts/kit.py "${args[@]}"
     local rc=$?

@@ -5,10 +5,13 @@
     python scripts/kit.py --device cpu --out OUT                 # CPU mode: every stage, tiny sizes
 
 1. The plan: the stages named (`--stages`); by default on a GPU, the stages of this tree in order of value
-   while their budgets fit the window; in CPU mode, every stage. A plan whose budgets add up past `--window`
-   is refused, in one line, before anything runs (exit code 2).
-2. Each stage runs in order of value, as its own process group under its own budget: a stage past its
-   budget is stopped (SIGTERM, then SIGKILL) and reported "over budget"; the next stage still runs.
+   while the plan's time fits the window; in CPU mode, every stage. The plan's time (`plan_seconds`): on a GPU,
+   the longest lane of the checks (`Stage.concurrent`: they run at once; the checks on one stack form one lane)
+   plus the budgets of the measurements, which run one at a time; in CPU mode (`--no-concurrent`) every budget
+   added up. A plan past `--window` is refused, in one line, before anything runs (exit code 2).
+2. Each stage runs as its own process group under its own budget: a stage past its budget is stopped (SIGTERM,
+   then SIGKILL) and reported "over budget"; the next stage still runs. On a GPU the checks run first, at once
+   (a thread a lane), then the measurements, one at a time in order of value, alone on the GPU.
 3. A stage whose module is not in this tree (`importlib.util.find_spec`, or its option missing) is
    reported "not present in this tree"; a stage left out of the default plan by the window is reported
    "not in plan (window)". Every stage of STAGES appears in the report.
@@ -16,7 +19,8 @@
    (STACKS, passed with `--stack`: bench-colocated and bench-large run on one). The kit starts it before the first
    of them and stops it after the last, and judges that stop as gpu_check's check (e) does its own: the pools
    released, no "Producer process has been terminated" warning or traceback in its log, every process gone. A
-   stop that is not clean fails the kit.
+   stop that is not clean fails the kit. The stacks of the checks, stopped while other stacks run, are not
+   judged by the device's free memory: the kit judges that once, after the checks (`phase_memory`).
 5. The report: `kit.md` and `kit.json` in `--out` (every stage; each shared stack's stop); each stage's output and
    JSON under `--work` (`logs/<stage>.out`, `stages/<stage>.json`), packed by gpu_run.sh into one tarball.
 
@@ -32,7 +36,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +47,8 @@ ROOT = Path(__file__).resolve().parents[1]
 GPU_WINDOW_S = 300.0
 CPU_WINDOW_S = 1500.0
 KILL_GRACE_S = 15.0  # after SIGTERM, time for a stage's stacks to stop before SIGKILL
+BENCH_BUDGET_S = 60.0  # the least --budget-s bench.gpu is given: its setup and MIN_SYSTEM_S (45 s) left to start a
+# system, else it skips it; the kit stops the stage at the stage's own budget, which may be shorter
 PY = sys.executable
 
 
@@ -77,6 +85,7 @@ class Stage:
     argv: Callable[[Run, float], list[str]]  # (the run, this stage's budget) -> the command
     present: Callable[[], bool] = field(default=lambda: True)
     stack: str | None = None  # the stack it runs on (STACKS' or a gpu_check one): the stages naming one share it
+    concurrent: bool = False  # a check: runs beside the other checks (on a GPU); else a measurement, alone
 
     def budget(self, run: Run) -> float:
         return self.cpu_budget_s if run.tiny else self.budget_s
@@ -125,9 +134,10 @@ def check(name: str, stack: str, requests: int, sampled: int, max_tokens: int, t
 
 
 def bench(system: str, requests: int, concurrency: int, tiny: tuple[int, int]):
-    """bench.gpu on one system; `large` is its 1,024-request run alone (on the colocated stack). Its budget must hold
-    bench.gpu's setup and the MIN_SYSTEM_S it wants left to start a system (else it skips the system, and the stage
-    fails). A pdserve system runs on the kit's shared stack (`--stack`, added by run_stage)."""
+    """bench.gpu on one system; `large` is its 1,024-request run alone (on the colocated stack). bench.gpu is given
+    at least BENCH_BUDGET_S (else it skips the system, and the stage fails); the stage's own budget, which the kit
+    enforces, is what the system's run is expected to take. A pdserve system runs on the kit's shared stack
+    (`--stack`, added by run_stage)."""
 
     def argv(run: Run, budget: float) -> list[str]:
         n, c = tiny if run.tiny else (requests, concurrency)
@@ -136,7 +146,7 @@ def bench(system: str, requests: int, concurrency: int, tiny: tuple[int, int]):
         else:
             sizes = ["--systems", system, "--requests", str(n), "--concurrency", str(c), "--large-run", "0", "0"]
         where = ["--out-dir", str(run.work / "stages"), "--name", f"bench-{system}", "--no-progress"]
-        return [*bench_argv(run), *sizes, "--budget-s", str(max(int(budget - KILL_GRACE_S), 1)), *where]
+        return [*bench_argv(run), *sizes, "--budget-s", str(int(max(budget - KILL_GRACE_S, BENCH_BUDGET_S))), *where]
 
     return argv
 
@@ -211,33 +221,65 @@ def profile(run: Run, budget: float) -> list[str]:
 
 
 STAGES: tuple[Stage, ...] = (  # name, GPU budget s, CPU budget s, value, command; the stages of a stack in a row
-    Stage("smoke", 50, 90, 100, check("smoke", "fp32-colocated", 3, 4, 8, (2, 2, 4)), stack="fp32-colocated"),
+    # the checks (concurrent=True: at once on a GPU, each on its own stack or process); GPU budgets are estimates
+    # (docs/gpu.md, "The budgets"): a stack's start is in the budget of the first stage on it
+    Stage(
+        "smoke",
+        40,
+        90,
+        100,
+        check("smoke", "fp32-colocated", 3, 4, 8, (2, 2, 4)),
+        stack="fp32-colocated",
+        concurrent=True,
+    ),
     Stage(
         "check-fp32-colocated",
-        25,
+        20,
         60,
         98,
         check("check-fp32-colocated", "fp32-colocated", 16, 200, 32, (2, 2, 4)),
         stack="fp32-colocated",
+        concurrent=True,
     ),
     Stage(
-        "check-fp32-ipc", 45, 90, 95, check("check-fp32-ipc", "fp32-{ipc}", 16, 64, 32, (4, 12, 6)), stack="fp32-{ipc}"
+        "check-fp32-ipc",
+        45,
+        90,
+        95,
+        check("check-fp32-ipc", "fp32-{ipc}", 16, 64, 32, (4, 12, 6)),
+        stack="fp32-{ipc}",
+        concurrent=True,
     ),
-    Stage("faults", 45, 90, 93, faults, has_option("scripts/gpu_check.py", "--faults")),
+    Stage("faults", 50, 90, 93, faults, has_option("scripts/gpu_check.py", "--faults")),  # alone: it reads free memory
     Stage(
-        "check-bf16-ipc", 45, 90, 90, check("check-bf16-ipc", "bf16-{ipc}", 16, 64, 32, (2, 2, 4)), stack="bf16-{ipc}"
+        "check-bf16-ipc",
+        45,
+        90,
+        90,
+        check("check-bf16-ipc", "bf16-{ipc}", 16, 64, 32, (2, 2, 4)),
+        stack="bf16-{ipc}",
+        concurrent=True,
     ),
-    Stage("checkpoint", 45, 60, 88, checkpoint),
-    Stage("bench-colocated", 90, 120, 85, bench("colocated", 256, 128, (3, 3)), stack="bench-colocated"),
-    Stage("bench-disagg", 90, 120, 80, bench("disagg", 256, 128, (3, 3)), stack="bench-disagg"),
-    Stage("profile", 60, 60, 75, profile, has_module("bench.profile")),
-    Stage("kv-shared-copy", 20, 60, 65, kv_shared_copy, has_module("bench.kv_bandwidth", "--shared-copy")),
-    Stage("check-fp32-zmq", 40, 90, 60, check("check-fp32-zmq", "fp32-zmq", 16, 0, 32, (2, 0, 4)), stack="fp32-zmq"),
-    Stage("bench-hf_cb", 90, 120, 50, bench("hf_cb", 256, 128, (3, 2))),
-    Stage("bench-static", 90, 120, 45, bench("static", 64, 32, (3, 2))),
-    Stage("attention", 30, 60, 40, attention, has_module("bench.attention")),
-    Stage("costs", 40, 60, 35, costs, has_module("bench.costs", "--device")),
-    Stage("bench-large", 90, 120, 30, bench("large", 1024, 256, (4, 4)), stack="bench-colocated"),
+    Stage("checkpoint", 50, 60, 88, checkpoint, concurrent=True),
+    # the measurements: one at a time, alone on the GPU
+    Stage("bench-colocated", 40, 120, 85, bench("colocated", 256, 128, (3, 3)), stack="bench-colocated"),
+    Stage("bench-disagg", 40, 120, 80, bench("disagg", 256, 128, (3, 3)), stack="bench-disagg"),
+    Stage("profile", 30, 60, 75, profile, has_module("bench.profile")),
+    Stage("kv-shared-copy", 15, 60, 65, kv_shared_copy, has_module("bench.kv_bandwidth", "--shared-copy")),
+    Stage(
+        "check-fp32-zmq",
+        45,
+        90,
+        60,
+        check("check-fp32-zmq", "fp32-zmq", 16, 0, 32, (2, 0, 4)),
+        stack="fp32-zmq",
+        concurrent=True,
+    ),
+    Stage("bench-hf_cb", 45, 120, 50, bench("hf_cb", 256, 128, (3, 2))),
+    Stage("bench-static", 40, 120, 45, bench("static", 64, 32, (3, 2))),
+    Stage("attention", 15, 60, 40, attention, has_module("bench.attention")),
+    Stage("costs", 20, 60, 35, costs, has_module("bench.costs", "--device")),
+    Stage("bench-large", 30, 120, 30, bench("large", 1024, 256, (4, 4)), stack="bench-colocated"),
 )
 
 
@@ -248,9 +290,30 @@ def names() -> list[str]:
 # ---- the plan --------------------------------------------------------------------------------------
 
 
-def plan(stages: tuple[Stage, ...], run: Run, window: float, names: list[str] | None) -> tuple[list, dict]:
+def lanes(stages: list[Stage], run: Run) -> list[list[Stage]]:
+    """The concurrent stages in lanes, in order of their first stage: the stages naming one stack share a lane and
+    run one after another in it (on their stack); every other stage is a lane of its own."""
+    out: dict[str, list[Stage]] = {}
+    for s in stages:
+        if s.concurrent:
+            out.setdefault(s.stack.format(ipc=run.ipc) if s.stack else f"stage:{s.name}", []).append(s)
+    return list(out.values())
+
+
+def plan_seconds(stages: list[Stage], run: Run, concurrent: bool) -> float:
+    """The plan's time: with `concurrent`, its longest lane of concurrent stages (they run at once, before the rest)
+    plus the budgets of the others, which run one at a time; else every budget added up."""
+    if not concurrent:
+        return sum(s.budget(run) for s in stages)
+    phase = max((sum(s.budget(run) for s in lane) for lane in lanes(stages, run)), default=0.0)
+    return phase + sum(s.budget(run) for s in stages if not s.concurrent)
+
+
+def plan(
+    stages: tuple[Stage, ...], run: Run, window: float, names: list[str] | None, concurrent: bool = False
+) -> tuple[list, dict]:
     """(the stages to run, in order of value; {stage name: why it is not run}). Raises ValueError, in one line,
-    when the stages named do not exist or their budgets do not fit the window."""
+    when the stages named do not exist or the plan's time (`plan_seconds`) does not fit the window."""
     by_value = sorted(stages, key=lambda s: -s.value)
     absent = {s.name: "not present in this tree" for s in by_value if not s.present()}
     if names is not None:
@@ -258,18 +321,17 @@ def plan(stages: tuple[Stage, ...], run: Run, window: float, names: list[str] | 
         if unknown:
             raise ValueError(f"no such stage: {', '.join(unknown)} (stages: {', '.join(s.name for s in stages)})")
         chosen = [s for s in by_value if s.name in names and s.name not in absent]
-        total = sum(s.budget(run) for s in chosen)
+        total = plan_seconds(chosen, run, concurrent)
         if total > window:
             raise ValueError(f"plan refused: its budgets add up to {total:.0f} s, past the {window:.0f} s window")
         left = {s.name: "not in plan (not named)" for s in by_value if s.name not in names and s.name not in absent}
         return chosen, absent | left
-    chosen, used, left = [], 0.0, {}
+    chosen, left = [], {}
     for s in by_value:
         if s.name in absent:
             continue
-        if used + s.budget(run) <= window:
+        if plan_seconds([*chosen, s], run, concurrent) <= window:
             chosen.append(s)
-            used += s.budget(run)
         else:
             left[s.name] = "not in plan (window)"
     return chosen, absent | left
@@ -298,31 +360,44 @@ class Shared:
 
 class Stacks:
     """The stacks the planned stages share: each starts before the first stage that names it (within that stage's
-    budget) and stops after the last one; its stop is judged as gpu_check's (e) judges its own (`stops`)."""
+    budget) and stops once the last one is done; its stop is judged as gpu_check's (e) judges its own (`stops`).
+    A stack started while other stacks may run (`memory=False`: the concurrent checks) is not judged by the device's
+    free memory, which the others move; the kit judges that once for the whole phase (`phase_memory`)."""
 
     def __init__(self, run: Run, chosen: list[Stage]) -> None:
         self.run, self.open = run, {}
-        self.last = {s.stack.format(ipc=run.ipc): i for i, s in enumerate(chosen) if s.stack}
+        self.users = Counter(s.stack.format(ipc=run.ipc) for s in chosen if s.stack)  # stages yet to finish on each
         self.stops: dict[str, dict] = {}  # each stopped stack: its clean stop
         self.gc = None
+        self.lock = threading.Lock()
+        self.starting: dict[str, object] = {}  # the stacks a lane is starting now (bench.systems.Stack)
 
-    def get(self, name: str, timeout: float) -> Shared:
-        if name not in self.open:
-            self.open[name] = self.start(name, timeout)
+    def gpu_check(self):
+        with self.lock:
+            self.gc = self.gc or load_script(ROOT / "scripts" / "gpu_check.py")
+            return self.gc
+
+    def get(self, name: str, timeout: float, memory: bool = True) -> Shared:
+        if name not in self.open:  # one lane uses one stack: no two threads start the same one
+            self.open[name] = self.start(name, timeout, memory)
         return self.open[name]
 
-    def start(self, name: str, timeout: float) -> Shared:
-        gc = self.gc = self.gc or load_script(ROOT / "scripts" / "gpu_check.py")
-        run, port = self.run, gc.free_port()
+    def start(self, name: str, timeout: float, memory: bool) -> Shared:
+        gc, run = self.gpu_check(), self.run
+        port = gc.free_port()
         log_dir, cache = run.work / "logs", run.work / "triton-cache" / name
-        free_before = gc.free_device_mb(run.device)
-        with importlib.import_module("bench.gpu").triton_cache(cache):  # the stack compiles into its own folder
-            stack = gc.Stack(self.argv(gc, name, port), log_dir / f"kit.{name}.log")
+        free_before = gc.free_device_mb(run.device) if memory else None
+        with self.lock, importlib.import_module("bench.gpu").triton_cache(cache):  # it compiles into its own folder
+            stack = gc.Stack(self.argv(gc, name, port), log_dir / f"kit.{name}.log")  # (the folder: in os.environ)
+            self.starting[name] = stack
         try:
             stack.wait_ready(timeout)
         except BaseException:
             stack.stop()
             raise
+        finally:
+            with self.lock:
+                self.starting.pop(name, None)
         return Shared(name, stack, f"http://127.0.0.1:{port}", cache, free_before)
 
     def argv(self, gc, name: str, port: int) -> list[str]:
@@ -334,9 +409,18 @@ class Stacks:
         plan = next(p for p in gc.plans(run.device) if p.name == name)
         return gc.stack_argv(a, plan, port)
 
-    def done(self, index: int) -> None:
-        for name in [n for n in self.open if self.last[n] <= index]:
-            self.stops[name] = self.stop(self.open.pop(name))
+    def done(self, stage: Stage) -> None:
+        """`stage` finished: its stack stops if no other planned stage needs it."""
+        if not stage.stack:
+            return
+        name = stage.stack.format(ipc=self.run.ipc)
+        with self.lock:
+            self.users[name] -= 1
+            shared = self.open.pop(name, None) if self.users[name] <= 0 else None
+        if shared is not None:
+            judged = self.stop(shared)
+            with self.lock:
+                self.stops[name] = judged
 
     def stop(self, shared: Shared) -> dict:
         """Stops the stack; gpu_check's (e) on it: its pools released, its log free of the stop warnings, and every
@@ -351,7 +435,12 @@ class Stacks:
         return judged
 
     def close(self) -> None:
-        self.done(len(self.last) + 10**6)
+        with self.lock:
+            starting = list(self.starting.values())
+        for stack in starting:  # the kit stops while a lane starts one: it stops, and that lane's start fails
+            stack.stop()
+        for name in list(self.open):
+            self.stops[name] = self.stop(self.open.pop(name))
 
 
 def alive(pid: int) -> bool:
@@ -374,32 +463,43 @@ def load_script(path: Path):
 # ---- running a stage -------------------------------------------------------------------------------
 
 
-def run_stage(stage: Stage, run: Run, env: dict, stacks: Stacks) -> dict:
-    """Runs one stage's command in its own process group, stopped at its budget (its stack's start included)."""
+def run_stage(stage: Stage, run: Run, env: dict, stacks: Stacks, t0: float, alone: bool = True) -> dict:
+    """Runs one stage's command in its own process group, stopped at its budget (its stack's start included);
+    `start_s` and `end_s` count from the kit's start `t0`. Not `alone` (beside other stages), its stack's stop is
+    not judged by the device's free memory."""
     budget = stage.budget(run)
-    t0 = time.monotonic()
-    r = {"name": stage.name, "value": stage.value, "budget_s": budget}
+    start = time.monotonic()
+    r = {"name": stage.name, "value": stage.value, "budget_s": budget, "concurrent": not alone}
+    r["start_s"] = round(start - t0, 2)
     shared = []
     if stage.stack:
         name = stage.stack.format(ipc=run.ipc)
         r["stack_started"] = name not in stacks.open  # else the stack an earlier stage started serves this one too
         try:
-            shared = stacks.get(name, budget).args()
+            shared = stacks.get(name, budget, memory=alone).args()
         except Exception as e:  # a stack that does not start fails the stage; the next stage still runs
             status = "over budget" if isinstance(e, TimeoutError) else "failed"
-            return r | {"seconds": round(time.monotonic() - t0, 1), "status": status, "error": f"stack {name}: {e}"}
+            return r | ended(start, t0) | {"status": status, "error": f"stack {name}: {e}"}
         r["stack"] = name
-    left = budget - (time.monotonic() - t0)  # the command's budget: the stage's, less its stack's start
+    left = budget - (time.monotonic() - start)  # the command's budget: the stage's, less its stack's start
     argv = stage.argv(run, left) + shared
     rc, status = command(argv, env, run.work / "logs" / f"{stage.name}.out", left)
-    r |= {"seconds": round(time.monotonic() - t0, 1), "status": status, "exit_code": rc}
+    r |= ended(start, t0) | {"status": status, "exit_code": rc}
     return r | {"command": " ".join(argv[1:]), "summary": summary(run, stage.name)}
+
+
+def ended(start: float, t0: float) -> dict:
+    now = time.monotonic()
+    return {"seconds": round(now - start, 1), "end_s": round(now - t0, 2)}
 
 
 def command(argv: list[str], env: dict, log: Path, budget: float) -> tuple[int | None, str]:
     """(exit code, status) of one command in its own process group, stopped at `budget` seconds."""
+    if STOPPING.is_set():  # the kit is stopping: a lane's next stage does not start
+        return None, "not run (the kit stopped)"
     with log.open("w") as f:
         proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        RUNNING.add(proc)
         try:
             rc = proc.wait(timeout=max(budget, 0.1))
         except subprocess.TimeoutExpired:
@@ -408,7 +508,23 @@ def command(argv: list[str], env: dict, log: Path, budget: float) -> tuple[int |
         except BaseException:  # the kit itself is stopped: so is its stage
             stop(proc)
             raise
+        finally:
+            RUNNING.discard(proc)
+    if rc != 0 and STOPPING.is_set():
+        return rc, "stopped (the kit stopped)"
     return rc, "passed" if rc == 0 else "failed"
+
+
+RUNNING: set[subprocess.Popen] = set()  # the stages' commands running now (in the concurrent phase, several)
+STOPPING = threading.Event()
+
+
+def stop_all() -> None:
+    """The kit ends: every stage command still running stops with it, those of other threads too, and no lane
+    starts another."""
+    STOPPING.set()
+    for proc in list(RUNNING):
+        stop(proc)
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -442,12 +558,14 @@ def markdown(report: dict) -> str:
     lines = [
         f"# GPU kit: {report['device']}, window {report['window_s']:.0f} s, {report['total_s']:.0f} s in all",
         "",
-        "| stage | value | budget s | seconds | result |",
-        "|---|---|---|---|---|",
+        "| stage | value | budget s | seconds | result | started at s | beside the other checks |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in report["stages"]:
         secs = f"{r['seconds']:.1f}" if "seconds" in r else ""
-        lines.append(f"| {r['name']} | {r['value']} | {r['budget_s']:.0f} | {secs} | {r['status']} |")
+        at = f"{r['start_s']:.1f}" if "start_s" in r else ""
+        beside = {True: "yes", False: "no"}.get(r.get("concurrent"), "")
+        lines.append(f"| {r['name']} | {r['value']} | {r['budget_s']:.0f} | {secs} | {r['status']} | {at} | {beside} |")
     return "\n".join(lines + stop_lines(report)) + "\n"
 
 
@@ -473,6 +591,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cuda:0", help="cuda:N, or cpu: CPU mode (tiny sizes, shm for cuda_ipc)")
     p.add_argument("--window", type=float, default=None, help=f"seconds; default {GPU_WINDOW_S:.0f} on a GPU")
     p.add_argument("--stages", nargs="+", default=None, help="run these stages (default: what fits, by value)")
+    p.add_argument(
+        "--concurrent",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run the checks (Stage.concurrent) at once, before the measurements (default: on a GPU, not on the CPU)",
+    )
     p.add_argument("--out", type=Path, default=Path("kit-out"), help="kit.md and kit.json go here")
     p.add_argument("--work", type=Path, default=Path("kit-work"), help="each stage's log and JSON go here")
     return p
@@ -480,34 +604,91 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds: the running stage and the stacks stop
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds: the running stages and the stacks stop
     run = Run(a.device, not a.device.startswith("cuda"), a.work.resolve())
     window = a.window or (CPU_WINDOW_S if run.tiny else GPU_WINDOW_S)
+    concurrent = not run.tiny if a.concurrent is None else a.concurrent
     try:
-        chosen, left = plan(STAGES, run, window, a.stages or (names() if run.tiny else None))
+        chosen, left = plan(STAGES, run, window, a.stages or (names() if run.tiny else None), concurrent)
     except ValueError as e:
         print(f"kit: {e}")
         return 2
     for d in (a.out, run.work / "logs", run.work / "stages"):
         d.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))}
-    report = {"device": a.device, "window_s": window, "planned_s": sum(s.budget(run) for s in chosen), "stages": []}
-    print(f"kit: {len(chosen)} stages, {report['planned_s']:.0f} s of a {window:.0f} s window", flush=True)
-    t0, stacks = time.monotonic(), Stacks(run, chosen)
-    report["stacks"] = stacks.stops  # filled as each shared stack stops
+    planned_s = plan_seconds(chosen, run, concurrent)
+    report = {"device": a.device, "window_s": window, "planned_s": planned_s, "concurrent": concurrent, "stages": []}
+    print(f"kit: {len(chosen)} stages, {planned_s:.0f} s of a {window:.0f} s window", flush=True)
+    STOPPING.clear()
+    kit = Kit(run, env, Stacks(run, chosen), report, a.out, left)
+    report["stacks"] = kit.stacks.stops  # filled as each shared stack stops
     try:
-        for i, stage in enumerate(chosen):
-            r = run_stage(stage, run, env, stacks)
-            stacks.done(i)
-            report["stages"].append(r)
-            print(f"== [{time.monotonic() - t0:.0f} s] {r['name']}: {r['status']} in {r['seconds']:.0f} s", flush=True)
-            write(report, a.out, t0, stage_list(report["stages"], left, run))
+        if concurrent:
+            kit.phase(lanes(chosen, run))
+        for stage in [s for s in chosen if not (concurrent and s.concurrent)]:
+            kit.lane([stage], alone=True)
     finally:
-        stacks.close()
-    report = write(report, a.out, t0, stage_list(report["stages"], left, run))
+        stop_all()
+        kit.stacks.close()
+    report = write(report, a.out, kit.t0, stage_list(report["stages"], left, run))
     planned = {s.name for s in chosen}
     passed = all(r["status"] == "passed" for r in report["stages"] if r["name"] in planned)
-    return 0 if passed and all(j["pass"] for j in stacks.stops.values()) else 1
+    memory = report.get("phase_memory", {}).get("pass", True)
+    return 0 if passed and memory and all(j["pass"] for j in kit.stacks.stops.values()) else 1
+
+
+@dataclass
+class Kit:
+    """The planned stages' run: lanes of stages, one after another or (the checks) at once, into one report."""
+
+    run: Run
+    env: dict
+    stacks: Stacks
+    report: dict
+    out: Path
+    left: dict
+    t0: float = field(default_factory=time.monotonic)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def lane(self, stages: list[Stage], alone: bool) -> None:
+        """The stages in order, each under its own budget; a stack of theirs stops after the last stage on it."""
+        for stage in stages:
+            r = run_stage(stage, self.run, self.env, self.stacks, self.t0, alone)
+            self.stacks.done(stage)
+            with self.lock:
+                self.report["stages"].append(r)
+                print(f"== [{r['end_s']:.0f} s] {r['name']}: {r['status']} in {r['seconds']:.0f} s", flush=True)
+                write(self.report, self.out, self.t0, stage_list(self.report["stages"], self.left, self.run))
+
+    def phase(self, lanes: list[list[Stage]]) -> None:
+        """The lanes at once, a thread each; returns when every one is done. On a GPU, the device's memory that
+        no other process holds must be back after the phase (its stacks stopped) as it was before it: each
+        stack's own stop in it is not judged by memory, which the other stacks move."""
+        gc = self.stacks.gpu_check() if not self.run.tiny and lanes else None
+        before = gc.free_device_mb(self.run.device) if gc else None
+        errors: list[BaseException] = []
+
+        def lane(stages: list[Stage]) -> None:
+            try:
+                self.lane(stages, alone=False)
+            except BaseException as e:  # raised again in the kit's own thread, once every lane is done
+                errors.append(e)
+
+        threads = [threading.Thread(target=lane, args=(stages,), daemon=True) for stages in lanes]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        if before is not None:
+            after = gc.free_device_mb(self.run.device)
+            moved = before - after
+            self.report["phase_memory"] = {
+                "device_free_mb_before": before,
+                "device_free_mb_after": after,
+                "pass": moved <= gc.RELEASE_SLACK_MB,
+            }
 
 
 def stage_list(ran: list[dict], left: dict, run: Run) -> list[dict]:

@@ -8,6 +8,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -44,6 +46,128 @@ def test_the_default_plan_takes_stages_by_value_while_they_fit(tmp_path):
     st = stages(kit, {"a": "", "b": "", "c": ""}, {"a": 100, "b": 250, "c": 150}, {"a": 1, "b": 2, "c": 3})
     chosen, left = kit.plan(st, run, 300, None)
     assert [s.name for s in chosen] == ["c", "a"] and left == {"b": "not in plan (window)"}
+
+
+def concurrent_stages(kit, spec: dict[str, tuple]):
+    """{name: (budget, value, concurrent, stack, code)} -> stages."""
+    return tuple(
+        kit.Stage(n, b, b, v, (lambda c: lambda run, budget: [sys.executable, "-c", c])(code), stack=st, concurrent=cc)
+        for n, (b, v, cc, st, code) in spec.items()
+    )
+
+
+def test_the_plans_time_is_its_longest_lane_of_checks_plus_the_rest(tmp_path):
+    kit = load()
+    run = kit.Run("cuda:0", False, tmp_path)
+    st = concurrent_stages(
+        kit,
+        {
+            "a": (30, 9, True, "s", ""),  # a and b share stack s: one lane, 50 s
+            "b": (20, 8, True, "s", ""),
+            "c": (40, 7, True, None, ""),  # a lane of its own
+            "m": (100, 6, False, None, ""),  # measurements: one after another
+            "n": (60, 5, False, None, ""),
+        },
+    )
+    assert [[s.name for s in lane] for lane in kit.lanes(list(st), run)] == [["a", "b"], ["c"]]
+    assert kit.plan_seconds(list(st), run, True) == 50 + 100 + 60
+    assert kit.plan_seconds(list(st), run, False) == 30 + 20 + 40 + 100 + 60
+    with pytest.raises(ValueError, match="210 s, past the 200 s window"):
+        kit.plan(st, run, 200, ["a", "b", "c", "m", "n"], concurrent=True)
+    chosen, _ = kit.plan(st, run, 210, ["a", "b", "c", "m", "n"], concurrent=True)
+    assert len(chosen) == 5
+    chosen, left = kit.plan(st, run, 160, None, concurrent=True)  # c fits beside a and b at no cost; n does not
+    assert [s.name for s in chosen] == ["a", "b", "c", "m"] and left == {"n": "not in plan (window)"}
+    chosen, left = kit.plan(st, run, 160, None, concurrent=False)
+    assert [s.name for s in chosen] == ["a", "b", "c", "n"] and left == {"m": "not in plan (window)"}
+
+
+def test_the_checks_run_at_once_then_the_measurements_one_at_a_time(tmp_path, monkeypatch):
+    """Each check waits for the other's file: run one after the other, the first would wait past its budget."""
+    kit = load()
+    monkeypatch.setattr(kit, "KILL_GRACE_S", 2.0)
+    monkeypatch.setattr(kit.signal, "signal", lambda *_: None)
+    flag = tmp_path / "flag"
+
+    def meet(me: str, other: str) -> str:
+        return (
+            f"import pathlib, time; pathlib.Path({str(flag)!r} + {me!r}).touch()\n"
+            f"while not pathlib.Path({str(flag)!r} + {other!r}).exists(): time.sleep(0.05)"
+        )
+
+    st = concurrent_stages(
+        kit,
+        {
+            "x": (120, 9, True, None, meet("x", "y")),
+            "y": (120, 8, True, None, meet("y", "x")),
+            "slow": (1, 7, True, None, "import time; time.sleep(60)"),  # a check past its budget: stopped
+            "m": (60, 6, False, None, "import time; time.sleep(0.2)"),
+            "n": (60, 5, False, None, "import time; time.sleep(0.2)"),
+        },
+    )
+    monkeypatch.setattr(kit, "STAGES", st)
+    out = tmp_path / "out"
+    rc = kit.main(["--device", "cpu", "--concurrent", "--out", str(out), "--work", str(tmp_path / "work")])
+    report = json.loads((out / "kit.json").read_text())
+    r = {s["name"]: s for s in report["stages"]}
+    assert rc == 1 and report["concurrent"] and report["planned_s"] == 120 + 60 + 60
+    assert {n: s["status"] for n, s in r.items()} == {
+        "x": "passed",
+        "y": "passed",
+        "slow": "over budget",
+        "m": "passed",
+        "n": "passed",
+    }
+    assert r["x"]["start_s"] < r["y"]["end_s"] and r["y"]["start_s"] < r["x"]["end_s"]  # they overlapped
+    assert r["x"]["concurrent"] and not r["m"]["concurrent"]
+    checks_end = max(r[n]["end_s"] for n in ("x", "y", "slow"))
+    assert checks_end <= r["m"]["start_s"] and r["m"]["end_s"] <= r["n"]["start_s"]  # alone, in order of value
+    assert [s["name"] for s in report["stages"]][-2:] == ["m", "n"]
+
+
+def test_a_lane_runs_its_stacks_stages_in_order_and_stops_the_stack_after_the_last(tmp_path, monkeypatch):
+    kit = load()
+    run = kit.Run("cpu", True, tmp_path / "work")
+    for d in ("logs", "stages"):
+        (run.work / d).mkdir(parents=True)
+    st = concurrent_stages(kit, {"a": (30, 9, True, "s", ""), "b": (30, 8, True, "s", ""), "c": (30, 7, True, "t", "")})
+    stacks = kit.Stacks(run, list(st))
+    started, stopped = [], []
+
+    def get(name, timeout, memory=True):
+        if name not in stacks.open:
+            started.append((name, memory))
+            stacks.open[name] = kit.Shared(name, None, f"http://{name}", tmp_path, None)
+        return stacks.open[name]
+
+    monkeypatch.setattr(stacks, "get", get)
+    monkeypatch.setattr(stacks, "stop", lambda shared: stopped.append(shared.name) or {"pass": True})
+    report = {"device": "cpu", "window_s": 100, "stages": []}
+    k = kit.Kit(run, dict(os.environ), stacks, report, tmp_path, {})
+    monkeypatch.setattr(kit, "command", lambda argv, env, log, budget: (0, "passed"))
+    k.phase(kit.lanes(list(st), run))
+    r = {s["name"]: s for s in report["stages"]}
+    assert sorted(started) == [("s", False), ("t", False)]  # beside others: not judged by the device's memory
+    assert r["a"]["stack_started"] and not r["b"]["stack_started"] and r["a"]["end_s"] <= r["b"]["start_s"]
+    assert sorted(stopped) == ["s", "t"] and set(stacks.stops) == {"s", "t"} and stacks.open == {}
+
+
+def test_every_stack_is_shared_by_checks_only_or_by_measurements_only():
+    kit = load()
+    kinds = {}
+    for s in kit.STAGES:
+        if s.stack:
+            kinds.setdefault(s.stack, set()).add(s.concurrent)
+    assert all(len(k) == 1 for k in kinds.values()), kinds
+    concurrent = {s.name for s in kit.STAGES if s.concurrent}
+    assert concurrent == {
+        "smoke",
+        "check-fp32-colocated",
+        "check-fp32-ipc",
+        "check-bf16-ipc",
+        "check-fp32-zmq",
+        "checkpoint",
+    }
 
 
 def test_a_stage_absent_from_the_tree_is_reported_so(tmp_path):
@@ -122,7 +246,8 @@ class FakeStack:
 
 def test_a_shared_stacks_stop_is_judged_and_reported(tmp_path):
     kit = load()
-    stacks = kit.Stacks(kit.Run("cpu", True, tmp_path), [kit.Stage("a", 30, 30, 1, lambda r, b: [], stack="s")])
+    stage = kit.Stage("a", 30, 30, 1, lambda r, b: [], stack="s")
+    stacks = kit.Stacks(kit.Run("cpu", True, tmp_path), [stage])
     stacks.gc = load_script(SCRIPT.parent / "gpu_check.py")
     log = tmp_path / "stack.log"
     log.write_text("Producer process has been terminated before all shared CUDA tensors released\n")
@@ -134,7 +259,7 @@ def test_a_shared_stacks_stop_is_judged_and_reported(tmp_path):
     pids = stacks.gc.descendants(proc.pid)
     try:
         stacks.open["s"] = kit.Shared("s", FakeStack(proc.pid, log, proc), "http://x", tmp_path, None)
-        stacks.done(0)
+        stacks.done(stage)
     finally:
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
@@ -144,3 +269,39 @@ def test_a_shared_stacks_stop_is_judged_and_reported(tmp_path):
     assert judged["processes_left"] == pids[1:] and len(pids) == 2
     report = {"stages": [{"name": "a", "stack": "s"}], "stacks": stacks.stops}
     assert "| s | a | failed | 0 | 1 | Producer process has been terminated (1) |" in kit.stop_lines(report)
+
+
+def test_when_the_kit_stops_the_running_checks_stop_and_no_lane_starts_another(tmp_path, monkeypatch):
+    kit = load()
+    monkeypatch.setattr(kit, "KILL_GRACE_S", 2.0)
+    run = kit.Run("cpu", True, tmp_path / "work")
+    for d in ("logs", "stages"):
+        (run.work / d).mkdir(parents=True)
+    after = tmp_path / "after"
+    st = concurrent_stages(
+        kit,
+        {
+            "x": (600, 9, True, "s", "import time; time.sleep(600)"),
+            "x2": (600, 8, True, "s", f"import pathlib; pathlib.Path({str(after)!r}).touch()"),
+        },
+    )
+    stacks = kit.Stacks(run, list(st))
+    monkeypatch.setattr(
+        stacks, "get", lambda name, timeout, memory=True: kit.Shared(name, None, "http://s", tmp_path, None)
+    )
+    monkeypatch.setattr(stacks, "stop", lambda shared: {"pass": True})
+    report = {"device": "cpu", "window_s": 1200, "stages": []}
+    k = kit.Kit(run, dict(os.environ), stacks, report, tmp_path, {})
+    phase = threading.Thread(target=k.phase, args=(kit.lanes(list(st), run),))
+    phase.start()
+    while not kit.RUNNING:  # x's command runs
+        time.sleep(0.05)
+    (proc,) = kit.RUNNING
+    kit.stop_all()
+    phase.join()
+    assert proc.returncode is not None and not kit.RUNNING
+    assert [(r["name"], r["status"]) for r in report["stages"]] == [
+        ("x", "stopped (the kit stopped)"),
+        ("x2", "not run (the kit stopped)"),
+    ]
+    assert not after.exists()

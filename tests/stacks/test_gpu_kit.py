@@ -198,6 +198,9 @@ def test_gpu_run_cpu_mode_passes_in_the_box_venv(box, site, tmp_path):
     kit = json.loads((out / "kit.json").read_text())
     status = {s["name"]: s["status"] for s in kit["stages"]}
     assert set(status) == set(load_kit().names()), status  # every stage is reported
+    ran = [s for s in kit["stages"] if "start_s" in s]  # CPU mode: one after another, none beside another
+    assert not kit["concurrent"] and not any(s["concurrent"] for s in ran)
+    assert all(a["end_s"] <= b["start_s"] for a, b in zip(ran, ran[1:], strict=False)), ran
     assert all(v in ("passed", "not present in this tree") for v in status.values()), status  # none left for time
     assert [s["value"] for s in kit["stages"] if s["status"] == "passed"] == sorted(
         (s["value"] for s in kit["stages"] if s["status"] == "passed"), reverse=True
