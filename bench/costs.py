@@ -121,6 +121,7 @@ def _engine(model: str | Target, prefill_only: bool, max_tokens_budget: int):
         max_num_seqs=t.max_num_seqs,
         max_num_batched_tokens=max_tokens_budget,
         kv_cache_gb=t.kv_cache_gb,
+        prefix_caching=False,  # the timed prompts repeat: each step must compute every token it is timed for
     )
     return build_engine(cfg, prefill_only=prefill_only)
 
@@ -141,6 +142,11 @@ def _timed_step(engine, target: Target | None = None) -> float:
     return time.perf_counter() - t0
 
 
+def _tokens_run(engine) -> int:
+    """Tokens the engine's steps have computed since it started (eager and graphed)."""
+    return engine.run_counts["eager_tokens"] + engine.run_counts["graph_tokens"]
+
+
 def measure_prefill(model: str | Target, repeats: int = 3, shapes: tuple = PREFILL_SHAPES) -> list[dict]:
     """(tokens, past, seconds) of single-chunk prefill steps: past tokens are computed first, untimed."""
     from pdserve.engine.request import Status
@@ -156,7 +162,10 @@ def measure_prefill(model: str | Target, repeats: int = 3, shapes: tuple = PREFI
                 engine.scheduler.max_num_batched_tokens = past
                 engine.step()  # the past: one chunk of `past` tokens
             engine.scheduler.max_num_batched_tokens = chunk
+            computed = _tokens_run(engine)
             times.append(_timed_step(engine, target))
+            if _tokens_run(engine) - computed != chunk:
+                raise RuntimeError(f"a timed prefill step ran {_tokens_run(engine) - computed} of its {chunk} tokens")
             if not req.is_finished:
                 engine.release(req, Status.ABORTED)
         samples.append({"tokens": chunk, "past": past, "s": float(np.median(times[1:]))})
