@@ -41,6 +41,16 @@ def nodes(tiny_models):
     prefill.close()
 
 
+def _offer_until_copied(p_router, prefill, decode) -> None:
+    """Send "r1" through the prefill node and run both nodes until the decode node has copied its KV."""
+    p_router.send(Generate("r1", PROMPT, SamplingParams(max_tokens=4, temperature=0), decode_addr=decode.kv_addr))
+    for _ in range(MAX_LOOPS):
+        prefill.loop_once()
+        decode.loop_once()
+        if decode.counters["kv_copies"]:
+            break
+
+
 def _slowed(obj, name: str, delay_s: float, monkeypatch) -> None:
     real = getattr(obj, name)
 
@@ -135,12 +145,7 @@ def test_on_the_cpu_a_copy_lands_before_the_next_step_and_its_request_joins_it(n
     assert not decode.copy_beside_steps
     p_router, d_router = FakeRouter(prefill), FakeRouter(decode)
     d_router.send(Generate("busy", [3, 4, 5], SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)))
-    p_router.send(Generate("r1", PROMPT, SamplingParams(max_tokens=4, temperature=0), decode_addr=decode.kv_addr))
-    for _ in range(MAX_LOOPS):
-        prefill.loop_once()
-        decode.loop_once()
-        if decode.counters["kv_copies"]:
-            break
+    _offer_until_copied(p_router, prefill, decode)
     assert decode.counters["kv_copies"] == 1 and decode.counters["kv_copies_overlapped"] == 0, decode.counters
     assert decode.engine.requests["r1"].status is Status.WAITING  # landed in the loop that reserved its blocks
     assert decode.handoff["handoff_join"].count == 0
@@ -235,12 +240,7 @@ def test_a_copy_that_landed_wrong_in_any_layer_is_never_decoded_from(nodes, monk
         return layers
 
     monkeypatch.setattr(decode.engine, "receive_kv", damaged)
-    p_router.send(Generate("r1", PROMPT, SamplingParams(max_tokens=4, temperature=0), decode_addr=decode.kv_addr))
-    for _ in range(MAX_LOOPS):
-        prefill.loop_once()
-        decode.loop_once()
-        if decode.counters["kv_copies"]:
-            break
+    _offer_until_copied(p_router, prefill, decode)
     [copy] = [c for c in decode.copies if c.key == "r1"]
     assert copy.error is not None and "differs" in str(copy.error), copy.error
     assert decode.counters["kv_bad"] == 1 and decode.counters["kv_recomputed"] == 1, decode.counters
