@@ -160,7 +160,12 @@ class Engine:
         return backend.unpack(self.pool, blocks, num_tokens, header, frames, source)
 
     def kv_landed(
-        self, req: Request, backend: KvBackend, checksums: list[int], got: list[int] | None = None, layers=None
+        self,
+        req: Request,
+        backend: KvBackend,
+        checksums: list[int],
+        got: list[int] | None = None,
+        layers: list[int] | None = None,
     ) -> str:
         """Every layer is in: once the copies have read the sender's memory, the KV is checked against the sender's
         per-layer `checksums` of what it sent ([]: none to check). If it matches, the request joins the queue and ""
