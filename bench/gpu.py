@@ -44,8 +44,9 @@ kit shares one between its stages): bench.gpu drives it as its own, for the main
 router's CPU below PID and counts Triton compilations in TRITON_CACHE (the folder the stack compiles into), and
 leaves it running; its engine settings are the starter's.
 
-`--budget-s` bounds the whole command: a system is skipped when too little time is left to start it,
-and requests still unfinished when the time is up are reported as failed.
+`--budget-s` bounds the whole command: a system is skipped when less than `--min-system-s` (45 s) is left to start
+it, and requests still unfinished when the time is up are reported as failed. Each run ends 15 s before the time is up
+when bench.gpu stopped a stack of its own after it, else 3 s before.
 """
 
 from __future__ import annotations
@@ -94,8 +95,9 @@ WORKLOADS = {
     "burst": Preset(256, 128, 4096),  # 256 sharegpt_like requests
 }
 SHAREGPT_SHAPE = {"prompt_median": 176.0, "output_median": 63.0}  # 256 requests: 60,145 + 20,782 tokens
-MIN_SYSTEM_S = 45.0  # a system is not started with less time left than this
-FINISH_MARGIN_S = 15.0  # kept back from each run's time limit, to stop the system and write the report
+MIN_SYSTEM_S = 45.0  # by default, a system is not started with less time left than this (--min-system-s)
+FINISH_MARGIN_S = 15.0  # kept back from a run's time limit to stop the stack bench.gpu started, and write the report
+REPORT_MARGIN_S = 3.0  # kept back from the run of a system it started no stack for (shared, in-process)
 COPY_BYTES = 256 * 2**20
 COPY_REPEATS = 20
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -124,6 +126,8 @@ class GpuBenchConfig:
     kv_cache_gb: float = 16.0
     systems: tuple[str, ...] = SYSTEMS
     budget_s: float = 420.0
+    min_system_s: float = MIN_SYSTEM_S
+    count_kernels: bool = True  # bench.kernels' count (it builds the model once more): --no-kernel-count skips it
     seed: int = 0
     slo_ttft_s: float = 1.0
     slo_tpot_s: float = 0.05
@@ -156,8 +160,8 @@ class GpuBenchConfig:
             raise ValueError("--requests 0 (no main run) runs the large run alone: give --large-run and its systems")
         if set(self.large_systems) - {"colocated", "disagg"}:
             raise ValueError("--large-systems: colocated and/or disagg")
-        if self.kv_cache_gb <= 0 or self.budget_s <= 0:
-            raise ValueError("--kv-cache-gb and --budget-s must be positive")
+        if self.kv_cache_gb <= 0 or self.budget_s <= 0 or self.min_system_s < 0:
+            raise ValueError("--kv-cache-gb and --budget-s must be positive, --min-system-s not negative")
         shared = [s.system for s in self.shared]
         if set(shared) - {"colocated", "disagg"} or len(set(shared)) < len(shared):
             raise ValueError("--stack: one stack each for colocated and/or disagg")
@@ -212,6 +216,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-gb", type=float, default=None, help="per node; default: 16 on CUDA, 0.25 on the CPU")
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     p.add_argument("--budget-s", type=float, default=420.0, help="the whole command's time limit")
+    p.add_argument(
+        "--min-system-s",
+        type=float,
+        default=MIN_SYSTEM_S,
+        help="a system is skipped with less of --budget-s left than this (a caller that bounds each call itself, "
+        "as the GPU kit does, gives 0)",
+    )
+    p.add_argument(
+        "--no-kernel-count",
+        action="store_true",
+        help="skip the kernels-per-step count (a caller that counts them once for several calls, as the GPU kit does)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo-ttft-s", type=float, default=1.0)
     p.add_argument("--slo-tpot-s", type=float, default=0.05)
@@ -255,6 +271,8 @@ def parse_args(argv: list[str] | None = None) -> GpuBenchConfig:
         kv_cache_gb=a.kv_cache_gb or (16.0 if on_gpu else 0.25),
         systems=tuple(a.systems),
         budget_s=a.budget_s,
+        min_system_s=a.min_system_s,
+        count_kernels=not a.no_kernel_count,
         seed=a.seed,
         slo_ttft_s=a.slo_ttft_s,
         slo_tpot_s=a.slo_tpot_s,
@@ -556,15 +574,17 @@ def compiled_kernels(path: Path) -> int:
 
 def run_system(cfg: GpuBenchConfig, system: str, w: Workload, hf: HfModel, ctx: dict, deadline: float) -> dict:
     left = deadline - time.monotonic()
-    if left < MIN_SYSTEM_S:
+    if left < cfg.min_system_s:
         return _not_run(system, w, f"skipped: {left:.0f} s of the --budget-s left")
     started = time.monotonic()
     shared = shared_of(cfg, system)
+    starts_stack = system in ("colocated", "disagg") and not shared
+    margin = FINISH_MARGIN_S if starts_stack else REPORT_MARGIN_S
     cache = shared.triton_cache if shared else cfg.out_dir / "triton-cache" / f"{system}-{cfg.requests}"
     try:
         with (
             nullcontext() if shared else triton_cache(cache),
-            open_system(cfg, system, hf, deadline - FINISH_MARGIN_S) as run,
+            open_system(cfg, system, hf, deadline - margin) as run,
         ):
             warm_up(run, system)
             compiled = compiled_kernels(cache)
@@ -830,6 +850,8 @@ def kernels_per_step(cfg: GpuBenchConfig, config) -> dict:
     """bench.kernels' counts for the model's layer count on the benchmark device, or why there are none."""
     from bench import kernels
 
+    if not cfg.count_kernels:
+        return {"counted": False, "why": "--no-kernel-count"}
     if not kernels.can_count(cfg.device):
         return {"counted": False, "why": "the Triton path runs on a GPU, or on the CPU under TRITON_INTERPRET=1"}
     layers = config.num_hidden_layers

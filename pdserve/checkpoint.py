@@ -72,12 +72,20 @@ def cache_dir(kind: str = "models") -> Path:
 
 
 def resolve_model(name_or_path: str) -> Path:
-    """Return a checkpoint folder: a built-in name is written (once) to the cache first."""
+    """Return a checkpoint folder: a built-in name is written (once) to the cache first. Processes that ask for one
+    at once (a stack's nodes, the GPU kit's build beside its install) take turns on a lock file beside it: one
+    writes it, the others wait and find it written."""
     if name_or_path in BUILTIN_MODELS:
         folder = cache_dir() / f"{name_or_path}-v{FORMAT_VERSION}"
         if not (folder / "model.safetensors").exists():
-            log.info("writing the built-in model %s (random weights, once) to %s", name_or_path, folder)
-            write_random_checkpoint(folder, BUILTIN_MODELS[name_or_path])
+            import fcntl
+
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            with open(folder.with_name(folder.name + ".lock"), "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or its process dies
+                if not (folder / "model.safetensors").exists():
+                    log.info("writing the built-in model %s (random weights, once) to %s", name_or_path, folder)
+                    write_random_checkpoint(folder, BUILTIN_MODELS[name_or_path])
         return folder
     path = Path(name_or_path)
     if not (path / "config.json").is_file():

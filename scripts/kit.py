@@ -6,22 +6,28 @@
 
 1. The plan: the stages named (`--stages`); by default on a GPU, the stages of this tree in order of value
    while the plan's time fits the window; in CPU mode, every stage. The plan's time (`plan_seconds`): on a GPU,
-   the longest lane of the checks (`Stage.concurrent`: they run at once; the checks on one stack form one lane)
-   plus the budgets of the measurements, which run one at a time; in CPU mode (`--no-concurrent`) every budget
-   added up. A plan past `--window` is refused, in one line, before anything runs (exit code 2).
-2. Each stage runs as its own process group under its own budget: a stage past its budget is stopped (SIGTERM,
-   then SIGKILL) and reported "over budget"; the next stage still runs. On a GPU the checks run first, at once
-   (a thread a lane), then the measurements, one at a time in order of value, alone on the GPU.
-3. A stage whose module is not in this tree (`importlib.util.find_spec`, or its option missing) is
-   reported "not present in this tree"; a stage left out of the default plan by the window is reported
-   "not in plan (window)". Every stage of STAGES appears in the report.
-4. The stages naming one stack share it (`Stage.stack`): gpu_check's stacks (passed with `--url`) and bench.gpu's
+   the longest lane of the checks (`Stage.concurrent`: they run at once; the checks on one stack form one lane,
+   and so do the stages naming one `Stage.lane`) plus the times of the measurements, which run one at a time; in
+   CPU mode (`--no-concurrent`) every stage's time added up. A stage's time (`seconds`) is its budget plus the
+   start of each measurement stack (STACKS) it starts: the `bench-stacks` stage starts them beside the checks once
+   the checkpoint is built, so the measurements on them do not wait for a start. A plan past `--window` is
+   refused, in one line, before anything runs (exit code 2).
+2. Each stage runs as its own process group under its own time: a stage past it is stopped (SIGTERM, then
+   SIGKILL) and reported "over budget"; the next stage still runs. On a GPU the checks run first, at once (a
+   thread a lane), then the measurements, one at a time in order of value, alone on the GPU.
+3. The budgets are upper bounds, so the plan often ends early: then each stage the window left out runs, in order
+   of value, if its time fits what is left of the window (`Kit.fill`; "no: run in the time left" in the report).
+4. A stage whose module is not in this tree (`importlib.util.find_spec`, or its option missing) is reported "not
+   present in this tree"; a stage left out by the window, and not run in the time left, is reported "not in plan
+   (window)". Every stage of STAGES appears in the report.
+5. The stages naming one stack share it (`Stage.stack`): gpu_check's stacks (passed with `--url`) and bench.gpu's
    (STACKS, passed with `--stack`: bench-colocated and bench-large run on one). The kit starts it before the first
-   of them and stops it after the last, and judges that stop as gpu_check's check (e) does its own: the pools
-   released, no "Producer process has been terminated" warning or traceback in its log, every process gone. A
-   stop that is not clean fails the kit. The stacks of the checks, stopped while other stacks run, are not
-   judged by the device's free memory: the kit judges that once, after the checks (`phase_memory`).
-5. The report: `kit.md` and `kit.json` in `--out` (every stage; each shared stack's stop); each stage's output and
+   of them (or in `bench-stacks`) and stops it after the last, and judges that stop as gpu_check's check (e) does
+   its own: its shared-memory segments released, no "Producer process has been terminated" warning or traceback
+   in its log, every process gone. A stop that is not clean fails the kit. Stacks start and stop while others run,
+   so no stop is judged by the device's free memory: the kit judges that once, over its whole run
+   (`device_memory`: back after the last stack stopped to what it was before the first started).
+6. The report: `kit.md` and `kit.json` in `--out` (every stage; each shared stack's stop); each stage's output and
    JSON under `--work` (`logs/<stage>.out`, `stages/<stage>.json`), packed by gpu_run.sh into one tarball.
 
 Adding a stage is one entry in STAGES.
@@ -47,8 +53,8 @@ ROOT = Path(__file__).resolve().parents[1]
 GPU_WINDOW_S = 300.0
 CPU_WINDOW_S = 1500.0
 KILL_GRACE_S = 15.0  # after SIGTERM, time for a stage's stacks to stop before SIGKILL
-BENCH_BUDGET_S = 60.0  # the least --budget-s bench.gpu is given: its setup and MIN_SYSTEM_S (45 s) left to start a
-# system, else it skips it; the kit stops the stage at the stage's own budget, which may be shorter
+BENCH_MARGIN_S = 2.0  # bench.gpu's --budget-s: the stage's budget less this, so that it ends its run and writes its
+# report before the kit stops it; --min-system-s 0: the kit, not bench.gpu, bounds the stage
 PY = sys.executable
 
 
@@ -82,10 +88,12 @@ class Stage:
     budget_s: float  # on a GPU
     cpu_budget_s: float  # in CPU mode (tiny sizes, a shared CPU)
     value: int  # higher runs first and enters the default plan first
-    argv: Callable[[Run, float], list[str]]  # (the run, this stage's budget) -> the command
+    argv: Callable[[Run, float], list[str]] | None  # (the run, this stage's budget) -> the command; None: `starts`
     present: Callable[[], bool] = field(default=lambda: True)
     stack: str | None = None  # the stack it runs on (STACKS' or a gpu_check one): the stages naming one share it
     concurrent: bool = False  # a check: runs beside the other checks (on a GPU); else a measurement, alone
+    lane: str | None = None  # a concurrent stage's lane, where it is not its stack's: the stages naming one share it
+    starts: tuple[str, ...] = ()  # STACKS it starts, at once, for the measurements that run on them later
 
     def budget(self, run: Run) -> float:
         return self.cpu_budget_s if run.tiny else self.budget_s
@@ -134,10 +142,9 @@ def check(name: str, stack: str, requests: int, sampled: int, max_tokens: int, t
 
 
 def bench(system: str, requests: int, concurrency: int, tiny: tuple[int, int]):
-    """bench.gpu on one system; `large` is its 1,024-request run alone (on the colocated stack). bench.gpu is given
-    at least BENCH_BUDGET_S (else it skips the system, and the stage fails); the stage's own budget, which the kit
-    enforces, is what the system's run is expected to take. A pdserve system runs on the kit's shared stack
-    (`--stack`, added by run_stage)."""
+    """bench.gpu on one system; `large` is its 1,024-request run alone (on the colocated stack). Its `--budget-s` is
+    the stage's budget (BENCH_MARGIN_S less), which the kit enforces; a pdserve system runs on the kit's shared
+    stack (`--stack`, added by run_stage)."""
 
     def argv(run: Run, budget: float) -> list[str]:
         n, c = tiny if run.tiny else (requests, concurrency)
@@ -146,7 +153,9 @@ def bench(system: str, requests: int, concurrency: int, tiny: tuple[int, int]):
         else:
             sizes = ["--systems", system, "--requests", str(n), "--concurrency", str(c), "--large-run", "0", "0"]
         where = ["--out-dir", str(run.work / "stages"), "--name", f"bench-{system}", "--no-progress"]
-        return [*bench_argv(run), *sizes, "--budget-s", str(int(max(budget - KILL_GRACE_S, BENCH_BUDGET_S))), *where]
+        limits = ["--budget-s", f"{max(budget - BENCH_MARGIN_S, 1.0):.0f}", "--min-system-s", "0"]
+        count = [] if system == "colocated" else ["--no-kernel-count"]  # the kernels per step: counted once
+        return [*bench_argv(run), *sizes, *limits, *count, *where]
 
     return argv
 
@@ -162,6 +171,10 @@ class BenchStack:
 
     mode: str  # colocated | disagg
     max_num_seqs: tuple[int, int]
+    start_s: tuple[float, float]  # its start, launch to ready (GPU, CPU): in the time of the stage that starts it
+
+    def start(self, run: Run) -> float:
+        return self.start_s[run.tiny]
 
     def argv(self, run: Run, port: int) -> list[str]:
         gpu = importlib.import_module("bench.gpu")
@@ -170,9 +183,11 @@ class BenchStack:
         return gpu.stack_argv(cfg, self.mode, port)
 
 
-STACKS = {  # the kit's own stacks, beside gpu_check's (named by its plans)
-    "bench-colocated": BenchStack("colocated", (256, 4)),  # bench-colocated (128 in flight) and bench-large (256)
-    "bench-disagg": BenchStack("disagg", (128, 3)),
+STACKS = {  # the kit's own stacks, beside gpu_check's (named by its plans); GPU starts: estimates (docs/gpu.md)
+    "bench-colocated": BenchStack(
+        "colocated", (256, 4), (25, 60)
+    ),  # bench-colocated (128 in flight), bench-large (256)
+    "bench-disagg": BenchStack("disagg", (128, 3), (30, 60)),
 }
 
 
@@ -222,7 +237,7 @@ def profile(run: Run, budget: float) -> list[str]:
 
 STAGES: tuple[Stage, ...] = (  # name, GPU budget s, CPU budget s, value, command; the stages of a stack in a row
     # the checks (concurrent=True: at once on a GPU, each on its own stack or process); GPU budgets are estimates
-    # (docs/gpu.md, "The budgets"): a stack's start is in the budget of the first stage on it
+    # (docs/gpu.md, "The budgets"): a gpu_check stack's start is in the budget of the first stage on it
     Stage(
         "smoke",
         40,
@@ -260,10 +275,12 @@ STAGES: tuple[Stage, ...] = (  # name, GPU budget s, CPU budget s, value, comman
         stack="bf16-{ipc}",
         concurrent=True,
     ),
-    Stage("checkpoint", 50, 60, 88, checkpoint, concurrent=True),
+    Stage("checkpoint", 30, 60, 88, checkpoint, concurrent=True, lane="models"),
+    # the measurements' stacks, started beside the checks once the checkpoint is built (their time: STACKS' start)
+    Stage("bench-stacks", 0, 0, 87, None, concurrent=True, lane="models", starts=("bench-colocated", "bench-disagg")),
     # the measurements: one at a time, alone on the GPU
-    Stage("bench-colocated", 40, 120, 85, bench("colocated", 256, 128, (3, 3)), stack="bench-colocated"),
-    Stage("bench-disagg", 40, 120, 80, bench("disagg", 256, 128, (3, 3)), stack="bench-disagg"),
+    Stage("bench-colocated", 20, 90, 85, bench("colocated", 256, 128, (3, 3)), stack="bench-colocated"),
+    Stage("bench-disagg", 20, 90, 80, bench("disagg", 256, 128, (3, 3)), stack="bench-disagg"),
     Stage("profile", 30, 60, 75, profile, has_module("bench.profile")),
     Stage("kv-shared-copy", 15, 60, 65, kv_shared_copy, has_module("bench.kv_bandwidth", "--shared-copy")),
     Stage(
@@ -279,7 +296,7 @@ STAGES: tuple[Stage, ...] = (  # name, GPU budget s, CPU budget s, value, comman
     Stage("bench-static", 40, 120, 45, bench("static", 64, 32, (3, 2))),
     Stage("attention", 15, 60, 40, attention, has_module("bench.attention")),
     Stage("costs", 20, 60, 35, costs, has_module("bench.costs", "--device")),
-    Stage("bench-large", 30, 120, 30, bench("large", 1024, 256, (4, 4)), stack="bench-colocated"),
+    Stage("bench-large", 25, 90, 30, bench("large", 1024, 256, (4, 4)), stack="bench-colocated"),
 )
 
 
@@ -291,29 +308,54 @@ def names() -> list[str]:
 
 
 def lanes(stages: list[Stage], run: Run) -> list[list[Stage]]:
-    """The concurrent stages in lanes, in order of their first stage: the stages naming one stack share a lane and
-    run one after another in it (on their stack); every other stage is a lane of its own."""
+    """The concurrent stages in lanes, in order of their first stage: the stages naming one lane (`Stage.lane`, else
+    their stack) share it and run one after another in it; every other stage is a lane of its own."""
     out: dict[str, list[Stage]] = {}
     for s in stages:
         if s.concurrent:
-            out.setdefault(s.stack.format(ipc=run.ipc) if s.stack else f"stage:{s.name}", []).append(s)
+            out.setdefault(s.lane or (s.stack.format(ipc=run.ipc) if s.stack else f"stage:{s.name}"), []).append(s)
     return list(out.values())
+
+
+def starters(stages: list[Stage]) -> dict[str, str]:
+    """{a STACKS stack the stages use: the stage that starts it}: a stage that `starts` it, else the first stage
+    (in the order given, the run's) that runs on it."""
+    out: dict[str, str] = {}
+    for s in stages:
+        for name in s.starts:
+            if any(t.stack == name for t in stages):
+                out.setdefault(name, s.name)
+    for s in stages:
+        if s.stack in STACKS:
+            out.setdefault(s.stack, s.name)
+    return out
+
+
+def seconds(stage: Stage, run: Run, started_by: dict[str, str]) -> float:
+    """The stage's time: its budget, and the start of each STACKS stack it starts (those of a stage that `starts`
+    several start at once: the longest; started_by: `starters`)."""
+    starts = [STACKS[n].start(run) for n, by in started_by.items() if by == stage.name]
+    if stage.starts:
+        return max(starts, default=0.0)
+    return stage.budget(run) + sum(starts)
 
 
 def plan_seconds(stages: list[Stage], run: Run, concurrent: bool) -> float:
     """The plan's time: with `concurrent`, its longest lane of concurrent stages (they run at once, before the rest)
-    plus the budgets of the others, which run one at a time; else every budget added up."""
+    plus the time of the others, which run one at a time; else every stage's time added up."""
+    by = starters(stages)
     if not concurrent:
-        return sum(s.budget(run) for s in stages)
-    phase = max((sum(s.budget(run) for s in lane) for lane in lanes(stages, run)), default=0.0)
-    return phase + sum(s.budget(run) for s in stages if not s.concurrent)
+        return sum(seconds(s, run, by) for s in stages)
+    phase = max((sum(seconds(s, run, by) for s in lane) for lane in lanes(stages, run)), default=0.0)
+    return phase + sum(seconds(s, run, by) for s in stages if not s.concurrent)
 
 
 def plan(
     stages: tuple[Stage, ...], run: Run, window: float, names: list[str] | None, concurrent: bool = False
 ) -> tuple[list, dict]:
     """(the stages to run, in order of value; {stage name: why it is not run}). Raises ValueError, in one line,
-    when the stages named do not exist or the plan's time (`plan_seconds`) does not fit the window."""
+    when the stages named do not exist or the plan's time (`plan_seconds`) does not fit the window. A stage that
+    only `starts` stacks is in a plan with a stage that runs on one of them."""
     by_value = sorted(stages, key=lambda s: -s.value)
     absent = {s.name: "not present in this tree" for s in by_value if not s.present()}
     if names is not None:
@@ -325,7 +367,7 @@ def plan(
         if total > window:
             raise ValueError(f"plan refused: its budgets add up to {total:.0f} s, past the {window:.0f} s window")
         left = {s.name: "not in plan (not named)" for s in by_value if s.name not in names and s.name not in absent}
-        return chosen, absent | left
+        return unused_starters(chosen, absent | left)
     chosen, left = [], {}
     for s in by_value:
         if s.name in absent:
@@ -334,7 +376,16 @@ def plan(
             chosen.append(s)
         else:
             left[s.name] = "not in plan (window)"
-    return chosen, absent | left
+    return unused_starters(chosen, absent | left)
+
+
+def unused_starters(chosen: list[Stage], left: dict) -> tuple[list, dict]:
+    """The plan less each stage that would only start stacks no stage of it runs on."""
+    by = starters(chosen)
+    idle = {s.name for s in chosen if s.starts and s.name not in by.values()}
+    return [s for s in chosen if s.name not in idle], left | {
+        n: "not in plan (no stage runs on its stacks)" for n in idle
+    }
 
 
 # ---- the shared stacks ----------------------------------------------------------------------------
@@ -348,7 +399,6 @@ class Shared:
     stack: object  # bench.systems.Stack
     url: str
     triton_cache: Path
-    free_before: float | None  # the device's memory no other process holds, before it started (MiB; None on the CPU)
 
     def args(self) -> list[str]:
         """The stage's arguments: bench.gpu's `--stack`, gpu_check's `--url`."""
@@ -359,34 +409,33 @@ class Shared:
 
 
 class Stacks:
-    """The stacks the planned stages share: each starts before the first stage that names it (within that stage's
-    budget) and stops once the last one is done; its stop is judged as gpu_check's (e) judges its own (`stops`).
-    A stack started while other stacks may run (`memory=False`: the concurrent checks) is not judged by the device's
-    free memory, which the others move; the kit judges that once for the whole phase (`phase_memory`)."""
+    """The stacks the stages share: each starts before the first stage that runs on it (within that stage's time),
+    or in a stage that `starts` it, and stops once the last stage that may run on it is done; its stop is judged as
+    gpu_check's (e) judges its own (`stops`), but for the device's free memory, which other stacks move: the kit
+    judges that once, over its whole run (`device_memory`)."""
 
-    def __init__(self, run: Run, chosen: list[Stage]) -> None:
+    def __init__(self, run: Run, stages: list[Stage]) -> None:
         self.run, self.open = run, {}
-        self.users = Counter(s.stack.format(ipc=run.ipc) for s in chosen if s.stack)  # stages yet to finish on each
+        self.users = Counter(s.stack.format(ipc=run.ipc) for s in stages if s.stack)  # stages yet to finish on each
         self.stops: dict[str, dict] = {}  # each stopped stack: its clean stop
         self.gc = None
         self.lock = threading.Lock()
-        self.starting: dict[str, object] = {}  # the stacks a lane is starting now (bench.systems.Stack)
+        self.starting: dict[str, object] = {}  # the stacks being started now (bench.systems.Stack)
 
     def gpu_check(self):
         with self.lock:
             self.gc = self.gc or load_script(ROOT / "scripts" / "gpu_check.py")
             return self.gc
 
-    def get(self, name: str, timeout: float, memory: bool = True) -> Shared:
-        if name not in self.open:  # one lane uses one stack: no two threads start the same one
-            self.open[name] = self.start(name, timeout, memory)
+    def get(self, name: str, timeout: float) -> Shared:
+        if name not in self.open:  # a stack is started by one thread: its lane's, or its starting stage's
+            self.open[name] = self.start(name, timeout)
         return self.open[name]
 
-    def start(self, name: str, timeout: float, memory: bool) -> Shared:
+    def start(self, name: str, timeout: float) -> Shared:
         gc, run = self.gpu_check(), self.run
         port = gc.free_port()
         log_dir, cache = run.work / "logs", run.work / "triton-cache" / name
-        free_before = gc.free_device_mb(run.device) if memory else None
         with self.lock, importlib.import_module("bench.gpu").triton_cache(cache):  # it compiles into its own folder
             stack = gc.Stack(self.argv(gc, name, port), log_dir / f"kit.{name}.log")  # (the folder: in os.environ)
             self.starting[name] = stack
@@ -398,7 +447,24 @@ class Stacks:
         finally:
             with self.lock:
                 self.starting.pop(name, None)
-        return Shared(name, stack, f"http://127.0.0.1:{port}", cache, free_before)
+        return Shared(name, stack, f"http://127.0.0.1:{port}", cache)
+
+    def start_all(self, names: list[str], timeout: float) -> dict[str, str]:
+        """Starts the stacks at once, a thread each; {name: why it did not start} for those that did not."""
+        errors: dict[str, str] = {}
+
+        def one(name: str) -> None:
+            try:
+                self.get(name, timeout)
+            except Exception as e:
+                errors[name] = f"{type(e).__name__}: {e}"
+
+        threads = [threading.Thread(target=one, args=(n,), daemon=True) for n in names]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return errors
 
     def argv(self, gc, name: str, port: int) -> list[str]:
         run = self.run
@@ -410,7 +476,7 @@ class Stacks:
         return gc.stack_argv(a, plan, port)
 
     def done(self, stage: Stage) -> None:
-        """`stage` finished: its stack stops if no other planned stage needs it."""
+        """`stage` finished, or will not run: its stack stops if no other stage may run on it."""
         if not stage.stack:
             return
         name = stage.stack.format(ipc=self.run.ipc)
@@ -429,7 +495,7 @@ class Stacks:
         pids = gc.descendants(stack.proc.pid)
         segments = gc.mapped_segments(pids)
         stack.stop()
-        judged = gc.check_clean_stop(stack.log_path, segments, self.run.device, shared.free_before)
+        judged = gc.check_clean_stop(stack.log_path, segments, self.run.device, None)
         judged["processes_left"] = [p for p in pids if alive(p)]
         judged["pass"] = judged["pass"] and not judged["processes_left"]
         return judged
@@ -463,20 +529,29 @@ def load_script(path: Path):
 # ---- running a stage -------------------------------------------------------------------------------
 
 
-def run_stage(stage: Stage, run: Run, env: dict, stacks: Stacks, t0: float, alone: bool = True) -> dict:
-    """Runs one stage's command in its own process group, stopped at its budget (its stack's start included);
-    `start_s` and `end_s` count from the kit's start `t0`. Not `alone` (beside other stages), its stack's stop is
-    not judged by the device's free memory."""
-    budget = stage.budget(run)
+def run_stage(stage: Stage, run: Run, env: dict, stacks: Stacks, t0: float, budget: float, alone: bool = True) -> dict:
+    """Runs one stage under `budget` seconds (`seconds`: its stack's start included, where it starts one): its
+    command in its own process group, or (`Stage.starts`) the start of its stacks that a stage will run on.
+    `start_s` and `end_s` count from the kit's start `t0`."""
     start = time.monotonic()
     r = {"name": stage.name, "value": stage.value, "budget_s": budget, "concurrent": not alone}
     r["start_s"] = round(start - t0, 2)
+    if stage.starts:
+        names = [n for n in stage.starts if stacks.users[n] > 0]
+        errors = stacks.start_all(names, budget)
+        status = "passed" if not errors else "failed"
+        return (
+            r
+            | ended(start, t0)
+            | {"status": status, "started": [n for n in names if n not in errors]}
+            | ({"error": "; ".join(f"stack {n}: {e}" for n, e in errors.items())} if errors else {})
+        )
     shared = []
     if stage.stack:
         name = stage.stack.format(ipc=run.ipc)
         r["stack_started"] = name not in stacks.open  # else the stack an earlier stage started serves this one too
         try:
-            shared = stacks.get(name, budget, memory=alone).args()
+            shared = stacks.get(name, budget).args()
         except Exception as e:  # a stack that does not start fails the stage; the next stage still runs
             status = "over budget" if isinstance(e, TimeoutError) else "failed"
             return r | ended(start, t0) | {"status": status, "error": f"stack {name}: {e}"}
@@ -558,14 +633,16 @@ def markdown(report: dict) -> str:
     lines = [
         f"# GPU kit: {report['device']}, window {report['window_s']:.0f} s, {report['total_s']:.0f} s in all",
         "",
-        "| stage | value | budget s | seconds | result | started at s | beside the other checks |",
-        "|---|---|---|---|---|---|---|",
+        "| stage | value | budget s | seconds | result | started at s | beside the other checks | in the plan |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in report["stages"]:
         secs = f"{r['seconds']:.1f}" if "seconds" in r else ""
         at = f"{r['start_s']:.1f}" if "start_s" in r else ""
         beside = {True: "yes", False: "no"}.get(r.get("concurrent"), "")
-        lines.append(f"| {r['name']} | {r['value']} | {r['budget_s']:.0f} | {secs} | {r['status']} | {at} | {beside} |")
+        planned = ("no: run in the time left" if r.get("filled") else "yes") if at else ""
+        cells = [r["name"], r["value"], f"{r['budget_s']:.0f}", secs, r["status"], at, beside, planned]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines + stop_lines(report)) + "\n"
 
 
@@ -620,26 +697,39 @@ def main(argv: list[str] | None = None) -> int:
     report = {"device": a.device, "window_s": window, "planned_s": planned_s, "concurrent": concurrent, "stages": []}
     print(f"kit: {len(chosen)} stages, {planned_s:.0f} s of a {window:.0f} s window", flush=True)
     STOPPING.clear()
-    kit = Kit(run, env, Stacks(run, chosen), report, a.out, left)
+    spare = [s for s in sorted(STAGES, key=lambda s: -s.value) if left.get(s.name) == "not in plan (window)"]
+    kit = Kit(run, env, Stacks(run, chosen + spare), report, a.out, left, starters(chosen), window)
     report["stacks"] = kit.stacks.stops  # filled as each shared stack stops
+    gc = None if run.tiny else kit.stacks.gpu_check()
+    free_before = gc.free_device_mb(run.device) if gc else None
     try:
         if concurrent:
             kit.phase(lanes(chosen, run))
         for stage in [s for s in chosen if not (concurrent and s.concurrent)]:
             kit.lane([stage], alone=True)
+        kit.fill(spare)
     finally:
         stop_all()
         kit.stacks.close()
-    report = write(report, a.out, kit.t0, stage_list(report["stages"], left, run))
-    planned = {s.name for s in chosen}
-    passed = all(r["status"] == "passed" for r in report["stages"] if r["name"] in planned)
-    memory = report.get("phase_memory", {}).get("pass", True)
+    if gc:
+        free_after = gc.free_device_mb(run.device)
+        moved = free_before - free_after
+        report["device_memory"] = {
+            "device_free_mb_before": free_before,
+            "device_free_mb_after": free_after,
+            "pass": moved <= gc.RELEASE_SLACK_MB,
+        }
+    report = write(report, a.out, kit.t0, stage_list(report["stages"], kit.left, run))
+    ran = {r["name"] for r in report["stages"] if "start_s" in r}
+    passed = all(r["status"] == "passed" for r in report["stages"] if r["name"] in ran)
+    memory = report.get("device_memory", {}).get("pass", True)
     return 0 if passed and memory and all(j["pass"] for j in kit.stacks.stops.values()) else 1
 
 
 @dataclass
 class Kit:
-    """The planned stages' run: lanes of stages, one after another or (the checks) at once, into one report."""
+    """The planned stages' run: lanes of stages, one after another or (the checks) at once, into one report; then
+    the stages the window left out, each that fits the time left."""
 
     run: Run
     env: dict
@@ -647,25 +737,39 @@ class Kit:
     report: dict
     out: Path
     left: dict
+    started_by: dict[str, str]  # the plan's `starters`
+    window: float = GPU_WINDOW_S
     t0: float = field(default_factory=time.monotonic)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def lane(self, stages: list[Stage], alone: bool) -> None:
-        """The stages in order, each under its own budget; a stack of theirs stops after the last stage on it."""
+    def lane(self, stages: list[Stage], alone: bool, filled: bool = False) -> None:
+        """The stages in order, each under its own time; a stack of theirs stops after the last stage on it."""
         for stage in stages:
-            r = run_stage(stage, self.run, self.env, self.stacks, self.t0, alone)
+            budget = seconds(stage, self.run, self.started_by)
+            r = run_stage(stage, self.run, self.env, self.stacks, self.t0, budget, alone)
             self.stacks.done(stage)
             with self.lock:
-                self.report["stages"].append(r)
+                self.report["stages"].append(r | ({"filled": True} if filled else {}))
                 print(f"== [{r['end_s']:.0f} s] {r['name']}: {r['status']} in {r['seconds']:.0f} s", flush=True)
                 write(self.report, self.out, self.t0, stage_list(self.report["stages"], self.left, self.run))
 
+    def fill(self, spare: list[Stage]) -> None:
+        """The stages the window left out of the plan, in order of value, alone: each runs if its time (its stack's
+        start included, unless the stack is still up) fits what is left of the window; the budgets are upper
+        bounds, so the planned stages often leave time."""
+        for stage in spare:
+            if STOPPING.is_set():
+                return
+            stack = stage.stack.format(ipc=self.run.ipc) if stage.stack else None
+            self.started_by = {stack: stage.name} if stack in STACKS and stack not in self.stacks.open else {}
+            if seconds(stage, self.run, self.started_by) <= self.window - (time.monotonic() - self.t0):
+                self.left.pop(stage.name)
+                self.lane([stage], alone=True, filled=True)
+            else:
+                self.stacks.done(stage)  # it will not run: its stack may stop
+
     def phase(self, lanes: list[list[Stage]]) -> None:
-        """The lanes at once, a thread each; returns when every one is done. On a GPU, the device's memory that
-        no other process holds must be back after the phase (its stacks stopped) as it was before it: each
-        stack's own stop in it is not judged by memory, which the other stacks move."""
-        gc = self.stacks.gpu_check() if not self.run.tiny and lanes else None
-        before = gc.free_device_mb(self.run.device) if gc else None
+        """The lanes at once, a thread each; returns when every one is done."""
         errors: list[BaseException] = []
 
         def lane(stages: list[Stage]) -> None:
@@ -681,14 +785,6 @@ class Kit:
             t.join()
         if errors:
             raise errors[0]
-        if before is not None:
-            after = gc.free_device_mb(self.run.device)
-            moved = before - after
-            self.report["phase_memory"] = {
-                "device_free_mb_before": before,
-                "device_free_mb_after": after,
-                "pass": moved <= gc.RELEASE_SLACK_MB,
-            }
 
 
 def stage_list(ran: list[dict], left: dict, run: Run) -> list[dict]:

@@ -89,3 +89,41 @@ def test_a_checkpoint_whose_names_differ_goes_through_transformers(tmp_path, mon
     assert runner_model._load_direct(path, hf_config(TIED_BF16), torch.float32, torch.device("cpu")) is None
     model = runner_model.load_model(path, "float32", "cpu")
     assert len(calls) == 1 and model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_processes_resolving_one_built_in_at_once_take_turns_and_only_one_writes_it(tmp_path):
+    """While this process holds the built-in's lock, another that resolves it blocks on the lock (seen in
+    /proc/locks); once this one has written it and let go, the other finds it written and writes nothing."""
+    import fcntl
+    import os
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from pdserve import checkpoint
+
+    env = {**os.environ, "PDSERVE_CACHE": str(tmp_path)}
+    folder = tmp_path / "models" / f"tiny-v{checkpoint.FORMAT_VERSION}"
+    folder.parent.mkdir(parents=True)
+    code = (
+        "import pdserve.checkpoint as c; n = []; w = c.write_random_checkpoint\n"
+        "c.write_random_checkpoint = lambda f, s: (n.append(f), w(f, s))\n"
+        "c.resolve_model('tiny'); print(len(n))"
+    )
+    with open(folder.with_name(folder.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        inode = os.fstat(lock.fileno()).st_ino
+        proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+        try:
+            while not any(
+                f":{inode} " in line and "->" in line for line in Path("/proc/locks").read_text().splitlines()
+            ):
+                assert proc.poll() is None, "it finished without waiting for the lock"
+                time.sleep(0.05)
+            write_random_checkpoint(folder, BUILTIN_MODELS["tiny"])
+        except BaseException:
+            proc.kill()
+            raise
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and out.split() == ["0"]  # it waited, then found the checkpoint written

@@ -134,20 +134,20 @@ def test_a_lane_runs_its_stacks_stages_in_order_and_stops_the_stack_after_the_la
     stacks = kit.Stacks(run, list(st))
     started, stopped = [], []
 
-    def get(name, timeout, memory=True):
+    def get(name, timeout):
         if name not in stacks.open:
-            started.append((name, memory))
-            stacks.open[name] = kit.Shared(name, None, f"http://{name}", tmp_path, None)
+            started.append(name)
+            stacks.open[name] = kit.Shared(name, None, f"http://{name}", tmp_path)
         return stacks.open[name]
 
     monkeypatch.setattr(stacks, "get", get)
     monkeypatch.setattr(stacks, "stop", lambda shared: stopped.append(shared.name) or {"pass": True})
     report = {"device": "cpu", "window_s": 100, "stages": []}
-    k = kit.Kit(run, dict(os.environ), stacks, report, tmp_path, {})
+    k = kit.Kit(run, dict(os.environ), stacks, report, tmp_path, {}, {})
     monkeypatch.setattr(kit, "command", lambda argv, env, log, budget: (0, "passed"))
     k.phase(kit.lanes(list(st), run))
     r = {s["name"]: s for s in report["stages"]}
-    assert sorted(started) == [("s", False), ("t", False)]  # beside others: not judged by the device's memory
+    assert sorted(started) == ["s", "t"]
     assert r["a"]["stack_started"] and not r["b"]["stack_started"] and r["a"]["end_s"] <= r["b"]["start_s"]
     assert sorted(stopped) == ["s", "t"] and set(stacks.stops) == {"s", "t"} and stacks.open == {}
 
@@ -167,7 +167,14 @@ def test_every_stack_is_shared_by_checks_only_or_by_measurements_only():
         "check-bf16-ipc",
         "check-fp32-zmq",
         "checkpoint",
+        "bench-stacks",
     }
+    by_name = {s.name: s for s in kit.STAGES}  # the measurements' stacks start beside the checks, once built
+    assert by_name["bench-stacks"].lane == by_name["checkpoint"].lane and set(by_name["bench-stacks"].starts) == set(
+        kit.STACKS
+    )
+    for s in kit.STAGES:  # a stage that starts stacks comes before every stage on them, in CPU mode's order too
+        assert all(t.value < s.value for t in kit.STAGES if t.stack in s.starts), s.name
 
 
 def test_a_stage_absent_from_the_tree_is_reported_so(tmp_path):
@@ -204,6 +211,9 @@ def test_every_stage_of_the_kit_has_a_cpu_command(tmp_path):
     run = kit.Run("cpu", True, tmp_path)
     assert len({s.name for s in kit.STAGES}) == len(kit.STAGES)
     for s in kit.STAGES:
+        if s.starts:  # it starts stacks, the kit's own way (`Stacks.start_all`)
+            assert s.argv is None and s.concurrent
+            continue
         argv = s.argv(run, s.budget(run))
         assert argv[0] == sys.executable and "cuda" not in " ".join(argv), s.name
 
@@ -228,9 +238,17 @@ def test_the_bench_stages_share_the_kits_stacks(tmp_path):
         argv = spec.argv(run, 1234)
         assert argv[argv.index("--mode") + 1] == spec.mode and argv[argv.index("--port") + 1] == "1234", name
         assert argv[argv.index("--max-num-seqs") + 1] == str(spec.max_num_seqs[True]), name
-    shared = kit.Shared("bench-colocated", FakeStack(4321, tmp_path / "log"), "http://x:1", tmp_path / "tc", None)
+    shared = kit.Shared("bench-colocated", FakeStack(4321, tmp_path / "log"), "http://x:1", tmp_path / "tc")
     assert shared.args() == ["--stack", "colocated", "http://x:1", "4321", str(tmp_path / "tc")]
-    assert kit.Shared("fp32-shm", None, "http://x:2", tmp_path, None).args() == ["--url", "http://x:2"]
+    assert kit.Shared("fp32-shm", None, "http://x:2", tmp_path).args() == ["--url", "http://x:2"]
+    argv = by_name["bench-colocated"].argv(run, 30.0)  # bench.gpu bounded by the stage, not by its own minimum
+    assert argv[argv.index("--budget-s") + 1] == "28" and argv[argv.index("--min-system-s") + 1] == "0"
+    counted = [
+        s.name
+        for s in kit.STAGES
+        if s.name.startswith("bench-") and s.argv and "--no-kernel-count" not in s.argv(run, 30.0)
+    ]
+    assert counted == ["bench-colocated"]  # bench.gpu's kernel count: once a kit
 
 
 class FakeStack:
@@ -258,7 +276,7 @@ def test_a_shared_stacks_stop_is_judged_and_reported(tmp_path):
     proc.stdout.readline()  # the child runs
     pids = stacks.gc.descendants(proc.pid)
     try:
-        stacks.open["s"] = kit.Shared("s", FakeStack(proc.pid, log, proc), "http://x", tmp_path, None)
+        stacks.open["s"] = kit.Shared("s", FakeStack(proc.pid, log, proc), "http://x", tmp_path)
         stacks.done(stage)
     finally:
         for pid in pids:
@@ -286,12 +304,10 @@ def test_when_the_kit_stops_the_running_checks_stop_and_no_lane_starts_another(t
         },
     )
     stacks = kit.Stacks(run, list(st))
-    monkeypatch.setattr(
-        stacks, "get", lambda name, timeout, memory=True: kit.Shared(name, None, "http://s", tmp_path, None)
-    )
+    monkeypatch.setattr(stacks, "get", lambda name, timeout: kit.Shared(name, None, "http://s", tmp_path))
     monkeypatch.setattr(stacks, "stop", lambda shared: {"pass": True})
     report = {"device": "cpu", "window_s": 1200, "stages": []}
-    k = kit.Kit(run, dict(os.environ), stacks, report, tmp_path, {})
+    k = kit.Kit(run, dict(os.environ), stacks, report, tmp_path, {}, {})
     phase = threading.Thread(target=k.phase, args=(kit.lanes(list(st), run),))
     phase.start()
     while not kit.RUNNING:  # x's command runs
@@ -305,3 +321,102 @@ def test_when_the_kit_stops_the_running_checks_stop_and_no_lane_starts_another(t
         ("x2", "not run (the kit stopped)"),
     ]
     assert not after.exists()
+
+
+def test_a_measurement_stack_started_beside_the_checks_costs_the_measurements_nothing(tmp_path, monkeypatch):
+    """A stack's start is in the time of the stage that starts it: a `starts` stage in the checks' phase (its lane:
+    after the checkpoint), else the first measurement on it."""
+    kit = load()
+    monkeypatch.setattr(kit, "STACKS", {"S": kit.BenchStack("colocated", (4, 4), (15, 15))})
+    run = kit.Run("cuda:0", False, tmp_path)
+    st = (
+        kit.Stage("build", 10, 10, 9, lambda r, b: [], concurrent=True, lane="L"),
+        kit.Stage("starter", 0, 0, 8, None, concurrent=True, lane="L", starts=("S",)),
+        kit.Stage("check", 30, 30, 7, lambda r, b: [], concurrent=True),
+        kit.Stage("m1", 20, 20, 6, lambda r, b: [], stack="S"),
+        kit.Stage("m2", 30, 30, 5, lambda r, b: [], stack="S"),
+    )
+    assert [[s.name for s in lane] for lane in kit.lanes(list(st), run)] == [["build", "starter"], ["check"]]
+    assert kit.starters(list(st)) == {"S": "starter"}
+    assert kit.plan_seconds(list(st), run, True) == max(10 + 15, 30) + 20 + 30
+    chosen, _ = kit.plan(st, run, 1000, ["build", "check", "m1", "m2"], concurrent=True)  # m1 starts it
+    assert kit.starters(chosen) == {"S": "m1"} and kit.plan_seconds(chosen, run, True) == 30 + (20 + 15) + 30
+    chosen, left = kit.plan(st, run, 1000, ["build", "starter", "check"], concurrent=True)  # nothing runs on S
+    assert [s.name for s in chosen] == ["build", "check"]
+    assert left["starter"] == "not in plan (no stage runs on its stacks)"
+
+
+def test_the_stages_the_window_left_out_run_in_the_time_the_plan_leaves(tmp_path, monkeypatch):
+    """Budgets are upper bounds: after the plan, each stage the window left out runs, by value, if its time (its
+    stack's start included when the stack is down) fits what is left of the window; the others stay out."""
+    kit = load()
+    monkeypatch.setattr(kit, "STACKS", {"S": kit.BenchStack("colocated", (4, 4), (145, 145))})
+    run = kit.Run("cuda:0", False, tmp_path / "work")
+    for d in ("logs", "stages"):
+        (run.work / d).mkdir(parents=True)
+    st = (
+        kit.Stage("a", 100, 100, 9, lambda r, b: [sys.executable, "-c", ""]),
+        kit.Stage("on-s", 10, 10, 8, lambda r, b: [sys.executable, "-c", ""], stack="S"),  # 10 + 145 to start S
+        kit.Stage("b", 60, 60, 7, lambda r, b: [sys.executable, "-c", ""]),
+        kit.Stage("huge", 600, 600, 6, lambda r, b: [sys.executable, "-c", ""]),
+    )
+    monkeypatch.setattr(kit, "STAGES", st)
+    chosen, left = kit.plan(st, run, 150, None)
+    assert [s.name for s in chosen] == ["a"] and set(left) == {"on-s", "b", "huge"}  # 100 + 60 > 150
+    spare = [s for s in st if s.name in left]
+
+    def kit_run(stacks, left):
+        report = {"device": "cuda:0", "window_s": 150, "stages": []}
+        return kit.Kit(run, dict(os.environ), stacks, report, tmp_path, left, kit.starters(chosen), window=150)
+
+    stacks = kit.Stacks(run, chosen + spare)
+    k = kit_run(stacks, dict(left))
+    k.lane(chosen, alone=True)
+    k.fill(spare)
+    r = {s["name"]: s for s in k.report["stages"]}
+    assert list(r) == ["a", "b"] and r["b"]["filled"] and not r["a"].get("filled")  # on-s: S's start does not fit
+    assert r["b"]["status"] == "passed" and r["b"]["budget_s"] == 60
+    assert k.left == {"on-s": "not in plan (window)", "huge": "not in plan (window)"} and stacks.users["S"] == 0
+    md = kit.markdown(kit.write(k.report, tmp_path, k.t0, kit.stage_list(k.report["stages"], k.left, run)))
+    assert "| b | 7 | 60 |" in md and md.count("no: run in the time left") == 1
+    stacks = kit.Stacks(run, [st[1]])  # S still up (an earlier stage's): on-s fits, for its own 10 s
+    stacks.open["S"] = kit.Shared("S", FakeStack(4321, tmp_path / "log"), "http://s", tmp_path)
+    monkeypatch.setattr(stacks, "stop", lambda shared: {"pass": True})
+    k = kit_run(stacks, {"on-s": "not in plan (window)"})
+    k.fill([st[1]])
+    (r,) = k.report["stages"]
+    assert (r["name"], r["status"], r["budget_s"], r["stack_started"]) == ("on-s", "passed", 10, False)
+    assert k.left == {} and stacks.open == {}  # its last stage done: S stopped
+
+
+def test_a_starting_stage_starts_at_once_the_stacks_a_stage_will_run_on(tmp_path, monkeypatch):
+    kit = load()
+    both = {"S": kit.BenchStack("colocated", (4, 4), (20, 20)), "T": kit.BenchStack("disagg", (4, 4), (30, 30))}
+    monkeypatch.setattr(kit, "STACKS", both)
+    run = kit.Run("cpu", True, tmp_path)
+    starter = kit.Stage("starter", 0, 0, 9, None, concurrent=True, starts=("S", "T"))
+    m = kit.Stage("m", 10, 10, 5, lambda r, b: [], stack="S")
+    stacks = kit.Stacks(run, [starter, m])  # nothing runs on T: it is not started
+    waiting = threading.Barrier(2, timeout=5)
+    calls = []
+
+    def get(name, timeout):
+        calls.append((name, timeout))
+        if name == "S":
+            raise TimeoutError("not ready in 20 s")
+        return kit.Shared(name, None, "http://t", tmp_path)
+
+    monkeypatch.setattr(stacks, "get", get)
+    r = kit.run_stage(starter, run, {}, stacks, time.monotonic(), kit.seconds(starter, run, kit.starters([starter, m])))
+    assert calls == [("S", 20)] and r["status"] == "failed" and r["started"] == []
+    assert r["error"] == "stack S: TimeoutError: not ready in 20 s"
+    stacks = kit.Stacks(run, [starter, m, kit.Stage("n", 10, 10, 4, lambda r, b: [], stack="T")])
+
+    def meet(name, timeout):  # each waits for the other: they start at once
+        waiting.wait()
+        stacks.open[name] = kit.Shared(name, None, "http://t", tmp_path)
+        return stacks.open[name]
+
+    monkeypatch.setattr(stacks, "get", meet)
+    r = kit.run_stage(starter, run, {}, stacks, time.monotonic(), 30)
+    assert r["status"] == "passed" and r["started"] == ["S", "T"] and set(stacks.open) == {"S", "T"}

@@ -76,6 +76,30 @@ def test_parse_args_reads_the_large_run():
     assert (cfg.large_requests, cfg.large_concurrency, cfg.large_systems) == (64, 32, ("colocated", "disagg"))
 
 
+def test_a_system_is_skipped_below_min_system_s_and_a_shared_or_in_process_run_keeps_back_only_the_report(
+    monkeypatch,
+):
+    w = gpu.Workload("sharegpt_like", ())
+    deadline = gpu.time.monotonic() + 20
+    cfg = gpu.parse_args(["--device", "cpu", "--systems", "static", "--requests", "4"])
+    assert cfg.min_system_s == gpu.MIN_SYSTEM_S == 45
+    assert gpu.run_system(cfg, "static", w, None, {}, deadline)["error"].startswith("skipped: 20 s")
+    given = []
+
+    def open_system(cfg, system, hf, until):
+        given.append((system, until))
+        raise RuntimeError("not started")
+
+    monkeypatch.setattr(gpu, "open_system", open_system)
+    for system, argv in (("static", []), ("colocated", []), ("colocated", ["--stack", "colocated", "u", "1", "c"])):
+        cfg = gpu.parse_args(["--device", "cpu", "--min-system-s", "0", "--systems", system, *argv])
+        assert gpu.run_system(cfg, system, w, None, {}, deadline)["error"] == "RuntimeError: not started"
+    margins = [round(deadline - until, 6) for _, until in given]
+    assert margins == [gpu.REPORT_MARGIN_S, gpu.FINISH_MARGIN_S, gpu.REPORT_MARGIN_S]  # only its own stack's stop
+    with pytest.raises(ValueError, match="--min-system-s not negative"):
+        gpu.parse_args(["--device", "cpu", "--min-system-s", "-1"])
+
+
 def test_the_report_shows_the_steady_state_kernels_and_the_graph_share(tmp_path):
     st = {"threshold": 4, "window_s": 4.0, "share_of_run": 0.2, "tokens": 16, "output_throughput": 4.0}
     summary = {

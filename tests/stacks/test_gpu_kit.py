@@ -208,7 +208,9 @@ def test_gpu_run_cpu_mode_passes_in_the_box_venv(box, site, tmp_path):
     shared = {s["name"]: s.get("stack_started") for s in kit["stages"] if s.get("stack") == "fp32-colocated"}
     assert shared == {"smoke": True, "check-fp32-colocated": False}  # one stack served both stages
     shared = {s["name"]: s.get("stack_started") for s in kit["stages"] if s.get("stack") == "bench-colocated"}
-    assert shared == {"bench-colocated": True, "bench-large": False}  # and bench.gpu's colocated runs
+    assert shared == {"bench-colocated": False, "bench-large": False}  # and bench.gpu's colocated runs, on the stack
+    starter = next(s for s in kit["stages"] if s["name"] == "bench-stacks")  # started for them after the checkpoint
+    assert starter["started"] == ["bench-colocated", "bench-disagg"] and "stack" not in starter
     assert set(kit["stacks"]) == {s["stack"] for s in kit["stages"] if s.get("stack")}  # every shared stack's stop
     assert all(j["pass"] and j["processes_left"] == [] for j in kit["stacks"].values()), kit["stacks"]
     assert "| bench-colocated | bench-colocated, bench-large | passed |" in (out / "kit.md").read_text()
