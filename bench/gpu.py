@@ -898,10 +898,14 @@ def prepare(cfg: GpuBenchConfig) -> tuple[Path, list[tuple[GpuBenchConfig, Workl
 
 
 def exit_on_sigterm() -> None:
-    """SIGTERM (`timeout`, a closing terminal) unwinds like Ctrl-C: every started stack is stopped by PID."""
+    """SIGTERM (`timeout`, a closing terminal) unwinds like Ctrl-C: every started stack is stopped by PID. Only the
+    first: one more (`timeout` sends its signal twice) must not cut the stacks' stop short."""
+    got = []
 
     def handler(signum: int, frame) -> None:
-        raise SystemExit(128 + signum)
+        if not got:
+            got.append(signum)
+            raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, handler)
 

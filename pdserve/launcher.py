@@ -245,13 +245,36 @@ def router_env(a: argparse.Namespace) -> dict[str, str]:
     return env
 
 
+def stop_on_signals() -> list:
+    """SIGTERM and SIGINT (even where the shell that started us ignores it: a background job) raise KeyboardInterrupt
+    once: the first stops the stack, and any after it is ignored, so that it cannot cut the stop short (`timeout`
+    sends its signal to us and then to our process group; a second Ctrl-C). Returns the flag: append to it, and
+    every signal from then on is ignored."""
+    stopping: list = []
+
+    def on_signal(*_):
+        if not stopping:
+            stopping.append(True)
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    return stopping
+
+
 def launch(a: argparse.Namespace) -> int:
     preflight(a)
     procs: list[subprocess.Popen] = []
     roles: dict[int, str] = {}  # pid -> what it runs, for messages
 
+    stopping = []
+
     def on_signal(*_):
-        raise KeyboardInterrupt
+        if (
+            not stopping
+        ):  # the first stops the stack; one more (`timeout` sends its signal twice) must not cut that short
+            stopping.append(True)
+            raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)  # even where the shell that started us ignores it (a background job)
@@ -290,6 +313,5 @@ def launch(a: argparse.Namespace) -> int:
             print(f"pdserve: {e}", file=sys.stderr, flush=True)
             return 1
         finally:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown short
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            stopping.append(True)  # from here on, every signal is ignored
             stop_all(procs, a.drain_timeout_s)

@@ -45,7 +45,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pdserve.flags import engine_argv, router_command, router_options
-from pdserve.launcher import _wait_http, check_stack, router_env, start_child, stop_all
+from pdserve.launcher import _wait_http, check_stack, router_env, start_child, stop_all, stop_on_signals
 from pdserve.process import die_with_parent
 from pdserve.router.membership import RAY_NAMESPACE, controller_name
 from pdserve.startup import READY_TIMEOUT_S
@@ -368,11 +368,7 @@ def launch_on_ray(a: argparse.Namespace) -> int:
     check_stack(a, {Role.PREFILL: node_device(a), Role.DECODE: node_device(a)})  # the devices: on the nodes' hosts
     a = with_absolute_paths(a)
 
-    def on_signal(*_):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stopping = stop_on_signals()
     procs: list[subprocess.Popen] = []
     controller = None
     try:
@@ -399,8 +395,7 @@ def launch_on_ray(a: argparse.Namespace) -> int:
         print(f"pdserve: {e}", file=sys.stderr, flush=True)
         return 1
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        stopping.append(True)  # from here on, every signal is ignored
         stop_all(procs, a.drain_timeout_s)
         if controller is not None:
             stop_nodes(controller, a.drain_timeout_s + 2 * DRAIN_MARGIN_S)

@@ -681,7 +681,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds: the running stages and the stacks stop
+    signal.signal(signal.SIGTERM, exit_once())  # unwinds: the running stages and the stacks stop
     run = Run(a.device, not a.device.startswith("cuda"), a.work.resolve())
     window = a.window or (CPU_WINDOW_S if run.tiny else GPU_WINDOW_S)
     concurrent = not run.tiny if a.concurrent is None else a.concurrent
@@ -724,6 +724,19 @@ def main(argv: list[str] | None = None) -> int:
     passed = all(r["status"] == "passed" for r in report["stages"] if r["name"] in ran)
     memory = report.get("device_memory", {}).get("pass", True)
     return 0 if passed and memory and all(j["pass"] for j in kit.stacks.stops.values()) else 1
+
+
+def exit_once():
+    """A SIGTERM handler: the first exits (143), unwinding; one more (`timeout` sends its signal twice) is ignored, so
+    that it cannot cut short the stop of the stages and stacks."""
+    got = []
+
+    def handler(*_) -> None:
+        if not got:
+            got.append(True)
+            sys.exit(143)
+
+    return handler
 
 
 @dataclass

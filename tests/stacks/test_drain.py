@@ -239,3 +239,27 @@ def test_a_router_stopped_before_a_node_answered_its_hello_still_says_it_has_gon
     finally:
         ctx.destroy(linger=0)
     assert isinstance(hello, Hello) and bye == Pending([]) and bye_from == hello_from
+
+
+def test_pdserve_up_stopped_by_two_signals_at_once_still_stops_every_child_cleanly():
+    """`timeout` sends its signal to the launcher and then to its process group, so the launcher gets it twice; a
+    SIGTERM and a SIGINT sent back to back are handled one after the other, the second while the first unwinds. The
+    second must not cut the stop short: exit 0, no traceback, every child gone."""
+    port = free_port()
+    argv = [sys.executable, "-m", "pdserve", "--log-level", "WARNING", "up", "--model", "tiny"]
+    argv += ["--mode", "colocated", "--port", str(port), "--no-pin"]
+    up = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy())
+    try:
+        assert "is serving" in up.stdout.readline()
+        children = _children(up.pid)
+        assert len(children) == 2, children
+        up.send_signal(signal.SIGTERM)
+        up.send_signal(signal.SIGINT)
+        _, err = up.communicate(timeout=HANG_S)
+        assert up.returncode == 0 and "Traceback" not in err, err[-3000:]
+        assert "pdserve: stopping" in err
+        assert not [c for c in children if Path(f"/proc/{c}").exists() and _alive(c)], "children left running"
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
