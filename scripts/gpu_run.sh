@@ -13,7 +13,7 @@
 # 2. imports every dependency pyproject.toml lists (runtime, gpu, bench): a missing or too old
 #    one stops the run here, within seconds, naming it;
 # 3. scripts/kit.py: the stages (smoke, gpu_check's stacks, bench.gpu's systems, and those this tree holds of the
-#    profile, fault, KV-copy, attention and cost stages) in order of value, each under its own budget, within
+#    start-up, profile, fault, KV-copy, attention and cost stages) in order of value, each under its own budget, within
 #    GPU_KIT_WINDOW_S seconds (300 on a GPU, steps 1 and 2 included: the kit gets what is left; 1500 in CPU mode,
 #    where every stage runs on tiny sizes, one after another); on a GPU the checks run at once, then the
 #    measurements one at a time, then the stages the window left out that fit the time left;

@@ -231,6 +231,28 @@ def attention(run: Run, budget: float) -> list[str]:
     return [PY, "-m", "bench.attention", "--device", run.device, "--json", str(run.json("attention"))]
 
 
+def startup(run: Run, budget: float) -> list[str]:
+    """`pdserve up` (disaggregated, both nodes on the device) from launch to its ready line and first completion,
+    timed once, with each process's start stages. Its Triton kernels come from a copy of the cache the kit's
+    disaggregated stack compiled (the same model and mode) where that stack ran; else an untimed start compiles
+    them first."""
+    on = [] if run.tiny else ["--device", run.device, "--dtype", "bfloat16", "--kv-cache-gb", "4"]
+    warm = ["--triton-cache-from", str(run.work / "triton-cache" / "bench-disagg")]
+    return [
+        PY,
+        "-m",
+        "bench.startup",
+        "--model",
+        run.model,
+        "--runs",
+        "1",
+        *on,
+        *warm,
+        "--json",
+        str(run.json("startup")),
+    ]
+
+
 def profile(run: Run, budget: float) -> list[str]:
     return [PY, "-m", "bench.profile", "--device", run.device, "--model", run.model, "--out", str(run.json("profile"))]
 
@@ -281,6 +303,7 @@ STAGES: tuple[Stage, ...] = (  # name, GPU budget s, CPU budget s, value, comman
     # the measurements: one at a time, alone on the GPU
     Stage("bench-colocated", 20, 90, 85, bench("colocated", 256, 128, (3, 3)), stack="bench-colocated"),
     Stage("bench-disagg", 20, 90, 80, bench("disagg", 256, 128, (3, 3)), stack="bench-disagg"),
+    Stage("startup", 20, 60, 78, startup, has_module("bench.startup", "start_stages")),
     Stage("profile", 30, 60, 75, profile, has_module("bench.profile")),
     Stage("kv-shared-copy", 15, 60, 65, kv_shared_copy, has_module("bench.kv_bandwidth", "--shared-copy")),
     Stage(

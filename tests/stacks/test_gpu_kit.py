@@ -226,6 +226,10 @@ def test_gpu_run_cpu_mode_passes_in_the_box_venv(box, site, tmp_path):
     assert kv["transfers"] >= 4 and kv["transfers"] + kv["local_prefills"] == kv["requests"] > 4
     assert status["faults"] == "passed", status
     assert_faults_checked(tmp_path / "work")
+    start = json.loads((tmp_path / "work" / "stages" / "startup.json").read_text())  # a start, stage by stage
+    assert start["first_completion_s"] >= start["serving_s"] > 0 and not start["warm_up"]  # the stack's cache copied
+    stages = start["runs"]["this"][0]["stages"]
+    assert stages["up"]["ready_after_launch_s"] > 0 and {"prefill", "decode", "router"} <= set(stages), stages
     profile = json.loads((tmp_path / "work" / "stages" / "profile.json").read_text())
     assert list(profile["steps"]) == ["decode-4", "decode-8", "chunk-64"]
     assert [profile["steps"][k]["record"]["decode_tokens"] for k in ("decode-4", "decode-8")] == [4, 8]
