@@ -716,6 +716,8 @@ def main(argv: list[str] | None = None) -> int:
     for d in (a.out, run.work / "logs", run.work / "stages"):
         d.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))}
+    if run.tiny:  # the Triton kernels of the attention stage and of bench.gpu's kernel count: by Triton's interpreter
+        env.setdefault("TRITON_INTERPRET", "1")
     planned_s = plan_seconds(chosen, run, concurrent)
     report = {"device": a.device, "window_s": window, "planned_s": planned_s, "concurrent": concurrent, "stages": []}
     print(f"kit: {len(chosen)} stages, {planned_s:.0f} s of a {window:.0f} s window", flush=True)

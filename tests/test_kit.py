@@ -420,3 +420,15 @@ def test_a_starting_stage_starts_at_once_the_stacks_a_stage_will_run_on(tmp_path
     monkeypatch.setattr(stacks, "get", meet)
     r = kit.run_stage(starter, run, {}, stacks, time.monotonic(), 30)
     assert r["status"] == "passed" and r["started"] == ["S", "T"] and set(stacks.open) == {"S", "T"}
+
+
+def test_cpu_mode_runs_its_stages_with_tritons_interpreter(tmp_path, monkeypatch):
+    """The attention stage and bench.gpu's kernel count need TRITON_INTERPRET=1 on the CPU: the kit sets it there."""
+    kit = load()
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(kit.signal, "signal", lambda *_: None)
+    seen = tmp_path / "seen"
+    code = f"import os, pathlib; pathlib.Path({str(seen)!r}).write_text(os.environ.get('TRITON_INTERPRET', 'unset'))"
+    monkeypatch.setattr(kit, "STAGES", stages(kit, {"a": code}, {"a": 30}, {"a": 1}))
+    assert kit.main(["--device", "cpu", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")]) == 0
+    assert seen.read_text() == "1"
