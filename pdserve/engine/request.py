@@ -15,16 +15,16 @@ Which tokens the host knows: `output_token_ids` holds the sampled tokens the hos
 when a step is scheduled; the next step reads such a token from the device as its input). `num_tokens`
 counts both; `token_ids` gives known tokens only.
 
-While a request runs, its `num_computed_tokens` and `num_pending` live in its row of the persistent batch
-(engine/rows.py, `row`), where the scheduler and the engine count them for every running request at once; the
-request reads and writes them there, and takes them back when it leaves its row.
+While a request runs, its row of the persistent batch (engine/rows.py) owns its `num_computed_tokens` and
+`num_pending`, so that the scheduler and the engine count them for every running request at once; `RowCounter`
+says who owns them when.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 from pdserve.wire.params import SamplingParams
 
@@ -54,21 +54,65 @@ class IllegalTransition(RuntimeError):
     pass
 
 
+class RowCounter:
+    """A request's counter that its row of the persistent batch (engine/rows.py) owns while the request runs.
+
+    Who owns the value, and when:
+    - the request holds no row (waiting, receiving KV, transferring, ended): the request, in `_<name>`;
+    - from `enter_row` (`BatchRows.add`, at admission) to `leave_row` (`BatchRows.remove`): the BatchRows array
+      of the same name, at the request's row. There the scheduler (`_steady`, `count`) and the engine (`launch`,
+      `finish`) count every running request's value at once, vectorised, without touching the request.
+    The attribute reads and writes whichever owns it, so code that looks at one request (`_one_by_one`,
+    `take_token`, a test) sees the current value; the value moves only in `enter_row` and `leave_row`.
+    On the class it reads `default`, which the dataclass takes as the field's default.
+    """
+
+    def __init__(self, default: int = 0) -> None:
+        self.default = default
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name, self.own = name, "_" + name
+
+    def __get__(self, req: Request | None, owner: type | None = None) -> int:
+        if req is None:
+            return self.default
+        at = req.row
+        return req.__dict__[self.own] if at is None else int(getattr(at[0], self.name)[at[1]])
+
+    def __set__(self, req: Request, value: int) -> None:
+        at = req.row
+        if at is None:
+            req.__dict__[self.own] = value
+        else:
+            getattr(at[0], self.name)[at[1]] = value
+
+
 @dataclass(eq=False)
 class Request:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
+    num_computed_tokens: int = RowCounter()  # tokens whose KV is computed or being computed by a launched step
     block_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     prompt_logprobs: list = field(default_factory=list)  # echo: the scores of prompt tokens 1.. so far
     guide: Any = None  # a guided request's grammar state (engine.grammar.Guide), built when it joins an engine
     block_hashes: list[int] = field(default_factory=list)  # names of its first full blocks of tokens, so far
     num_cached_blocks: int = 0  # its first blocks that are in the prefix cache (shared from it, or named by it)
-    num_pending: int = 0  # tokens sampled by launched steps whose ids the host has not learned yet
-    row: ClassVar[tuple[Any, int] | None] = None  # (BatchRows, its row) while it holds one: set by BatchRows
+    num_pending: int = RowCounter()  # tokens sampled by launched steps whose ids the host has not learned yet
+    row: tuple[Any, int] | None = field(default=None, init=False, repr=False)  # (BatchRows, its row) while it runs
+
+    def enter_row(self, rows: Any, row: int) -> None:
+        """It takes row `row` of the BatchRows `rows` (`BatchRows.add`): its counters (`RowCounter`) move there."""
+        rows.num_computed_tokens[row], rows.num_pending[row] = self.num_computed_tokens, self.num_pending
+        self.row = (rows, row)
+
+    def leave_row(self) -> None:
+        """It leaves its row (`BatchRows.remove`): its counters move back to it."""
+        computed, pending = self.num_computed_tokens, self.num_pending
+        self.row = None
+        self.num_computed_tokens, self.num_pending = computed, pending
 
     def prompt_logprob_positions(self, past: int, n: int) -> range:
         """The positions of a chunk [past, past + n) whose logits score a prompt token not scored yet (position p
@@ -115,25 +159,3 @@ class Request:
         if status not in _LEGAL[self.status]:
             raise IllegalTransition(f"request {self.request_id}: {self.status.value} -> {status.value}")
         self.status = status
-
-
-def _row_backed(name: str) -> property:
-    """A counter kept in the request's row (the BatchRows array of the same name) while it holds one, else here."""
-    own = "_" + name
-
-    def get(req: Request) -> int:
-        at = req.row
-        return getattr(req, own) if at is None else int(getattr(at[0], name)[at[1]])
-
-    def put(req: Request, value: int) -> None:
-        at = req.row
-        if at is None:
-            setattr(req, own, value)
-        else:
-            getattr(at[0], name)[at[1]] = value
-
-    return property(get, put, doc=f"{name}: in the request's row while it holds one (engine/rows.py)")
-
-
-Request.num_computed_tokens = _row_backed("num_computed_tokens")  # the dataclass's __init__ sets them through these
-Request.num_pending = _row_backed("num_pending")

@@ -10,8 +10,9 @@ What a row holds, one entry per array, indexed by the row:
 - `last[row]`: its last token the host knows (a decode step's input; a pending one comes from the device);
 - `prompt_len[row]`: its prompt's length (which of a step's rows decode);
 - `cached[row]`: its first blocks in the prefix cache (which rows may have filled a block to name);
-- `num_computed_tokens[row]`, `num_pending[row]`: its counters (engine/request.py), kept here while it runs, so
-  that a step counts them for every row at once;
+- `num_computed_tokens[row]`, `num_pending[row]`: its counters, owned by the row while the request runs (they
+  move in at `add` and back out at `remove`: `RowCounter` in engine/request.py), so that a step counts them for
+  every row at once;
 - `owner[row]`: a number that changes whenever the row changes hands, so that a step's tokens, taken in
   after the request that sampled them left, never land in the row of the request that took its place;
 - its sampling parameters, written once when it takes the row (the sampler gathers a step's from them,
@@ -97,8 +98,7 @@ class BatchRows:
         if not self._free:
             raise RuntimeError(f"every one of the {self.capacity} rows is held")
         row = self._free.pop()
-        self.num_computed_tokens[row], self.num_pending[row] = req.num_computed_tokens, req.num_pending
-        req.row = (self, row)  # its counters live here from now on
+        req.enter_row(self, row)  # its row owns its counters from now on
         self.row_of[req] = row
         if req.params.prompt_logprobs is not None:
             self.scoring.add(req)
@@ -131,8 +131,7 @@ class BatchRows:
         row = self.row_of.pop(req, None)
         if row is None:
             return
-        req.row = None  # its counters go back to it
-        req.num_computed_tokens, req.num_pending = int(self.num_computed_tokens[row]), int(self.num_pending[row])
+        req.leave_row()  # its counters go back to it
         self.scoring.discard(req)
         self.table[row, : self.num_blocks[row]] = 0
         self.num_blocks[row] = 0

@@ -42,6 +42,24 @@ def test_rows_add_grow_remove_and_tokens():
     assert rows.last[ra] == 11 and rows.last[rb] == 42  # c keeps its own last token; b learns its token
 
 
+def test_a_row_owns_its_requests_counters_while_it_runs():
+    """`num_computed_tokens` and `num_pending` move into the row at add (the row's arrays are then the ones counted,
+    and the request reads and writes them there) and back to the request at remove."""
+    rows, req = BatchRows(2), request("a", 5)
+    req.num_computed_tokens, req.num_pending = 3, 0
+    row = rows.add(req)
+    assert req.row == (rows, row) and (rows.num_computed_tokens[row], rows.num_pending[row]) == (3, 0)
+    rows.num_computed_tokens[row] += 2  # a step counted over the rows
+    rows.num_pending[row] += 1
+    assert (req.num_computed_tokens, req.num_pending) == (5, 1)
+    req.num_pending -= 1  # a write through the request lands in the row
+    assert rows.num_pending[row] == 0
+    rows.remove(req)
+    rows.num_computed_tokens[row] = 99  # the row's next owner, say
+    assert req.row is None and (req.num_computed_tokens, req.num_pending) == (5, 0)
+    assert type(req.num_computed_tokens) is int
+
+
 def test_a_steady_step_writes_no_row():
     """Requests decoding within their blocks: the scheduler writes no row; one crossing into a new block writes its
     row once; one that ends frees its row; a new one takes a row at admission."""
