@@ -3,6 +3,7 @@
     python scripts/kit.py --device cuda:0 --out OUT              # the default plan: the stages that fit 300 s
     python scripts/kit.py --device cuda:0 --stages smoke bench-colocated --window 200
     python scripts/kit.py --device cpu --out OUT                 # CPU mode: every stage, tiny sizes
+    python scripts/kit.py --device cuda:0 --plan-only            # the GPU plan, printed on any host; nothing runs
 
 1. The plan: the stages named (`--stages`); by default on a GPU, the stages of this tree in order of value
    while the plan's time fits the window; in CPU mode, every stage. The plan's time (`plan_seconds`): on a GPU,
@@ -686,6 +687,25 @@ def stop_lines(report: dict) -> list[str]:
     return lines
 
 
+def plan_text(chosen: list[Stage], left: dict, run: Run, window: float, concurrent: bool) -> str:
+    """The plan as `--plan-only` prints it: each planned stage's time and where it runs, then the stages left out."""
+    by = starters(chosen)
+    lane_of = {s.name: i + 1 for i, lane in enumerate(lanes(chosen, run)) for s in lane} if concurrent else {}
+    total = plan_seconds(chosen, run, concurrent)
+    lines = [f"kit plan on {run.device}: {len(chosen)} stages, {total:.0f} s of a {window:.0f} s window", ""]
+    lines += ["| stage | value | time s | runs |", "|---|---|---|---|"]
+    for s in chosen:
+        where = f"with the checks, lane {lane_of[s.name]}" if s.name in lane_of else "alone, in order of value"
+        starts = [n for n, b in by.items() if b == s.name]
+        where += f"; starts {', '.join(starts)}" if starts else ""
+        lines.append(f"| {s.name} | {s.value} | {seconds(s, run, by):.0f} | {where} |")
+    for name, why in left.items():
+        stage = next(t for t in STAGES if t.name == name)
+        then = ": runs after the plan if its time fits what is left" if why == "not in plan (window)" else ""
+        lines.append(f"| {name} | {stage.value} | {seconds(stage, run, {}):.0f} | {why}{then} |")
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda:0", help="cuda:N, or cpu: CPU mode (tiny sizes, shm for cuda_ipc)")
@@ -696,6 +716,11 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="run the checks (Stage.concurrent) at once, before the measurements (default: on a GPU, not on the CPU)",
+    )
+    p.add_argument(
+        "--plan-only",
+        action="store_true",
+        help="print the plan (each stage's time, where it runs, what is left out and why), run nothing; needs no GPU",
     )
     p.add_argument("--out", type=Path, default=Path("kit-out"), help="kit.md and kit.json go here")
     p.add_argument("--work", type=Path, default=Path("kit-work"), help="each stage's log and JSON go here")
@@ -713,6 +738,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"kit: {e}")
         return 2
+    print(plan_text(chosen, left, run, window, concurrent), flush=True)
+    if a.plan_only:
+        return 0
     for d in (a.out, run.work / "logs", run.work / "stages"):
         d.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))}
@@ -720,7 +748,6 @@ def main(argv: list[str] | None = None) -> int:
         env.setdefault("TRITON_INTERPRET", "1")
     planned_s = plan_seconds(chosen, run, concurrent)
     report = {"device": a.device, "window_s": window, "planned_s": planned_s, "concurrent": concurrent, "stages": []}
-    print(f"kit: {len(chosen)} stages, {planned_s:.0f} s of a {window:.0f} s window", flush=True)
     STOPPING.clear()
     spare = [s for s in sorted(STAGES, key=lambda s: -s.value) if left.get(s.name) == "not in plan (window)"]
     kit = Kit(run, env, Stacks(run, chosen + spare), report, a.out, left, starters(chosen), window)

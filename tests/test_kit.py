@@ -432,3 +432,18 @@ def test_cpu_mode_runs_its_stages_with_tritons_interpreter(tmp_path, monkeypatch
     monkeypatch.setattr(kit, "STAGES", stages(kit, {"a": code}, {"a": 30}, {"a": 1}))
     assert kit.main(["--device", "cpu", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")]) == 0
     assert seen.read_text() == "1"
+
+
+def test_the_gpu_plan_is_printed_without_a_gpu_and_nothing_runs(tmp_path, capsys):
+    kit = load()
+    out = tmp_path / "out"
+    argv = ["--device", "cuda:0", "--window", "284", "--plan-only", "--out", str(out), "--work", str(tmp_path / "w")]
+    assert kit.main(argv) == 0
+    text = capsys.readouterr().out
+    chosen, left = kit.plan(kit.STAGES, kit.Run("cuda:0", False, tmp_path), 284, None, True)
+    total = kit.plan_seconds(chosen, kit.Run("cuda:0", False, tmp_path), True)
+    assert text.startswith(f"kit plan on cuda:0: {len(chosen)} stages, {total:.0f} s of a 284 s window")
+    assert all(f"| {s.name} | {s.value} |" in text for s in kit.STAGES)  # every stage: planned, or why not
+    assert text.count("runs after the plan if its time fits") == len(left) > 0
+    assert "| bench-stacks | 87 | 30 | with the checks, lane 4; starts bench-colocated, bench-disagg |" in text
+    assert not out.exists()
