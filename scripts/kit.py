@@ -563,13 +563,11 @@ def run_stage(stage: Stage, run: Run, env: dict, stacks: Stacks, t0: float, budg
     if stage.starts:
         names = [n for n in stage.starts if stacks.users[n] > 0]
         errors = stacks.start_all(names, budget)
-        status = "passed" if not errors else "failed"
-        return (
-            r
-            | ended(start, t0)
-            | {"status": status, "started": [n for n in names if n not in errors]}
-            | ({"error": "; ".join(f"stack {n}: {e}" for n, e in errors.items())} if errors else {})
-        )
+        r |= ended(start, t0) | {"status": "failed" if errors else "passed"}
+        r["started"] = [n for n in names if n not in errors]
+        if errors:
+            r["error"] = "; ".join(f"stack {n}: {e}" for n, e in errors.items())
+        return r
     shared = []
     if stage.stack:
         name = stage.stack.format(ipc=run.ipc)
