@@ -122,7 +122,8 @@ def plan(costs: Costs, slo: SLO, workload: str, gpus: int, base: Topology, n: in
 
 
 def table(results: Sequence[list[Row]]) -> str:
-    """A Markdown table: per N, the best split's goodput a GPU against the colocated replicas', and the answer."""
+    """A Markdown table: per N, the best split's goodput a GPU against the colocated replicas', and the answer (a
+    goodput of 0: the SLOs missed even at a trickle)."""
     lines = [
         "| GPUs | best split | goodput/GPU (req/s) | colocated goodput/GPU | disaggregate? | next splits |",
         "|---|---|---|---|---|---|",
@@ -131,8 +132,11 @@ def table(results: Sequence[list[Row]]) -> str:
         colo = next(r for r in rows if r.name.endswith("colocated"))
         splits = [r for r in rows if r is not colo]
         best = splits[0]
-        ratio = best.goodput_rps / colo.goodput_rps if colo.goodput_rps else math.inf
-        answer = f"yes, {ratio:.2f}x" if ratio > 1 else f"no ({ratio:.2f}x)"
+        if colo.goodput_rps:
+            ratio = best.goodput_rps / colo.goodput_rps
+            answer = f"yes, {ratio:.2f}x" if ratio > 1 else f"no ({ratio:.2f}x)"
+        else:  # the replicas miss the SLOs even at a trickle: no ratio to give
+            answer = "yes (colocated: 0)" if best.goodput_rps else "none meets the SLOs"
         rest = ", ".join(f"{r.name} {r.per_gpu:.2f}" for r in splits[1:4])
         lines.append(f"| {best.gpus} | {best.name} | {best.per_gpu:.2f} | {colo.per_gpu:.2f} | {answer} | {rest} |")
     return "\n".join(lines)

@@ -10,7 +10,7 @@ import pytest
 from pdserve.cli import main
 from pdserve.config import PLAN_WORKLOADS
 from pdserve.plan.costs import Costs, fit_link
-from pdserve.plan.plan import SLO, WORKLOADS, goodput, make_requests, plan
+from pdserve.plan.plan import SLO, WORKLOADS, Row, goodput, make_requests, plan, table
 from pdserve.plan.sim import Arrival, Topology, simulate
 
 # prefill: 1 ms a token; decode: 10 ms a step; KV: 10 bytes a token over 1000 bytes/s (10 ms a token)
@@ -75,6 +75,18 @@ def test_plan_ranks_every_split_and_the_colocated_replicas() -> None:
     rows = plan(replace(COSTS, kv_bytes_per_token=0), SLO(2.0, 0.05), "chat", 3, Topology(), 20)
     assert sorted(r.name for r in rows) == ["1P2D", "2P1D", "3 colocated"]
     assert [r.goodput_rps for r in rows] == sorted((r.goodput_rps for r in rows), reverse=True)
+
+
+def test_the_table_gives_no_ratio_when_the_replicas_meet_nothing() -> None:
+    """A colocated goodput of 0 is no infinite speed-up: the answer says which side meets the SLOs."""
+
+    def rows(split: float, colocated: float) -> list[Row]:
+        return sorted([Row(2, "1P1D", split), Row(2, "2 colocated", colocated)], key=lambda r: -r.goodput_rps)
+
+    lines = table([rows(0.0, 0.0), rows(1.0, 0.0), rows(3.0, 2.0), rows(1.0, 2.0)]).splitlines()[2:]
+    answers = [line.split(" | ")[4] for line in lines]
+    assert answers == ["none meets the SLOs", "yes (colocated: 0)", "yes, 1.50x", "no (0.50x)"]
+    assert "inf" not in "\n".join(lines)
 
 
 @pytest.fixture
