@@ -32,7 +32,8 @@ A request's life here (the engine owns the request, its queue and its blocks; th
    is done (its blocks are not given to another request before). Counters: kv_copies, kv_copies_overlapped (copies
    that ran while a step did); and the hand-off in parts as histograms (Stats.histograms, observed once the request
    has decoded here): handoff_wait (offer taken → copy started), handoff_copy, handoff_check (the checks of what
-   landed), handoff_join (checked → the end of the request's first step here).
+   landed), handoff_join (checked → the end of the request's first step here), and handoff_join in parts
+   (JOIN_PARTS: handoff_admit, handoff_queue, handoff_step, handoff_out).
 4. WAITING with its KV in place (num_computed_tokens = prompt length, the first token as output),
    the router told so (an event without tokens), admitted at the next iteration; RUNNING: one token
    an iteration, streamed to the router.
