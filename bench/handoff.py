@@ -37,6 +37,10 @@ PARTS = (
     ("pdserve:node_handoff_copy_seconds", "the copy"),
     ("pdserve:node_handoff_check_seconds", "checks of what landed"),
     ("pdserve:node_handoff_join_seconds", "copy done and checked → first decode step"),
+    ("pdserve:node_handoff_admit_seconds", "  of which: checked → admitted (marked landed)"),
+    ("pdserve:node_handoff_queue_seconds", "  of which: admitted → its first step launched"),
+    ("pdserve:node_handoff_step_seconds", "  of which: that step's launch (its computation)"),
+    ("pdserve:node_handoff_out_seconds", "  of which: launch end → its token out"),
 )
 
 

@@ -92,6 +92,7 @@ class Copy:
     started: float = 0.0
     copied: float = 0.0  # the blocks are in (on a GPU: the copy's event has completed)
     done: float = 0.0  # and checked
+    landed: float = 0.0  # (set by the node: when its loop marked the KV landed, the request admitted)
     checksums: list[int] = field(default_factory=list)
     error: Exception | None = None
 

@@ -32,7 +32,8 @@ A request's life here (the engine owns the request, its queue and its blocks; th
    is done (its blocks are not given to another request before). Counters: kv_copies, kv_copies_overlapped (copies
    that ran while a step did); and the hand-off in parts as histograms (Stats.histograms, observed once the request
    has decoded here): handoff_wait (offer taken → copy started), handoff_copy, handoff_check (the checks of what
-   landed), handoff_join (checked → the end of the request's first step here).
+   landed), handoff_join (checked → the end of the request's first step here), and handoff_join in parts
+   (JOIN_PARTS: handoff_admit, handoff_queue, handoff_step, handoff_out).
 4. WAITING with its KV in place (num_computed_tokens = prompt length, the first token as output),
    the router told so (an event without tokens), admitted at the next iteration; RUNNING: one token
    an iteration, streamed to the router.
@@ -82,6 +83,9 @@ KEEP_COPIES = 64
 HANDOFF_COUNTERS = ("kv_copies", "kv_copies_overlapped")
 # the hand-off's parts on this node, histograms by name (seconds)
 HANDOFF_PARTS = ("handoff_wait", "handoff_copy", "handoff_check", "handoff_join")
+# handoff_join in parts: checked → marked landed (admitted) between two steps, → its first step's launch, → that
+# launch's end (on the CPU the step's computation), → its token taken from the step's outputs
+JOIN_PARTS = ("handoff_admit", "handoff_queue", "handoff_step", "handoff_out")
 HANDOFF_BOUNDS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
 
 
@@ -107,7 +111,7 @@ class DecodeNode(NodeBase):
             kv_offers=0, kv_received=0, kv_refused=0, kv_bad=0, kv_recomputed=0, local_prefill_requests=0
         )
         self.counters.update(dict.fromkeys(HANDOFF_COUNTERS, 0))
-        self.handoff = {name: Buckets(HANDOFF_BOUNDS) for name in HANDOFF_PARTS}
+        self.handoff = {name: Buckets(HANDOFF_BOUNDS) for name in HANDOFF_PARTS + JOIN_PARTS}
         self.copier = BlockCopier(self.ctx, cfg.engine.device)
         # an engine whose launch returns before the step is computed (a GPU's) copies beside its steps; one that
         # computes the step in launch (the CPU's, on the node's one core) would only share that core with the copy,
@@ -359,7 +363,7 @@ class DecodeNode(NodeBase):
             return
         del self.incoming[copy.key]
         self.counters["kv_received"] += 1
-        copy.offered = inc.offered_at
+        copy.offered, copy.landed = inc.offered_at, time.perf_counter()
         self.joining[copy.key] = copy
         self._let_prefill_go(inc, KvAck(copy.key, True, first_block=inc.first_block))  # the copy is done
 
@@ -384,6 +388,11 @@ class DecodeNode(NodeBase):
         )
         for name, seconds in zip(HANDOFF_PARTS, parts, strict=True):
             self.handoff[name].observe(seconds)
+        launch = next(((s, e) for s, e in self.launches if s >= copy.landed and e <= first_step), None)
+        if launch is not None:  # the first launch after it was admitted: the step that ran it
+            joined = (copy.landed - copy.done, launch[0] - copy.landed, launch[1] - launch[0], first_step - launch[1])
+            for name, seconds in zip(JOIN_PARTS, joined, strict=True):
+                self.handoff[name].observe(seconds)
 
     def histograms(self) -> dict:
         return {name: b.to_wire() for name, b in self.handoff.items()}

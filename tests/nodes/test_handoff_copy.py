@@ -18,7 +18,7 @@ from pdserve.engine.request import Status
 from pdserve.kv.layout import KVLayout
 from pdserve.kv.pool import KVPool, kv_checksums
 from pdserve.kv.transfer import ShmBackend
-from pdserve.nodes.decode import DecodeNode
+from pdserve.nodes.decode import JOIN_PARTS, DecodeNode
 from pdserve.nodes.prefill import PrefillNode
 from pdserve.router.metrics import NodeCollector
 from pdserve.wire.messages import Generate, KvAck, KvOffer
@@ -151,6 +151,11 @@ def test_on_the_cpu_a_copy_lands_before_the_next_step_and_its_request_joins_it(n
     assert decode.handoff["handoff_join"].count == 0
     decode.loop_once()
     assert decode.handoff["handoff_join"].count == 1  # decoded in the next step
+    # the join in parts, from the step that ran it: admitted, then that step's launch, then its token out
+    assert all(decode.handoff[name].count == 1 for name in JOIN_PARTS), {n: decode.handoff[n].count for n in JOIN_PARTS}
+    copy = decode.copies[-1]
+    start, end = next((s, e) for s, e in decode.launches if s >= copy.landed)
+    assert copy.done <= copy.landed <= start <= end
     assert decode.engine.requests["r1"].status is Status.RUNNING
 
 
