@@ -74,6 +74,7 @@ from bench.metrics import SLO
 from bench.run_bench import environment, run_workload, warm_up
 from bench.workloads import Workload, fixed_lengths, make_workload
 from pdserve.engine.scheduler import GROUP_COUNTS, GROUP_KEYS
+from pdserve.process import unwind_once
 
 SYSTEMS = ("colocated", "disagg", "hf_cb", "static")
 
@@ -897,22 +898,10 @@ def prepare(cfg: GpuBenchConfig) -> tuple[Path, list[tuple[GpuBenchConfig, Workl
     return path, runs, run
 
 
-def exit_on_sigterm() -> None:
-    """SIGTERM (`timeout`, a closing terminal) unwinds like Ctrl-C: every started stack is stopped by PID. Only the
-    first: one more (`timeout` sends its signal twice) must not cut the stacks' stop short."""
-    got = []
-
-    def handler(signum: int, frame) -> None:
-        if not got:
-            got.append(signum)
-            raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, handler)
-
-
 def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
-    exit_on_sigterm()
+    # SIGTERM (`timeout`, a closing terminal) unwinds like Ctrl-C: every started stack is stopped by PID
+    unwind_once(signal.SIGTERM, exit_code=True)
     try:
         cfg = parse_args(argv)
     except ValueError as e:

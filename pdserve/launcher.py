@@ -33,7 +33,7 @@ from pathlib import Path
 from pdserve.checkpoint import resolve_model
 from pdserve.config import DEVICE, EngineConfig, NodeConfig, RouterConfig
 from pdserve.flags import engine_argv, from_args, router_command, router_options
-from pdserve.process import die_with_parent
+from pdserve.process import die_with_parent, unwind_once
 from pdserve.startup import READY_TIMEOUT_S, check_checkpoint, check_device, check_port_free
 from pdserve.wire.params import KvTransport, Role
 
@@ -245,39 +245,13 @@ def router_env(a: argparse.Namespace) -> dict[str, str]:
     return env
 
 
-def stop_on_signals() -> list:
-    """SIGTERM and SIGINT (even where the shell that started us ignores it: a background job) raise KeyboardInterrupt
-    once: the first stops the stack, and any after it is ignored, so that it cannot cut the stop short (`timeout`
-    sends its signal to us and then to our process group; a second Ctrl-C). Returns the flag: append to it, and
-    every signal from then on is ignored."""
-    stopping: list = []
-
-    def on_signal(*_):
-        if not stopping:
-            stopping.append(True)
-            raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    return stopping
-
-
 def launch(a: argparse.Namespace) -> int:
     preflight(a)
     procs: list[subprocess.Popen] = []
     roles: dict[int, str] = {}  # pid -> what it runs, for messages
 
-    stopping = []
-
-    def on_signal(*_):
-        if (
-            not stopping
-        ):  # the first stops the stack; one more (`timeout` sends its signal twice) must not cut that short
-            stopping.append(True)
-            raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)  # even where the shell that started us ignores it (a background job)
+    # the first SIGTERM or SIGINT (even where the shell that started us ignores it: a background job) stops the stack
+    stopping = unwind_once(signal.SIGTERM, signal.SIGINT)
     with tempfile.TemporaryDirectory(prefix="pdserve-up-") as tmp:
         try:
             started = time.monotonic()

@@ -45,8 +45,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pdserve.flags import engine_argv, router_command, router_options
-from pdserve.launcher import _wait_http, check_stack, router_env, start_child, stop_all, stop_on_signals
-from pdserve.process import die_with_parent
+from pdserve.launcher import _wait_http, check_stack, router_env, start_child, stop_all
+from pdserve.process import die_with_parent, unwind_once
 from pdserve.router.membership import RAY_NAMESPACE, controller_name
 from pdserve.startup import READY_TIMEOUT_S
 from pdserve.wire.params import KvTransport, Role
@@ -368,7 +368,7 @@ def launch_on_ray(a: argparse.Namespace) -> int:
     check_stack(a, {Role.PREFILL: node_device(a), Role.DECODE: node_device(a)})  # the devices: on the nodes' hosts
     a = with_absolute_paths(a)
 
-    stopping = stop_on_signals()
+    stopping = unwind_once(signal.SIGTERM, signal.SIGINT)
     procs: list[subprocess.Popen] = []
     controller = None
     try:

@@ -77,9 +77,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: bench/ and pdserve/ import from the checkout
 
-from bench.gpu import copy_gbps, exit_on_sigterm  # noqa: E402
+from bench.gpu import copy_gbps  # noqa: E402
 from bench.systems import Stack, free_port, node_counters  # noqa: E402
 from pdserve.flags import engine_flags  # noqa: E402
+from pdserve.process import unwind_once  # noqa: E402
 
 TEMPERATURES = (0.5, 1.0, 1.5)
 TOP_KS = (-1, 1, 20, 100)
@@ -490,7 +491,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    exit_on_sigterm()
+    unwind_once(signal.SIGTERM, exit_code=True)  # SIGTERM stops the started stacks by PID
     if a.url and (a.stacks is None or len(a.stacks) != 1):
         print("gpu_check: --url checks one stack: name it with --stacks")
         return 2
