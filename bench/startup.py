@@ -211,13 +211,12 @@ def main() -> None:
     commit = commit.stdout.strip() or "this"
     text = report(result, commit, a.baseline_label if a.baseline_tree is not None else None)
     print(text)
-    if a.json:
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps({**result, "commit": commit}, indent=1) + "\n")
+    stem = ROOT / "bench" / "results" / f"{time.strftime('%Y-%m-%d')}-{commit}-startup"
     if a.record:
-        stem = ROOT / "bench" / "results" / f"{time.strftime('%Y-%m-%d')}-{commit}-startup"
-        stem.with_suffix(".json").write_text(json.dumps({**result, "commit": commit}, indent=1) + "\n")
         stem.with_suffix(".md").write_text(text)
+    for path in filter(None, [a.json, a.record and stem.with_suffix(".json")]):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({**result, "commit": commit}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
