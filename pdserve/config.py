@@ -263,7 +263,10 @@ class NodeConfig:
         KvTransport.ZMQ, "how KV moves from prefill to decode nodes", type=KvTransport, choices=KV_TRANSPORTS
     )
     kv_lease_s: float = option(
-        30.0, "how long a decode node keeps KV it reserved for a prompt that has not arrived", type=float
+        30.0,
+        "how long a prefill node holds the KV of a prompt it offered until a decode node has it (renewed while the "
+        "decode node waits for room); a decode node gives up on a pulled prompt's KV after half of it",
+        type=float,
     )
     ready_file: str = option("", "once serving, write the node's bound addresses (JSON) to this file")
     host_id: str = option("", "nodes with the same host id may share memory (default: hostname and boot id)")
