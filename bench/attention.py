@@ -1,6 +1,6 @@
 """Decode attention's achieved bandwidth: the bytes one paged-attention launch must read over its time.
 
-    python -m bench.attention --device cuda --json attention.json     # on a GPU: the goal shapes
+    python -m bench.attention --device cuda --json attention.json     # on a GPU: the target shapes
     TRITON_INTERPRET=1 python -m bench.attention --device cpu          # a tiny shape: proves the code path
 
 A decode step's attention reads, for each request, its whole context's keys and values of one layer
@@ -11,7 +11,7 @@ copy's bytes read + written over its time), the nearer the kernel is to the memo
 
 On a GPU it times (128 requests, 1,024-token context) and (8 requests, 8,192) at qwen3-0.6b's layout
 (16 query heads, 8 KV heads, head_dim 128, bfloat16, 16-token blocks) with CUDA events, every request's
-blocks scattered through the pool, and the split count the engine would choose (`num_splits`). Goals:
+blocks scattered through the pool, and the split count the engine would choose (`num_splits`). Targets:
 70% of the copy bandwidth at 128 x 1k, 50% at 8 x 8k. On the CPU it runs a tiny shape under Triton's
 interpreter (its time says nothing about a GPU).
 """
@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-GOAL_SHAPES = [(128, 1024, 0.70), (8, 8192, 0.50)]  # (requests, context, goal: fraction of copy bandwidth)
+TARGET_SHAPES = [(128, 1024, 0.70), (8, 8192, 0.50)]  # (requests, context, target: fraction of copy bandwidth)
 TINY_SHAPE = (2, 96)  # the CPU's: under the interpreter
 COPY_BYTES = 1 << 30  # the copy that measures the device's bandwidth
 
@@ -135,7 +135,7 @@ class Measured:
     gb_s: float
     copy_gb_s: float | None = None
     fraction: float | None = None  # of the copy bandwidth
-    goal: float | None = None
+    target: float | None = None
 
 
 def measure(requests: int, context: int, lay: AttnLayout, device: torch.device, iters: int = 50) -> Measured:
@@ -151,28 +151,28 @@ def measure(requests: int, context: int, lay: AttnLayout, device: torch.device, 
 
 
 def run(device: torch.device, lay: AttnLayout | None = None) -> list[Measured]:
-    """The goal shapes beside the copy bandwidth on a GPU; the tiny shape (one call, no goal) elsewhere."""
+    """The target shapes beside the copy bandwidth on a GPU; the tiny shape (one call, no target) elsewhere."""
     lay = lay or AttnLayout.of_model()
     if device.type != "cuda":
         return [measure(*TINY_SHAPE, lay, device, iters=1)]
     copy = copy_bandwidth(device) / 1e9
     out = []
-    for requests, context, goal in GOAL_SHAPES:
+    for requests, context, target in TARGET_SHAPES:
         m = measure(requests, context, lay, device)
-        m.copy_gb_s, m.fraction, m.goal = copy, m.gb_s / copy, goal
+        m.copy_gb_s, m.fraction, m.target = copy, m.gb_s / copy, target
         out.append(m)
     return out
 
 
 def report(results: list[Measured]) -> str:
-    lines = ["| requests | context | splits | MB read | us | GB/s | copy GB/s | of copy | goal |", "|" + "---|" * 9]
+    lines = ["| requests | context | splits | MB read | us | GB/s | copy GB/s | of copy | target |", "|" + "---|" * 9]
     for m in results:
         copy = "-" if m.copy_gb_s is None else f"{m.copy_gb_s:.0f}"
         frac = "-" if m.fraction is None else f"{m.fraction:.0%}"
-        goal = "-" if m.goal is None else f">= {m.goal:.0%}"
+        target = "-" if m.target is None else f">= {m.target:.0%}"
         lines.append(
             f"| {m.requests} | {m.context} | {m.splits} | {m.bytes / 1e6:.1f} | {m.seconds * 1e6:.1f} | "
-            f"{m.gb_s:.1f} | {copy} | {frac} | {goal} |"
+            f"{m.gb_s:.1f} | {copy} | {frac} | {target} |"
         )
     return "\n".join(lines)
 

@@ -2,7 +2,7 @@
 
     python -m bench.gpu                    # qwen3-0.6b in bf16, 256 ShareGPT-like requests, 128 concurrent
     python -m bench.gpu --device cpu --model tiny --requests 16 --concurrency 8   # a CPU smoke test
-    python -m bench.gpu --workload steady  # the goal workloads (`WORKLOADS`): steady, 128 x (700 prompt, 256
+    python -m bench.gpu --workload steady  # the fixed workloads (`WORKLOADS`): steady, 128 x (700 prompt, 256
     python -m bench.gpu --workload burst   # output); burst, 256 sharegpt_like; all sent at once, --max-num-seqs
                                            # 128, --max-num-batched-tokens 4096, no large run
 
@@ -81,7 +81,7 @@ SYSTEMS = ("colocated", "disagg", "hf_cb", "static")
 
 @dataclass(frozen=True)
 class Preset:
-    """A workload the GPU goals name, with the engine budget it is measured at: every request sent at once."""
+    """A fixed GPU workload (docs/gpu-step.md), with the engine budget it is measured at: every request sent at once."""
 
     requests: int
     max_num_seqs: int
@@ -825,7 +825,7 @@ def sharegpt(config, cfg: GpuBenchConfig) -> Workload:
     return dataclasses.replace(w, name=f"sharegpt_like {cfg.requests}/{cfg.concurrency}")
 
 
-def goal_workload(config, cfg: GpuBenchConfig) -> Workload:
+def fixed_workload(config, cfg: GpuBenchConfig) -> Workload:
     """cfg's workload: `steady` (fixed lengths), else `sharegpt_like`; named by its kind, requests and concurrency."""
     preset = WORKLOADS[cfg.workload]
     if preset is None or not preset.prompt_len:
@@ -837,7 +837,7 @@ def goal_workload(config, cfg: GpuBenchConfig) -> Workload:
 
 def plan_runs(cfg: GpuBenchConfig, config) -> list[tuple[GpuBenchConfig, Workload]]:
     """The main run (none with --requests 0), then the larger one on the pdserve systems that both lists name."""
-    runs = [(cfg, goal_workload(config, cfg))] if cfg.requests else []
+    runs = [(cfg, fixed_workload(config, cfg))] if cfg.requests else []
     large_systems = tuple(s for s in cfg.systems if s in cfg.large_systems)
     if cfg.large_requests and large_systems:
         big = dataclasses.replace(

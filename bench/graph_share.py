@@ -23,7 +23,7 @@ import json
 import sys
 from dataclasses import dataclass
 
-GOAL = 0.95  # of all tokens and of decode tokens, computed in replayed steps
+TARGET = 0.95  # of all tokens and of decode tokens, computed in replayed steps
 
 
 @dataclass
@@ -122,15 +122,15 @@ def replay(
         "requests": requests,
         "concurrency": concurrency,
         "max_num_batched_tokens": budget,
-        "goal": GOAL,
+        "target": TARGET,
         "all": dataclasses.asdict(recorder.all),
         "replayed": recorder.replayed.share_of(recorder.all),
         "decode_only_before": recorder.decode_only.share_of(recorder.all),
     }
 
 
-def meets_goal(res: dict) -> bool:
-    return min(res["replayed"]["tokens"], res["replayed"]["decode_tokens"]) >= GOAL
+def meets_target(res: dict) -> bool:
+    return min(res["replayed"]["tokens"], res["replayed"]["decode_tokens"]) >= TARGET
 
 
 def markdown(res: dict) -> str:
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
-    return 0 if meets_goal(res) else 1
+    return 0 if meets_target(res) else 1
 
 
 if __name__ == "__main__":

@@ -220,7 +220,7 @@ def test_compilations_are_the_triton_cache_folders_new_group_files(tmp_path):
     assert os.environ.get("TRITON_CACHE_DIR") != str(cache)
 
 
-def test_the_goal_workloads_send_every_request_at_once_with_128_seqs_and_4096_tokens():
+def test_the_fixed_workloads_send_every_request_at_once_with_128_seqs_and_4096_tokens():
     config = hf_config(BUILTIN_MODELS["qwen3-0.6b"])
     steady = gpu.parse_args(["--device", "cpu", "--workload", "steady", "--requests", "9", "--concurrency", "3"])
     burst = gpu.parse_args(["--device", "cpu", "--workload", "burst"])
