@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -151,3 +152,26 @@ def test_no_gpu_stage_writes_into_the_kits_out(tmp_path, kit):
         assert all(p.is_relative_to(run.work) for p in paths), (name, paths)
         if argv[1:3] == ["-m", "bench.gpu"]:
             assert "--out-dir" in argv, name
+
+
+@pytest.mark.parametrize("after, rc", [(99_990.0, 0), (99_000.0, 1)])
+def test_a_gpu_run_judges_the_device_memory_and_kit_md_says_so(tmp_path, monkeypatch, kit, after, rc):
+    """On a GPU the checks run at once, then the measurements, and the kit judges the device's free memory over its
+    whole run (gpu_check's free_device_mb, answering here as a GPU would): memory that did not come back fails the
+    kit even where every stage passed, and kit.md says so."""
+    free = iter([100_000.0, after])
+    fake = SimpleNamespace(free_device_mb=lambda device: next(free), RELEASE_SLACK_MB=64)
+    monkeypatch.setattr(kit.Stacks, "gpu_check", lambda self: fake)
+    monkeypatch.setattr(kit.signal, "signal", lambda *_: None)
+    command = lambda run, budget: [sys.executable, "-c", "pass"]  # noqa: E731
+    stages = (kit.Stage("check", 30, 30, 9, command, concurrent=True), kit.Stage("measure", 30, 30, 8, command))
+    monkeypatch.setattr(kit, "STAGES", stages)
+    out = tmp_path / "out"
+    assert kit.main(["--device", "cuda:0", "--out", str(out), "--work", str(tmp_path / "work")]) == rc
+    report = json.loads((out / "kit.json").read_text())
+    assert report["concurrent"] and [s["concurrent"] for s in report["stages"]] == [True, False]
+    assert all(s["status"] == "passed" for s in report["stages"])
+    assert report["device_memory"]["pass"] == (rc == 0)
+    verdict = "passed" if rc == 0 else "failed: more than 64 MiB short"
+    line = f"100000 MiB before the first stack started, {after:.0f} MiB after the last stopped: {verdict}."
+    assert line in (out / "kit.md").read_text()
