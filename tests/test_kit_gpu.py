@@ -86,7 +86,7 @@ def test_every_gpu_command_is_one_its_target_parses(tmp_path, monkeypatch, gpu, 
             compile(argv[2], name, "exec")
             continue
         a = parsed(argv, monkeypatch)
-        assert getattr(a, "device", None) in (run.device, None), name  # bench.startup without --device: the CPU
+        assert a.device == run.device, name  # each target runs on the GPU, bench.startup's `pdserve up` too
         if argv[1] == "scripts/gpu_check.py":  # a stack of gpu_check's on this device, or nothing is checked
             assert a.stacks and set(a.stacks) <= stacks, (name, a.stacks)
             assert a.faults or a.url, name  # a check runs on the kit's stack
