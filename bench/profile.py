@@ -121,11 +121,20 @@ def kind(name: str) -> str | None:
 
 
 def model_bytes(engine) -> tuple[tuple[int, int], int]:
-    """((bytes, count) of the weights a step reads (every parameter, the embedding table's whole too: an upper
-    bound), bytes of KV per token of context)."""
-    params = list(engine.runner.model.parameters())
-    weights = (sum(p.numel() * p.element_size() for p in params), sum(p.numel() for p in params))
+    """((bytes, count) of the weights a step reads (every weight, the embedding table's whole too: an upper
+    bound), bytes of KV per token of context). The runner holds the layers' projections and an untied LM head
+    itself (`ModelRunner.weights`, `lm_head`): the model's modules no longer do, so its parameters alone miss them."""
+    runner = engine.runner
+    linears = [runner.lm_head, *(lin for w in runner.weights for lin in (w.qkv, w.o, w.gate_up, w.down))]
+    tensors = [*runner.model.parameters(), *(t for lin in linears for t in (lin.weight, lin.bias) if t is not None)]
+    held = {_storage(t): t for t in tensors}  # a tied head once (the CPU's packed copy of it apart)
+    weights = (sum(t.numel() * t.element_size() for t in held.values()), sum(t.numel() for t in held.values()))
     return weights, engine.pool.layout.bytes_per_token()
+
+
+def _storage(t) -> tuple:
+    """What tells tensors on one memory apart: its address (a weight oneDNN reordered on the CPU has none: itself)."""
+    return ("onednn", id(t)) if t.is_mkldnn else (t.data_ptr(), t.numel())
 
 
 def figures(rows: list[dict], record: dict, weights: tuple[int, int], kv_per_token: int, peak: float) -> dict:
