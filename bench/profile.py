@@ -51,12 +51,14 @@ def build(model: str, device: str, dtype: str, max_seqs: int, chunk: int):
 
 
 def add(engine, tag: str, n: int, prompt_len: int, max_tokens: int, start: int = 0) -> None:
+    """n requests of prompt_len tokens: ids 3 and up, cycling below 1,003 and the model's vocabulary."""
     from pdserve.engine.request import Request
     from pdserve.wire.params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    cycle = min(1000, engine.runner.model.config.vocab_size - 3)
     for i in range(n):
-        engine.add(Request(f"{tag}{i}", [(start + 7 * i + j) % 1000 + 3 for j in range(prompt_len)], params))
+        engine.add(Request(f"{tag}{i}", [(start + 7 * i + j) % cycle + 3 for j in range(prompt_len)], params))
 
 
 def timed_step(engine, records: list[dict]) -> dict:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import transformers
 
-from bench.profile import build, model_bytes
+from bench.profile import build, main, model_bytes
 from pdserve.checkpoint import ModelSpec, write_random_checkpoint
 
 
@@ -21,3 +23,13 @@ def test_the_weights_a_step_reads_are_every_weight_of_the_model(tmp_path, dtype,
     with torch.device("meta"):
         every = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
     assert count == every and nbytes == every * getattr(torch, dtype).itemsize
+
+
+def test_every_profiled_step_runs_its_gemms_on_the_cpu(tmp_path):
+    """CPU mode's sizes (tiny: a 512-token vocabulary) run every step the GPU's do: the prompt chunk's ids start at
+    503, so they must wrap below the vocabulary, or that step fails in the embedding and profiles nothing."""
+    out = tmp_path / "profile.json"
+    assert main(["--device", "cpu", "--model", "tiny", "--out", str(out)]) == 0
+    steps = json.loads(out.read_text())["steps"]
+    assert list(steps) == ["decode-4", "decode-8", "chunk-64"]
+    assert all(s["gemm"]["seconds"] > 0 for s in steps.values()), {n: s["gemm"] for n, s in steps.items()}
