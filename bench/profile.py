@@ -51,12 +51,14 @@ def build(model: str, device: str, dtype: str, max_seqs: int, chunk: int):
 
 
 def add(engine, tag: str, n: int, prompt_len: int, max_tokens: int, start: int = 0) -> None:
+    """n requests of prompt_len tokens: ids 3 and up, cycling below 1,003 and the model's vocabulary."""
     from pdserve.engine.request import Request
     from pdserve.wire.params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    cycle = min(1000, engine.runner.model.config.vocab_size - 3)
     for i in range(n):
-        engine.add(Request(f"{tag}{i}", [(start + 7 * i + j) % 1000 + 3 for j in range(prompt_len)], params))
+        engine.add(Request(f"{tag}{i}", [(start + 7 * i + j) % cycle + 3 for j in range(prompt_len)], params))
 
 
 def timed_step(engine, records: list[dict]) -> dict:
@@ -121,11 +123,20 @@ def kind(name: str) -> str | None:
 
 
 def model_bytes(engine) -> tuple[tuple[int, int], int]:
-    """((bytes, count) of the weights a step reads (every parameter, the embedding table's whole too: an upper
-    bound), bytes of KV per token of context)."""
-    params = list(engine.runner.model.parameters())
-    weights = (sum(p.numel() * p.element_size() for p in params), sum(p.numel() for p in params))
+    """((bytes, count) of the weights a step reads (every weight, the embedding table's whole too: an upper
+    bound), bytes of KV per token of context). The runner holds the layers' projections and an untied LM head
+    itself (`ModelRunner.weights`, `lm_head`): the model's modules no longer do, so its parameters alone miss them."""
+    runner = engine.runner
+    linears = [runner.lm_head, *(lin for w in runner.weights for lin in (w.qkv, w.o, w.gate_up, w.down))]
+    tensors = [*runner.model.parameters(), *(t for lin in linears for t in (lin.weight, lin.bias) if t is not None)]
+    held = {_storage(t): t for t in tensors}  # a tied head once (the CPU's packed copy of it apart)
+    weights = (sum(t.numel() * t.element_size() for t in held.values()), sum(t.numel() for t in held.values()))
     return weights, engine.pool.layout.bytes_per_token()
+
+
+def _storage(t) -> tuple:
+    """What tells tensors on one memory apart: its address (a weight oneDNN reordered on the CPU has none: itself)."""
+    return ("onednn", id(t)) if t.is_mkldnn else (t.data_ptr(), t.numel())
 
 
 def figures(rows: list[dict], record: dict, weights: tuple[int, int], kv_per_token: int, peak: float) -> dict:

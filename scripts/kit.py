@@ -665,7 +665,21 @@ def markdown(report: dict) -> str:
         planned = ("no: run in the time left" if r.get("filled") else "yes") if at else ""
         cells = [r["name"], r["value"], f"{r['budget_s']:.0f}", secs, r["status"], at, beside, planned]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-    return "\n".join(lines + stop_lines(report)) + "\n"
+    return "\n".join(lines + stop_lines(report) + memory_lines(report)) + "\n"
+
+
+def memory_lines(report: dict) -> list[str]:
+    """On a GPU, the device's memory over the whole run (`device_memory`), which alone can fail a kit whose stages
+    and stops all passed."""
+    m = report.get("device_memory")
+    if not m:
+        return []
+    verdict = "passed" if m["pass"] else f"failed: more than {m['slack_mb']:.0f} MiB short"
+    return [
+        "",
+        f"Device memory no other process holds: {m['device_free_mb_before']:.0f} MiB before the first stack started, "
+        f"{m['device_free_mb_after']:.0f} MiB after the last stopped: {verdict}.",
+    ]
 
 
 def stop_lines(report: dict) -> list[str]:
@@ -767,6 +781,7 @@ def main(argv: list[str] | None = None) -> int:
         report["device_memory"] = {
             "device_free_mb_before": free_before,
             "device_free_mb_after": free_after,
+            "slack_mb": gc.RELEASE_SLACK_MB,
             "pass": moved <= gc.RELEASE_SLACK_MB,
         }
     report = write(report, a.out, kit.t0, stage_list(report["stages"], kit.left, run))
