@@ -152,6 +152,8 @@ def _parse(raw: bytes, model: type[BodyFields]) -> BodyFields:
         data = json.loads(_json_text(raw))
     except ValueError as e:  # UnicodeDecodeError included
         raise ApiError(400, f"invalid request: malformed JSON ({e})") from None
+    except RecursionError:  # arrays or objects nested past the parser's recursion limit
+        raise ApiError(400, "invalid request: malformed JSON (nested too deeply)") from None
     try:
         return model.model_validate(data)
     except ValidationError as e:
