@@ -177,7 +177,7 @@ def _logit_bias(body: BodyFields, vocab_size: int) -> tuple[tuple[int, float], .
     """OpenAI's {"token id": bias} as (id, bias) pairs, ids checked against the vocabulary."""
     pairs = []
     for key, bias in (body.logit_bias or {}).items():
-        if not key.isdigit() or int(key) >= vocab_size:
+        if not (key.isascii() and key.isdigit()) or int(key) >= vocab_size:  # isdigit alone: '²', '١' too
             raise ApiError(400, f"logit_bias: {key!r} is not a token id in [0, {vocab_size})", "logit_bias")
         pairs.append((int(key), bias))
     return tuple(pairs)

@@ -1,5 +1,6 @@
 """Bad input the router's validation must answer with a 400 naming the field at fault where there is one, never a
-crash of the handler (a 500): JSON nested deeper than the parser recurses."""
+crash of the handler (a 500): JSON nested deeper than the parser recurses, and logit_bias keys that are digits to
+str.isdigit but no ASCII decimal number."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 
 from pdserve.router import api
 from pdserve.router.errors import ApiError
-from pdserve.router.jobs import ChatBody, CompletionBody
+from pdserve.router.jobs import ChatBody, CompletionBody, make_job
 from pdserve.router.text import load_model_info
 
 
@@ -39,3 +40,15 @@ def _refused(fn, *args) -> ApiError:
 def test_json_nested_too_deeply_is_malformed_json(raw, model):
     e = _refused(api._parse, raw, model)
     assert "malformed JSON" in e.message and "nested too deeply" in e.message and e.param is None
+
+
+@pytest.mark.parametrize("key", ["²", "¹", "١", "٣", "𝟙", "1²"])
+def test_a_logit_bias_key_that_is_no_ascii_decimal_is_refused(info, key):
+    body = CompletionBody(model="tiny", prompt=[1, 2], max_tokens=2, logit_bias={key: 1.0})
+    e = _refused(make_job, body, [1, 2], info)
+    assert e.param == "logit_bias" and repr(key) in e.message
+
+
+def test_a_logit_bias_key_of_ascii_digits_is_its_token_id(info):
+    body = CompletionBody(model="tiny", prompt=[1, 2], max_tokens=2, logit_bias={"7": 2.5, "011": -1.0})
+    assert make_job(body, [1, 2], info).params.logit_bias == ((7, 2.5), (11, -1.0))
