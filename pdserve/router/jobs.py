@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict
 
 from pdserve.router.choices import derive_seed
 from pdserve.router.errors import ApiError
-from pdserve.router.limits import Offload, content_chars, stop_problem
+from pdserve.router.limits import Offload, content_chars, content_texts, stop_problem
 from pdserve.router.logprobs import ChoiceExtras
 from pdserve.router.text import ModelInfo, NoTokenizerError, chat_prompt_ids
 from pdserve.wire.params import InvalidField, SamplingParams
@@ -110,6 +110,7 @@ def _prompts(body: CompletionBody, info: ModelInfo) -> list[str | list[int]]:
 def _one_prompt(prompt: str | list[int], info: ModelInfo) -> str | list[int]:
     if isinstance(prompt, str):
         _check_chars(len(prompt), info, "prompt")
+        check_text(prompt, "prompt")
         return prompt
     _check_prompt_len(len(prompt), info)
     if prompt and not 0 <= min(prompt) <= max(prompt) < info.vocab_size:  # checked in C; then the culprit found
@@ -127,6 +128,18 @@ def _check_chars(n: int, info: ModelInfo, param: str) -> None:
             f"{info.max_model_len} tokens can hold (at most {info.max_prompt_chars})",
             param,
         )
+
+
+def check_text(text: str, param: str) -> None:
+    """Refuse text that no UTF-8 encodes, so no tokenizer takes: a lone surrogate, which JSON's \\ud800 escape
+    can carry."""
+    if text.isascii():
+        return
+    try:
+        text.encode()
+    except UnicodeEncodeError as e:
+        where = f"{text[e.start]!r} at character {e.start}"
+        raise ApiError(400, f"the {param} is not valid Unicode: a lone surrogate ({where})", param) from None
 
 
 def _check_prompt_len(n: int, info: ModelInfo) -> None:
@@ -154,6 +167,9 @@ async def chat_ids(body: ChatBody, info: ModelInfo, offload: Offload) -> list[in
         raise ApiError(400, "messages must not be empty", "messages")
     chars = sum(content_chars(m.content) for m in body.messages)
     _check_chars(chars, info, "messages")
+    for m in body.messages:
+        for text in content_texts(m.content):
+            check_text(text, "messages")
     return await offload.run(chars, _apply_template, body, info)
 
 

@@ -146,10 +146,15 @@ def stop_problem(stops: list[str], stop_token_ids: list[int] | None) -> tuple[st
     return None
 
 
+def content_texts(content: Any) -> list[str]:
+    """A chat message's texts: its content if a string, else the text of each of its parts."""
+    if isinstance(content, str):
+        return [content]
+    if isinstance(content, list):
+        return [p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+    return []
+
+
 def content_chars(content: Any) -> int:
     """Characters of a chat message's text (a string, or the text of a list of parts): a lower bound of its prompt."""
-    if isinstance(content, str):
-        return len(content)
-    if isinstance(content, list):
-        return sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
-    return 0
+    return sum(len(text) for text in content_texts(content))

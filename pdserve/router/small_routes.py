@@ -7,6 +7,7 @@ from pydantic import BaseModel, ConfigDict
 
 import pdserve
 from pdserve.router.errors import ApiError
+from pdserve.router.jobs import check_text
 from pdserve.router.limits import content_chars
 from pdserve.router.text import NoTokenizerError, chat_prompt_ids
 
@@ -47,6 +48,7 @@ def _tokenize(info, body: TokenizeBody) -> list[int]:
     if (body.prompt is None) == (body.messages is None):
         raise ApiError(400, "give exactly one of prompt and messages", "prompt")
     if body.prompt is not None:
+        check_text(body.prompt, "prompt")
         try:
             return info.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         except NoTokenizerError as e:

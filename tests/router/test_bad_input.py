@@ -1,16 +1,19 @@
 """Bad input the router's validation must answer with a 400 naming the field at fault where there is one, never a
-crash of the handler (a 500): JSON nested deeper than the parser recurses, and logit_bias keys that are digits to
-str.isdigit but no ASCII decimal number."""
+crash of the handler (a 500): JSON nested deeper than the parser recurses, text that is no Unicode (a lone
+surrogate, which JSON's \\ud800 escape can carry), and logit_bias keys that are digits to str.isdigit but no ASCII
+decimal number."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
-from pdserve.router import api
+from pdserve.router import api, small_routes
 from pdserve.router.errors import ApiError
-from pdserve.router.jobs import ChatBody, CompletionBody, make_job
+from pdserve.router.jobs import ChatBody, CompletionBody, chat_ids, make_job, prompt_ids
+from pdserve.router.limits import Offload
 from pdserve.router.text import load_model_info
 
 
@@ -40,6 +43,30 @@ def _refused(fn, *args) -> ApiError:
 def test_json_nested_too_deeply_is_malformed_json(raw, model):
     e = _refused(api._parse, raw, model)
     assert "malformed JSON" in e.message and "nested too deeply" in e.message and e.param is None
+
+
+@pytest.mark.parametrize("prompt", ["\ud800", "ab\udfffc", ["ok", "x\udc00"]])
+def test_a_prompt_with_a_lone_surrogate_is_refused(info, prompt):
+    body = CompletionBody(model="tiny", prompt=prompt)
+    e = _refused(prompt_ids, body, info, Offload())
+    assert e.param == "prompt" and "surrogate" in e.message
+
+
+@pytest.mark.parametrize("content", ["\ud800", [{"type": "text", "text": "a\udbff"}]])
+def test_a_message_with_a_lone_surrogate_is_refused(info, content):
+    body = ChatBody(model="tiny", messages=[{"role": "user", "content": content}])
+    e = _refused(chat_ids, body, info, Offload())
+    assert e.param == "messages" and "surrogate" in e.message
+
+
+def test_tokenize_refuses_a_lone_surrogate(info):
+    e = _refused(small_routes._tokenize, info, small_routes.TokenizeBody(prompt="x\ud800"))
+    assert e.param == "prompt" and "surrogate" in e.message
+
+
+def test_text_with_a_surrogate_pair_written_as_two_escapes_is_fine(info):
+    body = CompletionBody(**json.loads('{"model": "tiny", "prompt": "\\ud83d\\ude00"}'))
+    assert asyncio.run(prompt_ids(body, info, Offload()))[0]
 
 
 @pytest.mark.parametrize("key", ["²", "¹", "١", "٣", "𝟙", "1²"])
