@@ -178,6 +178,15 @@ def _invalid_message(errors: list) -> tuple[str, str | None]:
     return f"invalid request: {where + ': ' if where else ''}{first.get('msg', 'malformed body')}", where or None
 
 
+def _route_invalid_message(errors: list) -> tuple[str, str | None]:
+    """The message and param of a body FastAPI refused for a route: malformed JSON names no field (its error's loc is
+    a character offset), a field that fails its model is named without the leading "body"."""
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        return f"invalid request: malformed JSON ({first.get('ctx', {}).get('error', first.get('msg'))})", None
+    return _invalid_message([{**x, "loc": tuple(x.get("loc", ()))[1:]} for x in errors])
+
+
 @dataclass
 class Call:
     """What a completion handler needs of its HTTP request, which came through FastAPI or the direct path (http.py)."""
@@ -336,7 +345,7 @@ def create_app(cfg: RouterConfig, worker: int | None = None, metrics_dir: str = 
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError):
-        msg, param = _invalid_message([{**x, "loc": tuple(x.get("loc", ()))[1:]} for x in e.errors()])
+        msg, param = _route_invalid_message(e.errors())
         return JSONResponse(logged_error(_where(request), 400, msg, param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)

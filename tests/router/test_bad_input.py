@@ -1,7 +1,7 @@
 """Bad input the router's validation must answer with a 400 naming the field at fault where there is one, never a
 crash of the handler (a 500): JSON nested deeper than the parser recurses, text that is no Unicode (a lone
 surrogate, which JSON's \\ud800 escape can carry), and logit_bias keys that are digits to str.isdigit but no ASCII
-decimal number."""
+decimal number; and malformed JSON names no field on every route."""
 
 from __future__ import annotations
 
@@ -79,3 +79,16 @@ def test_a_logit_bias_key_that_is_no_ascii_decimal_is_refused(info, key):
 def test_a_logit_bias_key_of_ascii_digits_is_its_token_id(info):
     body = CompletionBody(model="tiny", prompt=[1, 2], max_tokens=2, logit_bias={"7": 2.5, "011": -1.0})
     assert make_job(body, [1, 2], info).params.logit_bias == ((7, 2.5), (11, -1.0))
+
+
+@pytest.mark.parametrize("path", ["/tokenize", "/detokenize"])
+@pytest.mark.parametrize("raw", [b"{", b'{"tokens": [1,'])
+def test_malformed_json_on_a_small_route_names_no_param(path, raw):
+    from fastapi.testclient import TestClient
+
+    from pdserve.config import RouterConfig
+
+    app = api.create_app(RouterConfig(colocated=("tcp://127.0.0.1:1",), access_log=False))
+    r = TestClient(app).post(path, content=raw, headers={"content-type": "application/json"})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] is None and "malformed JSON" in err["message"], err
