@@ -29,7 +29,17 @@ from pdserve.router.choices import gather_all
 from pdserve.router.core import NoNodeAvailable, Overloaded, RouterCore, StartupError
 from pdserve.router.errors import ApiError, api_error_body, logged_error
 from pdserve.router.http import Exchange
-from pdserve.router.jobs import BodyFields, ChatBody, CompletionBody, Job, chat_ids, expand, make_job, prompt_ids
+from pdserve.router.jobs import (
+    BodyFields,
+    ChatBody,
+    CompletionBody,
+    Job,
+    chat_ids,
+    check_choices,
+    expand,
+    make_job,
+    prompt_ids,
+)
 from pdserve.router.limits import Offload, RequestLimits
 from pdserve.router.logprobs import merge_pieces
 from pdserve.router.metrics import SharedMetrics, merge_expositions, read_others
@@ -201,6 +211,7 @@ async def answer(st, call: Call, raw: bytes, chat: bool) -> dict | SseStream:
     read): the response's body, or the stream to send. Raises ApiError or UnsupportedField for an error response."""
     body = await st.offload.run(len(raw), _parse, raw, ChatBody if chat else CompletionBody)  # large: off the loop
     small_routes.check_served(st.served, body.model)
+    check_choices(body, st.cfg.max_n, st.cfg.max_queued_requests)
     prompts = [await chat_ids(body, st.info, st.offload)] if chat else await prompt_ids(body, st.info, st.offload)
     if body.model_extra:  # fields no request model declares: refused unless harmless
         check_fields(body.model_extra, body.model_dump())
@@ -213,7 +224,6 @@ async def answer(st, call: Call, raw: bytes, chat: bool) -> dict | SseStream:
             st.info,
             chat_default=chat,
             kv_capacity=min(caps, default=None),
-            max_n=st.cfg.max_n,
             grammar=grammar,
         )
         for ids in prompts

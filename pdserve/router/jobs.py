@@ -99,12 +99,31 @@ class Job:
 # ---- validation ----------------------------------------------------------------------------------
 
 
+def _batch(body: BodyFields) -> list[str | list[int]]:
+    """Each prompt of the request: a completion's string or list of ids, or each of a batch of either; a chat's one."""
+    prompt = getattr(body, "prompt", None)
+    return prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
+
+
+def check_choices(body: BodyFields, max_n: int, max_choices: int) -> None:
+    """Refuse, before any prompt is tokenized, an `n` out of range, or more choices (prompts times n) than the router
+    lets wait at once (--max-queued-requests): such a request could never be admitted, and would cost a job each."""
+    if not 1 <= body.n <= max_n:
+        raise ApiError(400, f"n must be between 1 and {max_n} (--max-n)", "n")
+    prompts = len(_batch(body))
+    if prompts * body.n > max_choices:
+        raise ApiError(
+            400,
+            f"the request asks for {prompts * body.n} choices ({prompts} prompts, n {body.n}); at most {max_choices} "
+            "can wait at once (--max-queued-requests)",
+            "prompt" if prompts > 1 else "n",
+        )
+
+
 def _prompts(body: CompletionBody, info: ModelInfo) -> list[str | list[int]]:
     """Each prompt of the request (a string, a list of ids, or a batch of either), strings checked to be short
     enough to fit and ids to be in the vocabulary."""
-    prompt = body.prompt
-    batch = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
-    return [_one_prompt(p, info) for p in batch]
+    return [_one_prompt(p, info) for p in _batch(body)]
 
 
 def _one_prompt(prompt: str | list[int], info: ModelInfo) -> str | list[int]:
@@ -228,13 +247,10 @@ def make_job(
     info: ModelInfo,
     chat_default: bool = False,
     kv_capacity: int | None = None,
-    max_n: int = 1,
     grammar: str = "",
 ) -> Job:
     if not prompt_ids:
         raise ApiError(400, "the prompt is empty", "prompt")
-    if not 1 <= body.n <= max_n:
-        raise ApiError(400, f"n must be between 1 and {max_n} (--max-n)", "n")
     top, echo = _asked_logprobs(body)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     show_tokens = not (echo and max_tokens == 0)  # echo alone: the prompt (and its logprobs), nothing generated

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+from types import SimpleNamespace
 
 import pytest
 
+from pdserve.config import RouterConfig
 from pdserve.router import api, small_routes
+from pdserve.router.core import Overloaded
 from pdserve.router.errors import ApiError
 from pdserve.router.jobs import ChatBody, CompletionBody, chat_ids, make_job, prompt_ids
 from pdserve.router.limits import Offload
@@ -92,3 +95,55 @@ def test_malformed_json_on_a_small_route_names_no_param(path, raw):
     r = TestClient(app).post(path, content=raw, headers={"content-type": "application/json"})
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] is None and "malformed JSON" in err["message"], err
+
+
+class _CountingCore:
+    """A router core that counts what is dispatched and refuses past --max-queued-requests, as RouterCore does."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.submitted, self.aborted = limit, 0, 0
+
+    def kv_capacity_tokens(self, role) -> None:
+        return None
+
+    def check_admission(self) -> None:
+        if self.submitted - self.aborted >= self.limit:
+            raise Overloaded("full", 1)
+
+    def submit(self, prompt_ids, params) -> SimpleNamespace:
+        self.check_admission()
+        self.submitted += 1
+        return SimpleNamespace(request_id=str(self.submitted))
+
+    def abort(self, request_id, reason=None) -> None:
+        self.aborted += 1
+
+
+def _state(info, core: _CountingCore) -> SimpleNamespace:
+    cfg = RouterConfig(colocated=("tcp://127.0.0.1:1",), max_queued_requests=core.limit, max_n=4)
+    return SimpleNamespace(offload=Offload(), served={"tiny"}, info=info, cfg=cfg, core=core, outbox=None)
+
+
+def _call() -> api.Call:
+    async def connected() -> bool:
+        return False
+
+    return api.Call("POST /v1/completions", SimpleNamespace(usage=None), connected)
+
+
+@pytest.mark.parametrize(("prompts", "n"), [(9, 1), (3, 3), (200_000, 4)])
+def test_more_choices_than_can_ever_wait_are_refused_before_any_is_built(info, prompts, n):
+    """A batch of prompts times n choices beyond --max-queued-requests could never be admitted: it is a 400 naming
+    the prompt, before any prompt is tokenized or dispatched (a 2 MB body of 500k prompts once held the router)."""
+    core = _CountingCore(limit=8)
+    raw = json.dumps({"model": "tiny", "prompt": [[1, 2]] * prompts, "n": n, "max_tokens": 1, "stream": True})
+    e = _refused(api.answer, _state(info, core), _call(), raw.encode(), False)
+    assert e.param == "prompt" and f"{prompts * n} choices" in e.message and "--max-queued-requests" in e.message
+    assert core.submitted == 0
+
+
+def test_as_many_choices_as_can_wait_are_dispatched(info):
+    core = _CountingCore(limit=8)
+    raw = json.dumps({"model": "tiny", "prompt": [[1, 2]] * 4, "n": 2, "max_tokens": 1, "stream": True})
+    asyncio.run(api.answer(_state(info, core), _call(), raw.encode(), False))
+    assert core.submitted == 8 and core.aborted == 0
