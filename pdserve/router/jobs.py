@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict
 
 from pdserve.router.choices import derive_seed
 from pdserve.router.errors import ApiError
-from pdserve.router.limits import Offload, content_chars, content_texts, stop_problem
+from pdserve.router.limits import Offload, content_chars, content_texts, messages_size, stop_problem
 from pdserve.router.logprobs import ChoiceExtras
 from pdserve.router.text import ModelInfo, NoTokenizerError, chat_prompt_ids
 from pdserve.wire.params import InvalidField, SamplingParams
@@ -189,7 +189,7 @@ async def chat_ids(body: ChatBody, info: ModelInfo, offload: Offload) -> list[in
     for m in body.messages:
         for text in content_texts(m.content):
             check_text(text, "messages")
-    return await offload.run(chars, _apply_template, body, info)
+    return await offload.run(messages_size([m.content for m in body.messages]), _apply_template, body, info)
 
 
 def _apply_template(body: ChatBody, info: ModelInfo) -> list[int]:

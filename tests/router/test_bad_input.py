@@ -1,7 +1,8 @@
 """Bad input the router's validation must answer with a 400 naming the field at fault where there is one, never a
 crash of the handler (a 500): JSON nested deeper than the parser recurses, text that is no Unicode (a lone
 surrogate, which JSON's \\ud800 escape can carry), and logit_bias keys that are digits to str.isdigit but no ASCII
-decimal number; and malformed JSON names no field on every route."""
+decimal number; malformed JSON names no field on every route; and large input (many choices, many messages) is
+refused or moved off the event loop before it costs the router's loop its time."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pdserve.router import api, small_routes
 from pdserve.router.core import Overloaded
 from pdserve.router.errors import ApiError
 from pdserve.router.jobs import ChatBody, CompletionBody, chat_ids, make_job, prompt_ids
-from pdserve.router.limits import Offload
+from pdserve.router.limits import OFFLOAD_CHARS, Offload
 from pdserve.router.text import load_model_info
 
 
@@ -147,3 +148,27 @@ def test_as_many_choices_as_can_wait_are_dispatched(info):
     raw = json.dumps({"model": "tiny", "prompt": [[1, 2]] * 4, "n": 2, "max_tokens": 1, "stream": True})
     asyncio.run(api.answer(_state(info, core), _call(), raw.encode(), False))
     assert core.submitted == 8 and core.aborted == 0
+
+
+class _RecordingOffload(Offload):
+    """Offload that records the size each call was judged by."""
+
+    def __init__(self) -> None:
+        super().__init__(workers=1)
+        self.sizes: list[int] = []
+
+    async def run(self, size, fn, *args):
+        self.sizes.append(size)
+        return await super().run(size, fn, *args)
+
+
+def test_many_empty_messages_are_templated_off_the_event_loop(info):
+    """A chat's template costs per message as well as per character (about 10 us a message, the cost of some 23
+    characters, on tiny): 20000 empty messages (0.3 s of templating) go to the pool, not the event loop."""
+    offload = _RecordingOffload()
+    body = ChatBody(model="tiny", messages=[{"role": "user", "content": ""}] * 20_000)
+    asyncio.run(chat_ids(body, info, offload))
+    assert offload.sizes[-1] > OFFLOAD_CHARS
+    small = ChatBody(model="tiny", messages=[{"role": "user", "content": "hi"}] * 4)
+    asyncio.run(chat_ids(small, info, offload))
+    assert offload.sizes[-1] <= OFFLOAD_CHARS, "a short chat stays inline"
