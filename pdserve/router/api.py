@@ -29,7 +29,17 @@ from pdserve.router.choices import gather_all
 from pdserve.router.core import NoNodeAvailable, Overloaded, RouterCore, StartupError
 from pdserve.router.errors import ApiError, api_error_body, logged_error
 from pdserve.router.http import Exchange
-from pdserve.router.jobs import BodyFields, ChatBody, CompletionBody, Job, chat_ids, expand, make_job, prompt_ids
+from pdserve.router.jobs import (
+    BodyFields,
+    ChatBody,
+    CompletionBody,
+    Job,
+    chat_ids,
+    check_choices,
+    expand,
+    make_job,
+    prompt_ids,
+)
 from pdserve.router.limits import Offload, RequestLimits
 from pdserve.router.logprobs import merge_pieces
 from pdserve.router.metrics import SharedMetrics, merge_expositions, read_others
@@ -152,6 +162,8 @@ def _parse(raw: bytes, model: type[BodyFields]) -> BodyFields:
         data = json.loads(_json_text(raw))
     except ValueError as e:  # UnicodeDecodeError included
         raise ApiError(400, f"invalid request: malformed JSON ({e})") from None
+    except RecursionError:  # arrays or objects nested past the parser's recursion limit
+        raise ApiError(400, "invalid request: malformed JSON (nested too deeply)") from None
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -176,6 +188,15 @@ def _invalid_message(errors: list) -> tuple[str, str | None]:
     return f"invalid request: {where + ': ' if where else ''}{first.get('msg', 'malformed body')}", where or None
 
 
+def _route_invalid_message(errors: list) -> tuple[str, str | None]:
+    """The message and param of a body FastAPI refused for a route: malformed JSON names no field (its error's loc is
+    a character offset), a field that fails its model is named without the leading "body"."""
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        return f"invalid request: malformed JSON ({first.get('ctx', {}).get('error', first.get('msg'))})", None
+    return _invalid_message([{**x, "loc": tuple(x.get("loc", ()))[1:]} for x in errors])
+
+
 @dataclass
 class Call:
     """What a completion handler needs of its HTTP request, which came through FastAPI or the direct path (http.py)."""
@@ -190,6 +211,7 @@ async def answer(st, call: Call, raw: bytes, chat: bool) -> dict | SseStream:
     read): the response's body, or the stream to send. Raises ApiError or UnsupportedField for an error response."""
     body = await st.offload.run(len(raw), _parse, raw, ChatBody if chat else CompletionBody)  # large: off the loop
     small_routes.check_served(st.served, body.model)
+    check_choices(body, st.cfg.max_n, st.cfg.max_queued_requests)
     prompts = [await chat_ids(body, st.info, st.offload)] if chat else await prompt_ids(body, st.info, st.offload)
     if body.model_extra:  # fields no request model declares: refused unless harmless
         check_fields(body.model_extra, body.model_dump())
@@ -202,7 +224,6 @@ async def answer(st, call: Call, raw: bytes, chat: bool) -> dict | SseStream:
             st.info,
             chat_default=chat,
             kv_capacity=min(caps, default=None),
-            max_n=st.cfg.max_n,
             grammar=grammar,
         )
         for ids in prompts
@@ -334,7 +355,7 @@ def create_app(cfg: RouterConfig, worker: int | None = None, metrics_dir: str = 
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError):
-        msg, param = _invalid_message([{**x, "loc": tuple(x.get("loc", ()))[1:]} for x in e.errors()])
+        msg, param = _route_invalid_message(e.errors())
         return JSONResponse(logged_error(_where(request), 400, msg, param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)

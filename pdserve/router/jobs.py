@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict
 
 from pdserve.router.choices import derive_seed
 from pdserve.router.errors import ApiError
-from pdserve.router.limits import Offload, content_chars, stop_problem
+from pdserve.router.limits import Offload, content_chars, content_texts, messages_size, stop_problem
 from pdserve.router.logprobs import ChoiceExtras
 from pdserve.router.text import ModelInfo, NoTokenizerError, chat_prompt_ids
 from pdserve.wire.params import InvalidField, SamplingParams
@@ -99,17 +99,37 @@ class Job:
 # ---- validation ----------------------------------------------------------------------------------
 
 
+def _batch(body: BodyFields) -> list[str | list[int]]:
+    """Each prompt of the request: a completion's string or list of ids, or each of a batch of either; a chat's one."""
+    prompt = getattr(body, "prompt", None)
+    return prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
+
+
+def check_choices(body: BodyFields, max_n: int, max_choices: int) -> None:
+    """Refuse, before any prompt is tokenized, an `n` out of range, or more choices (prompts times n) than the router
+    lets wait at once (--max-queued-requests): such a request could never be admitted, and would cost a job each."""
+    if not 1 <= body.n <= max_n:
+        raise ApiError(400, f"n must be between 1 and {max_n} (--max-n)", "n")
+    prompts = len(_batch(body))
+    if prompts * body.n > max_choices:
+        raise ApiError(
+            400,
+            f"the request asks for {prompts * body.n} choices ({prompts} prompts, n {body.n}); at most {max_choices} "
+            "can wait at once (--max-queued-requests)",
+            "prompt" if prompts > 1 else "n",
+        )
+
+
 def _prompts(body: CompletionBody, info: ModelInfo) -> list[str | list[int]]:
     """Each prompt of the request (a string, a list of ids, or a batch of either), strings checked to be short
     enough to fit and ids to be in the vocabulary."""
-    prompt = body.prompt
-    batch = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
-    return [_one_prompt(p, info) for p in batch]
+    return [_one_prompt(p, info) for p in _batch(body)]
 
 
 def _one_prompt(prompt: str | list[int], info: ModelInfo) -> str | list[int]:
     if isinstance(prompt, str):
         _check_chars(len(prompt), info, "prompt")
+        check_text(prompt, "prompt")
         return prompt
     _check_prompt_len(len(prompt), info)
     if prompt and not 0 <= min(prompt) <= max(prompt) < info.vocab_size:  # checked in C; then the culprit found
@@ -127,6 +147,18 @@ def _check_chars(n: int, info: ModelInfo, param: str) -> None:
             f"{info.max_model_len} tokens can hold (at most {info.max_prompt_chars})",
             param,
         )
+
+
+def check_text(text: str, param: str) -> None:
+    """Refuse text that no UTF-8 encodes, so no tokenizer takes: a lone surrogate, which JSON's \\ud800 escape
+    can carry."""
+    if text.isascii():
+        return
+    try:
+        text.encode()
+    except UnicodeEncodeError as e:
+        where = f"{text[e.start]!r} at character {e.start}"
+        raise ApiError(400, f"the {param} is not valid Unicode: a lone surrogate ({where})", param) from None
 
 
 def _check_prompt_len(n: int, info: ModelInfo) -> None:
@@ -154,7 +186,10 @@ async def chat_ids(body: ChatBody, info: ModelInfo, offload: Offload) -> list[in
         raise ApiError(400, "messages must not be empty", "messages")
     chars = sum(content_chars(m.content) for m in body.messages)
     _check_chars(chars, info, "messages")
-    return await offload.run(chars, _apply_template, body, info)
+    for m in body.messages:
+        for text in content_texts(m.content):
+            check_text(text, "messages")
+    return await offload.run(messages_size([m.content for m in body.messages]), _apply_template, body, info)
 
 
 def _apply_template(body: ChatBody, info: ModelInfo) -> list[int]:
@@ -177,7 +212,7 @@ def _logit_bias(body: BodyFields, vocab_size: int) -> tuple[tuple[int, float], .
     """OpenAI's {"token id": bias} as (id, bias) pairs, ids checked against the vocabulary."""
     pairs = []
     for key, bias in (body.logit_bias or {}).items():
-        if not key.isdigit() or int(key) >= vocab_size:
+        if not (key.isascii() and key.isdigit()) or int(key) >= vocab_size:  # isdigit alone: '²', '١' too
             raise ApiError(400, f"logit_bias: {key!r} is not a token id in [0, {vocab_size})", "logit_bias")
         pairs.append((int(key), bias))
     return tuple(pairs)
@@ -212,13 +247,10 @@ def make_job(
     info: ModelInfo,
     chat_default: bool = False,
     kv_capacity: int | None = None,
-    max_n: int = 1,
     grammar: str = "",
 ) -> Job:
     if not prompt_ids:
         raise ApiError(400, "the prompt is empty", "prompt")
-    if not 1 <= body.n <= max_n:
-        raise ApiError(400, f"n must be between 1 and {max_n} (--max-n)", "n")
     top, echo = _asked_logprobs(body)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     show_tokens = not (echo and max_tokens == 0)  # echo alone: the prompt (and its logprobs), nothing generated

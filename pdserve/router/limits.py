@@ -23,6 +23,7 @@ MAX_STOPS = 16  # stop strings a request may give (OpenAI allows 4)
 MAX_STOP_CHARS = 128  # characters of one stop string: each is matched against every new token's text
 MAX_STOP_TOKEN_IDS = 256
 OFFLOAD_CHARS = 16 * 1024  # inputs above this size are parsed / tokenized off the event loop
+MESSAGE_CHARS = 32  # a chat message's cost to the template, in characters' worth (tiny: 10 us, 0.4 us a char)
 MAX_HEADER_BYTES = 16 * 1024  # all header names and values of a request together
 
 T = TypeVar("T")
@@ -146,10 +147,20 @@ def stop_problem(stops: list[str], stop_token_ids: list[int] | None) -> tuple[st
     return None
 
 
+def content_texts(content: Any) -> list[str]:
+    """A chat message's texts: its content if a string, else the text of each of its parts."""
+    if isinstance(content, str):
+        return [content]
+    if isinstance(content, list):
+        return [p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+    return []
+
+
+def messages_size(contents: list[Any]) -> int:
+    """What templating chat messages costs, in characters: their text, and a fixed cost a message."""
+    return sum(content_chars(c) for c in contents) + MESSAGE_CHARS * len(contents)
+
+
 def content_chars(content: Any) -> int:
     """Characters of a chat message's text (a string, or the text of a list of parts): a lower bound of its prompt."""
-    if isinstance(content, str):
-        return len(content)
-    if isinstance(content, list):
-        return sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
-    return 0
+    return sum(len(text) for text in content_texts(content))

@@ -7,7 +7,8 @@ from pydantic import BaseModel, ConfigDict
 
 import pdserve
 from pdserve.router.errors import ApiError
-from pdserve.router.limits import content_chars
+from pdserve.router.jobs import check_text
+from pdserve.router.limits import messages_size
 from pdserve.router.text import NoTokenizerError, chat_prompt_ids
 
 router = APIRouter()
@@ -47,6 +48,7 @@ def _tokenize(info, body: TokenizeBody) -> list[int]:
     if (body.prompt is None) == (body.messages is None):
         raise ApiError(400, "give exactly one of prompt and messages", "prompt")
     if body.prompt is not None:
+        check_text(body.prompt, "prompt")
         try:
             return info.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         except NoTokenizerError as e:
@@ -61,7 +63,7 @@ def _tokenize(info, body: TokenizeBody) -> list[int]:
 async def tokenize(body: TokenizeBody, request: Request) -> dict:
     check_model(request, body.model)
     info = request.app.state.info
-    size = len(body.prompt or "") + sum(content_chars(m.get("content")) for m in body.messages or ())
+    size = len(body.prompt or "") + messages_size([m.get("content") for m in body.messages or ()])
     ids = await request.app.state.offload.run(size, _tokenize, info, body)  # a large input off the event loop
     strs = info.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
     return {"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids, "token_strs": strs}
