@@ -51,6 +51,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # bench's and pdserve's modules, when run as `python scripts/kit.py`
+
+from pdserve.process import unwind_once  # noqa: E402 (standard library only)
+
 GPU_WINDOW_S = 300.0
 CPU_WINDOW_S = 1500.0
 KILL_GRACE_S = 15.0  # after SIGTERM, time for a stage's stacks to stop before SIGKILL
@@ -741,7 +745,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    signal.signal(signal.SIGTERM, exit_once())  # unwinds: the running stages and the stacks stop
+    unwind_once(signal.SIGTERM, exit_code=True)  # unwinds: the running stages and the stacks stop
     run = Run(a.device, not a.device.startswith("cuda"), a.work.resolve())
     window = a.window or (CPU_WINDOW_S if run.tiny else GPU_WINDOW_S)
     concurrent = not run.tiny if a.concurrent is None else a.concurrent
@@ -789,19 +793,6 @@ def main(argv: list[str] | None = None) -> int:
     passed = all(r["status"] == "passed" for r in report["stages"] if r["name"] in ran)
     memory = report.get("device_memory", {}).get("pass", True)
     return 0 if passed and memory and all(j["pass"] for j in kit.stacks.stops.values()) else 1
-
-
-def exit_once():
-    """A SIGTERM handler: the first exits (143), unwinding; one more (`timeout` sends its signal twice) is ignored, so
-    that it cannot cut short the stop of the stages and stacks."""
-    got = []
-
-    def handler(*_) -> None:
-        if not got:
-            got.append(True)
-            sys.exit(143)
-
-    return handler
 
 
 @dataclass
