@@ -447,3 +447,13 @@ def test_the_gpu_plan_is_printed_without_a_gpu_and_nothing_runs(tmp_path, capsys
     assert text.count("runs after the plan if its time fits") == len(left) > 0
     assert "| bench-stacks | 87 | 30 | with the checks, lane 4; starts bench-colocated, bench-disagg |" in text
     assert not out.exists()
+
+
+def test_the_kit_runs_as_a_script_from_any_folder_without_pythonpath(tmp_path):
+    """`python scripts/kit.py` as gpu_run.sh and a user run it: its stages' checks import bench's modules, which are
+    no installed package, so the script finds them from its own tree."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    argv = [sys.executable, str(SCRIPT), "--plan-only", "--out", str(tmp_path / "o"), "--work", str(tmp_path / "w")]
+    done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("kit plan on cuda:0:") and "| bench-colocated | 85 |" in done.stdout
