@@ -191,6 +191,7 @@ class RouterCore:
         decode_addr = nodes[1].kv_addr if len(nodes) == 2 else ""
         msg = Generate(rid, prompt, params, decode_addr=decode_addr)
         flight.request_id, flight.nodes, flight.names, flight.steady = rid, nodes, names, None
+        flight.dispatched_after = len(flight.output)
         flight.attempts += 1
         self.flights[rid] = flight
         for n in nodes:
@@ -272,8 +273,9 @@ class RouterCore:
             return
         handed_off = source.role is DECODE and flight.handed_off
         if handed_off:
-            if flight.first_token_at is None and ev.finish_reason != ERROR:
-                flight.early.append(ev)  # two sockets: keep the prefill node's first token first
+            if len(flight.output) == flight.dispatched_after and ev.finish_reason != ERROR:
+                # two sockets: this dispatch's first token (a resumed request's too) comes from its prefill node
+                flight.early.append(ev)
                 return
             self._left_prefill(flight)  # the decode node has it: a prefill failure no longer concerns it
             if not ev.token_ids and ev.finish_reason is None:

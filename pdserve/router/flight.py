@@ -56,6 +56,7 @@ class Flight:
     last_token_at: float | None = None
     decode_started: bool = False  # disaggregated: the decode node has sent a token
     output: list[int] = field(default_factory=list)  # token ids streamed so far
+    dispatched_after: int = 0  # len(output) when its latest dispatch went out: the tokens of earlier dispatches
     attempts: int = 0
     ended: bool = False
     early: list[TokenEvent] = field(default_factory=list)  # decode events that beat the first token

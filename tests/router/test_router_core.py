@@ -97,18 +97,39 @@ def test_a_lost_prefill_node_after_the_kv_landed_does_not_concern_the_request(co
     assert [ev.token_ids for ev in _events(flight)] == [[10], [11]]
 
 
-def test_a_request_resumes_from_the_streamed_tokens_when_its_decode_node_is_lost(core):
+def _resumed(core: RouterCore, max_tokens: int):
+    """A request that streamed [10, 11] (prompt [1, 2, 3]), then lost its decode node, with another one up: its
+    flight, and its id before it was dispatched again."""
     core.nodes.append(NodeConn(Role.DECODE, "tcp://d1", "tcp://k1", sock=FakeNodeSock(), up=True))
-    flight, prefill, decode = _submit(core, prompt=(1, 2, 3), max_tokens=5)
+    flight, prefill, decode = _submit(core, prompt=(1, 2, 3), max_tokens=max_tokens)
     rid = flight.request_id
     core._deliver(TokenEvent(rid, [10]), prefill)
     core._deliver(TokenEvent(rid, []), decode)
     core._deliver(TokenEvent(rid, [11]), decode)
     core.links.node_down(decode, "test")
+    return flight, rid
+
+
+def test_a_request_resumes_from_the_streamed_tokens_when_its_decode_node_is_lost(core):
+    flight, rid = _resumed(core, max_tokens=5)
     resent = flight.nodes[0].sock.sent[-1]
     assert isinstance(resent, Generate) and resent.request_id == flight.request_id != rid
     assert resent.prompt_token_ids == [1, 2, 3, 10, 11] and resent.params.max_tokens == 3
     assert flight.nodes[1].addr == "tcp://d1"
+
+
+def test_a_resumed_requests_decode_tokens_that_beat_its_new_first_token_are_delivered_after_it(core):
+    """Dispatched again after its decode node was lost, the request has a first token already, from its first
+    dispatch; its new decode node's tokens may still beat the new prefill node's token over the other socket, and
+    wait for it as on the first dispatch."""
+    flight, _ = _resumed(core, max_tokens=6)
+    new, (prefill2, decode2) = flight.request_id, flight.nodes
+    core._deliver(TokenEvent(new, []), decode2)  # "KV landed"
+    core._deliver(TokenEvent(new, [13]), decode2)  # beats the new prefill node's token
+    core._deliver(TokenEvent(new, [12]), prefill2)
+    core._deliver(TokenEvent(new, [14, 15], LENGTH), decode2)
+    assert [t for ev in _events(flight) for t in ev.token_ids] == [10, 11, 12, 13, 14, 15]
+    assert flight.output == [10, 11, 12, 13, 14, 15] and new not in core.flights
 
 
 def test_a_prefill_node_that_saw_its_decode_peer_go_dispatches_the_request_again(core):
