@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict
 
 from pdserve.router.choices import derive_seed
 from pdserve.router.errors import ApiError
-from pdserve.router.limits import Offload, content_chars, content_texts, messages_size, stop_problem
+from pdserve.router.limits import Offload, content_chars, message_strings, messages_size, stop_problem
 from pdserve.router.logprobs import ChoiceExtras
 from pdserve.router.text import ModelInfo, NoTokenizerError, chat_prompt_ids
 from pdserve.wire.params import InvalidField, SamplingParams
@@ -186,15 +186,21 @@ async def chat_ids(body: ChatBody, info: ModelInfo, offload: Offload) -> list[in
         raise ApiError(400, "messages must not be empty", "messages")
     chars = sum(content_chars(m.content) for m in body.messages)
     _check_chars(chars, info, "messages")
-    for m in body.messages:
-        for text in content_texts(m.content):
-            check_text(text, "messages")
-    return await offload.run(messages_size([m.content for m in body.messages]), _apply_template, body, info)
+    messages = [m.model_dump() for m in body.messages]
+    check_messages_text(messages)
+    return await offload.run(messages_size(messages), _apply_template, messages, info)
 
 
-def _apply_template(body: ChatBody, info: ModelInfo) -> list[int]:
+def check_messages_text(messages: list[dict]) -> None:
+    """`check_text` on every string of every message, named as "messages[2].content"."""
+    for i, m in enumerate(messages):
+        for where, text in message_strings(m):
+            check_text(text, f"messages[{i}].{where}")
+
+
+def _apply_template(messages: list[dict], info: ModelInfo) -> list[int]:
     try:
-        return chat_prompt_ids(info.tokenizer, [m.model_dump() for m in body.messages])
+        return chat_prompt_ids(info.tokenizer, messages)
     except ValueError as e:
         raise ApiError(400, str(e), "messages") from None
 

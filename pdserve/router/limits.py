@@ -156,9 +156,25 @@ def content_texts(content: Any) -> list[str]:
     return []
 
 
-def messages_size(contents: list[Any]) -> int:
-    """What templating chat messages costs, in characters: their text, and a fixed cost a message."""
-    return sum(content_chars(c) for c in contents) + MESSAGE_CHARS * len(contents)
+def message_strings(message: Any) -> list[tuple[str, str]]:
+    """(where, text) for every string a chat message (a dict) gives the template: its role, its content or the text
+    of each of its parts, its name and any other field (a tool call's arguments), `where` as "content[0].text"."""
+    out, todo = [], [("", message)]
+    while todo:  # no recursion: a body may nest as deep as the JSON parser allows
+        where, value = todo.pop()
+        if isinstance(value, str):
+            out.append((where, value))
+        elif isinstance(value, dict):
+            todo += [(f"{where}.{k}" if where else str(k), v) for k, v in value.items()]
+        elif isinstance(value, list):
+            todo += [(f"{where}[{i}]", v) for i, v in enumerate(value)]
+    return out
+
+
+def messages_size(messages: list[Any]) -> int:
+    """What templating chat messages (dicts) costs, in characters: every string they carry, and a fixed cost a
+    message."""
+    return sum(len(text) for m in messages for _, text in message_strings(m)) + MESSAGE_CHARS * len(messages)
 
 
 def content_chars(content: Any) -> int:

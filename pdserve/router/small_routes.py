@@ -7,7 +7,7 @@ from pydantic import BaseModel, ConfigDict
 
 import pdserve
 from pdserve.router.errors import ApiError
-from pdserve.router.jobs import check_text
+from pdserve.router.jobs import check_messages_text, check_text
 from pdserve.router.limits import messages_size
 from pdserve.router.text import NoTokenizerError, chat_prompt_ids
 
@@ -53,6 +53,7 @@ def _tokenize(info, body: TokenizeBody) -> list[int]:
             return info.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         except NoTokenizerError as e:
             raise ApiError(400, str(e), "prompt") from None
+    check_messages_text(body.messages)
     try:
         return chat_prompt_ids(info.tokenizer, body.messages, body.add_generation_prompt)
     except ValueError as e:
@@ -63,7 +64,7 @@ def _tokenize(info, body: TokenizeBody) -> list[int]:
 async def tokenize(body: TokenizeBody, request: Request) -> dict:
     check_model(request, body.model)
     info = request.app.state.info
-    size = len(body.prompt or "") + messages_size([m.get("content") for m in body.messages or ()])
+    size = len(body.prompt or "") + messages_size(body.messages or [])
     ids = await request.app.state.offload.run(size, _tokenize, info, body)  # a large input off the event loop
     strs = info.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
     return {"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids, "token_strs": strs}

@@ -56,11 +56,30 @@ def test_a_prompt_with_a_lone_surrogate_is_refused(info, prompt):
     assert e.param == "prompt" and "surrogate" in e.message
 
 
-@pytest.mark.parametrize("content", ["\ud800", [{"type": "text", "text": "a\udbff"}]])
-def test_a_message_with_a_lone_surrogate_is_refused(info, content):
-    body = ChatBody(model="tiny", messages=[{"role": "user", "content": content}])
+SURROGATE_MESSAGES = [  # (the second message, where its lone surrogate is)
+    ({"role": "user", "content": "\ud800"}, "content"),
+    ({"role": "user", "content": [{"type": "text", "text": "a\udbff"}]}, "content[0].text"),
+    ({"role": "user\ud800", "content": "hi"}, "role"),
+    ({"role": "user", "content": "hi", "name": "a\udc00"}, "name"),
+    (
+        {"role": "assistant", "content": None, "tool_calls": [{"function": {"arguments": "\ud800"}}]},
+        "tool_calls[0].function.arguments",
+    ),
+]
+
+
+@pytest.mark.parametrize("message,where", SURROGATE_MESSAGES)
+def test_a_message_with_a_lone_surrogate_is_refused_naming_where(info, message, where):
+    body = ChatBody(model="tiny", messages=[{"role": "system", "content": "ok"}, message])
     e = _refused(chat_ids, body, info, Offload())
-    assert e.param == "messages" and "surrogate" in e.message
+    assert e.param == f"messages[1].{where}" and "surrogate" in e.message and e.param in e.message
+
+
+@pytest.mark.parametrize("message,where", SURROGATE_MESSAGES)
+def test_tokenize_refuses_a_message_with_a_lone_surrogate(info, message, where):
+    body = small_routes.TokenizeBody(messages=[message])
+    e = _refused(small_routes._tokenize, info, body)
+    assert e.param == f"messages[0].{where}" and "surrogate" in e.message
 
 
 def test_tokenize_refuses_a_lone_surrogate(info):
@@ -172,3 +191,12 @@ def test_many_empty_messages_are_templated_off_the_event_loop(info):
     small = ChatBody(model="tiny", messages=[{"role": "user", "content": "hi"}] * 4)
     asyncio.run(chat_ids(small, info, offload))
     assert offload.sizes[-1] <= OFFLOAD_CHARS, "a short chat stays inline"
+
+
+@pytest.mark.parametrize("field", ["name", "tool_call_id"])
+def test_a_long_string_in_any_field_of_a_message_is_templated_off_the_event_loop(info, field):
+    """Every string a message carries counts toward its templating cost, not only its content."""
+    offload = _RecordingOffload()
+    body = ChatBody(model="tiny", messages=[{"role": "user", "content": "hi", field: "x" * (2 * OFFLOAD_CHARS)}])
+    asyncio.run(chat_ids(body, info, offload))
+    assert offload.sizes[-1] > 2 * OFFLOAD_CHARS
