@@ -143,6 +143,17 @@ def site(box, tmp_path_factory) -> tuple[Path, Path]:
     return root / "site", partial
 
 
+def test_fetch_leaves_out_what_a_host_with_torch_transformers_and_triton_holds(box):
+    """deps.py fetch's default `--have`: torch, transformers, triton and the tokenizers and safetensors transformers
+    requires (the box-like venv holds each of them), so none of their wheels, nor huggingface_hub's that tokenizers
+    pulls in, travels to the host."""
+    deps = load_script(ROOT / "scripts" / "deps.py")
+    bin_dir, wheels = box
+    fetched = {deps.wheel_name(w) for w in wheels.glob("*.whl")}
+    assert fetched and not fetched & {deps.normalize(n) for n in (*deps.HOST_HAS, "huggingface_hub")}, fetched
+    assert {deps.normalize(n) for n in deps.HOST_HAS} <= {deps.normalize(d.name) for d in closure(BOX_HAS)}
+
+
 def test_the_box_venv_lacks_the_serving_dependencies(box):
     bin_dir, _ = box
     nowhere = Path("/nonexistent")
