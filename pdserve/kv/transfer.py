@@ -168,9 +168,6 @@ class ShmBackend(_SharedPoolBackend):
             self._owned = None
 
 
-COPY_ROUTES = ("same", "peer", "host")  # one GPU; GPU to GPU over peer access; staged through host memory
-
-
 def copy_route(src: int, dst: int, can_access_peer: Callable[[int, int], bool]) -> str:
     """How the decode GPU `dst` reads blocks of a pool on GPU `src`: "same" (one GPU), "peer" (a direct copy: torch
     enables peer access for a copy between two GPUs that have it), or "host" (no peer access: the blocks are
