@@ -92,14 +92,14 @@ def admission_errors():
         raise ApiError(503, str(e)) from None
 
 
-async def collect(core: RouterCore, info: ModelInfo, job: Job) -> tuple[str, list[int], str | None, dict | None]:
-    """Dispatch `job` and gather its whole answer (text, token ids, finish reason, log-probabilities): its events are
-    pushed into its choice's view as they come, and the handler wakes once, at the end. Aborts it everywhere if the
-    caller is cancelled (the client left)."""
+async def collect(core: RouterCore, info: ModelInfo, job: Job) -> tuple[str, list[int], str | None, dict | None, Any]:
+    """Dispatch `job` and gather its whole answer (text, token ids, finish reason, log-probabilities, stop reason):
+    its events are pushed into its choice's view as they come, and the handler wakes once, at the end. Aborts it
+    everywhere if the caller is cancelled (the client left)."""
     flight = submit(core, job)
     view = ChoiceView(info, job)
     ended = asyncio.get_running_loop().create_future()
-    texts, ids, logprobs, reason = [], [], [], [None]
+    texts, ids, logprobs, reason = [], [], [], [None, None]
 
     def on_event(ev) -> None:
         if ended.done():
@@ -109,7 +109,7 @@ async def collect(core: RouterCore, info: ModelInfo, job: Job) -> tuple[str, lis
             texts.append(d.text)
             ids.extend(d.token_ids)
             logprobs.extend([d.logprobs] if d.logprobs is not None else [])
-            reason[0] = d.finish_reason
+            reason[:] = d.finish_reason, d.stop_reason
         if error is not None:
             ended.set_exception(error)
         elif view.reason is not None:
@@ -121,7 +121,7 @@ async def collect(core: RouterCore, info: ModelInfo, job: Job) -> tuple[str, lis
     finally:
         if view.reason is None or flight.request_id in core.flights:
             core.abort(flight.request_id, view.reason or FinishReason.ABORT)
-    return "".join(texts), ids, reason[0], merge_pieces(logprobs)
+    return "".join(texts), ids, reason[0], merge_pieces(logprobs), reason[1]
 
 
 async def _complete(core, info, jobs: list[Job], chat: bool, call: Call) -> dict:
@@ -134,10 +134,10 @@ async def _complete(core, info, jobs: list[Job], chat: bool, call: Call) -> dict
     results = task.result()
     body = envelope(jobs[0], chat, stream=False)
     body["choices"] = [
-        choice(job, chat, text, ids, reason, stream=False, logprobs=lps)
-        for job, (text, ids, reason, lps) in zip(jobs, results, strict=True)
+        choice(job, chat, text, ids, reason, stream=False, logprobs=lps, stop_reason=stop)
+        for job, (text, ids, reason, lps, stop) in zip(jobs, results, strict=True)
     ]
-    body["usage"] = call.state.usage = usage(jobs, sum(len(ids) for _, ids, _, _ in results))
+    body["usage"] = call.state.usage = usage(jobs, sum(len(r[1]) for r in results))
     return body
 
 

@@ -13,6 +13,7 @@ from json.encoder import encode_basestring_ascii
 from pdserve.wire.params import FinishReason
 
 _REASONS = {None: "null", **{r: json.dumps(r.value) for r in FinishReason}}
+_NO_STOP = ', "stop_reason": null'
 
 
 def event(obj: dict) -> str:
@@ -29,6 +30,8 @@ class ChunkFormat:
         self.after_text = '}, "logprobs": null, "finish_reason": ' if chat else ', "logprobs": null, "finish_reason": '
         self.with_token_ids = with_token_ids
 
-    def event(self, text: str, token_ids: list[int], reason: FinishReason | None) -> str:
+    def event(self, text: str, token_ids: list[int], reason: FinishReason | None, stop_reason=None) -> str:
+        """`stop_reason`: the stop string or stop token id that ended the choice (vLLM's field), else None."""
         ids = f', "token_ids": [{", ".join(map(str, token_ids))}]' if self.with_token_ids else ""
-        return f"{self.head}{encode_basestring_ascii(text)}{self.after_text}{_REASONS[reason]}{ids}}}]}}\n\n"
+        stop = _NO_STOP if stop_reason is None else f', "stop_reason": {json.dumps(stop_reason)}'
+        return f"{self.head}{encode_basestring_ascii(text)}{self.after_text}{_REASONS[reason]}{stop}{ids}}}]}}\n\n"

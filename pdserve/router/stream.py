@@ -50,6 +50,7 @@ class Delta:
     token_ids: list[int]
     finish_reason: str | None
     logprobs: dict | None = None
+    stop_reason: str | int | None = None  # the stop string, or stop token id, that ended the choice
 
 
 class ChoiceView:
@@ -93,7 +94,17 @@ class ChoiceView:
             text += "" if stopped else self.detok.flush()
             self.reason = reason
         prefix, logprobs = self.extras.event(ev, shown) if self.extras else ("", None)
-        return Delta(prefix + text, shown, reason, logprobs)
+        stop = None if reason is None else self.detok.matched or self._stop_token(ev, reason)
+        return Delta(prefix + text, shown, reason, logprobs, stop)
+
+    def _stop_token(self, ev: TokenEvent, reason: FinishReason | None) -> int | None:
+        """The stop token id (of the request's `stop_token_ids`) that ended it; None for an end-of-sequence token,
+        which ends a request before its stop token ids are looked at unless `ignore_eos` (as vLLM reports it)."""
+        p = self.job.params
+        last = ev.token_ids[-1] if reason is STOP and ev.token_ids else None  # no id: not in stop_token_ids
+        if last not in p.stop_token_ids or (not p.ignore_eos and last in p.eos_token_ids):
+            return None
+        return last
 
 
 # ---- response shapes -----------------------------------------------------------------------------
@@ -109,8 +120,16 @@ def usage(jobs: list[Job], completion_tokens: int) -> dict:
 
 
 def choice(
-    job: Job, chat: bool, text: str, token_ids: list[int] | None, reason, stream: bool, logprobs: dict | None = None
+    job: Job,
+    chat: bool,
+    text: str,
+    token_ids: list[int] | None,
+    reason,
+    stream: bool,
+    logprobs: dict | None = None,
+    stop_reason: str | int | None = None,
 ) -> dict:
+    """A choice as OpenAI shapes it, with vLLM's `stop_reason` (the stop string or stop token id that ended it)."""
     if chat:
         key = "delta" if stream else "message"
         out = {
@@ -118,9 +137,11 @@ def choice(
             key: {"role": "assistant", "content": text},
             "logprobs": logprobs,
             "finish_reason": reason,
+            "stop_reason": stop_reason,
         }
     else:
         out = {"index": job.index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+        out["stop_reason"] = stop_reason
     if job.return_token_ids and token_ids is not None:
         out["token_ids"] = token_ids
     return out
@@ -139,9 +160,13 @@ def envelope(job: Job, chat: bool, stream: bool) -> dict:
 def chunk(job: Job, chat: bool, fmt: ChunkFormat, d: Delta) -> str:
     """One delta's SSE event: from the choice's template, or (with log-probabilities) a dict serialized whole."""
     if d.logprobs is None:
-        return fmt.event(d.text, d.token_ids, d.finish_reason)
+        return fmt.event(d.text, d.token_ids, d.finish_reason, d.stop_reason)
     out = envelope(job, chat, stream=True)
-    out["choices"] = [choice(job, chat, d.text, d.token_ids, d.finish_reason, stream=True, logprobs=d.logprobs)]
+    out["choices"] = [
+        choice(
+            job, chat, d.text, d.token_ids, d.finish_reason, stream=True, logprobs=d.logprobs, stop_reason=d.stop_reason
+        )
+    ]
     return sse.event(out)
 
 

@@ -107,6 +107,7 @@ class Detokenizer:
         self.stops = stops
         self.include_stop = include_stop  # the text ends with the stop string rather than before it
         self.held = ""  # settled text not yet returned: it may be the start of a stop string
+        self.matched: str | None = None  # the stop string that ended the text
 
     def add(self, token_ids: list[int]) -> tuple[str, bool]:
         """Return (new text, stopped). After a stop the text ends before the stop string (after it, with
@@ -118,7 +119,7 @@ class Detokenizer:
         for stop in self.stops:
             at = text.find(stop)
             if at != -1:
-                self.held = ""
+                self.held, self.matched = "", stop
                 return text[: at + (len(stop) if self.include_stop else 0)], True
         hold = len(text)
         for stop in self.stops:

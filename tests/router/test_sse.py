@@ -12,16 +12,17 @@ from pdserve.wire.params import FinishReason
 TEXTS = ["", "plain", 'quo"te \\ back', "tab\tnew\nline", "héllo ✓ 😀", "\x00\x1f"]
 
 
-def _reference(envelope: dict, index: int, chat: bool, text: str, ids: list[int], reason, with_ids: bool) -> dict:
+def _reference(envelope: dict, index: int, chat: bool, text: str, ids: list[int], reason, stop, with_ids: bool) -> dict:
     if chat:
         choice = {
             "index": index,
             "delta": {"role": "assistant", "content": text},
             "logprobs": None,
             "finish_reason": reason,
+            "stop_reason": stop,
         }
     else:
-        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": reason, "stop_reason": stop}
     if with_ids:
         choice["token_ids"] = ids
     return {**envelope, "choices": [choice]}
@@ -38,8 +39,15 @@ def test_template_chunks_are_the_dicts_json(chat: bool, with_ids: bool):
     }
     fmt = ChunkFormat(envelope, 3, chat, with_ids)
     for text in TEXTS:
-        for ids, reason in (([], None), ([7], None), ([1, 22, 333], FinishReason.LENGTH), ([5], FinishReason.STOP)):
-            out = fmt.event(text, ids, reason)
+        for ids, reason, stop in (
+            ([], None, None),
+            ([7], None, None),
+            ([1, 22, 333], FinishReason.LENGTH, None),
+            ([5], FinishReason.STOP, None),
+            ([5], FinishReason.STOP, 5),
+            ([5], FinishReason.STOP, 'a "stop" ✓'),
+        ):
+            out = fmt.event(text, ids, reason, stop)
             assert out.startswith("data: ") and out.endswith("\n\n")
-            expected = json.dumps(_reference(envelope, 3, chat, text, ids, reason, with_ids))
+            expected = json.dumps(_reference(envelope, 3, chat, text, ids, reason, stop, with_ids))
             assert out[len("data: ") : -2] == expected

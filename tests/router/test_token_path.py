@@ -14,7 +14,7 @@ from pdserve.config import RouterConfig
 from pdserve.router import api
 from pdserve.router.core import RouterCore
 from pdserve.router.nodes import NodeConn
-from pdserve.router.stream import Outbox, SseStream
+from pdserve.router.stream import ChoiceView, Outbox, SseStream
 from pdserve.router.text import load_model_info
 from pdserve.wire.codec import encode
 from pdserve.wire.messages import TokenEvent, TokenEvents
@@ -180,3 +180,33 @@ def test_a_choice_with_stops_log_probabilities_or_echo_is_not_plain(colocated, i
         return stream.views[0].plain_text
 
     assert asyncio.run(run()) is None
+
+
+@pytest.mark.parametrize(
+    "fields,last,stop_reason",
+    [
+        ({"stop_token_ids": [7, 9]}, 9, 9),  # a stop token id: named
+        ({"stop_token_ids": [7], "ignore_eos": True}, "eos", None),  # EOS ignored, and not a stop id: length's end
+        ({"stop_token_ids": ["eos"], "ignore_eos": True}, "eos", "eos"),  # EOS ignored, yet a stop id: named
+        ({"stop_token_ids": ["eos"]}, "eos", None),  # EOS ends it first (as vLLM reports it)
+        ({}, "eos", None),
+    ],
+)
+def test_the_stop_reason_names_the_stop_token_id_that_ended_the_choice(info, fields, last, stop_reason):
+    eos = info.eos_token_ids[0]
+    fields = {k: [eos if t == "eos" else t for t in v] if k == "stop_token_ids" else v for k, v in fields.items()}
+    last, stop_reason = (eos if x == "eos" else x for x in (last, stop_reason))
+    job = api.make_job(api.CompletionBody(model="tiny", prompt=[1, 2], max_tokens=6, **fields), [1, 2], info)
+    view = ChoiceView(info, job)
+    assert view.delta(TokenEvent("r", [5], None)).stop_reason is None
+    end = view.delta(TokenEvent("r", [last], FinishReason.STOP))
+    assert (end.finish_reason, end.stop_reason) == (FinishReason.STOP, stop_reason)
+
+
+def test_the_stop_reason_names_the_stop_string_that_ended_the_choice(info):
+    job = api.make_job(api.CompletionBody(model="tiny", prompt=[1, 2], max_tokens=6, stop=["zz", "b"]), [1, 2], info)
+    view = ChoiceView(info, job)
+    ids = info.tokenizer.encode("abc", add_special_tokens=False)
+    deltas, error = view.deltas([TokenEvent("r", [t], None) for t in ids])  # up to the choice's end
+    assert error is None and [(d.finish_reason, d.stop_reason) for d in deltas] == [(None, None), ("stop", "b")]
+    assert "".join(d.text for d in deltas) == "a"

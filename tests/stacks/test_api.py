@@ -64,8 +64,21 @@ def test_stop_string_cuts_the_text(client, stack):
     stop = free[3:5]
     if not stop.strip("\ufffd"):
         pytest.fail(f"the tiny model's answer {free!r} has no usable stop string at [3:5]")
-    cut = client.completions.create(model="tiny", prompt="stop test", max_tokens=12, temperature=0, stop=[stop])
+    kw = dict(model="tiny", prompt="stop test", max_tokens=12, temperature=0)
+    cut = client.completions.create(stop=["never \u2603", stop], **kw)
     assert cut.choices[0].text == free[: free.index(stop)] and cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].stop_reason == stop  # vLLM's field: which stop string ended it
+    chunks = list(client.completions.create(stop=["never \u2603", stop], stream=True, **kw))
+    assert "".join(c.choices[0].text for c in chunks) == cut.choices[0].text
+    assert [(c.choices[0].finish_reason, c.choices[0].stop_reason) for c in chunks][-1] == ("stop", stop)
+    assert all(c.choices[0].stop_reason is None for c in chunks[:-1])
+    chat = dict(model="tiny", messages=[{"role": "user", "content": "stop test"}], max_tokens=12, temperature=0)
+    said = client.chat.completions.create(**chat).choices[0].message.content
+    if said[3:5].strip("\ufffd"):
+        ended = client.chat.completions.create(stop=[said[3:5]], **chat).choices[0]
+        assert (ended.finish_reason, ended.stop_reason) == ("stop", said[3:5])
+    long = client.completions.create(**kw).choices[0]
+    assert (long.finish_reason, long.stop_reason) == ("length", None)
     stack.wait_kv_free()
 
 
@@ -246,7 +259,9 @@ def test_logit_bias_min_tokens_and_stop_strings(client):
     free = client.completions.create(max_tokens=4, extra_body={"return_token_ids": True}, **kw).choices[0]
     first = free.token_ids[0]
     stopped = client.completions.create(max_tokens=4, extra_body={"stop_token_ids": [first]}, **kw)
-    assert stopped.usage.completion_tokens == 1
+    assert stopped.usage.completion_tokens == 1 and stopped.choices[0].stop_reason == first  # the stop token id
+    streamed = list(client.completions.create(max_tokens=4, stream=True, extra_body={"stop_token_ids": [first]}, **kw))
+    assert (streamed[-1].choices[0].finish_reason, streamed[-1].choices[0].stop_reason) == ("stop", first)
     held = client.completions.create(
         max_tokens=4, extra_body={"stop_token_ids": [first], "min_tokens": 3, "return_token_ids": True}, **kw
     )
