@@ -10,11 +10,11 @@
 with `pip download --only-binary=:all:` for that Python and platform, so their own dependencies come too; it
 writes the list it resolved to <dest>/requirements.txt and prints the wheels' size (what must travel to the host).
 By default the host holds torch, transformers and triton, and so the tokenizers and safetensors transformers
-requires: 47 MiB of wheels for Python 3.12, matplotlib and numpy the most of it; `--have` naming those too: 8 MiB. `install` installs, with no index and no dependency
-resolution, each wheel in the folder whose distribution the host does not already have: nothing the host
-holds (say the tokenizers its transformers was built with) is shadowed, and what an earlier install put in the
-target at the same version is kept. Only the standard library and `packaging` (a dependency of transformers) are
-needed.
+requires: 47 MiB of wheels for Python 3.12, matplotlib and numpy the most of it; `--have` naming those too: 8 MiB.
+`install` installs, with no index and no dependency resolution, each wheel in the folder whose distribution the
+host does not already have: nothing the host holds (say the tokenizers its transformers was built with) is
+shadowed, and what an earlier install put in the target at the same version is kept. Only the standard library and
+`packaging` (a dependency of transformers) are needed.
 """
 
 from __future__ import annotations
