@@ -9,7 +9,7 @@ import torch
 import zmq
 
 from pdserve.kv.copier import BlockCopier, Copy
-from pdserve.kv.pool import FEW_RUNS, KVLayout, KVPool
+from pdserve.kv.pool import FEW_RUNS, KVLayout, KVPool, kv_checksums
 from pdserve.kv.transfer import ShmBackend
 from tests.helpers import export_tokens
 
@@ -58,7 +58,8 @@ def test_copies_out_of_a_shared_pool_land_in_order_and_wake_the_poller(ctx):
 
 def test_a_copy_is_a_slice_per_run_up_to_a_few_runs_else_one_gather(monkeypatch):
     """Blocks consecutive on both sides in a few runs are copied slice by slice, in place; more runs than FEW_RUNS
-    are gathered and scattered at once: both land the source's KV."""
+    are gathered and scattered at once: both land the source's KV, and both are checked (`holds_copy`, the CRC-32s)
+    the same way."""
     src, dst = KVPool(LAYOUT, 64), KVPool(LAYOUT, 64)
     src.data.copy_(torch.randn(src.data.shape))
     calls: list[str] = []
@@ -76,6 +77,10 @@ def test_a_copy_is_a_slice_per_run_up_to_a_few_runs_else_one_gather(monkeypatch)
         dst.copy_blocks_from(src.data, s, d)
         assert calls == want
         assert torch.equal(export_tokens(dst, d, 4 * len(d)), export_tokens(src, s, 4 * len(s)))
+        n = 4 * len(d)  # the copy is checked the same way, in place or gathered: it holds, with the sender's CRCs
+        assert dst.holds_copy(src.data, s, d) and kv_checksums([(dst.data, d)], 4, n) == src.checksums(s, n)
+        dst.data[..., d[-1] * 4, :] += 1  # one landed token wrong
+        assert not dst.holds_copy(src.data, s, d) and kv_checksums([(dst.data, d)], 4, n) != src.checksums(s, n)
 
 
 @pytest.mark.gpu
