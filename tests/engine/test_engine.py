@@ -56,7 +56,8 @@ def test_greedy_equals_transformers(tiny_models, arch, budget, num_blocks, kerne
 
 
 def check_equals_transformers(model, prompts, outs, budget: int, num_blocks: int | None, kernels: str) -> Engine:
-    """The engine's greedy tokens are transformers', every block comes back, and a small pool did preempt."""
+    """The engine's greedy tokens are transformers' on the backend `kernels` names, every block comes back, and a
+    small pool did preempt."""
     ref = hf_greedy(model, prompts, outs)
     cfg = EngineConfig(
         model=str(model), max_num_batched_tokens=budget, num_kv_blocks=num_blocks, **backend_args(kernels)
@@ -65,6 +66,7 @@ def check_equals_transformers(model, prompts, outs, budget: int, num_blocks: int
     reqs = greedy_requests(prompts, outs)
     got = run_engine(engine, reqs)
     assert [got[str(i)] for i in range(len(prompts))] == ref
+    assert engine.runner.backend.name == {"on": "cpu", "off": "torch", "triton": "triton"}[kernels]  # the one tested
     assert engine.pool.allocator.num_free == engine.pool.num_blocks
     if num_blocks is not None:
         assert engine.num_preemptions() > 0, "the small pool should have forced a preemption"
@@ -81,8 +83,7 @@ def test_triton_greedy_equals_transformers(tiny_models, arch, budget, num_blocks
     Each architecture and each budget once (pairs, not their product: the interpreter is slow, and the
     scheduling does not depend on the architecture; the test above runs their product on the CPU kernels)."""
     prompts, outs = mixed_workload(8, 512, seed=5, max_prompt=48, max_out=16)
-    engine = check_equals_transformers(tiny_models[arch], prompts, outs, budget, num_blocks, "triton")
-    assert engine.runner.backend.name == "triton"
+    check_equals_transformers(tiny_models[arch], prompts, outs, budget, num_blocks, "triton")
 
 
 @pytest.mark.parametrize("kernels", ["on", "off", "triton"])

@@ -9,7 +9,7 @@ import torch
 import zmq
 
 from pdserve.kv.copier import BlockCopier, Copy
-from pdserve.kv.pool import KVLayout, KVPool
+from pdserve.kv.pool import FEW_RUNS, KVLayout, KVPool, kv_checksums
 from pdserve.kv.transfer import ShmBackend
 from tests.helpers import export_tokens
 
@@ -54,6 +54,33 @@ def test_copies_out_of_a_shared_pool_land_in_order_and_wake_the_poller(ctx):
     finally:
         copier.close()
         owner.close()
+
+
+def test_a_copy_is_a_slice_per_run_up_to_a_few_runs_else_one_gather(monkeypatch):
+    """Blocks consecutive on both sides in a few runs are copied slice by slice, in place; more runs than FEW_RUNS
+    are gathered and scattered at once: both land the source's KV, and both are checked (`holds_copy`, the CRC-32s)
+    the same way."""
+    src, dst = KVPool(LAYOUT, 64), KVPool(LAYOUT, 64)
+    src.data.copy_(torch.randn(src.data.shape))
+    calls: list[str] = []
+    for name in ("copy_", "index_copy_"):
+        method = getattr(torch.Tensor, name)
+        monkeypatch.setattr(
+            torch.Tensor, name, lambda t, *a, _m=method, _n=name, **k: calls.append(_n) or _m(t, *a, **k)
+        )
+    scattered = list(range(0, 2 * (FEW_RUNS + 1), 2))  # FEW_RUNS + 1 runs of one block
+    for s, d, want in [
+        ([8, 9, 0, 1], [4, 5, 12, 13], ["copy_", "copy_"]),  # two runs: two slice copies
+        (scattered, list(range(40, 40 + len(scattered))), ["index_copy_"]),
+    ]:
+        calls.clear()
+        dst.copy_blocks_from(src.data, s, d)
+        assert calls == want
+        assert torch.equal(export_tokens(dst, d, 4 * len(d)), export_tokens(src, s, 4 * len(s)))
+        n = 4 * len(d)  # the copy is checked the same way, in place or gathered: it holds, with the sender's CRCs
+        assert dst.holds_copy(src.data, s, d) and kv_checksums([(dst.data, d)], 4, n) == src.checksums(s, n)
+        dst.data[..., d[-1] * 4, :] += 1  # one landed token wrong
+        assert not dst.holds_copy(src.data, s, d) and kv_checksums([(dst.data, d)], 4, n) != src.checksums(s, n)
 
 
 @pytest.mark.gpu
