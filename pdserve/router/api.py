@@ -99,7 +99,7 @@ async def collect(core: RouterCore, info: ModelInfo, job: Job) -> tuple[str, lis
     flight = submit(core, job)
     view = ChoiceView(info, job)
     ended = asyncio.get_running_loop().create_future()
-    texts, ids, logprobs, reason = [], [], [], [None, None]
+    texts, ids, logprobs = [], [], []
 
     def on_event(ev) -> None:
         if ended.done():
@@ -109,7 +109,6 @@ async def collect(core: RouterCore, info: ModelInfo, job: Job) -> tuple[str, lis
             texts.append(d.text)
             ids.extend(d.token_ids)
             logprobs.extend([d.logprobs] if d.logprobs is not None else [])
-            reason[:] = d.finish_reason, d.stop_reason
         if error is not None:
             ended.set_exception(error)
         elif view.reason is not None:
@@ -121,7 +120,7 @@ async def collect(core: RouterCore, info: ModelInfo, job: Job) -> tuple[str, lis
     finally:
         if view.reason is None or flight.request_id in core.flights:
             core.abort(flight.request_id, view.reason or FinishReason.ABORT)
-    return "".join(texts), ids, reason[0], merge_pieces(logprobs), reason[1]
+    return "".join(texts), ids, view.reason, merge_pieces(logprobs), view.stop_reason
 
 
 async def _complete(core, info, jobs: list[Job], chat: bool, call: Call) -> dict:

@@ -61,6 +61,7 @@ class ChoiceView:
         self.detok = Detokenizer(info.tokenizer, job.stops, job.include_stop, job.skip_special, info.byte_table)
         self.extras = job.extras(info.tokenizer)
         self.reason: FinishReason | None = None  # set by the last event the client sees
+        self.stop_reason: str | int | None = None  # with it: the stop string or stop token id that ended the choice
         # a plain choice (its tokens shown, no stop strings, no log-probabilities or echo): an event before its end is
         # only its tokens' text, which SseStream takes straight from here
         plain = job.show_tokens and not job.stops and self.extras is None
@@ -92,10 +93,9 @@ class ChoiceView:
         reason = STOP if stopped else ev.finish_reason
         if reason is not None:
             text += "" if stopped else self.detok.flush()
-            self.reason = reason
+            self.reason, self.stop_reason = reason, self.detok.matched or self._stop_token(ev, reason)
         prefix, logprobs = self.extras.event(ev, shown) if self.extras else ("", None)
-        stop = None if reason is None else self.detok.matched or self._stop_token(ev, reason)
-        return Delta(prefix + text, shown, reason, logprobs, stop)
+        return Delta(prefix + text, shown, reason, logprobs, self.stop_reason)
 
     def _stop_token(self, ev: TokenEvent, reason: FinishReason | None) -> int | None:
         """The stop token id (of the request's `stop_token_ids`) that ended it; None for an end-of-sequence token,
@@ -140,8 +140,13 @@ def choice(
             "stop_reason": stop_reason,
         }
     else:
-        out = {"index": job.index, "text": text, "logprobs": logprobs, "finish_reason": reason}
-        out["stop_reason"] = stop_reason
+        out = {
+            "index": job.index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": reason,
+            "stop_reason": stop_reason,
+        }
     if job.return_token_ids and token_ids is not None:
         out["token_ids"] = token_ids
     return out
