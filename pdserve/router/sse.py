@@ -22,16 +22,25 @@ def event(obj: dict) -> str:
 
 
 class ChunkFormat:
-    """The events of one streamed choice (`envelope`: the chunk's id, object, created and model)."""
+    """The events of one streamed choice (`envelope`: the chunk's id, object, created and model). A chat choice's
+    first delta carries its role, the later ones its content only, as OpenAI and vLLM stream them."""
 
     def __init__(self, envelope: dict, index: int, chat: bool, with_token_ids: bool) -> None:
-        key = '"delta": {"role": "assistant", "content": ' if chat else '"text": '
-        self.head = f'data: {json.dumps(envelope)[:-1]}, "choices": [{{"index": {index}, {key}'
+        start = f'data: {json.dumps(envelope)[:-1]}, "choices": [{{"index": {index}, '
+        self.head = start + ('"delta": {"content": ' if chat else '"text": ')
+        self.first_head = start + '"delta": {"role": "assistant", "content": ' if chat else self.head
+        self.role_pending = chat  # the next delta is the choice's first, which names the role
         self.after_text = '}, "logprobs": null, "finish_reason": ' if chat else ', "logprobs": null, "finish_reason": '
         self.with_token_ids = with_token_ids
+
+    def take_role(self) -> bool:
+        """Whether this delta, the choice's first, carries the role (a chat choice's first only)."""
+        pending, self.role_pending = self.role_pending, False
+        return pending
 
     def event(self, text: str, token_ids: list[int], reason: FinishReason | None, stop_reason=None) -> str:
         """`stop_reason`: the stop string or stop token id that ended the choice (vLLM's field), else None."""
         ids = f', "token_ids": [{", ".join(map(str, token_ids))}]' if self.with_token_ids else ""
         stop = _NO_STOP if stop_reason is None else f', "stop_reason": {json.dumps(stop_reason)}'
-        return f"{self.head}{encode_basestring_ascii(text)}{self.after_text}{_REASONS[reason]}{stop}{ids}}}]}}\n\n"
+        head = self.first_head if self.take_role() else self.head
+        return f"{head}{encode_basestring_ascii(text)}{self.after_text}{_REASONS[reason]}{stop}{ids}}}]}}\n\n"

@@ -128,13 +128,15 @@ def choice(
     stream: bool,
     logprobs: dict | None = None,
     stop_reason: str | int | None = None,
+    role: bool = True,
 ) -> dict:
-    """A choice as OpenAI shapes it, with vLLM's `stop_reason` (the stop string or stop token id that ended it)."""
+    """A choice as OpenAI shapes it, with vLLM's `stop_reason` (the stop string or stop token id that ended it).
+    `role`: whether a chat choice names its role (a message does; of a stream's deltas, only the first)."""
     if chat:
         key = "delta" if stream else "message"
         out = {
             "index": job.index,
-            key: {"role": "assistant", "content": text},
+            key: {"role": "assistant", "content": text} if role else {"content": text},
             "logprobs": logprobs,
             "finish_reason": reason,
             "stop_reason": stop_reason,
@@ -169,7 +171,15 @@ def chunk(job: Job, chat: bool, fmt: ChunkFormat, d: Delta) -> str:
     out = envelope(job, chat, stream=True)
     out["choices"] = [
         choice(
-            job, chat, d.text, d.token_ids, d.finish_reason, stream=True, logprobs=d.logprobs, stop_reason=d.stop_reason
+            job,
+            chat,
+            d.text,
+            d.token_ids,
+            d.finish_reason,
+            stream=True,
+            logprobs=d.logprobs,
+            stop_reason=d.stop_reason,
+            role=fmt.take_role(),
         )
     ]
     return sse.event(out)

@@ -1,22 +1,27 @@
-"""A streamed chunk built from its choice's template is the JSON of the chunk's dict, key for key and in order."""
+"""A streamed chunk built from its choice's template is the JSON of the chunk's dict, key for key and in order; a chat
+choice names its role in its first delta only, on either path."""
 
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
 from pdserve.router.sse import ChunkFormat
+from pdserve.router.stream import Delta, chunk, envelope
 from pdserve.wire.params import FinishReason
 
 TEXTS = ["", "plain", 'quo"te \\ back', "tab\tnew\nline", "héllo ✓ 😀", "\x00\x1f"]
 
 
-def _reference(envelope: dict, index: int, chat: bool, text: str, ids: list[int], reason, stop, with_ids: bool) -> dict:
+def _reference(
+    envelope: dict, index: int, chat: bool, text: str, ids: list[int], reason, stop, with_ids: bool, first: bool
+) -> dict:
     if chat:
         choice = {
             "index": index,
-            "delta": {"role": "assistant", "content": text},
+            "delta": {"role": "assistant", "content": text} if first else {"content": text},
             "logprobs": None,
             "finish_reason": reason,
             "stop_reason": stop,
@@ -38,6 +43,7 @@ def test_template_chunks_are_the_dicts_json(chat: bool, with_ids: bool):
         "model": "tiny ✓",
     }
     fmt = ChunkFormat(envelope, 3, chat, with_ids)
+    first = True
     for text in TEXTS:
         for ids, reason, stop in (
             ([], None, None),
@@ -49,5 +55,17 @@ def test_template_chunks_are_the_dicts_json(chat: bool, with_ids: bool):
         ):
             out = fmt.event(text, ids, reason, stop)
             assert out.startswith("data: ") and out.endswith("\n\n")
-            expected = json.dumps(_reference(envelope, 3, chat, text, ids, reason, stop, with_ids))
+            expected = json.dumps(_reference(envelope, 3, chat, text, ids, reason, stop, with_ids, first))
             assert out[len("data: ") : -2] == expected
+            first = False
+
+
+def test_a_chat_choice_names_its_role_in_its_first_delta_only_with_or_without_logprobs():
+    job = SimpleNamespace(id="x", index=0, created=1, model="m", return_token_ids=False)
+    for logprobs in (None, {"content": []}):
+        fmt = ChunkFormat(envelope(job, True, stream=True), 0, True, False)
+        deltas = [Delta("a", [1], None, logprobs), Delta("b", [2], None, logprobs), Delta("", [3], FinishReason.STOP)]
+        sent = [json.loads(chunk(job, True, fmt, d)[len("data: ") :])["choices"][0]["delta"] for d in deltas]
+        assert sent == [{"role": "assistant", "content": "a"}, {"content": "b"}, {"content": ""}]
+    fmt = ChunkFormat(envelope(job, False, stream=True), 0, False, False)
+    assert [json.loads(chunk(job, False, fmt, d)[6:])["choices"][0]["text"] for d in deltas] == ["a", "b", ""]

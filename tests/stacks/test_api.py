@@ -51,6 +51,8 @@ def test_streamed_completion_and_chat_match_unstreamed(client):
         client.chat.completions.create(messages=msgs, stream=True, stream_options={"include_usage": True}, **kw)
     )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole
+    roles = [c.choices[0].delta.role for c in chunks if c.choices]
+    assert roles[0] == "assistant" and len(roles) > 1 and not any(roles[1:])  # the first delta names it, only
     assert chunks[-1].usage.completion_tokens == 6 and chunks[-1].choices == []
 
 
