@@ -36,6 +36,10 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.runner.triton_interpreter import fix_interpreter
+
+fix_interpreter()
+
 MAX_SPLITS = 16  # the most slices a tile's keys are split into
 SPLIT_MIN_TOKENS = 256  # a slice reads at least this many keys: shorter slices cost more to combine than they save
 WAVES = 2  # split until the programs fill the device's multiprocessors this many times

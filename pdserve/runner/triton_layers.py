@@ -19,6 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.runner.triton_interpreter import fix_interpreter
+
+fix_interpreter()
+
 SILU_BLOCK = 1024  # columns of one silu*mul program
 
 
