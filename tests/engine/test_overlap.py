@@ -217,6 +217,7 @@ def test_launch_never_waits_for_the_device(tiny_models):
     engine.step()
     for r in reqs[4:]:  # their prompts run beside the first four's decodes
         engine.add(r)
+    before = engine.run_counters()
     launched = 0
     while engine.has_work():
         torch.cuda.set_sync_debug_mode("error")
@@ -228,3 +229,5 @@ def test_launch_never_waits_for_the_device(tiny_models):
         launched += 1
         assert not any(o.finish_reason == "error" for o in engine.finish(step))
     assert launched > 5 and engine.pool.allocator.num_free == engine.pool.num_blocks
+    after = engine.run_counters()  # both paths were launched unsynchronized: replayed graphs and eager forwards
+    assert after["graph_steps"] > before["graph_steps"] and after["eager_steps"] > before["eager_steps"], after
