@@ -14,28 +14,28 @@ import pytest
 from pdserve.checkpoint import resolve_model
 
 
-def _imports_torch(module: str) -> bool:
-    code = f"import sys, {module}; print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    return out.stdout.strip() == "True"
+def _torch_modules(code: str) -> str:
+    """The torch modules a fresh interpreter holds after running `code`, as the sorted list prints."""
+    code += "; import sys; print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=os.environ.copy(), timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.strip()
 
 
 def test_the_router_loads_its_model_facts_without_torch():
     import transformers
 
-    if _imports_torch("transformers.tokenization_utils_tokenizers"):  # transformers 5.17's imports torch; 5.25's not
+    fast_tokenizer = "import transformers.tokenization_utils_tokenizers"  # 5.17's imports torch; 5.25's does not
+    if _torch_modules(fast_tokenizer) != "[]":
         pytest.skip(f"transformers {transformers.__version__}'s fast tokenizer imports torch itself")
     resolve_model("tiny")  # written (with torch) by this process first, as `pdserve up` does before its router
     code = (
-        "import sys; import pdserve.router.api, pdserve.router.core; from pdserve.router.text import "
-        "load_model_info; info = load_model_info('tiny'); assert info.vocab_size == 512, info; "
-        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
+        "import pdserve.router.api, pdserve.router.core; from pdserve.router.text import load_model_info; "
+        "info = load_model_info('tiny'); assert info.vocab_size == 512, info"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=os.environ.copy(), timeout=120
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "[]", "the router imported torch"
+    assert _torch_modules(code) == "[]", "the router imported torch"
 
 
 PACKAGE = Path(__file__).resolve().parents[1] / "pdserve"

@@ -136,7 +136,7 @@ async def _complete(core, info, jobs: list[Job], chat: bool, call: Call) -> dict
         choice(job, chat, text, ids, reason, stream=False, logprobs=lps, stop_reason=stop)
         for job, (text, ids, reason, lps, stop) in zip(jobs, results, strict=True)
     ]
-    body["usage"] = call.state.usage = usage(jobs, sum(len(r[1]) for r in results))
+    body["usage"] = call.state.usage = usage(jobs, sum(len(ids) for _, ids, *_ in results))
     return body
 
 

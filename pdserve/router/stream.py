@@ -134,21 +134,10 @@ def choice(
     `role`: whether a chat choice names its role (a message does; of a stream's deltas, only the first)."""
     if chat:
         key = "delta" if stream else "message"
-        out = {
-            "index": job.index,
-            key: {"role": "assistant", "content": text} if role else {"content": text},
-            "logprobs": logprobs,
-            "finish_reason": reason,
-            "stop_reason": stop_reason,
-        }
+        value = {"role": "assistant", "content": text} if role else {"content": text}
     else:
-        out = {
-            "index": job.index,
-            "text": text,
-            "logprobs": logprobs,
-            "finish_reason": reason,
-            "stop_reason": stop_reason,
-        }
+        key, value = "text", text
+    out = {"index": job.index, key: value, "logprobs": logprobs, "finish_reason": reason, "stop_reason": stop_reason}
     if job.return_token_ids and token_ids is not None:
         out["token_ids"] = token_ids
     return out

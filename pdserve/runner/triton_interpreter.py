@@ -38,10 +38,10 @@ def patch_tensor_index(interpreter) -> None:
 
 def fix_interpreter() -> None:
     """Under `TRITON_INTERPRET=1` with a Triton before 3.7, patch its interpreter (`patch_tensor_index`)."""
-    import triton
-
     if os.environ.get("TRITON_INTERPRET") != "1":
         return
+    import triton
+
     if tuple(int(n) for n in re.findall(r"\d+", triton.__version__)[:2]) >= FIXED_IN:
         return
     import triton.runtime.interpreter as interpreter
