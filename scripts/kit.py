@@ -438,9 +438,10 @@ class Shared:
 
 class Stacks:
     """The stacks the stages share: each starts before the first stage that runs on it (within that stage's time),
-    or in a stage that `starts` it, and stops once the last stage that may run on it is done; its stop is judged as
-    gpu_check's (e) judges its own (`stops`), but for the device's free memory, which other stacks move: the kit
-    judges that once, over its whole run (`device_memory`)."""
+    or in a stage that `starts` it (a start that outlasts that time goes on for the next stage on it), and stops
+    once the last stage that may run on it is done; its stop is judged as gpu_check's (e) judges its own (`stops`),
+    but for the device's free memory, which other stacks move: the kit judges that once, over its whole run
+    (`device_memory`)."""
 
     def __init__(self, run: Run, stages: list[Stage]) -> None:
         self.run, self.open = run, {}
@@ -448,7 +449,7 @@ class Stacks:
         self.stops: dict[str, dict] = {}  # each stopped stack: its clean stop
         self.gc = None
         self.lock = threading.Lock()
-        self.starting: dict[str, object] = {}  # the stacks being started now (bench.systems.Stack)
+        self.starting: dict[str, Shared] = {}  # the stacks being started, not yet ready
 
     def gpu_check(self):
         with self.lock:
@@ -461,31 +462,48 @@ class Stacks:
         return self.open[name]
 
     def start(self, name: str, timeout: float) -> Shared:
-        gc, run = self.gpu_check(), self.run
-        port = gc.free_port()
-        log_dir, cache = run.work / "logs", run.work / "triton-cache" / name
-        with self.lock, importlib.import_module("bench.gpu").triton_cache(cache):  # it compiles into its own folder
-            stack = gc.Stack(self.argv(gc, name, port), log_dir / f"kit.{name}.log")  # (the folder: in os.environ)
-            self.starting[name] = stack
+        """Starts the stack, or goes on waiting for a start an earlier stage's time ran out on: a stack not ready
+        within `timeout` (TimeoutError) goes on starting for the next stage on it (stopped by `done` if none is
+        left); one whose launcher exits is stopped, and its error raised."""
+        with self.lock:
+            shared = self.starting.get(name)
+        if shared is None:
+            gc, run = self.gpu_check(), self.run
+            port = gc.free_port()
+            log_dir, cache = run.work / "logs", run.work / "triton-cache" / name
+            with self.lock, importlib.import_module("bench.gpu").triton_cache(cache):  # it compiles into its folder
+                stack = gc.Stack(self.argv(gc, name, port), log_dir / f"kit.{name}.log")  # (the folder: os.environ)
+                shared = self.starting[name] = Shared(name, stack, f"http://127.0.0.1:{port}", cache)
         try:
-            stack.wait_ready(timeout)
-        except BaseException:
-            stack.stop()
+            shared.stack.wait_ready(timeout)
+        except Exception as e:
+            if shared.stack.proc.poll() is None and not STOPPING.is_set():
+                raise TimeoutError(f"not ready within {timeout:.0f} s; it goes on starting for the next stage") from e
+            self.abandon(name)
             raise
-        finally:
-            with self.lock:
-                self.starting.pop(name, None)
-        return Shared(name, stack, f"http://127.0.0.1:{port}", cache)
+        except BaseException:
+            self.abandon(name)
+            raise
+        with self.lock:
+            self.starting.pop(name, None)
+        return shared
 
-    def start_all(self, names: list[str], timeout: float) -> dict[str, str]:
+    def abandon(self, name: str) -> None:
+        """Stops a stack that is starting (not yet ready), if it is."""
+        with self.lock:
+            shared = self.starting.pop(name, None)
+        if shared is not None:
+            shared.stack.stop()
+
+    def start_all(self, names: list[str], timeout: float) -> dict[str, Exception]:
         """Starts the stacks at once, a thread each; {name: why it did not start} for those that did not."""
-        errors: dict[str, str] = {}
+        errors: dict[str, Exception] = {}
 
         def one(name: str) -> None:
             try:
                 self.get(name, timeout)
             except Exception as e:
-                errors[name] = f"{type(e).__name__}: {e}"
+                errors[name] = e
 
         threads = [threading.Thread(target=one, args=(n,), daemon=True) for n in names]
         for t in threads:
@@ -511,6 +529,8 @@ class Stacks:
         with self.lock:
             self.users[name] -= 1
             shared = self.open.pop(name, None) if self.users[name] <= 0 else None
+        if self.users[name] <= 0:
+            self.abandon(name)  # a start no stage waited out
         if shared is not None:
             judged = self.stop(shared)
             with self.lock:
@@ -530,11 +550,13 @@ class Stacks:
 
     def close(self) -> None:
         with self.lock:
-            starting = list(self.starting.values())
-        for stack in starting:  # the kit stops while a lane starts one: it stops, and that lane's start fails
-            stack.stop()
-        for name in list(self.open):
-            self.stops[name] = self.stop(self.open.pop(name))
+            starting = list(self.starting)
+        for name in starting:  # the kit stops while a lane starts one: it stops, and that lane's start fails
+            self.abandon(name)
+        with self.lock:
+            left = [self.open.pop(name) for name in list(self.open)]
+        for shared in left:
+            self.stops[shared.name] = self.stop(shared)
 
 
 def alive(pid: int) -> bool:
@@ -567,10 +589,10 @@ def run_stage(stage: Stage, run: Run, env: dict, stacks: Stacks, t0: float, budg
     if stage.starts:
         names = [n for n in stage.starts if stacks.users[n] > 0]
         errors = stacks.start_all(names, budget)
-        r |= ended(start, t0) | {"status": "failed" if errors else "passed"}
+        r |= ended(start, t0) | {"status": status_of(errors.values())}
         r["started"] = [n for n in names if n not in errors]
         if errors:
-            r["error"] = "; ".join(f"stack {n}: {e}" for n, e in errors.items())
+            r["error"] = "; ".join(f"stack {n}: {type(e).__name__}: {e}" for n, e in errors.items())
         return r
     shared = []
     if stage.stack:
@@ -579,14 +601,21 @@ def run_stage(stage: Stage, run: Run, env: dict, stacks: Stacks, t0: float, budg
         try:
             shared = stacks.get(name, budget).args()
         except Exception as e:  # a stack that does not start fails the stage; the next stage still runs
-            status = "over budget" if isinstance(e, TimeoutError) else "failed"
-            return r | ended(start, t0) | {"status": status, "error": f"stack {name}: {e}"}
+            return r | ended(start, t0) | {"status": status_of([e]), "error": f"stack {name}: {e}"}
         r["stack"] = name
     left = budget - (time.monotonic() - start)  # the command's budget: the stage's, less its stack's start
     argv = stage.argv(run, left) + shared
     rc, status = command(argv, env, run.work / "logs" / f"{stage.name}.out", left)
     r |= ended(start, t0) | {"status": status, "exit_code": rc}
     return r | {"command": " ".join(argv[1:]), "summary": summary(run, stage.name)}
+
+
+def status_of(errors) -> str:
+    """A stage's status from its stacks' start errors: "over budget" where each start only ran out of time."""
+    errors = list(errors)
+    if not errors:
+        return "passed"
+    return "over budget" if all(isinstance(e, TimeoutError) for e in errors) else "failed"
 
 
 def ended(start: float, t0: float) -> dict:
@@ -779,7 +808,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stop_all()
         kit.stacks.close()
-    if gc:
+    if gc:  # the driver frees a stopped process's memory shortly after it exits
+        gc.wait_until(lambda: free_before - gc.free_device_mb(run.device) <= gc.RELEASE_SLACK_MB)
         free_after = gc.free_device_mb(run.device)
         moved = free_before - free_after
         report["device_memory"] = {

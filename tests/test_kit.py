@@ -408,7 +408,7 @@ def test_a_starting_stage_starts_at_once_the_stacks_a_stage_will_run_on(tmp_path
 
     monkeypatch.setattr(stacks, "get", get)
     r = kit.run_stage(starter, run, {}, stacks, time.monotonic(), kit.seconds(starter, run, kit.starters([starter, m])))
-    assert calls == [("S", 20)] and r["status"] == "failed" and r["started"] == []
+    assert calls == [("S", 20)] and r["status"] == "over budget" and r["started"] == []
     assert r["error"] == "stack S: TimeoutError: not ready in 20 s"
     stacks = kit.Stacks(run, [starter, m, kit.Stage("n", 10, 10, 4, lambda r, b: [], stack="T")])
 
@@ -420,6 +420,48 @@ def test_a_starting_stage_starts_at_once_the_stacks_a_stage_will_run_on(tmp_path
     monkeypatch.setattr(stacks, "get", meet)
     r = kit.run_stage(starter, run, {}, stacks, time.monotonic(), 30)
     assert r["status"] == "passed" and r["started"] == ["S", "T"] and set(stacks.open) == {"S", "T"}
+
+
+def test_a_stack_start_that_outlasts_its_stage_goes_on_for_the_next_stage_on_it(tmp_path, monkeypatch):
+    kit = load()
+    run = kit.Run("cpu", True, tmp_path)
+    (tmp_path / "logs").mkdir()
+    noop = lambda r, b: [sys.executable, "-c", ""]  # noqa: E731
+    a, b = kit.Stage("a", 1, 1, 2, noop, stack="s"), kit.Stage("b", 30, 30, 1, noop, stack="s")
+    gate = tmp_path / "ready"  # the stack says it serves once this file exists
+    serve = (
+        f"import pathlib, time\nwhile not pathlib.Path({str(gate)!r}).exists(): time.sleep(0.05)\n"
+        "print('pdserve is serving', flush=True)\ntime.sleep(60)"
+    )
+    launches = []
+
+    def argv(gc, name, port):
+        launches.append(name)
+        return [sys.executable, "-c", serve]
+
+    stacks = kit.Stacks(run, [a, b])
+    monkeypatch.setattr(stacks, "argv", argv)
+    monkeypatch.setattr(stacks, "stop", lambda shared: shared.stack.stop() or {"pass": True})
+    t0 = time.monotonic()
+    r = kit.run_stage(a, run, dict(os.environ), stacks, t0, 1.0)
+    stacks.done(a)
+    assert r["status"] == "over budget" and "goes on starting" in r["error"], r
+    (starting,) = stacks.starting.values()
+    assert starting.stack.proc.poll() is None  # not stopped: b waits for it
+    gate.touch()
+    r = kit.run_stage(b, run, dict(os.environ), stacks, t0, 30)
+    stacks.done(b)
+    assert r["status"] == "passed" and r["stack"] == "s" and launches == ["s"], r
+    assert starting.stack.proc.poll() is not None and stacks.stops == {"s": {"pass": True}}
+
+    # a start no later stage waits for is stopped once its last stage is done
+    gate.unlink()
+    stacks = kit.Stacks(run, [a])
+    monkeypatch.setattr(stacks, "argv", argv)
+    r = kit.run_stage(a, run, dict(os.environ), stacks, t0, 1.0)
+    (starting,) = stacks.starting.values()
+    stacks.done(a)
+    assert r["status"] == "over budget" and stacks.starting == {} and starting.stack.proc.poll() is not None
 
 
 def test_cpu_mode_runs_its_stages_with_tritons_interpreter(tmp_path, monkeypatch):

@@ -157,10 +157,19 @@ def test_no_gpu_stage_writes_into_the_kits_out(tmp_path, kit):
 @pytest.mark.parametrize("after, rc", [(99_990.0, 0), (99_000.0, 1)])
 def test_a_gpu_run_judges_the_device_memory_and_kit_md_says_so(tmp_path, monkeypatch, kit, after, rc):
     """On a GPU the checks run at once, then the measurements, and the kit judges the device's free memory over its
-    whole run (gpu_check's free_device_mb, answering here as a GPU would): memory that did not come back fails the
-    kit even where every stage passed, and kit.md says so."""
-    free = iter([100_000.0, after])
-    fake = SimpleNamespace(free_device_mb=lambda device: next(free), RELEASE_SLACK_MB=64)
+    whole run (gpu_check's free_device_mb, answering here as a GPU would): memory that did not come back, after the
+    driver had a moment to free it, fails the kit even where every stage passed, and kit.md says so."""
+    free = iter([100_000.0, 98_000.0, 98_500.0, after])  # before; then back in steps, as the driver frees it
+    last = []
+
+    def free_device_mb(device):
+        last[:] = [next(free, last[0] if last else None)]
+        return last[0]
+
+    def wait_until(cond, timeout=10.0):  # gpu_check's, without its sleeps: a few looks
+        return any(cond() for _ in range(4))
+
+    fake = SimpleNamespace(free_device_mb=free_device_mb, wait_until=wait_until, RELEASE_SLACK_MB=64)
     monkeypatch.setattr(kit.Stacks, "gpu_check", lambda self: fake)
     monkeypatch.setattr(kit.signal, "signal", lambda *_: None)
     command = lambda run, budget: [sys.executable, "-c", "pass"]  # noqa: E731
