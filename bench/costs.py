@@ -278,8 +278,26 @@ def measure_corun(model: str, other_core: int) -> dict:
 
 
 def kv_bytes_per_token(model: str | Target) -> int:
-    engine = _engine(model, prefill_only=True, max_tokens_budget=16)
-    return int(engine.layout.bytes_per_token())
+    """KV bytes a token takes in the pool, from the checkpoint's config (no engine, no pool of its own)."""
+    import transformers
+
+    from bench.baselines import kv_bytes_per_token as of_config
+    from pdserve.checkpoint import resolve_model
+    from pdserve.kv.layout import DTYPE_BYTES
+
+    t = _target(model)
+    return of_config(transformers.AutoConfig.from_pretrained(resolve_model(t.model)), DTYPE_BYTES[t.dtype])
+
+
+def release(target: Target) -> None:
+    """Frees an engine measured and dropped (its KV pool, on a GPU, before the next engine allocates its own)."""
+    import gc
+
+    gc.collect()
+    if target.device.startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()
 
 
 def measure_handoff(
@@ -354,7 +372,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     load_before = os.getloadavg()
     prefill = measure_prefill(target, repeats, shapes)
+    release(target)
     decode = measure_decode(target, batches, contexts)
+    release(target)
     per_token = kv_bytes_per_token(target)
     handoff = measure_handoff(target, per_token, handoff_tokens)
     measured_link = fit_link(handoff, per_token)

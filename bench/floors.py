@@ -12,7 +12,7 @@ compute floor is the summed bare forward time, the wall time an engine with zero
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -130,23 +130,29 @@ def _overhead_summary(workload: Workload, steps: list[tuple[float, float, float]
 
 PEAK_N = 8192
 TINY_PEAK_N = 512
-PEAK_REPEATS = 10
+PEAK_WARMUP = 20  # matmuls before the timing: the clocks rise from idle
+PEAK_REPEATS = 10  # timings, each of PEAK_BACK_TO_BACK matmuls queued at once
+PEAK_BACK_TO_BACK = 10
 
 
 def gemm_peak_flops(device: str, dtype: torch.dtype = torch.bfloat16) -> float:
-    """FLOP/s of one large matmul in `dtype` (2 N^3 per product, N = PEAK_N; TINY_PEAK_N on the CPU), best of
-    PEAK_REPEATS after a warm-up: the peak the compute floor is set at."""
+    """FLOP/s of large matmuls in `dtype` (2 N^3 per product, N = PEAK_N; TINY_PEAK_N on the CPU): after PEAK_WARMUP,
+    the best of PEAK_REPEATS timings of PEAK_BACK_TO_BACK matmuls in a row (one launch's gap is not in the figure):
+    the peak the compute floor is set at."""
     n = PEAK_N if device.startswith("cuda") else TINY_PEAK_N
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(PEAK_WARMUP):
+        a @ b
     best = float("inf")
-    for _ in range(PEAK_REPEATS + 1):
+    for _ in range(PEAK_REPEATS):
         sync(device)
         t = time.perf_counter()
-        a @ b
+        for _ in range(PEAK_BACK_TO_BACK):
+            a @ b
         sync(device)
         best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best
+    return 2 * n**3 * PEAK_BACK_TO_BACK / best
 
 
 def sync(device: str) -> None:
@@ -154,34 +160,49 @@ def sync(device: str) -> None:
         torch.cuda.synchronize(device)
 
 
-def step_floors(records: list[dict], weights: tuple[int, int], kv_bytes_per_token: int, copy_gbps: float, peak: float):
-    """Each step beside its floor (records: requests, tokens, decode_tokens, context, seconds of each step): the
-    sums of each group (`step_group`), then `group_floors`."""
-    sums = {g: {"steps": 0, "seconds": 0.0, "context": 0, "tokens": 0} for g in GROUPS}
+class StepWeights(NamedTuple):
+    """The weights of a step's GEMMs: `nbytes`, those a step reads (the layers' and the LM head's; the embedding
+    table's rows looked up are not counted); `body`, the layers' weights, each 2 FLOPs per token; `head`, the LM head's,
+    each 2 FLOPs per row whose logits are computed (a sampling request's last row: not every token's)."""
+
+    nbytes: int
+    body: int
+    head: int
+
+    def flops(self, tokens: int, samples: int) -> float:
+        return 2.0 * (self.body * tokens + self.head * samples)
+
+
+def step_floors(records: list[dict], weights: StepWeights, kv_bytes_per_token: int, copy_gbps: float, peak: float):
+    """Each step beside its floor (records: requests, tokens, decode_tokens, samples, context, seconds of each
+    step): the sums of each group (`step_group`), then `group_floors`."""
+    keys = ("seconds", "context", "tokens", "samples")
+    sums = {g: {"steps": 0} | dict.fromkeys(keys, 0) for g in GROUPS}
     for r in records:
         g = step_group(r["requests"], r["tokens"], r["decode_tokens"])
         if g is not None:
-            for k, n in (("steps", 1), ("seconds", r["seconds"]), ("context", r["context"]), ("tokens", r["tokens"])):
-                sums[g][k] += n
+            sums[g]["steps"] += 1
+            for k in keys:
+                sums[g][k] += r[k]
     return group_floors(sums, weights, kv_bytes_per_token, copy_gbps, peak)
 
 
-def group_floors(sums: dict, weights: tuple[int, int], kv_bytes_per_token: int, copy_gbps: float, peak: float):
+def group_floors(sums: dict, weights: StepWeights, kv_bytes_per_token: int, copy_gbps: float, peak: float):
     """Decode-only steps against the memory floor, grouped by batch size (STEP_GROUPS): their weights and their
     batch's KV read once, at the device copy's bandwidth (a copy reads and writes each byte: `copy_gbps` counts the
-    bytes copied, so read+write moves twice them); steps with prompt chunks against the compute floor: their tokens
-    x 2 FLOPs per weight at the measured bf16 GEMM peak. `sums`: {group: steps, seconds, context (tokens of KV
-    read), tokens}, summed over its steps; `weights`: (their bytes, their count). Each group: its steps, mean
-    seconds, mean floor, and their ratio."""
-    weight_bytes, flops_per_token = weights[0], 2 * weights[1]
+    bytes copied, so read+write moves twice them); steps with prompt chunks against the compute floor: their GEMMs'
+    FLOPs (`StepWeights.flops`: the layers' for every token, the LM head's for the rows sampled) at the measured bf16
+    GEMM peak. `sums`: {group: steps, seconds, context (tokens of KV read), tokens, samples}, summed over its steps.
+    Each group: its steps, mean seconds, mean floor, and their ratio."""
     groups = {}
     for g in GROUPS:
         s = sums.get(g) or {"steps": 0}
         if g == "prompt chunks":
-            floor, total = "compute", s.get("tokens", 0) * flops_per_token / peak
+            floor, total = "compute", weights.flops(s.get("tokens", 0), s.get("samples", 0)) / peak
         else:
             floor = "memory"
-            total = (s["steps"] * weight_bytes + s.get("context", 0) * kv_bytes_per_token) / (2 * copy_gbps * 1e9)
+            read = s["steps"] * weights.nbytes + s.get("context", 0) * kv_bytes_per_token
+            total = read / (2 * copy_gbps * 1e9)
         groups[g] = _group(s, total, floor)
     return groups
 

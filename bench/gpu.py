@@ -20,8 +20,8 @@
      floor group): decode-only steps, grouped by batch size (1-8, 9-32, 33-128, 129-256), beside the memory
      floor (the weights read per step, every parameter except the embedding table plus the LM head, and the
      KV its batch reads, at the device copy's read+write bandwidth); steps with prompt chunks beside the
-     compute floor (their tokens x 2 FLOPs a weight at the bf16 GEMM peak measured on the device,
-     bench.floors.gemm_peak_flops);
+     compute floor (2 FLOPs a layer weight a token and 2 an LM head weight a row sampled, at the bf16 GEMM peak
+     measured on the device, bench.floors.gemm_peak_flops);
    - KV transfer bandwidth (the prefill node's bytes over its transfer time, pull to ack) beside a
      device-to-device copy between the same devices (bytes copied per second);
    - the router's CPU time per streamed token.
@@ -69,7 +69,7 @@ import torch
 
 from bench import report, systems
 from bench.baselines import kv_bytes_per_token, load_hf_model
-from bench.floors import floor_rows, gemm_peak_flops, group_floors
+from bench.floors import StepWeights, floor_rows, gemm_peak_flops, group_floors
 from bench.metrics import SLO
 from bench.run_bench import environment, run_workload, warm_up
 from bench.workloads import Workload, fixed_lengths, make_workload
@@ -355,23 +355,19 @@ def hardware(cfg: GpuBenchConfig) -> dict:
     return hw
 
 
-def weight_bytes_per_step(config, itemsize: int) -> int:
-    """Bytes of weights one decode step reads: every parameter but the embedding table, plus the LM head."""
-    return weights_per_step(config) * itemsize
-
-
-def weights_per_step(config) -> int:
-    """The weights one step reads: every parameter but the embedding table, plus the LM head."""
+def step_weights(config, itemsize: int) -> StepWeights:
+    """The weights of a step's GEMMs (`StepWeights`): the layers' (every parameter but the embedding table and the
+    LM head) and the LM head's; a step reads both, and of the embedding table only the rows it looks up."""
     import transformers
 
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     embed = model.get_input_embeddings().weight
     head = model.get_output_embeddings().weight
-    numel = sum(p.numel() for p in model.parameters()) - embed.numel()  # a tied head is counted once, as embed
-    if head is embed:
-        numel += head.numel()
-    return numel
+    body = sum(p.numel() for p in model.parameters()) - embed.numel()  # parameters(): a tied head once, as embed
+    if head is not embed:
+        body -= head.numel()
+    return StepWeights((body + head.numel()) * itemsize, body, head.numel())
 
 
 def decode_context_tokens(workload: Workload) -> int:
@@ -386,10 +382,11 @@ def decode_context_tokens(workload: Workload) -> int:
 def model_figures(config, cfg: GpuBenchConfig, workload: Workload) -> dict:
     itemsize = DTYPE_BYTES[cfg.dtype]
     per_token = kv_bytes_per_token(config, itemsize)
-    weights = weights_per_step(config)
+    weights = step_weights(config, itemsize)
     return {
-        "weights_per_step": weights,
-        "weight_bytes_per_step": weights * itemsize,
+        "weight_bytes_per_step": weights.nbytes,
+        "body_weights": weights.body,
+        "head_weights": weights.head,
         "kv_bytes_per_token": per_token,
         "decode_kv_bytes": decode_context_tokens(workload) * per_token,
         "decode_tokens": sum(r.output_len - 1 for r in workload.requests),
@@ -452,8 +449,9 @@ def node_floors(counts: dict, role: str, figures: dict, hw: dict) -> dict | None
             "seconds": n["time_s"],
             "context": n["context_tokens"],
             "tokens": n["tokens"],
+            "samples": n["samples"],
         }
-    weights = (figures["weight_bytes_per_step"], figures["weights_per_step"])
+    weights = StepWeights(figures["weight_bytes_per_step"], figures["body_weights"], figures["head_weights"])
     groups = group_floors(sums, weights, figures["kv_bytes_per_token"], hw["copy_GBps"], hw["bf16_peak_flops_per_s"])
     return {"node": role, "steps": int(c["steps"]), "groups": groups}
 

@@ -9,8 +9,8 @@
    decode, one step is profiled (CUDA activity on a GPU, CPU activity on the CPU): per kernel, its calls, its
    time and its share of the step. Attention's and the GEMMs' bytes (the KV read; the weights read) over their
    time give GB/s; the step's host CPU time (time.process_time) stands beside.
-3. One step that runs a `--chunk`-token prompt chunk: the same table, and the GEMMs' FLOP/s (2 x weights x
-   tokens) beside the peak.
+3. One step that runs a `--chunk`-token prompt chunk: the same table, and the GEMMs' FLOP/s (2 x the layers'
+   weights x tokens, and 2 x the LM head's weights x rows sampled) beside the peak.
 4. Every step the engine ran meanwhile is recorded (requests, tokens, decode tokens, context, seconds), and
    bench.floors' `step_floors` sets them beside their floors: decode-only steps, grouped by batch size (1-8,
    9-32, 33-128, 129-256), beside the memory floor (weights + KV read at the device copy's read+write
@@ -25,11 +25,13 @@ import json
 import time
 from pathlib import Path
 
-from bench.floors import floor_rows, gemm_peak_flops, step_floors, sync
+from torch.autograd import DeviceType
+
+from bench.floors import StepWeights, floor_rows, gemm_peak_flops, step_floors, sync
 from bench.gpu import copy_gbps
 
 GEMM_NAMES = ("gemm", "matmul", "addmm", "aten::mm", "linear", "cutlass", "nvjet", "sm90_xmma")
-ATTENTION_NAMES = ("attention", "attn", "flash", "paged")
+ATTENTION_NAMES = ("attention", "attn", "flash", "paged", "_combine_kernel")  # (split-K attention's combine)
 TOP_KERNELS = 25
 DECODE_TOKENS = 256  # each decoding request's max_tokens: more than the steps until the last one decodes
 
@@ -62,7 +64,8 @@ def add(engine, tag: str, n: int, prompt_len: int, max_tokens: int, start: int =
 
 
 def timed_step(engine, records: list[dict]) -> dict:
-    """One engine step (launch, then finish), recorded: requests, tokens, decode tokens, context, seconds."""
+    """One engine step (launch, then finish), recorded: requests, tokens, decode tokens, rows sampled, context,
+    seconds."""
     device = str(engine.runner.device)
     sync(device)
     t, cpu = time.perf_counter(), time.process_time()
@@ -76,6 +79,7 @@ def timed_step(engine, records: list[dict]) -> dict:
             "requests": len(batch.scheduled),
             "tokens": batch.num_tokens,
             "decode_tokens": batch.num_decode_tokens,
+            "samples": batch.num_samples,
             "context": batch.num_context_tokens,
         }
         records.append(r)
@@ -103,9 +107,13 @@ def profile_step(engine, records: list[dict]) -> tuple[dict, list]:
 
 
 def kernel_rows(events, on_gpu: bool, step_s: float) -> list[dict]:
-    """Per kernel (on a GPU: device kernels; on the CPU: operators, self time): calls, seconds, share of the step."""
+    """Per kernel (on a GPU: device kernels; on the CPU: operators, self time): calls, seconds, share of the step. On
+    a GPU an operator's device time is its kernels' (each a device event of its own) and a range's on the device
+    timeline is an annotation: only the kernels count, each once."""
     rows = []
     for e in events:
+        if on_gpu and (e.device_type == DeviceType.CPU or e.is_user_annotation):
+            continue
         us = e.self_device_time_total if on_gpu else e.self_cpu_time_total
         if us <= 0:
             continue
@@ -122,16 +130,21 @@ def kind(name: str) -> str | None:
     return None
 
 
-def model_bytes(engine) -> tuple[tuple[int, int], int]:
-    """((bytes, count) of the weights a step reads (every weight, the embedding table's whole too: an upper
-    bound), bytes of KV per token of context). The runner holds the layers' projections and an untied LM head
-    itself (`ModelRunner.weights`, `lm_head`): the model's modules no longer do, so its parameters alone miss them."""
+def model_bytes(engine) -> tuple[StepWeights, int]:
+    """(the weights of a step's GEMMs, bytes of KV per token of context). The layers' weights are every tensor the
+    runner and its model hold but the embedding table and the LM head: the runner holds the layers' projections and
+    an untied LM head itself (`ModelRunner.weights`, `lm_head`), so the model's parameters alone miss them."""
     runner = engine.runner
-    linears = [runner.lm_head, *(lin for w in runner.weights for lin in (w.qkv, w.o, w.gate_up, w.down))]
+    linears = [lin for w in runner.weights for lin in (w.qkv, w.o, w.gate_up, w.down)]
     tensors = [*runner.model.parameters(), *(t for lin in linears for t in (lin.weight, lin.bias) if t is not None)]
-    held = {_storage(t): t for t in tensors}  # a tied head once (the CPU's packed copy of it apart)
-    weights = (sum(t.numel() * t.element_size() for t in held.values()), sum(t.numel() for t in held.values()))
-    return weights, engine.pool.layout.bytes_per_token()
+    held = {_storage(t): t for t in tensors}  # each tensor once
+    for t in (runner.embed.weight, runner.lm_head.weight, runner.model.lm_head.weight):  # (the model's: maybe None)
+        if t is not None:
+            held.pop(_storage(t), None)
+    body = sum(t.numel() for t in held.values())
+    head = runner.lm_head.weight
+    nbytes = sum(t.numel() * t.element_size() for t in held.values()) + head.numel() * head.element_size()
+    return StepWeights(nbytes, body, head.numel()), engine.pool.layout.bytes_per_token()
 
 
 def _storage(t) -> tuple:
@@ -139,14 +152,14 @@ def _storage(t) -> tuple:
     return ("onednn", id(t)) if t.is_mkldnn else (t.data_ptr(), t.numel())
 
 
-def figures(rows: list[dict], record: dict, weights: tuple[int, int], kv_per_token: int, peak: float) -> dict:
+def figures(rows: list[dict], record: dict, weights: StepWeights, kv_per_token: int, peak: float) -> dict:
     """Attention's and the GEMMs' time, bytes and GB/s (the KV read; the weights read), FLOP/s beside the peak."""
     out = {}
-    for k, nbytes in (("attention", record.get("context", 0) * kv_per_token), ("gemm", weights[0])):
+    for k, nbytes in (("attention", record.get("context", 0) * kv_per_token), ("gemm", weights.nbytes)):
         secs = sum(r["seconds"] for r in rows if kind(r["kernel"]) == k)
         out[k] = {"seconds": secs, "bytes": nbytes, "GBps": nbytes / secs / 1e9 if secs else None}
     gemm_s = out["gemm"]["seconds"]
-    flops = 2 * weights[1] * record.get("tokens", 0)  # 2 per weight per token
+    flops = weights.flops(record.get("tokens", 0), record.get("samples", 0))
     out["gemm"] |= {"flops": flops, "flops_per_s": flops / gemm_s if gemm_s else None, "peak_flops_per_s": peak}
     out["gemm"]["share_of_peak"] = out["gemm"]["flops_per_s"] / peak if gemm_s else None
     return out
@@ -170,7 +183,7 @@ def run(a: argparse.Namespace) -> dict:
     result["steps"][f"chunk-{a.chunk}"] = one(events, record, on_gpu, weights, kv_per_token, peak)
     steps_until(engine, records, lambda: False)
     copy = copy_gbps(a.device, a.device)
-    result |= {"copy_GBps": copy, "weight_bytes": weights[0], "weights": weights[1], "kv_bytes_per_token": kv_per_token}
+    result |= {"copy_GBps": copy, "weights": weights._asdict(), "kv_bytes_per_token": kv_per_token}
     result["step_floors"] = step_floors(records, weights, kv_per_token, copy, peak)
     result["step_records"] = records
     return result
@@ -182,7 +195,7 @@ def drop(engine) -> None:
         engine.abort(req.request_id)
 
 
-def one(events, record: dict, on_gpu: bool, weights: tuple[int, int], kv_per_token: int, peak: float) -> dict:
+def one(events, record: dict, on_gpu: bool, weights: StepWeights, kv_per_token: int, peak: float) -> dict:
     rows = kernel_rows(events, on_gpu, record["seconds"])
     return {"record": record, "kernels": rows[:TOP_KERNELS], **figures(rows, record, weights, kv_per_token, peak)}
 
@@ -256,7 +269,16 @@ def main(argv: list[str] | None = None) -> int:
     a.out.write_text(json.dumps(result, indent=2))
     a.out.with_suffix(".md").write_text(markdown(result))
     print(markdown(result))
-    return 0
+    missing = unmatched(result) if on_gpu else []
+    for name, k in missing:
+        print(f"bench.profile: no {k} kernel recorded in step {name} (is CUPTI missing?)")
+    return 1 if missing else 0
+
+
+def unmatched(result: dict) -> list[tuple[str, str]]:
+    """(step, kind) of each profiled step where no attention or no GEMM kernel was recorded: on a GPU every step has
+    both, so an empty one is a profile that failed (no device activity recorded), not a measurement."""
+    return [(n, k) for n, s in result["steps"].items() for k in ("attention", "gemm") if not s[k]["seconds"]]
 
 
 if __name__ == "__main__":

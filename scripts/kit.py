@@ -219,7 +219,7 @@ def costs(run: Run, budget: float) -> list[str]:
         run.device,
         "--model",
         model,
-        *(["--sizes", "tiny"] if run.tiny else ["--quick"]),
+        *(["--sizes", "tiny"] if run.tiny else ["--sizes", "gpu"]),
         "--out",
         str(run.json("costs")),
     ]
@@ -323,7 +323,7 @@ STAGES: tuple[Stage, ...] = (  # name, GPU budget s, CPU budget s, value, comman
     Stage("bench-hf_cb", 45, 120, 50, bench("hf_cb", 256, 128, (3, 2))),
     Stage("bench-static", 40, 120, 45, bench("static", 64, 32, (3, 2))),
     Stage("attention", 15, 60, 40, attention, has_module("bench.attention")),
-    Stage("costs", 20, 60, 35, costs, has_module("bench.costs", "--device")),
+    Stage("costs", 30, 60, 35, costs, has_module("bench.costs", "--device")),
     Stage("bench-large", 25, 90, 30, bench("large", 1024, 256, (4, 4)), stack="bench-colocated"),
 )
 

@@ -53,16 +53,16 @@ GROUP_KEYS = {  # each floor group -> the prefix of its node counters
     g: "steps_" + g.replace(" ", "_").replace("-", "_")
     for g in [f"decode {lo}-{hi}" for lo, hi in STEP_GROUPS] + ["prompt chunks"]
 }
-GROUP_COUNTS = ("count", "time_s", "context_tokens", "tokens")  # each group's counters: <prefix>_<count>
+GROUP_COUNTS = ("count", "time_s", "context_tokens", "tokens", "samples")  # each group's counters: <prefix>_<count>
 
 
 def group_counts(batch: Batch | None, seconds: float) -> dict[str, float]:
-    """One step's counts under its floor group's counter names (steps, seconds, context tokens, tokens); with no
-    batch, every group's counters at zero."""
+    """One step's counts under its floor group's counter names (steps, seconds, context tokens, tokens, rows
+    sampled); with no batch, every group's counters at zero."""
     if batch is None:
         return {f"{p}_{k}": 0 for p in GROUP_KEYS.values() for k in GROUP_COUNTS}
     prefix = GROUP_KEYS.get(batch.floor_group)
-    values = (1, seconds, batch.num_context_tokens, batch.num_tokens)
+    values = (1, seconds, batch.num_context_tokens, batch.num_tokens, batch.num_samples)
     return {f"{prefix}_{k}": v for k, v in zip(GROUP_COUNTS, values, strict=True)} if prefix else {}
 
 
@@ -146,6 +146,11 @@ class Batch:
     @property
     def num_tokens(self) -> int:
         return sum(self.columns[1])
+
+    @property
+    def num_samples(self) -> int:
+        """Requests that sample a token this step (their last row's logits are computed)."""
+        return sum(self.columns[2])
 
     @property
     def num_decode_tokens(self) -> int:

@@ -51,7 +51,7 @@ def test_node_counters_are_summed_per_role_and_diffed():
 
 
 def test_a_nodes_steps_are_set_beside_their_floors_from_its_group_counters():
-    figures = {"weight_bytes_per_step": 1e9, "weights_per_step": 5e8, "kv_bytes_per_token": 1e6}
+    figures = {"weight_bytes_per_step": 1e9, "body_weights": 4e8, "head_weights": 1e8, "kv_bytes_per_token": 1e6}
     hw = {"copy_GBps": 500.0, "bf16_peak_flops_per_s": 1e15, "kv_copy_GBps": 100.0}
     counts = {
         "decode": {
@@ -63,14 +63,15 @@ def test_a_nodes_steps_are_set_beside_their_floors_from_its_group_counters():
         },
         "prefill": {"steps": 2.0, "steps_prompt_chunks_count": 2.0, "steps_prompt_chunks_time_s": 0.02},
     }
-    counts["prefill"]["steps_prompt_chunks_tokens"] = 4096.0
+    counts["prefill"] |= {"steps_prompt_chunks_tokens": 4096.0, "steps_prompt_chunks_samples": 2.0}
     d = gpu.node_floors(counts, "decode", figures, hw)["groups"]
     # the memory floor: (100 x 1 GB + 1e5 x 1 MB) / 100 steps at 1,000 GB/s read + written = 2 ms a step
     assert d["decode 9-32"]["floor_s"] == pytest.approx(2e-3) and d["decode 9-32"]["ratio"] == pytest.approx(1.0)
     assert d["decode 1-8"] == {"floor": "memory", "steps": 0} and d["prompt chunks"]["steps"] == 0
     p = gpu.node_floors(counts, "prefill", figures, hw)["groups"]["prompt chunks"]
-    # the compute floor: 2,048 tokens a step x 2 x 5e8 FLOPs at 1e15 FLOP/s
-    assert p["floor"] == "compute" and p["floor_s"] == pytest.approx(2048 * 1e9 / 1e15)
+    # the compute floor: 2,048 tokens a step x 2 x 4e8 layer weights and 1 row sampled x 2 x 1e8 LM head weights, at
+    # 1e15 FLOP/s
+    assert p["floor"] == "compute" and p["floor_s"] == pytest.approx((2048 * 8e8 + 2e8) / 1e15)
     assert p["ratio"] == pytest.approx(0.01 / p["floor_s"])
     assert gpu.node_floors({}, "decode", figures, hw) is None
     kv = gpu.kv_transfer(systems.node_counters(METRICS), hw)
@@ -83,7 +84,7 @@ def test_weights_read_per_step_skip_the_embedding_table_but_not_the_head(tied):
     config = hf_config(spec)
     model = transformers.AutoModelForCausalLM.from_config(config)
     body = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n and "lm_head" not in n)
-    assert gpu.weight_bytes_per_step(config, 2) == (body + 512 * 64) * 2
+    assert gpu.step_weights(config, 2) == (body * 2 + 512 * 64 * 2, body, 512 * 64)
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")

@@ -8,6 +8,9 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+from bench import costs as bench_costs
 from pdserve.plan.costs import Costs
 
 
@@ -29,3 +32,10 @@ def test_the_costs_run_end_to_end_with_tiny_sizes(tmp_path) -> None:
     costs = Costs.load(out)
     assert costs.link_bytes_per_s == result["handoff_fit"]["link_bytes_per_s"] > 0
     assert costs.kv_bytes_per_token > 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_kv_bytes_of_a_token_are_the_pools_without_building_one(dtype) -> None:
+    target = bench_costs.Target("tiny", dtype=dtype)
+    engine = bench_costs._engine(target, prefill_only=True, max_tokens_budget=16)
+    assert bench_costs.kv_bytes_per_token(target) == engine.layout.bytes_per_token()

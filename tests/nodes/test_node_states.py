@@ -127,9 +127,11 @@ def test_every_step_counts_even_one_that_only_computes_prompt_chunks(tiny_models
             node.loop_once()
         assert router.events()[0].token_ids, "no first token after 3 steps"
         assert node.counters["steps"] == 3 and node.counters["busy_time_s"] >= node.counters["step_time_s"] > 0
-        # each is a step with a prompt chunk, counted in that floor group: 8 + 8 + 4 tokens, reading 8 + 16 + 20
+        # each is a step with a prompt chunk, counted in that floor group: 8 + 8 + 4 tokens, reading 8 + 16 + 20;
+        # only the last samples (its last row's logits: the first token)
         c = node.counters
         assert (c["steps_prompt_chunks_count"], c["steps_prompt_chunks_tokens"]) == (3, 20)
+        assert c["steps_prompt_chunks_samples"] == 1
         assert c["steps_prompt_chunks_context_tokens"] == 8 + 16 + 20 and c["steps_decode_1_8_count"] == 0
         assert 0 < c["steps_prompt_chunks_time_s"] <= c["step_time_s"]
     finally:
