@@ -90,6 +90,20 @@ class Step:
         return dict(zip(compress(self.batch.requests, self.batch.samples), count()))
 
 
+class DeviceLost(RuntimeError):
+    """The engine's device can run no more steps: the node exits rather than fail every request sent to it."""
+
+
+def device_lost(e: BaseException) -> bool:
+    """Whether an error leaves the device unusable: a CUDA error (an illegal address, a device-side assert, a launch
+    failure) poisons the process's CUDA context, so every later step would fail as well; running out of memory does
+    not, nor does an error of the host's."""
+    text = f"{type(e).__name__}: {e}"
+    if "OutOfMemoryError" in text or "out of memory" in text:
+        return False
+    return type(e).__name__ == "AcceleratorError" or "CUDA error" in text or "Triton Error [CUDA]" in text
+
+
 def pin_process(cfg: EngineConfig) -> None:
     """Pin this process to its cores (a model engine sizes torch's thread pool to them)."""
     if cfg.cpu_cores:
@@ -117,6 +131,7 @@ class Engine:
         self.scheduler = Scheduler(self.pool.allocator, cfg.max_num_seqs, cfg.max_num_batched_tokens, seed)
         self.requests: dict[str, Request] = {}
         self.in_flight: list[Step] = []  # launched, not finished, oldest first (two at most, scheduling ahead)
+        self.lost: str | None = None  # the error that left the device unusable (`device_lost`), once one has
         self.overlapped = parts.overlapped  # launch() returns before the device (or the mock's step) is done
         self.ahead = cfg.schedules_ahead and parts.feeds and not prefill_only  # schedule N+1 before N's tokens
         self.steps_ahead = 0  # since start: steps launched while another was in flight
@@ -400,6 +415,8 @@ class Engine:
 
     def step_error(self, batch: Batch, e: Exception) -> str:
         log.exception("a step of %d requests failed", len(batch.scheduled))
+        if device_lost(e):
+            self.lost = self.lost or f"{type(e).__name__}: {e}"
         return f"the engine raised an error while running this request: {type(e).__name__}: {e}"
 
     def fail(self, batch: Batch, why: str) -> list[TokenOutput]:

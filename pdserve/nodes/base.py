@@ -36,7 +36,7 @@ import zmq
 
 from pdserve.config import NodeConfig
 from pdserve.engine.draws import TokenLogprob
-from pdserve.engine.engine import Engine, TokenOutput, pin_process
+from pdserve.engine.engine import DeviceLost, Engine, TokenOutput, pin_process
 from pdserve.engine.request import Request
 from pdserve.kv.backend import KvBackend
 from pdserve.kv.mock import MockKvBackend
@@ -170,6 +170,9 @@ class NodeBase:
                 self.loop_once()
                 if self.draining:
                     self._drain_step()
+        except DeviceLost as e:  # its step's requests failed; the router sees the node go, and the launcher says so
+            log.error("%s", e)
+            raise SystemExit(1) from None
         finally:
             self.close()
 
@@ -250,6 +253,9 @@ class NodeBase:
         self.tick()
         if outputs or not idle:
             self.counters["busy_time_s"] += time.perf_counter() - started
+        if self.engine.lost:  # every later step would fail the same way: the failed step's errors go out, then it exits
+            self.flush()
+            raise DeviceLost(f"{self.role} node: its device can run no more steps ({self.engine.lost}); exiting")
 
     def count_step(self, batch, seconds: float) -> None:
         """A finished step into the counters: all steps, and its floor group's (`step_group`): steps, seconds,

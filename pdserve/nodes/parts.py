@@ -26,6 +26,17 @@ def build_parts(cfg: EngineConfig, prefill_only: bool, pool_storage=None) -> Eng
     return model_parts(cfg, prefill_only, pool_storage)
 
 
+def use_device(device: str) -> None:
+    """Makes a GPU the node's current device: Triton launches its kernels, and a CUDA graph is captured, on the
+    current device's stream, whatever device their tensors are on (a node on cuda:1 would run them on cuda:0's).
+    The node's steps run on this thread; the KV copier's thread names its stream's device itself."""
+    import torch
+
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is not None:
+        torch.cuda.set_device(d)
+
+
 def model_parts(cfg: EngineConfig, prefill_only: bool, pool_storage=None) -> EngineParts:
     """The checkpoint loaded on its device, its pool (in `pool_storage(layout, num_blocks, device)` if given) and a
     runner warmed up to the engine's batch sizes."""
@@ -39,6 +50,7 @@ def model_parts(cfg: EngineConfig, prefill_only: bool, pool_storage=None) -> Eng
 
     if cfg.cpu_cores:
         torch.set_num_threads(len(cfg.cpu_cores))
+    use_device(cfg.device)
     started = time.perf_counter()
     checkpoint = resolve_model(cfg.model)
     model = load_model(checkpoint, cfg.dtype, cfg.device)

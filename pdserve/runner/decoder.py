@@ -82,12 +82,14 @@ def read_config(path: Path):
 
 def covers(config) -> bool:
     """Whether `CausalLM(config)` holds what transformers' model of `config` holds and computes what it computes."""
+    return config.model_type in FAMILIES and getattr(config, "hidden_act", None) == "silu" and not runtime_rope(config)
+
+
+def runtime_rope(config) -> bool:
+    """Whether the checkpoint's RoPE is recomputed from the positions as they come (RUNTIME_ROPE): transformers reads
+    the longest position on the host to do so, which a captured CUDA graph cannot."""
     rope = getattr(config, "rope_parameters", None) or {}
-    return (
-        config.model_type in FAMILIES
-        and getattr(config, "hidden_act", None) == "silu"
-        and rope.get("rope_type", "default") not in RUNTIME_ROPE
-    )
+    return rope.get("rope_type", "default") in RUNTIME_ROPE
 
 
 def head_dim(config) -> int:

@@ -222,6 +222,11 @@ class ModelRunner:
         )
         self.head_dim = pool.layout.head_dim
         self.graphs = None  # a cuda_graphs.StepGraphs: on a GPU, unless --enforce-eager
+        if graphs and decoder.runtime_rope(model.config):
+            graphs = False
+            log.warning(
+                "no CUDA graphs: this checkpoint's RoPE (%s) is recomputed each step", model.config.rope_parameters
+            )
         if graphs and self.device.type == "cuda" and self.backend.name == "triton":
             from pdserve.runner.cuda_graphs import CudaRecorder, StepGraphs
 

@@ -117,7 +117,7 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    k_base = pool_ptr + kvh * stride_pool_h
+    k_base = pool_ptr + kvh.to(tl.int64) * stride_pool_h  # int64: a head's offset passes 2^31 in a large pool
     v_base = k_base + stride_pool_kv
     last_tok = tl.minimum(m * BLOCK_M + BLOCK_M - 1, q_len * G - 1) // G
     end = tl.where(live, tl.minimum(ctx_len, past + last_tok + 1), 0)  # causal: no key after the tile's last token

@@ -158,7 +158,7 @@ def _qk_norm_rope_store_kernel(
         if HAS_NORM:
             k1, k2 = _rms_norm_halves(k1, k2, kw_ptr, half, hmask, eps, D, dtype)
         k1, k2 = _rope_halves(k1, k2, c1, c2, s1, s2, dtype)
-        dst = pool_ptr + kh[:, None] * stride_pool_h + slot * stride_pool_s + half[None, :]
+        dst = pool_ptr + kh.to(tl.int64)[:, None] * stride_pool_h + slot * stride_pool_s + half[None, :]  # int64
         tl.store(dst, k1.to(pool_ptr.dtype.element_ty), mask=kmask)
         tl.store(dst + D // 2, k2.to(pool_ptr.dtype.element_ty), mask=kmask)
         v1, v2 = _load_heads(row + (NH + NKV) * D, kh, half, kmask, D)

@@ -8,15 +8,19 @@ get nothing from that step and keep its KV blocks until the step is done.
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 import torch
 import zmq
 
 from pdserve.config import EngineConfig, NodeConfig
+from pdserve.engine.engine import DeviceLost, device_lost
 from pdserve.nodes.colocated import ColocatedNode
 from pdserve.nodes.parts import build_engine
 from pdserve.wire import transport
 from pdserve.wire.messages import PROTOCOL_VERSION, Abort, Generate, Hello, TokenEvent, TokenEvents
+from pdserve.wire.params import SamplingParams
 from tests.engine.test_engine import greedy_requests
 from tests.helpers import hf_greedy, mixed_workload
 
@@ -53,7 +57,8 @@ def test_abort_between_launch_and_finish(tiny_models):
 
 def test_an_error_when_a_step_is_waited_for_fails_its_requests(tiny_models, monkeypatch):
     """A device error surfaces at finish(), where the copy back is waited for: that step's requests fail, their
-    blocks come back, and the engine serves on."""
+    blocks come back, and the engine marks its device lost (a CUDA error poisons the context: the node exits, below);
+    the engine itself still runs a step."""
     engine = build_engine(EngineConfig(model=str(tiny_models["qwen3"]), num_kv_blocks=64))
 
     class Broken:
@@ -67,10 +72,58 @@ def test_an_error_when_a_step_is_waited_for_fails_its_requests(tiny_models, monk
     outputs = engine.step()
     assert len(outputs) == 3 and all(o.finish_reason == "error" and "illegal memory" in o.error for o in outputs)
     assert engine.pool.allocator.num_free == 64 and not engine.requests and not engine.in_flight
+    assert engine.lost == "RuntimeError: CUDA error: an illegal memory access was encountered"
     monkeypatch.undo()
     for r in greedy_requests(prompts[:1], outs[:1]):
         engine.add(r)
     assert [o.token_id for o in engine.step()] == hf_greedy(tiny_models["qwen3"], prompts[:1], [1])[0]
+
+
+@pytest.mark.parametrize(
+    "error, lost",
+    [
+        (RuntimeError("CUDA error: an illegal memory access was encountered"), True),
+        (RuntimeError("Triton Error [CUDA]: unspecified launch failure"), True),
+        (type("AcceleratorError", (RuntimeError,), {})("device-side assert triggered"), True),
+        (type("OutOfMemoryError", (RuntimeError,), {})("CUDA out of memory. Tried to allocate 2.00 GiB"), False),
+        (RuntimeError("CUDA error: out of memory"), False),
+        (ValueError("a logits processor raised"), False),
+    ],
+)
+def test_a_cuda_error_but_running_out_of_memory_loses_the_device(error, lost):
+    assert device_lost(error) is lost
+
+
+def test_a_node_whose_device_is_lost_sends_the_steps_errors_then_exits(tiny_models, monkeypatch):
+    """After a CUDA error every step would fail: the node sends the failed step's errors, says why in one line and
+    exits with code 1 (the router sees it go, and `pdserve up` names it), rather than take requests it cannot run."""
+    cfg = NodeConfig("colocated", EngineConfig(model=str(tiny_models["qwen3"]), num_kv_blocks=64))
+    node = ColocatedNode(cfg)
+    monkeypatch.setattr(signal, "signal", lambda *_: None)  # run()'s handlers: not in pytest's process
+    try:
+        router = Router(node)
+        router.send(Hello(PROTOCOL_VERSION, "router"))
+        node.loop_once()
+
+        def broken(*args):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        monkeypatch.setattr(node.engine.runner, "run", broken)
+        router.send(Generate("a", [5, 6, 7], SamplingParams(max_tokens=4, temperature=0)))
+        with pytest.raises(DeviceLost, match="colocated node: its device can run no more steps"):
+            for _ in range(3):
+                node.loop_once()
+        router.collect(1)
+        (event,) = router.events["a"]
+        assert event.finish_reason == "error" and "illegal memory access" in event.error
+        closed = []
+        monkeypatch.setattr(node, "close", lambda: closed.append(True))
+        with pytest.raises(SystemExit) as exited:
+            node.run()  # its next loop raises DeviceLost again
+        assert exited.value.code == 1 and closed == [True]
+    finally:
+        monkeypatch.undo()
+        node.close()
 
 
 class Router:
