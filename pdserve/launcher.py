@@ -214,20 +214,25 @@ def check_configs(a: argparse.Namespace, devices: dict[str, str]) -> None:
     from_args(RouterConfig, a, colocated=("tcp://127.0.0.1:0",))  # its nodes' addresses are not known yet
 
 
-def stop_all(procs: list[subprocess.Popen], drain_s: float = 0.0) -> None:
-    """SIGTERM every child, the router (started last) first: it drains its requests while the nodes still serve."""
-    for p in reversed(procs):
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-            if p is procs[-1]:
-                _wait(p, drain_s + 5)
-    deadline = time.monotonic() + drain_s + 10
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+def stop_all(procs: list[subprocess.Popen], drain_s: float = 0.0, owners: list[subprocess.Popen] = ()) -> None:
+    """SIGTERM every child, the router (started last) first: it drains its requests while the nodes still serve.
+    `owners` (the prefill nodes, whose KV pools decode nodes may map) are stopped once the others have exited: a
+    pool's owner that exits while another process still maps it leaves that mapping dangling (over cuda_ipc torch
+    warns that the producer exited before the tensors it shared were released)."""
+    rest = [p for p in procs if p not in owners]
+    for group in (rest, [p for p in procs if p in owners]):
+        for p in reversed(group):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                if p is procs[-1]:
+                    _wait(p, drain_s + 5)
+        deadline = time.monotonic() + drain_s + 10
+        for p in group:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
 
 
 def _wait(p: subprocess.Popen, timeout: float) -> None:
@@ -288,4 +293,4 @@ def launch(a: argparse.Namespace) -> int:
             return 1
         finally:
             stopping.append(True)  # from here on, every signal is ignored
-            stop_all(procs, a.drain_timeout_s)
+            stop_all(procs, a.drain_timeout_s, [p for p in procs if roles.get(p.pid) == f"the {Role.PREFILL} node"])

@@ -646,7 +646,8 @@ class NodeStack:
         from pdserve.launcher import stop_all
 
         names = [n for n in self.procs if n != "router"] + ["router"]
-        stop_all([self.procs[n] for n in names if n in self.procs])
+        owners = [self.procs[n] for n in names if self.infos.get(n, {}).get("role") == "prefill" and n in self.procs]
+        stop_all([self.procs[n] for n in names if n in self.procs], owners=owners)
         shutil.rmtree(self.dir, ignore_errors=True)
         return {n: p.returncode for n, p in self.procs.items()}
 

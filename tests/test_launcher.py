@@ -10,7 +10,7 @@ import pytest
 from pdserve.cli import build_parser, node_config
 from pdserve.config import EngineConfig
 from pdserve.flags import ENGINE_FLAGS, SHARED_FLAGS, router_command
-from pdserve.launcher import plan
+from pdserve.launcher import plan, stop_all
 
 
 def _plan(tmp_path, *flags: str) -> list[tuple[str, list[str]]]:
@@ -188,3 +188,36 @@ def test_the_router_is_given_the_addresses_the_nodes_will_listen_on(tmp_path):
     assert router[router.index("--prefill") + 1] == addrs[0]
     assert router[router.index("--decode") + 1 : router.index("--decode") + 3] == addrs[1:]
     assert router[router.index("--decode-kv") + 1 :] == kv
+
+
+def test_the_router_stops_first_and_the_pool_owners_last(tmp_path):
+    """stop_all's order: the router (started last), waited for; then the other nodes, each waited for; only then the
+    prefill nodes, whose KV pools the others may map (an owner that exits first leaves those mappings dangling). Each
+    child notes when SIGTERM reached it and when it exited."""
+    log = tmp_path / "order"
+    child = (
+        "import signal, sys, time\n"
+        "name, log = sys.argv[1], sys.argv[2]\n"
+        "def note(what):\n"
+        "    with open(log, 'a') as f: f.write(f'{what} {name}\\n')\n"
+        "def stop(*_):\n"
+        "    note('term'); time.sleep(0.3); note('exit'); sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
+        "print(flush=True)\n"
+        "while True: time.sleep(1)\n"
+    )
+    names = ["prefill0", "prefill1", "decode0", "router"]  # in the launcher's start order
+    procs = [subprocess.Popen([sys.executable, "-c", child, n, str(log)], stdout=subprocess.PIPE) for n in names]
+    for p in procs:
+        p.stdout.readline()  # its handler is in place
+    try:
+        stop_all(procs, 0.0, owners=procs[:2])
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+            p.stdout.close()
+    order = log.read_text().split("\n")[:-1]
+    assert order[:4] == ["term router", "exit router", "term decode0", "exit decode0"], order
+    assert sorted(order[4:]) == ["exit prefill0", "exit prefill1", "term prefill0", "term prefill1"]
+    assert all(p.returncode == 0 for p in procs)

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import logging
 import time
 from collections import OrderedDict
@@ -147,9 +148,20 @@ class DecodeNode(NodeBase):
     def close(self) -> None:
         if hasattr(self, "copier"):  # (a node that could not bind closes before it has one)
             self.copier.close()
+        self.unmap_all()
         for backend in self.backends.values():
             backend.close()
         super().close()
+
+    def unmap_all(self) -> None:
+        """Drop every prefill pool this node maps, now: a pool's owner may stop only once no mapping of it is left
+        (over cuda_ipc torch warns that its producer exited before the tensors it shared were released), and the
+        launcher stops prefill nodes after decode nodes for it. The mapping goes with its last reference."""
+        for peer in list(getattr(self, "peers", {}).values()):
+            peer.backend.forget(peer.handle)
+        for holder in ("peers", "incoming"):
+            getattr(self, holder, {}).clear()
+        gc.collect()  # a reference held in a cycle would keep a mapping to the process's exit
 
     def drain(self, sock: zmq.Socket) -> None:
         if sock is self.copier.wake:

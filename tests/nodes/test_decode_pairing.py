@@ -215,3 +215,24 @@ def test_a_shared_pool_from_another_host_is_refused(node):
         assert not ack.ok and "one host" in ack.reason, ack
     finally:
         owner.close()
+
+
+def test_a_stopping_decode_node_unmaps_every_prefill_pool(tiny_models):
+    """The node drops its mappings as it closes (its prefill nodes are stopped after it, their pools' owners): only
+    the owners' own maps are left."""
+    cfg = NodeConfig("decode", EngineConfig(model=str(tiny_models["qwen3"]), num_kv_blocks=32), kv_transport="shm")
+    node = DecodeNode(cfg)
+    first, second = _shm_pool(node), _shm_pool(node)
+    try:
+        peers = [Peer(node, f"prefill-{i}".encode()) for i in range(2)]
+        for peer, owner in zip(peers, (first, second), strict=True):
+            assert peer.pair("shm", owner.handle()).ok
+        _reserve(node, peers[0], "r1")  # a transfer in flight holds its peer too
+        names = [first.handle()["name"], second.handle()["name"]]
+        assert [_mappings(n) for n in names] == [2, 2]
+        node.close()
+        assert [_mappings(n) for n in names] == [1, 1] and not node.peers and not node.incoming
+    finally:
+        node.close()
+        first.close()
+        second.close()
