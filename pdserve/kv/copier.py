@@ -69,8 +69,11 @@ class Worker:
         return done
 
     def close(self) -> None:
+        if self.wake.closed:
+            return
         self._todo.put(None)
         self._thread.join(timeout=5)
+        self.take()  # results not taken hold what their jobs ran on (a decode node's copies: the pool they read)
         self.wake.close(linger=0)
         self._poke.close(linger=0)
 
