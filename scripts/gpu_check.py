@@ -445,6 +445,13 @@ def free_device_mb(device: str) -> float | None:
     return (free + torch.cuda.memory_reserved(device)) / 2**20
 
 
+def device_total_gb(device: str) -> float | None:
+    """The device's memory in GiB; None on the CPU."""
+    if not device.startswith("cuda"):
+        return None
+    return torch.cuda.mem_get_info(torch.device(device))[1] / 2**30
+
+
 def check_clean_stop(log: Path, segments: set[str], device: str, free_before: float | None) -> dict:
     """(e), after the stack stopped: its pools released, its log free of STOP_WARNINGS."""
     text = log.read_text(errors="replace") if log.exists() else ""

@@ -11,7 +11,8 @@
    and so do the stages naming one `Stage.lane`) plus the times of the measurements, which run one at a time; in
    CPU mode (`--no-concurrent`) every stage's time added up. A stage's time (`seconds`) is its budget plus the
    start of each measurement stack (STACKS) it starts: the `bench-stacks` stage starts them beside the checks once
-   the checkpoint is built, so the measurements on them do not wait for a start. A plan past `--window` is
+   the checkpoint is built, so the measurements on them do not wait for a start (on a device of less than
+   BESIDE_CHECKS_MIN_GB, not: each starts with its first stage). A plan past `--window` is
    refused, in one line, before anything runs (exit code 2).
 2. Each stage runs as its own process group under its own time: a stage past it is stopped (SIGTERM, then
    SIGKILL) and reported "over budget"; the next stage still runs. On a GPU the checks run first, at once (a
@@ -37,6 +38,7 @@ Adding a stage is one entry in STAGES.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -334,6 +336,20 @@ def names() -> list[str]:
 
 # ---- the plan --------------------------------------------------------------------------------------
 
+# the device memory under which the measurement stacks do not start beside the checks (`bench-stacks`): together they
+# hold about 72 GiB (an estimate: the measurements' three nodes with 16 GiB of KV each, the checks' seven with 1 GiB,
+# and every process's CUDA context, weights and graph pool), which an 80 GB GPU may not hold
+BESIDE_CHECKS_MIN_GB = 100.0
+
+
+def for_memory(stages: tuple[Stage, ...], memory_gb: float | None) -> tuple[tuple[Stage, ...], dict]:
+    """(the stages a device of `memory_gb` GiB runs, {stage left out: why}): under BESIDE_CHECKS_MIN_GB no stage
+    starts stacks beside the checks (each measurement stack starts with its first stage instead, in its time)."""
+    if memory_gb is None or memory_gb >= BESIDE_CHECKS_MIN_GB:
+        return stages, {}
+    why = f"not in plan (device memory {memory_gb:.0f} GiB: each measurement stack starts with its first stage)"
+    return tuple(s for s in stages if not s.starts), {s.name: why for s in stages if s.starts}
+
 
 def lanes(stages: list[Stage], run: Run) -> list[list[Stage]]:
     """The concurrent stages in lanes, in order of their first stage: the stages naming one lane (`Stage.lane`, else
@@ -453,7 +469,7 @@ class Stacks:
 
     def gpu_check(self):
         with self.lock:
-            self.gc = self.gc or load_script(ROOT / "scripts" / "gpu_check.py")
+            self.gc = self.gc or gpu_check_module()
             return self.gc
 
     def get(self, name: str, timeout: float) -> Shared:
@@ -565,6 +581,12 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+@functools.cache
+def gpu_check_module():
+    """scripts/gpu_check.py, loaded once (it imports torch): its stacks, checks and device memory figures."""
+    return load_script(ROOT / "scripts" / "gpu_check.py")
 
 
 def load_script(path: Path):
@@ -767,6 +789,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print the plan (each stage's time, where it runs, what is left out and why), run nothing; needs no GPU",
     )
+    p.add_argument(
+        "--device-memory-gb",
+        type=float,
+        default=None,
+        help=f"plan for a GPU of this much memory (default: the device's): under {BESIDE_CHECKS_MIN_GB:.0f} GiB the "
+        "measurement stacks start after the checks, not beside them",
+    )
     p.add_argument("--out", type=Path, default=Path("kit-out"), help="kit.md and kit.json go here")
     p.add_argument("--work", type=Path, default=Path("kit-work"), help="each stage's log and JSON go here")
     return p
@@ -778,11 +807,16 @@ def main(argv: list[str] | None = None) -> int:
     run = Run(a.device, not a.device.startswith("cuda"), a.work.resolve())
     window = a.window or (CPU_WINDOW_S if run.tiny else GPU_WINDOW_S)
     concurrent = not run.tiny if a.concurrent is None else a.concurrent
+    memory_gb = a.device_memory_gb
+    if memory_gb is None and not (run.tiny or a.plan_only):
+        memory_gb = gpu_check_module().device_total_gb(run.device)
+    stages, too_big = for_memory(STAGES, memory_gb)
     try:
-        chosen, left = plan(STAGES, run, window, a.stages or (names() if run.tiny else None), concurrent)
+        chosen, left = plan(stages, run, window, a.stages or (names() if run.tiny else None), concurrent)
     except ValueError as e:
         print(f"kit: {e}")
         return 2
+    left |= too_big
     print(plan_text(chosen, left, run, window, concurrent), flush=True)
     if a.plan_only:
         return 0

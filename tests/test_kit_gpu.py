@@ -169,8 +169,10 @@ def test_a_gpu_run_judges_the_device_memory_and_kit_md_says_so(tmp_path, monkeyp
     def wait_until(cond, timeout=10.0):  # gpu_check's, without its sleeps: a few looks
         return any(cond() for _ in range(4))
 
-    fake = SimpleNamespace(free_device_mb=free_device_mb, wait_until=wait_until, RELEASE_SLACK_MB=64)
-    monkeypatch.setattr(kit.Stacks, "gpu_check", lambda self: fake)
+    fake = SimpleNamespace(
+        free_device_mb=free_device_mb, wait_until=wait_until, RELEASE_SLACK_MB=64, device_total_gb=lambda device: 141.0
+    )
+    monkeypatch.setattr(kit, "gpu_check_module", lambda: fake)
     monkeypatch.setattr(kit.signal, "signal", lambda *_: None)
     command = lambda run, budget: [sys.executable, "-c", "pass"]  # noqa: E731
     stages = (kit.Stage("check", 30, 30, 9, command, concurrent=True), kit.Stage("measure", 30, 30, 8, command))
@@ -184,3 +186,19 @@ def test_a_gpu_run_judges_the_device_memory_and_kit_md_says_so(tmp_path, monkeyp
     verdict = "passed" if rc == 0 else "failed: more than 64 MiB short"
     line = f"100000 MiB before the first stack started, {after:.0f} MiB after the last stopped: {verdict}."
     assert line in (out / "kit.md").read_text()
+
+
+@pytest.mark.parametrize("memory_gb, beside", [(None, True), (141.0, True), (79.6, False)])
+def test_on_a_smaller_gpu_the_measurement_stacks_start_after_the_checks(kit, tmp_path, memory_gb, beside):
+    """The checks' stacks and the measurements' together hold about 72 GiB: on an 80 GB GPU bench-stacks is left
+    out, and each measurement stack starts with its first stage, its start in that stage's time."""
+    run = kit.Run("cuda:0", False, tmp_path)
+    stages, left = kit.for_memory(kit.STAGES, memory_gb)
+    chosen, _ = kit.plan(stages, run, 10_000, None, concurrent=True)
+    by = kit.starters(chosen)
+    assert ("bench-stacks" in [s.name for s in chosen]) is beside and ("bench-stacks" in left) is not beside
+    first = by["bench-colocated"]
+    assert first == ("bench-stacks" if beside else "bench-colocated")
+    colocated = next(s for s in chosen if s.name == "bench-colocated")
+    start = kit.STACKS["bench-colocated"].start(run)
+    assert kit.seconds(colocated, run, by) == colocated.budget_s + (0 if beside else start)
