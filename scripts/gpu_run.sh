@@ -20,7 +20,9 @@
 #    GPU_KIT_STAGES names the stages to run instead (a plan past the window is refused in one line).
 # Writes to $OUT (4 files): gpu_run.log, kit.md, kit.json (every stage: time, result), logs.tar.gz (each stage's
 # output and JSON). Exit code: 0 when every planned stage passed; 1 when one did not; 2 when the plan was refused;
-# 3 when the install or the dependency check failed.
+# 3 when the install or the dependency check failed; 124 when the kit ran GPU_KIT_OVERRUN_S (90) past its window
+# and was stopped (its report says how far it got). A lent call's time limit: the window, that overrun, 30 s for
+# the kit to stop, and the tarball: 300 + 90 + 30 + a few seconds.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 T0=$(date +%s)
@@ -63,7 +65,11 @@ main() {
     (( ! CPU_MODE )) && window=$(( ${window:-300} - ($(date +%s) - T0) ))
     [[ -n "$window" ]] && args+=(--window "$window")
     (( ${#STAGES[@]} )) && args+=(--stages "${STAGES[@]}")
-    python3 scripts/kit.py "${args[@]}"
+    # on a GPU the kit is stopped (SIGTERM: it stops its stages and stacks, then writes its report) once it runs
+    # GPU_KIT_OVERRUN_S (90) past its window, so that the report and the tarball are written before the lent call ends
+    local limit=()
+    (( ! CPU_MODE )) && limit=(timeout --signal=TERM --kill-after=30 $(( window + ${GPU_KIT_OVERRUN_S:-90} )))
+    "${limit[@]}" python3 scripts/kit.py "${args[@]}"
     local rc=$?
     cat "$OUT/kit.md" 2> /dev/null
     echo "gpu_run: kit exit code $rc after $(( $(date +%s) - T0 )) s"
