@@ -65,8 +65,8 @@ main() {
     (( ! CPU_MODE )) && window=$(( ${window:-300} - ($(date +%s) - T0) ))
     [[ -n "$window" ]] && args+=(--window "$window")
     (( ${#STAGES[@]} )) && args+=(--stages "${STAGES[@]}")
-    # on a GPU the kit is stopped (SIGTERM: it stops its stages and stacks, then writes its report) once it runs
-    # GPU_KIT_OVERRUN_S (90) past its window, so that the report and the tarball are written before the lent call ends
+    # on a GPU the kit is stopped (SIGTERM: it stops its stages and stacks; its report holds the stages that ended)
+    # once it runs GPU_KIT_OVERRUN_S (90) past its window, so that the report and the tarball are there in bounded time
     local limit=()
     (( ! CPU_MODE )) && limit=(timeout --signal=TERM --kill-after=30 $(( window + ${GPU_KIT_OVERRUN_S:-90} )))
     "${limit[@]}" python3 scripts/kit.py "${args[@]}"
