@@ -11,7 +11,8 @@
    time give GB/s; the step's host CPU time (time.process_time) stands beside.
 3. One step that runs a `--chunk`-token prompt chunk: the same table, and the GEMMs' FLOP/s (2 x the layers'
    weights x tokens, and 2 x the LM head's weights x rows sampled) beside the peak.
-4. Every step the engine ran meanwhile is recorded (requests, tokens, decode tokens, context, seconds), and
+4. Every step the engine ran meanwhile is recorded (requests, tokens, decode tokens, rows sampled, context,
+   seconds), and
    bench.floors' `step_floors` sets them beside their floors: decode-only steps, grouped by batch size (1-8,
    9-32, 33-128, 129-256), beside the memory floor (weights + KV read at the device copy's read+write
    bandwidth); steps with prompt chunks beside the compute floor (their FLOPs at the bf16 peak of 1.).

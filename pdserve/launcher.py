@@ -28,6 +28,7 @@ import tempfile
 import time
 import urllib.request
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 from pdserve.checkpoint import resolve_model
@@ -214,11 +215,12 @@ def check_configs(a: argparse.Namespace, devices: dict[str, str]) -> None:
     from_args(RouterConfig, a, colocated=("tcp://127.0.0.1:0",))  # its nodes' addresses are not known yet
 
 
-def stop_all(procs: list[subprocess.Popen], drain_s: float = 0.0, owners: list[subprocess.Popen] = ()) -> None:
+def stop_all(procs: list[subprocess.Popen], drain_s: float = 0.0, owners: Sequence[subprocess.Popen] = ()) -> None:
     """SIGTERM every child, the router (started last) first: it drains its requests while the nodes still serve.
     `owners` (the prefill nodes, whose KV pools decode nodes may map) are stopped once the others have exited: a
     pool's owner that exits while another process still maps it leaves that mapping dangling (over cuda_ipc torch
-    warns that the producer exited before the tensors it shared were released)."""
+    warns that the producer exited before the tensors it shared were released). Each of the two groups is given
+    `drain_s` + 10 s before it is killed."""
     rest = [p for p in procs if p not in owners]
     for group in (rest, [p for p in procs if p in owners]):
         for p in reversed(group):
@@ -254,6 +256,7 @@ def launch(a: argparse.Namespace) -> int:
     preflight(a)
     procs: list[subprocess.Popen] = []
     roles: dict[int, str] = {}  # pid -> what it runs, for messages
+    owners: list[subprocess.Popen] = []  # the prefill nodes: their KV pools' owners stop last
 
     # the first SIGTERM or SIGINT (even where the shell that started us ignores it: a background job) stops the stack
     stopping = unwind_once(signal.SIGTERM, signal.SIGINT)
@@ -265,6 +268,7 @@ def launch(a: argparse.Namespace) -> int:
             for role, argv, ready in nodes:
                 procs.append(start_child([*argv, "--ready-file", str(ready)]))
                 roles[procs[-1].pid] = f"the {role} node"
+                owners += procs[-1:] if role == Role.PREFILL else []
             instance_id = uuid.uuid4().hex
             procs.append(start_child(router_argv(a, planned_infos(nodes), instance_id), env=router_env(a)))
             roles[procs[-1].pid] = "the router"
@@ -293,4 +297,4 @@ def launch(a: argparse.Namespace) -> int:
             return 1
         finally:
             stopping.append(True)  # from here on, every signal is ignored
-            stop_all(procs, a.drain_timeout_s, [p for p in procs if roles.get(p.pid) == f"the {Role.PREFILL} node"])
+            stop_all(procs, a.drain_timeout_s, owners)

@@ -21,8 +21,8 @@
 # Writes to $OUT (4 files): gpu_run.log, kit.md, kit.json (every stage: time, result), logs.tar.gz (each stage's
 # output and JSON). Exit code: 0 when every planned stage passed; 1 when one did not; 2 when the plan was refused;
 # 3 when the install or the dependency check failed; 124 when the kit ran GPU_KIT_OVERRUN_S (90) past its window
-# and was stopped (its report says how far it got). A lent call's time limit: the window, that overrun, 30 s for
-# the kit to stop, and the tarball: 300 + 90 + 30 + a few seconds.
+# and was stopped (its report says how far it got; 137 if it had not stopped 30 s later). A lent call's time
+# limit: the window, that overrun, 30 s for the kit to stop, and the tarball: 300 + 90 + 30 + a few seconds.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 T0=$(date +%s)
@@ -67,8 +67,8 @@ main() {
     (( ${#STAGES[@]} )) && args+=(--stages "${STAGES[@]}")
     # on a GPU the kit is stopped (SIGTERM: it stops its stages and stacks; its report holds the stages that ended)
     # once it runs GPU_KIT_OVERRUN_S (90) past its window, so that the report and the tarball are there in bounded time
-    local limit=()
-    (( ! CPU_MODE )) && limit=(timeout --signal=TERM --kill-after=30 $(( window + ${GPU_KIT_OVERRUN_S:-90} )))
+    local limit=() hard=$(( ${window:-0} > 0 ? ${window:-0} : 0 ))
+    (( ! CPU_MODE )) && limit=(timeout --signal=TERM --kill-after=30 $(( hard + ${GPU_KIT_OVERRUN_S:-90} )))
     "${limit[@]}" python3 scripts/kit.py "${args[@]}"
     local rc=$?
     cat "$OUT/kit.md" 2> /dev/null

@@ -474,7 +474,7 @@ class Stacks:
 
     def get(self, name: str, timeout: float) -> Shared:
         if name not in self.open:  # a stack is started by one thread: its lane's, or its starting stage's
-            self.open[name] = self.start(name, timeout)
+            self.start(name, timeout)
         return self.open[name]
 
     def start(self, name: str, timeout: float) -> Shared:
@@ -488,6 +488,8 @@ class Stacks:
             port = gc.free_port()
             log_dir, cache = run.work / "logs", run.work / "triton-cache" / name
             with self.lock, importlib.import_module("bench.gpu").triton_cache(cache):  # it compiles into its folder
+                if STOPPING.is_set():  # the kit stops: no stack starts after close() looked
+                    raise RuntimeError("the kit is stopping")
                 stack = gc.Stack(self.argv(gc, name, port), log_dir / f"kit.{name}.log")  # (the folder: os.environ)
                 shared = self.starting[name] = Shared(name, stack, f"http://127.0.0.1:{port}", cache)
         try:
@@ -500,8 +502,13 @@ class Stacks:
         except BaseException:
             self.abandon(name)
             raise
-        with self.lock:
-            self.starting.pop(name, None)
+        with self.lock:  # ready: open, unless the kit began stopping meanwhile (close() stops the open ones)
+            stopping = self.starting.pop(name, None) is None or STOPPING.is_set()
+            if not stopping:
+                self.open[name] = shared
+        if stopping:
+            shared.stack.stop()
+            raise RuntimeError("the kit is stopping")
         return shared
 
     def abandon(self, name: str) -> None:
@@ -617,6 +624,8 @@ def run_stage(stage: Stage, run: Run, env: dict, stacks: Stacks, t0: float, budg
             r["error"] = "; ".join(f"stack {n}: {type(e).__name__}: {e}" for n, e in errors.items())
         return r
     shared = []
+    if stage.stack and STOPPING.is_set():  # no stack starts once the kit stops
+        return r | ended(start, t0) | {"status": "not run (the kit stopped)"}
     if stage.stack:
         name = stage.stack.format(ipc=run.ipc)
         r["stack_started"] = name not in stacks.open  # else the stack an earlier stage started serves this one too
@@ -793,8 +802,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--device-memory-gb",
         type=float,
         default=None,
-        help=f"plan for a GPU of this much memory (default: the device's): under {BESIDE_CHECKS_MIN_GB:.0f} GiB the "
-        "measurement stacks start after the checks, not beside them",
+        help=f"plan for a GPU of this much memory (default: the device's; with --plan-only, {BESIDE_CHECKS_MIN_GB:.0f}"
+        f" or more): under {BESIDE_CHECKS_MIN_GB:.0f} GiB the measurement stacks start after the checks, not beside",
     )
     p.add_argument("--out", type=Path, default=Path("kit-out"), help="kit.md and kit.json go here")
     p.add_argument("--work", type=Path, default=Path("kit-work"), help="each stage's log and JSON go here")
@@ -842,6 +851,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stop_all()
         kit.stacks.close()
+        write(report, a.out, kit.t0, stage_list(report["stages"], kit.left, run))  # a stopped kit's too: its stops
     if gc:  # the driver frees a stopped process's memory shortly after it exits
         gc.wait_until(lambda: free_before - gc.free_device_mb(run.device) <= gc.RELEASE_SLACK_MB)
         free_after = gc.free_device_mb(run.device)

@@ -443,25 +443,75 @@ def test_a_stack_start_that_outlasts_its_stage_goes_on_for_the_next_stage_on_it(
     monkeypatch.setattr(stacks, "argv", argv)
     monkeypatch.setattr(stacks, "stop", lambda shared: shared.stack.stop() or {"pass": True})
     t0 = time.monotonic()
-    r = kit.run_stage(a, run, dict(os.environ), stacks, t0, 1.0)
-    stacks.done(a)
-    assert r["status"] == "over budget" and "goes on starting" in r["error"], r
-    (starting,) = stacks.starting.values()
-    assert starting.stack.proc.poll() is None  # not stopped: b waits for it
-    gate.touch()
-    r = kit.run_stage(b, run, dict(os.environ), stacks, t0, 30)
-    stacks.done(b)
-    assert r["status"] == "passed" and r["stack"] == "s" and launches == ["s"], r
-    assert starting.stack.proc.poll() is not None and stacks.stops == {"s": {"pass": True}}
+    try:
+        r = kit.run_stage(a, run, dict(os.environ), stacks, t0, 1.0)
+        stacks.done(a)
+        assert r["status"] == "over budget" and "goes on starting" in r["error"], r
+        (starting,) = stacks.starting.values()
+        assert starting.stack.proc.poll() is None  # not stopped: b waits for it
+        gate.touch()
+        r = kit.run_stage(b, run, dict(os.environ), stacks, t0, 30)
+        stacks.done(b)
+        assert r["status"] == "passed" and r["stack"] == "s" and launches == ["s"], r
+        assert starting.stack.proc.poll() is not None and stacks.stops == {"s": {"pass": True}}
+    finally:
+        stacks.close()
 
     # a start no later stage waits for is stopped once its last stage is done
     gate.unlink()
     stacks = kit.Stacks(run, [a])
     monkeypatch.setattr(stacks, "argv", argv)
-    r = kit.run_stage(a, run, dict(os.environ), stacks, t0, 1.0)
-    (starting,) = stacks.starting.values()
-    stacks.done(a)
-    assert r["status"] == "over budget" and stacks.starting == {} and starting.stack.proc.poll() is not None
+    try:
+        r = kit.run_stage(a, run, dict(os.environ), stacks, t0, 1.0)
+        (starting,) = stacks.starting.values()
+        stacks.done(a)
+        assert r["status"] == "over budget" and stacks.starting == {} and starting.stack.proc.poll() is not None
+    finally:
+        stacks.close()
+
+
+def test_once_the_kit_stops_no_stack_starts_and_one_that_gets_ready_is_stopped(tmp_path, monkeypatch):
+    """A lane whose start was abandoned by the kit's stop must not start the next stack after close() looked, and a
+    start that ends after it must not leave its stack running."""
+    kit = load()
+    run = kit.Run("cpu", True, tmp_path)
+    (tmp_path / "logs").mkdir()
+    noop = lambda r, b: [sys.executable, "-c", ""]  # noqa: E731
+    stage = kit.Stage("a", 30, 30, 1, noop, stack="s")
+    serve = "import time\nprint('pdserve is serving', flush=True)\ntime.sleep(60)"
+    stacks = kit.Stacks(run, [stage])
+    monkeypatch.setattr(stacks, "argv", lambda gc, name, port: [sys.executable, "-c", serve])
+    kit.STOPPING.set()
+    try:
+        r = kit.run_stage(stage, run, dict(os.environ), stacks, time.monotonic(), 30)
+        assert r["status"] == "not run (the kit stopped)" and not stacks.starting and not stacks.open
+        with pytest.raises(RuntimeError, match="the kit is stopping"):
+            stacks.start("s", 30)
+        assert not stacks.starting and not stacks.open
+    finally:
+        kit.STOPPING.clear()
+    # the kit stops while the stack starts: once ready, it is stopped, not opened
+    ready = threading.Event()
+    real = stacks.gpu_check().Stack
+
+    made = []
+
+    class Racing(real):
+        def wait_ready(self, timeout_s):
+            made.append(self)
+            super().wait_ready(timeout_s)
+            kit.STOPPING.set()  # close() ran meanwhile
+            ready.set()
+
+    monkeypatch.setattr(stacks.gpu_check(), "Stack", Racing)
+    try:
+        with pytest.raises(RuntimeError, match="the kit is stopping"):
+            stacks.start("s", 30)
+        assert ready.is_set() and not stacks.open and not stacks.starting
+        assert made[0].proc.poll() is not None, "a stack ready after the kit stopped was left running"
+    finally:
+        kit.STOPPING.clear()
+        stacks.close()
 
 
 def test_cpu_mode_runs_its_stages_with_tritons_interpreter(tmp_path, monkeypatch):

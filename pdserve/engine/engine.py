@@ -95,9 +95,10 @@ class DeviceLost(RuntimeError):
 
 
 def device_lost(e: BaseException) -> bool:
-    """Whether an error leaves the device unusable: a CUDA error (an illegal address, a device-side assert, a launch
-    failure) poisons the process's CUDA context, so every later step would fail as well; running out of memory does
-    not, nor does an error of the host's."""
+    """Whether an error may have left the device unusable: a CUDA error (an illegal address, a device-side assert, a
+    launch failure) can poison the process's CUDA context, so that every later step fails as well; running out of
+    memory does not, nor does an error of the host's. The engine then asks the runner whether the device still works
+    (`device_works`): a launch refused for its arguments is a CUDA error too, and leaves it working."""
     text = f"{type(e).__name__}: {e}"
     if "OutOfMemoryError" in text or "out of memory" in text:
         return False
@@ -415,7 +416,7 @@ class Engine:
 
     def step_error(self, batch: Batch, e: Exception) -> str:
         log.exception("a step of %d requests failed", len(batch.scheduled))
-        if device_lost(e):
+        if device_lost(e) and not getattr(self.runner, "device_works", lambda: True)():
             self.lost = self.lost or f"{type(e).__name__}: {e}"
         return f"the engine raised an error while running this request: {type(e).__name__}: {e}"
 

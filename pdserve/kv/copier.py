@@ -89,8 +89,8 @@ class Copy:
     """One request's copy: what to run, how to check what landed, and when it ran (time.perf_counter)."""
 
     key: str
-    run: Callable[[], object]  # copies the request's blocks (KVPool.copy_blocks_from, one batched call)
-    check: Callable[[], list[int]]  # the checksums of what landed ([]: none to compare)
+    run: Callable[[], object] | None  # copies the request's blocks (KVPool.copy_blocks_from, one batched call)
+    check: Callable[[], list[int]] | None  # the checksums of what landed ([]: none to compare)
     offered: float = 0.0  # (set by the node: when the request's offer was taken)
     started: float = 0.0
     copied: float = 0.0  # the blocks are in (on a GPU: the copy's event has completed)
@@ -98,6 +98,10 @@ class Copy:
     landed: float = 0.0  # (set by the node: when its loop marked the KV landed, the request admitted)
     checksums: list[int] = field(default_factory=list)
     error: Exception | None = None
+
+    def release(self) -> None:
+        """Drop what the copy ran on (the pools it read, through `run` and `check`): its record stays, its times."""
+        self.run = self.check = None
 
 
 class BlockCopier(Worker):

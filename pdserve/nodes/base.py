@@ -12,8 +12,8 @@ step_time_s is the wall time from a step's launch to its finish (the I/O between
 busy_time_s that of whole iterations with work; the difference is what a busy node spends outside its
 steps (tokens out on the CPU, chores, and time it lost its core). Each step also counts into its floor group
 (`step_group`: decode-only steps by batch size, 1-8 to 129-256; steps with prompt chunks): steps_<group>_count,
-_time_s, _context_tokens (the KV its attention reads) and _tokens, from which bench.gpu sets each group beside its
-floor (bench.floors).
+_time_s, _context_tokens (the KV its attention reads), _tokens and _samples (the rows whose logits it computes), from
+which bench.gpu sets each group beside its floor (bench.floors).
 
 Shutdown: SIGINT stops at once. SIGTERM drains: the node says so in its stats (the router stops
 picking it and answers with the requests it still routes here, some perhaps still on their way), refuses
@@ -122,6 +122,7 @@ class NodeBase:
         self.engine = self.make_engine()
         self.engine.guides.prepare()  # the grammar tokenizer, now: no first guided request stalls the loop for it
         self.drain_deadline: float | None = None  # set by SIGTERM
+        self.last_words = False  # messages queued when it closes still go out (a drained node's, a lost device's)
         self.ctx = zmq.Context()
         self.keys = transport.load_keys(cfg.zmq_keys) if cfg.zmq_keys else None
         self.auth = transport.start_authenticator(self.ctx, self.keys)
@@ -134,7 +135,7 @@ class NodeBase:
         self.handlers = {self.front: self.handle_front}
         self.routers: dict[bytes, None] = {}  # the routing ids of the routers that said Hello, the latest last
         self.counters = {"requests": 0, "tokens_out": 0, "steps": 0, "step_time_s": 0.0, "busy_time_s": 0.0}
-        self.counters |= self.engine.floor_counts(None, 0.0)  # each floor group's: steps, seconds, context, tokens
+        self.counters |= self.engine.floor_counts(None, 0.0)  # per floor group: steps, seconds, context, tokens, rows
         self.held: list[TokenOutput] = []  # a step's outputs, not published yet
         self.launches: deque[tuple[float, float]] = deque(maxlen=64)  # (start, end) of the latest steps' launch()
         self._next_stats = 0.0
@@ -172,6 +173,7 @@ class NodeBase:
                     self._drain_step()
         except DeviceLost as e:  # its step's requests failed; the router sees the node go, and the launcher says so
             log.error("%s", e)
+            self.last_words = True
             raise SystemExit(1) from None
         finally:
             self.close()
@@ -253,13 +255,15 @@ class NodeBase:
         self.tick()
         if outputs or not idle:
             self.counters["busy_time_s"] += time.perf_counter() - started
-        if self.engine.lost:  # every later step would fail the same way: the failed step's errors go out, then it exits
+        if self.engine.lost:  # every later step would fail the same way: the failed steps' errors go out, then it exits
+            while self.engine.in_flight:  # a step launched after the one that failed: its requests fail with it
+                self.held.extend(self.engine.finish(self.engine.in_flight[0]))
             self.flush()
             raise DeviceLost(f"{self.role} node: its device can run no more steps ({self.engine.lost}); exiting")
 
     def count_step(self, batch, seconds: float) -> None:
         """A finished step into the counters: all steps, and its floor group's (`step_group`): steps, seconds,
-        context tokens, tokens."""
+        context tokens, tokens, rows sampled."""
         self.counters["steps"] += 1
         self.counters["step_time_s"] += seconds
         for k, n in self.engine.floor_counts(batch, seconds).items():
@@ -296,7 +300,7 @@ class NodeBase:
     def close(self) -> None:
         if self.auth is not None:
             self.auth.stop()
-        self.ctx.destroy(linger=1000 if self.draining else 0)  # a drained node delivers its last messages
+        self.ctx.destroy(linger=1000 if self.draining or self.last_words else 0)  # its last messages go out
 
     # ---- messages -----------------------------------------------------------------------------
     def drain(self, sock: zmq.Socket) -> None:

@@ -159,7 +159,7 @@ class DecodeNode(NodeBase):
         launcher stops prefill nodes after decode nodes for it. The mapping goes with its last reference."""
         for peer in list(getattr(self, "peers", {}).values()):
             peer.backend.forget(peer.handle)
-        for holder in ("peers", "incoming"):
+        for holder in ("peers", "incoming", "joining"):
             getattr(self, holder, {}).clear()
         gc.collect()  # a reference held in a cycle would keep a mapping to the process's exit
 
@@ -355,6 +355,7 @@ class DecodeNode(NodeBase):
             self._copy_done(copy)
 
     def _copy_done(self, copy: Copy) -> None:
+        copy.release()  # the records kept hold no mapping of a prefill pool
         self.copies = [*self.copies[-KEEP_COPIES + 1 :], copy]
         inc = self.incoming.get(copy.key)
         if inc is None:

@@ -192,6 +192,17 @@ class LayerWeights:
         return weights
 
 
+def captures_graphs(config, graphs: bool, device: torch.device, backend: str) -> bool:
+    """Whether a runner captures its steps as CUDA graphs: asked to, on a GPU, with the Triton backend, and for a
+    RoPE that needs nothing of the host (a runtime one, `decoder.runtime_rope`, runs eagerly, with a warning)."""
+    if not (graphs and device.type == "cuda" and backend == "triton"):
+        return False
+    if decoder.runtime_rope(config):
+        log.warning("no CUDA graphs: this checkpoint's RoPE (%s) is recomputed each step", config.rope_parameters)
+        return False
+    return True
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -222,12 +233,7 @@ class ModelRunner:
         )
         self.head_dim = pool.layout.head_dim
         self.graphs = None  # a cuda_graphs.StepGraphs: on a GPU, unless --enforce-eager
-        if graphs and decoder.runtime_rope(model.config):
-            graphs = False
-            log.warning(
-                "no CUDA graphs: this checkpoint's RoPE (%s) is recomputed each step", model.config.rope_parameters
-            )
-        if graphs and self.device.type == "cuda" and self.backend.name == "triton":
+        if captures_graphs(model.config, graphs, self.device, self.backend.name):
             from pdserve.runner.cuda_graphs import CudaRecorder, StepGraphs
 
             self.graphs = StepGraphs.planned(self, max_tokens, max_seqs)
@@ -315,6 +321,18 @@ class ModelRunner:
         if self.backend.name == "triton":
             return self.backend.step_inputs(self.step_inputs(batch))
         return self.backend.inputs(*self.flatten(batch, self.pool.block_size))
+
+    def device_works(self) -> bool:
+        """Whether the device still runs work after a step's error: a sticky CUDA error (an illegal address, a
+        device-side assert) left the context unusable and raises again here; a launch refused for its arguments, or
+        the CPU, does not."""
+        if self.device.type != "cuda":
+            return True
+        try:
+            torch.cuda.synchronize(self.device)
+            return torch.ones(1, device=self.device).add_(1).item() == 2.0
+        except Exception:  # noqa: BLE001 - whichever error: the device did not run it
+            return False
 
     def run(self, batch: Batch, feed: DeviceFeed | None = None) -> tuple[torch.Tensor, bool]:
         """One iteration: a replayed CUDA graph when a bucket holds the step, else an eager forward. Returns the logits

@@ -55,10 +55,12 @@ def test_abort_between_launch_and_finish(tiny_models):
     assert got["0"] == ref[0][:1] and engine.pool.allocator.num_free == 64
 
 
-def test_an_error_when_a_step_is_waited_for_fails_its_requests(tiny_models, monkeypatch):
+@pytest.mark.parametrize("works", [False, True], ids=["context-lost", "device-works"])
+def test_an_error_when_a_step_is_waited_for_fails_its_requests(tiny_models, monkeypatch, works):
     """A device error surfaces at finish(), where the copy back is waited for: that step's requests fail, their
-    blocks come back, and the engine marks its device lost (a CUDA error poisons the context: the node exits, below);
-    the engine itself still runs a step."""
+    blocks come back, and where the device no longer runs work (`device_works`: a sticky CUDA error) the engine marks
+    it lost (the node exits, below); a CUDA error that left it working (a launch refused) does not. The engine
+    itself still runs a step."""
     engine = build_engine(EngineConfig(model=str(tiny_models["qwen3"]), num_kv_blocks=64))
 
     class Broken:
@@ -66,13 +68,14 @@ def test_an_error_when_a_step_is_waited_for_fails_its_requests(tiny_models, monk
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     monkeypatch.setattr(engine.sampler, "launch", lambda *args: Broken())
+    monkeypatch.setattr(engine.runner, "device_works", lambda: works)
     prompts, outs = mixed_workload(3, 512, seed=8, max_prompt=20, max_out=6)
     for r in greedy_requests(prompts, outs):
         engine.add(r)
     outputs = engine.step()
     assert len(outputs) == 3 and all(o.finish_reason == "error" and "illegal memory" in o.error for o in outputs)
     assert engine.pool.allocator.num_free == 64 and not engine.requests and not engine.in_flight
-    assert engine.lost == "RuntimeError: CUDA error: an illegal memory access was encountered"
+    assert engine.lost == (None if works else "RuntimeError: CUDA error: an illegal memory access was encountered")
     monkeypatch.undo()
     for r in greedy_requests(prompts[:1], outs[:1]):
         engine.add(r)
@@ -95,27 +98,37 @@ def test_a_cuda_error_but_running_out_of_memory_loses_the_device(error, lost):
 
 
 def test_a_node_whose_device_is_lost_sends_the_steps_errors_then_exits(tiny_models, monkeypatch):
-    """After a CUDA error every step would fail: the node sends the failed step's errors, says why in one line and
-    exits with code 1 (the router sees it go, and `pdserve up` names it), rather than take requests it cannot run."""
-    cfg = NodeConfig("colocated", EngineConfig(model=str(tiny_models["qwen3"]), num_kv_blocks=64))
+    """After a CUDA error that lost the device every step would fail: the node sends the errors of the steps in
+    flight (scheduling ahead, the one launched after the failing one too), says why in one line and exits with code 1
+    (the router sees it go, and `pdserve up` names it), rather than take requests it cannot run."""
+    cfg = NodeConfig(
+        "colocated", EngineConfig(model=str(tiny_models["qwen3"]), num_kv_blocks=64, async_scheduling=True)
+    )
     node = ColocatedNode(cfg)
     monkeypatch.setattr(signal, "signal", lambda *_: None)  # run()'s handlers: not in pytest's process
     try:
         router = Router(node)
         router.send(Hello(PROTOCOL_VERSION, "router"))
         node.loop_once()
+        real_run, runs = node.engine.runner.run, []
 
-        def broken(*args):
-            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        def broken(*args):  # a's prompt runs; its first decode step, launched before the prompt's finished, fails
+            runs.append(len(node.engine.in_flight))
+            if len(runs) > 1:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            return real_run(*args)
 
         monkeypatch.setattr(node.engine.runner, "run", broken)
+        monkeypatch.setattr(node.engine.runner, "device_works", lambda: False)
         router.send(Generate("a", [5, 6, 7], SamplingParams(max_tokens=4, temperature=0)))
         with pytest.raises(DeviceLost, match="colocated node: its device can run no more steps"):
-            for _ in range(3):
+            for _ in range(4):
                 node.loop_once()
-        router.collect(1)
-        (event,) = router.events["a"]
-        assert event.finish_reason == "error" and "illegal memory access" in event.error
+        assert runs == [0, 1], "the failing step was not launched with the prompt's still in flight"
+        router.collect(2)
+        first, failed = router.events["a"]
+        assert first.token_ids and not first.finish_reason
+        assert failed.finish_reason == "error" and "illegal memory access" in failed.error and not node.engine.in_flight
         closed = []
         monkeypatch.setattr(node, "close", lambda: closed.append(True))
         with pytest.raises(SystemExit) as exited:

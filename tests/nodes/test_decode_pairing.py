@@ -219,7 +219,8 @@ def test_a_shared_pool_from_another_host_is_refused(node):
 
 def test_a_stopping_decode_node_unmaps_every_prefill_pool(tiny_models):
     """The node drops its mappings as it closes (its prefill nodes are stopped after it, their pools' owners): only
-    the owners' own maps are left."""
+    the owners' own maps are left, after a copy out of one pool has run (the copies it keeps record hold none) and
+    with another request's transfer still waiting."""
     cfg = NodeConfig("decode", EngineConfig(model=str(tiny_models["qwen3"]), num_kv_blocks=32), kv_transport="shm")
     node = DecodeNode(cfg)
     first, second = _shm_pool(node), _shm_pool(node)
@@ -227,7 +228,15 @@ def test_a_stopping_decode_node_unmaps_every_prefill_pool(tiny_models):
         peers = [Peer(node, f"prefill-{i}".encode()) for i in range(2)]
         for peer, owner in zip(peers, (first, second), strict=True):
             assert peer.pair("shm", owner.handle()).ok
-        _reserve(node, peers[0], "r1")  # a transfer in flight holds its peer too
+        layout = node.engine.layout
+        kv = KvData("r1", layout.dtype, [2, layout.num_kv_heads, 20, layout.head_dim], -1, [0, 1])
+        peers[0].send(KvOffer("r1", list(range(1, 21)), 7, SamplingParams(max_tokens=4), 20, kv))  # its blocks there
+        node.tick()  # blocks reserved: the copy out of the shared pool goes to the copier
+        while not node.copies:  # the copy runs on the copier's thread; the node takes it when poked
+            assert node.copier.wake.poll(WAIT_MS), "the copy did not end"
+            node.drain(node.copier.wake)
+        assert isinstance(peers[0].recv(), KvAck) and "r1" in node.joining
+        _reserve(node, peers[1], "r2")  # a transfer that waits holds its peer too
         names = [first.handle()["name"], second.handle()["name"]]
         assert [_mappings(n) for n in names] == [2, 2]
         node.close()

@@ -79,21 +79,22 @@ def test_a_config_they_do_not_cover_is_left_to_transformers():
     assert not decoder.covers(config)
 
 
-def test_a_runtime_rope_turns_the_step_graphs_off(tmp_path, caplog):
+def test_a_runtime_rope_turns_the_step_graphs_off(caplog):
     """transformers recomputes a dynamic RoPE from the longest position, read on the host: no graph can capture
-    that, so a runner asked for graphs runs eagerly, and says so."""
-    from pdserve.config import EngineConfig
-    from pdserve.nodes.parts import build_engine
+    that, so a runner on a GPU asked for graphs runs eagerly, and says so; a plain RoPE is captured."""
+    from pdserve.runner.model import captures_graphs
 
-    write_random_checkpoint(tmp_path / "m", SPECS["llama"])
-    path = tmp_path / "m" / "config.json"
-    values = json.loads(path.read_text())
-    values["rope_parameters"] = {**values["rope_parameters"], "rope_type": "dynamic", "factor": 2.0}
-    path.write_text(json.dumps(values))
+    plain, dynamic = hf_config(SPECS["llama"]), hf_config(SPECS["llama"])
+    dynamic.rope_parameters = {**dynamic.rope_parameters, "rope_type": "dynamic", "factor": 2.0}
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
     with caplog.at_level("WARNING", logger="pdserve.model"):
-        engine = build_engine(EngineConfig(model=str(tmp_path / "m"), num_kv_blocks=16))
-    assert engine.runner.graphs is None
-    assert any("no CUDA graphs" in r.getMessage() and "dynamic" in r.getMessage() for r in caplog.records)
+        assert captures_graphs(plain, True, gpu, "triton")
+        assert not caplog.records
+        assert not captures_graphs(dynamic, True, gpu, "triton")
+        (warning,) = caplog.records
+        assert "no CUDA graphs" in warning.getMessage() and "dynamic" in warning.getMessage()
+        assert not captures_graphs(dynamic, True, cpu, "triton") and not captures_graphs(plain, False, gpu, "triton")
+        assert not captures_graphs(plain, True, gpu, "torch") and len(caplog.records) == 1  # no warning off the GPU
 
 
 READ = (*decoder.STATED, "bos_token_id", "eos_token_id", "pad_token_id", "rope_parameters", "model_type")
