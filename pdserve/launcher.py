@@ -268,7 +268,8 @@ def launch(a: argparse.Namespace) -> int:
             for role, argv, ready in nodes:
                 procs.append(start_child([*argv, "--ready-file", str(ready)]))
                 roles[procs[-1].pid] = f"the {role} node"
-                owners += procs[-1:] if role == Role.PREFILL else []
+                if role == Role.PREFILL:
+                    owners.append(procs[-1])
             instance_id = uuid.uuid4().hex
             procs.append(start_child(router_argv(a, planned_infos(nodes), instance_id), env=router_env(a)))
             roles[procs[-1].pid] = "the router"

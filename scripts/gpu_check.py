@@ -653,8 +653,9 @@ class NodeStack:
         from pdserve.launcher import stop_all
 
         names = [n for n in self.procs if n != "router"] + ["router"]
-        owners = [self.procs[n] for n in names if self.infos.get(n, {}).get("role") == "prefill" and n in self.procs]
-        stop_all([self.procs[n] for n in names if n in self.procs], owners=owners)
+        procs = {n: self.procs[n] for n in names if n in self.procs}
+        owners = [p for n, p in procs.items() if self.infos.get(n, {}).get("role") == "prefill"]
+        stop_all(list(procs.values()), owners=owners)
         shutil.rmtree(self.dir, ignore_errors=True)
         return {n: p.returncode for n, p in self.procs.items()}
 

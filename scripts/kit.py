@@ -494,12 +494,9 @@ class Stacks:
                 shared = self.starting[name] = Shared(name, stack, f"http://127.0.0.1:{port}", cache)
         try:
             shared.stack.wait_ready(timeout)
-        except Exception as e:
-            if shared.stack.proc.poll() is None and not STOPPING.is_set():
+        except BaseException as e:
+            if isinstance(e, Exception) and shared.stack.proc.poll() is None and not STOPPING.is_set():
                 raise TimeoutError(f"not ready within {timeout:.0f} s; it goes on starting for the next stage") from e
-            self.abandon(name)
-            raise
-        except BaseException:
             self.abandon(name)
             raise
         with self.lock:  # ready: open, unless the kit began stopping meanwhile (close() stops the open ones)
