@@ -220,12 +220,15 @@ class Controller:
         return actor
 
     def stop(self) -> None:
-        """Drain every node and end its actor (`pdserve up --ray` stopping)."""
+        """Drain every node and end its actor (`pdserve up --ray` stopping): the decode nodes first, then the prefill
+        nodes once those have exited, since a decode node maps the KV pools of the prefill nodes on its host (the
+        launcher's order, `stop_all`)."""
         with self.lock:
-            keys = list(self.actors)
+            roles = {key: role for key, (role, _, _) in self.actors.items()}
             self.leaving.update(self.actors)
             self.actors.clear()
-        self._drain(keys)
+        self._drain([key for key, role in roles.items() if role != Role.PREFILL])
+        self._drain([key for key, role in roles.items() if role == Role.PREFILL])
 
     def _take_newest(self, role: str) -> str:
         """Move the newest node of `role` from the deployment's count to the leaving ones; its key."""
@@ -398,7 +401,7 @@ def launch_on_ray(a: argparse.Namespace) -> int:
         stopping.append(True)  # from here on, every signal is ignored
         stop_all(procs, a.drain_timeout_s)
         if controller is not None:
-            stop_nodes(controller, a.drain_timeout_s + 2 * DRAIN_MARGIN_S)
+            stop_nodes(controller, 2 * (a.drain_timeout_s + 2 * DRAIN_MARGIN_S))  # two groups, one after the other
         ray.shutdown()  # the controller, owned by this driver, goes with it (and its node actors, if any are left)
 
 

@@ -454,6 +454,34 @@ def test_the_registry_keeps_a_node_scaled_away_from_coming_back():
     assert ctl.members() == [{**entry, "key": "decode-0", "pid": 9}, entry]  # until it lapses, the old entry
 
 
+def test_stopping_a_deployment_drains_the_decode_nodes_before_the_prefill_nodes(monkeypatch):
+    """The controller in-process, its actors fakes that log their drain: the prefill nodes (the KV pools' owners)
+    get SIGTERM only once every decode node has drained, and every actor is ended and its placement group removed."""
+    from pdserve import ray_cluster
+    from pdserve.ray_cluster import Controller
+
+    log = []
+
+    class Actor:
+        def __init__(self, key):
+            self.key = key
+            self.drain = type("Remote", (), {"remote": lambda _, timeout: log.append(("drain", key)) or key})()
+
+    monkeypatch.setattr(ray_cluster.ray, "get", lambda refs, timeout=None: [log.append(("drained", r)) for r in refs])
+    monkeypatch.setattr(ray_cluster.ray, "kill", lambda actor, no_restart: log.append(("kill", actor.key)))
+    monkeypatch.setattr(ray_cluster, "remove_placement_group", lambda pg: log.append(("remove", pg)))
+    ctl = Controller("order", {"drain_timeout_s": 1.0}, {"CPU": 1}, "pack", 1)
+    for key in ("prefill-0", "decode-1", "prefill-2", "decode-3"):
+        ctl.actors[key] = (key.split("-")[0], Actor(key), "pg")
+    ctl.stop()
+    drained = [key for what, key in log if what == "drained"]
+    assert sorted(drained[:2]) == ["decode-1", "decode-3"] and sorted(drained[2:]) == ["prefill-0", "prefill-2"]
+    first_prefill = log.index(("drain", "prefill-0"))
+    assert all(log.index(("kill", k)) < first_prefill for k in ("decode-1", "decode-3"))
+    assert log[-1] == ("remove", "pg") and log.count(("remove", "pg")) == 1  # removed once its last node is gone
+    assert not ctl.actors and not ctl.leaving
+
+
 def test_two_router_workers_follow_the_ray_registry(cluster, deployment):
     """`pdserve up --ray --router-workers 2`, a second deployment beside the first: each worker reads the registry
     itself, so both list the nodes; both serve transformers' greedy tokens; the decode actor killed under requests
