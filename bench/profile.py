@@ -6,9 +6,10 @@
 1. The bf16 GEMM peak (bench.floors.gemm_peak_flops): one large bf16 matmul (8,192^3; on the CPU 512^3), timed
    over a few repeats after a warm-up: 2 N^3 / seconds. The one figure every FLOP/s here is set beside.
 2. An engine (pdserve.nodes.parts.build_engine) gets `--batches` requests of short prompts; once all of them
-   decode, one step is profiled (CUDA activity on a GPU, CPU activity on the CPU): per kernel, its calls, its
-   time and its share of the step. Attention's and the GEMMs' bytes (the KV read; the weights read) over their
-   time give GB/s; the step's host CPU time (time.process_time) stands beside.
+   decode, one step is profiled (CUDA activity on a GPU, CPU activity on the CPU, where each of pdserve's C
+   kernels runs in a range of its own name): per kernel, its calls, its time and its share of the step.
+   Attention's and the GEMMs' bytes (the KV read; the weights read) over their time give GB/s; the step's host
+   CPU time (time.process_time) stands beside.
 3. One step that runs a `--chunk`-token prompt chunk: the same table, and the GEMMs' FLOP/s (2 x the layers'
    weights x tokens, and 2 x the LM head's weights x rows sampled) beside the peak.
 4. Every step the engine ran meanwhile is recorded (requests, tokens, decode tokens, rows sampled, context,
@@ -27,6 +28,7 @@ import time
 from pathlib import Path
 
 from torch.autograd import DeviceType
+from torch.profiler import record_function
 
 from bench.floors import StepWeights, floor_rows, gemm_peak_flops, step_floors, sync
 from bench.gpu import copy_gbps
@@ -51,6 +53,35 @@ def build(model: str, device: str, dtype: str, max_seqs: int, chunk: int):
         kv_cache_gb=kv_gb,
     )
     return build_engine(cfg)
+
+
+class NamedKernels:
+    """pdserve's C kernels (`pdserve.runner.kernels.CpuKernels`) with each call inside a profiler range named after
+    it, `pdserve::<kernel>`: they are ctypes calls, which torch.profiler does not see, so without the ranges a CPU
+    step's table holds no decode attention, RMSNorm, SiLU or RoPE (only the engine that bench.profile builds)."""
+
+    def __init__(self, ops) -> None:
+        self._ops = ops
+
+    def __getattr__(self, name: str):
+        fn = getattr(self._ops, name)
+        if name.startswith("_") or not callable(fn):
+            return fn
+
+        def call(*args, **kwargs):
+            with record_function(f"pdserve::{name}"):
+                return fn(*args, **kwargs)
+
+        return call
+
+
+def name_cpu_kernels(engine) -> None:
+    """On the CPU, wrap the C kernels of the engine's backend (if it runs them) in NamedKernels."""
+    from pdserve.runner.kernels import CpuKernels
+
+    backend = engine.runner.backend
+    if isinstance(getattr(backend, "k", None), CpuKernels):
+        backend.k = NamedKernels(backend.k)
 
 
 def add(engine, tag: str, n: int, prompt_len: int, max_tokens: int, start: int = 0) -> None:
@@ -170,6 +201,7 @@ def run(a: argparse.Namespace) -> dict:
     on_gpu = a.device.startswith("cuda")
     peak = gemm_peak_flops(a.device)
     engine = build(a.model, a.device, a.dtype, max(a.batches), a.chunk)
+    name_cpu_kernels(engine)
     weights, kv_per_token = model_bytes(engine)
     records: list[dict] = []
     result = {"device": a.device, "model": a.model, "dtype": a.dtype, "bf16_peak_flops_per_s": peak, "steps": {}}
