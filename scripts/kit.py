@@ -463,14 +463,12 @@ class Stacks:
         self.run, self.open = run, {}
         self.users = Counter(s.stack.format(ipc=run.ipc) for s in stages if s.stack)  # stages yet to finish on each
         self.stops: dict[str, dict] = {}  # each stopped stack: its clean stop
-        self.gc = None
         self.lock = threading.Lock()
         self.starting: dict[str, Shared] = {}  # the stacks being started, not yet ready
 
     def gpu_check(self):
-        with self.lock:
-            self.gc = self.gc or gpu_check_module()
-            return self.gc
+        with self.lock:  # (lanes' threads may ask at once: it is loaded once)
+            return gpu_check_module()
 
     def get(self, name: str, timeout: float) -> Shared:
         if name not in self.open:  # a stack is started by one thread: its lane's, or its starting stage's
@@ -548,8 +546,9 @@ class Stacks:
         name = stage.stack.format(ipc=self.run.ipc)
         with self.lock:
             self.users[name] -= 1
-            shared = self.open.pop(name, None) if self.users[name] <= 0 else None
-        if self.users[name] <= 0:
+            last = self.users[name] <= 0
+            shared = self.open.pop(name, None) if last else None
+        if last:
             self.abandon(name)  # a start no stage waited out
         if shared is not None:
             judged = self.stop(shared)
@@ -559,7 +558,7 @@ class Stacks:
     def stop(self, shared: Shared) -> dict:
         """Stops the stack; gpu_check's (e) on it: its pools released, its log free of the stop warnings, and every
         process of the stack gone."""
-        gc, stack = self.gc, shared.stack
+        gc, stack = self.gpu_check(), shared.stack
         pids = gc.descendants(stack.proc.pid)
         segments = gc.mapped_segments(pids)
         stack.stop()

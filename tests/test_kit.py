@@ -266,7 +266,6 @@ def test_a_shared_stacks_stop_is_judged_and_reported(tmp_path):
     kit = load()
     stage = kit.Stage("a", 30, 30, 1, lambda r, b: [], stack="s")
     stacks = kit.Stacks(kit.Run("cpu", True, tmp_path), [stage])
-    stacks.gc = load_script(SCRIPT.parent / "gpu_check.py")
     log = tmp_path / "stack.log"
     log.write_text("Producer process has been terminated before all shared CUDA tensors released\n")
     # a "stack" whose child outlives it (it ignores SIGTERM): a stop that leaves a process behind
@@ -274,7 +273,7 @@ def test_a_shared_stacks_stop_is_judged_and_reported(tmp_path):
     parent = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(60)"
     proc = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE)
     proc.stdout.readline()  # the child runs
-    pids = stacks.gc.descendants(proc.pid)
+    pids = stacks.gpu_check().descendants(proc.pid)
     try:
         stacks.open["s"] = kit.Shared("s", FakeStack(proc.pid, log, proc), "http://x", tmp_path)
         stacks.done(stage)
